@@ -1,0 +1,3 @@
+from dynamod.cli import main
+
+main()

@@ -1,0 +1,332 @@
+"""`dynamod` command line. Commands only ask the daemon (over its socket) or read files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from dynamod import paths, render
+from dynamod.client import Client
+from dynamod.errors import DaemonError, DynamodError, SpecErrors
+
+
+def _fail(message: str, code: int = 1) -> NoReturn:
+    click.echo(f"dynamod: {message}", err=True)
+    sys.exit(code)
+
+
+def _state_dir(ctx: click.Context) -> Path:
+    path: Path = ctx.obj["state_dir"]
+    return path
+
+
+def _load(stack: str | None, state_dir: Path, variables: tuple[str, ...]) -> Any:
+    from dynamod import ports, preflight, spec
+
+    path = paths.resolve_stack_path(stack)
+    try:
+        overrides = dict(spec.parse_var(v) for v in variables)
+        allocator = ports.PortAllocator()
+        resolved = spec.load(
+            path,
+            state_dir=state_dir.absolute(),
+            allocate_port=allocator,
+            var_overrides=overrides,
+        )
+        preflight.check(resolved, allocator.given)
+    except SpecErrors as exc:
+        _fail(f"invalid stack, nothing was started.\n{exc}", 2)
+    except DynamodError as exc:
+        _fail(str(exc), 2)
+    return resolved
+
+
+@click.group()
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar=paths.STATE_DIR_ENV,
+    default=None,
+    help=f"Where the daemon keeps its socket, logs and state (env {paths.STATE_DIR_ENV}).",
+)
+@click.version_option(package_name="dynamod")
+@click.pass_context
+def main(ctx: click.Context, state_dir: Path | None) -> None:
+    """Supervisor for the RL rollout stack: etcd, NATS, Dynamo workers, frontend, trainer."""
+    ctx.ensure_object(dict)
+    ctx.obj["state_dir"] = (state_dir or paths.default_state_dir()).absolute()
+
+
+_var_option = click.option(
+    "--var",
+    "variables",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a stack variable, e.g. --var workers=4.",
+)
+
+
+@main.command()
+@click.argument("stack", required=False)
+@_var_option
+@click.pass_context
+def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
+    """Validate STACK (a path or a stock stack name) without starting anything."""
+    resolved = _load(stack, _state_dir(ctx), variables)
+    click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
+    from dynamod import graph
+
+    edges = {n: list(u.depends_on) for n, u in resolved.units.items()}
+    for i, wave in enumerate(graph.levels(edges)):
+        click.echo(f"  start wave {i}: {', '.join(wave)}")
+
+
+@main.command()
+@click.argument("stack", required=False)
+@_var_option
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Run the daemon in the background; return "
+    "0 once the whole stack is ready, non-zero with the reason if it cannot be.",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=None,
+    help="With --detach: give up (and tear down) after this many seconds.",
+)
+@click.pass_context
+def up(
+    ctx: click.Context,
+    stack: str | None,
+    variables: tuple[str, ...],
+    detach: bool,
+    timeout: float | None,
+) -> None:
+    """Start STACK (default: the local CPU rollout stack) and supervise it."""
+    state_dir = _state_dir(ctx)
+    if Client(state_dir).running():
+        _fail(
+            f"a dynamod daemon already runs with state dir {state_dir}; "
+            "`dynamod status` shows it, `dynamod down` stops it"
+        )
+    resolved = _load(stack, state_dir, variables)
+    if detach:
+        sys.exit(_up_detached(state_dir, stack, variables, timeout))
+    sys.exit(_run_daemon(resolved, state_dir, progress=True))
+
+
+@main.command(hidden=True)
+@click.argument("stack", required=False)
+@_var_option
+@click.pass_context
+def daemon(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
+    """Run the daemon in the foreground without progress output (used by --detach)."""
+    resolved = _load(stack, _state_dir(ctx), variables)
+    sys.exit(_run_daemon(resolved, _state_dir(ctx), progress=False))
+
+
+def _run_daemon(resolved: Any, state_dir: Path, *, progress: bool) -> int:
+    from dynamod import logsetup
+    from dynamod.daemon import Daemon, StateDir
+    from dynamod.hooks import default_hooks
+
+    logsetup.configure()
+
+    async def main() -> int:
+        daemon = Daemon(stack=resolved, state=StateDir(state_dir), hook_factories=default_hooks())
+        printer = asyncio.ensure_future(_print_progress(daemon)) if progress else None
+        try:
+            code = await daemon.run()
+        finally:
+            if printer is not None:
+                printer.cancel()
+        if daemon.error:
+            click.echo(f"dynamod: stack {resolved.name} failed: {daemon.error}", err=True)
+        return code
+
+    try:
+        return asyncio.run(main())
+    except DynamodError as exc:
+        _fail(str(exc))
+
+
+async def _print_progress(daemon: Any) -> None:
+    progress = render.Progress()
+    started = time.monotonic()
+    announced = False
+    while True:
+        status = daemon.status()
+        for line in progress.update(status, time.monotonic()):
+            click.echo(line)
+        if status["phase"] == "up" and not announced:
+            announced = True
+            click.echo(
+                f"stack {status['stack']} ready in {time.monotonic() - started:.1f}s "
+                f"({len(status['units'])} units); Ctrl-C or `dynamod down` stops it"
+            )
+        await asyncio.sleep(0.25)
+
+
+def _up_detached(
+    state_dir: Path, stack: str | None, variables: tuple[str, ...], timeout: float | None
+) -> int:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    log_path = state_dir / "daemon.log"
+    argv = [sys.executable, "-m", "dynamod", "--state-dir", str(state_dir), "daemon"]
+    argv += [stack] if stack else []
+    for var in variables:
+        argv += ["--var", var]
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            close_fds=True,
+        )
+    from dynamod import sdnotify
+
+    sdnotify.notify(f"MAINPID={proc.pid}")
+    client = Client(state_dir)
+    progress = render.Progress()
+    started = time.monotonic()
+    click.echo(f"dynamod daemon pid {proc.pid}, state dir {state_dir}, log {log_path}")
+    while True:
+        if proc.poll() is not None:
+            return _explain_daemon_exit(client, state_dir, log_path, proc.returncode)
+        try:
+            status = client.status()
+        except DaemonError:
+            time.sleep(0.1)
+            continue
+        for line in progress.update(status, time.monotonic()):
+            click.echo(line)
+        if status["phase"] == "up":
+            click.echo(
+                f"stack {status['stack']} ready in {time.monotonic() - started:.1f}s "
+                f"({len(status['units'])} units)"
+            )
+            return 0
+        if status["phase"] in {"failed", "stopping", "stopped"}:
+            proc.wait(timeout=600)
+            return _explain_daemon_exit(client, state_dir, log_path, proc.returncode)
+        if timeout is not None and time.monotonic() - started > timeout:
+            click.echo(f"dynamod: stack not ready after {timeout:g}s; tearing it down", err=True)
+            waiting = [u for u in status["units"] if u["state"] not in {"ready", "completed"}]
+            for unit in waiting:
+                click.echo(f"  {unit['name']}: {unit['state']}: {unit['detail']}", err=True)
+            client.down()
+            proc.wait(timeout=600)
+            return 1
+        time.sleep(0.2)
+
+
+def _explain_daemon_exit(client: Client, state_dir: Path, log_path: Path, code: int) -> int:
+    last = state_dir / "last-down.json"
+    error = None
+    if last.exists():
+        try:
+            error = json.loads(last.read_text()).get("error")
+        except ValueError:
+            error = None
+    if error:
+        click.echo(f"dynamod: the stack did not come up: {error}", err=True)
+    else:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        click.echo(
+            f"dynamod: the daemon exited with status {code}; last lines of {log_path}:", err=True
+        )
+        for line in tail:
+            click.echo(f"  | {line}", err=True)
+    click.echo("nothing was left running.", err=True)
+    return code or 1
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.pass_context
+def down(ctx: click.Context, as_json: bool) -> None:
+    """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
+    state_dir = _state_dir(ctx)
+    client = Client(state_dir)
+    try:
+        pid = client.status()["daemon_pid"]
+        result = client.down()
+    except DaemonError as exc:
+        _fail(str(exc))
+    _wait_pid_gone(int(pid), 30)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        for unit in result["units"]:
+            click.echo(f"  {unit['name']:<16} {unit['state']}  {unit['detail']}")
+        verdict = "nothing left running" if result["ok"] else f"SURVIVORS {result['survivors']}"
+        click.echo(f"stack down in {result['seconds']:.2f}s: {verdict}")
+    sys.exit(0 if result["ok"] else 1)
+
+
+def _wait_pid_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the status object as JSON.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show the unit tree: state, pid, uptime, restarts, last exit, probe detail."""
+    try:
+        result = Client(_state_dir(ctx)).status()
+    except DaemonError as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(result, indent=2) if as_json else render.status_table(result))
+
+
+@main.command()
+@click.argument("unit")
+@click.pass_context
+def restart(ctx: click.Context, unit: str) -> None:
+    """Stop UNIT, reset its backoff and start it again."""
+    try:
+        Client(_state_dir(ctx)).restart(unit)
+    except DaemonError as exc:
+        _fail(str(exc))
+    click.echo(f"{unit} restarted")
+
+
+@main.command()
+@click.argument("unit")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "--lines", default=50, show_default=True, help="Lines of history.")
+@click.pass_context
+def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
+    """Print UNIT's log (works after the daemon has gone too)."""
+    from dynamod import logview
+
+    try:
+        logview.show(_state_dir(ctx), unit, lines=lines, follow=follow, out=click.echo)
+    except DynamodError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()
