@@ -15,6 +15,7 @@ import click
 
 from dynamod import paths, render
 from dynamod.client import Client
+from dynamod.commands import register_commands
 from dynamod.errors import DaemonError, DynamodError, SpecErrors
 
 
@@ -65,6 +66,13 @@ def main(ctx: click.Context, state_dir: Path | None) -> None:
     ctx.obj["state_dir"] = (state_dir or paths.default_state_dir()).absolute()
 
 
+_metrics_option = click.option(
+    "--metrics-addr",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve Prometheus metrics on this address (off by default).",
+)
+
 _var_option = click.option(
     "--var",
     "variables",
@@ -104,12 +112,14 @@ def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> 
     default=None,
     help="With --detach: give up (and tear down) after this many seconds.",
 )
+@_metrics_option
 @click.pass_context
 def up(
     ctx: click.Context,
     stack: str | None,
     variables: tuple[str, ...],
     detach: bool,
+    metrics_addr: str | None,
     timeout: float | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
@@ -121,29 +131,39 @@ def up(
         )
     resolved = _load(stack, state_dir, variables)
     if detach:
-        sys.exit(_up_detached(state_dir, stack, variables, timeout))
-    sys.exit(_run_daemon(resolved, state_dir, progress=True))
+        sys.exit(_up_detached(state_dir, stack, variables, timeout, metrics_addr))
+    sys.exit(_run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr))
 
 
 @main.command(hidden=True)
 @click.argument("stack", required=False)
 @_var_option
+@_metrics_option
 @click.pass_context
-def daemon(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
+def daemon(
+    ctx: click.Context, stack: str | None, variables: tuple[str, ...], metrics_addr: str | None
+) -> None:
     """Run the daemon in the foreground without progress output (used by --detach)."""
     resolved = _load(stack, _state_dir(ctx), variables)
-    sys.exit(_run_daemon(resolved, _state_dir(ctx), progress=False))
+    sys.exit(_run_daemon(resolved, _state_dir(ctx), progress=False, metrics_addr=metrics_addr))
 
 
-def _run_daemon(resolved: Any, state_dir: Path, *, progress: bool) -> int:
+def _run_daemon(
+    resolved: Any, state_dir: Path, *, progress: bool, metrics_addr: str | None = None
+) -> int:
     from dynamod import logsetup
     from dynamod.daemon import Daemon, StateDir
-    from dynamod.hooks import default_hooks
+    from dynamod.hooks import default_extensions, default_hooks
 
     logsetup.configure()
 
     async def main() -> int:
-        daemon = Daemon(stack=resolved, state=StateDir(state_dir), hook_factories=default_hooks())
+        daemon = Daemon(
+            stack=resolved,
+            state=StateDir(state_dir),
+            hook_factories=default_hooks(),
+            extensions=default_extensions(metrics_addr=metrics_addr),
+        )
         printer = asyncio.ensure_future(_print_progress(daemon)) if progress else None
         try:
             code = await daemon.run()
@@ -178,26 +198,33 @@ async def _print_progress(daemon: Any) -> None:
 
 
 def _up_detached(
-    state_dir: Path, stack: str | None, variables: tuple[str, ...], timeout: float | None
+    state_dir: Path,
+    stack: str | None,
+    variables: tuple[str, ...],
+    timeout: float | None,
+    metrics_addr: str | None,
 ) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o700)
+    from dynamod import sdnotify
+
     log_path = state_dir / "daemon.log"
     argv = [sys.executable, "-m", "dynamod", "--state-dir", str(state_dir), "daemon"]
     argv += [stack] if stack else []
     for var in variables:
         argv += ["--var", var]
+    if metrics_addr:
+        argv += ["--metrics-addr", metrics_addr]
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
+            env=sdnotify.handover_environment(),
             start_new_session=True,
             close_fds=True,
         )
-    from dynamod import sdnotify
-
     sdnotify.notify(f"MAINPID={proc.pid}")
     client = Client(state_dir)
     progress = render.Progress()
@@ -327,6 +354,8 @@ def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
     except KeyboardInterrupt:
         pass
 
+
+register_commands(main)
 
 if __name__ == "__main__":
     main()

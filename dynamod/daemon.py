@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import aiohttp
 import structlog
@@ -40,6 +40,16 @@ class Phase(StrEnum):
     FAILED = "failed"  # bring-up failed; tearing down
     STOPPING = "stopping"
     STOPPED = "stopped"
+
+
+class Extension(Protocol):
+    """Something that lives beside the engine for the daemon's lifetime (sd_notify,
+    metrics). `start` runs once the engine exists, before any unit starts; `stop` runs
+    after teardown."""
+
+    async def start(self, daemon: Daemon) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class StateDir:
@@ -109,6 +119,7 @@ class Daemon:
     stack: Stack
     state: StateDir
     hook_factories: list[Callable[[Daemon], UnitHooks]] = field(default_factory=list)
+    extensions: list[Extension] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     phase: Phase = Phase.STARTING
     error: str | None = None
@@ -188,6 +199,8 @@ class Daemon:
                 hooks=[],
             )
             self.engine.hooks.extend(factory(self) for factory in self.hook_factories)
+            for extension in self.extensions:
+                await extension.start(self)
             runner = await api.serve(api.build_app(self), paths.socket_path(self.state.path))
             self.engine.start()
             exit_code = await self._bring_up_and_serve()
@@ -198,6 +211,9 @@ class Daemon:
             if runner is not None:
                 with contextlib.suppress(Exception):
                     await runner.cleanup()
+            for extension in self.extensions:
+                with contextlib.suppress(Exception):
+                    await extension.stop()
             await session.close()
             os.close(guardian_fd)  # the guardian sees EOF, finds nothing left, exits
             self.state.release()

@@ -6,10 +6,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from dynamod.metrics import MetricsServer
+from dynamod.sdnotify import SystemdNotifier
+
 if TYPE_CHECKING:
-    from dynamod.daemon import Daemon
+    from dynamod.daemon import Daemon, Extension
     from dynamod.supervisor import UnitHooks
 
 
 def default_hooks() -> list[Callable[[Daemon], UnitHooks]]:
     return []
+
+
+def default_extensions(*, metrics_addr: str | None = None) -> list[Extension]:
+    """sd_notify when run under systemd; Prometheus metrics when asked for."""
+    extensions: list[Extension] = []
+    notifier = SystemdNotifier.from_environment()
+    if notifier is not None:
+        extensions.append(notifier)
+    if metrics_addr:
+        extensions.append(MetricsServer(metrics_addr))
+    return extensions

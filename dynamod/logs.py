@@ -58,12 +58,15 @@ class OutputSink:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self._watchers: list[LineWatcher] = []
         self._partial = b""
+        self._pumps: set[asyncio.Task[None]] = set()  # strong refs: tasks are weakly held
 
     def header(self, text: str) -> None:
         self.logfile.write(f"--- dynamod: {text}\n".encode())
 
-    def attach(self, read_fd: int) -> asyncio.Task[None]:
-        return asyncio.get_running_loop().create_task(self._pump(read_fd))
+    def attach(self, read_fd: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._pump(read_fd))
+        self._pumps.add(task)
+        task.add_done_callback(self._pumps.discard)
 
     async def _pump(self, read_fd: int) -> None:
         loop = asyncio.get_running_loop()
@@ -106,5 +109,12 @@ class OutputSink:
     def seen(self, pattern: re.Pattern[str]) -> bool:
         return any(pattern.search(line) for line in self.tail)
 
+    async def drain(self, timeout: float = 1.0) -> None:
+        """Give the pumps a moment to read what the dead process left in the pipe."""
+        if self._pumps:
+            await asyncio.wait(list(self._pumps), timeout=timeout)
+
     def close(self) -> None:
+        for task in self._pumps:
+            task.cancel()
         self.logfile.close()

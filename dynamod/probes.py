@@ -159,7 +159,7 @@ class ExecProber:
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
-            await child.exited
+            await child.wait()
             os.close(read_fd)
             return ProbeResult(
                 False,

@@ -105,6 +105,10 @@ class Child:
     def alive(self) -> bool:
         return not self.exited.done()
 
+    async def wait(self) -> Exit:
+        """Wait for the exit. Shielded: cancelling the waiter must not cancel the fact."""
+        return await asyncio.shield(self.exited)
+
 
 def _child_setup(parent_pid: int) -> None:  # runs in the child between fork and exec
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

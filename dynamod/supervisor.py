@@ -23,7 +23,7 @@ import structlog
 from dynamod import process
 from dynamod.errors import UnitFailed
 from dynamod.logs import LogFile, OutputSink
-from dynamod.probes import ProbeContext, Prober, make_prober
+from dynamod.probes import ProbeContext, Prober, ProbeResult, make_prober
 from dynamod.restart import Exit, RestartTracker
 from dynamod.spec import Condition, Stack, UnitSpec
 from dynamod.state import UnitState, check_transition
@@ -42,6 +42,7 @@ class UnitHooks(Protocol):
 
 
 Listener = Callable[["Unit", UnitState, UnitState], None]
+ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
 
 
 @dataclass
@@ -111,6 +112,7 @@ class Engine:
         self.session = session
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
+        self.probe_listeners: list[ProbeListener] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self._changed = asyncio.Event()
@@ -214,6 +216,7 @@ class Engine:
             for hook in self.hooks:
                 await hook.on_exit(unit, exit)
             await self._reap_leftovers(unit)
+            await unit.sink.drain(timeout=0.5)
             uptime = time.monotonic() - (unit.child.started_at if unit.child else time.monotonic())
             decision = unit.tracker.decide(
                 exit, now=time.monotonic(), uptime=uptime, premature=premature
@@ -245,22 +248,22 @@ class Engine:
         assert child is not None
         spec = unit.spec
         if spec.type == "oneshot":
-            return await child.exited, False
+            return await child.wait(), False
         if spec.ready is not None:
             ready, detail = await self._await_ready(unit, child)
             if not ready:
                 if child.alive:
                     unit.extra["failure_hint"] = detail
                     process.kill_group_now(child.pid)
-                    return await child.exited, True
+                    return await child.wait(), True
                 unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
-                return await child.exited, True
+                return await child.wait(), True
         elif not child.alive:
-            return await child.exited, True
+            return await child.wait(), True
         for hook in self.hooks:
             await hook.on_ready(unit)
         if not child.alive:
-            return await child.exited, True
+            return await child.wait(), True
         unit.ready_at = time.monotonic()
         if spec.ready is None:
             self.transition(unit, UnitState.READY, "running (no readiness probe)")
@@ -317,6 +320,7 @@ class Engine:
                 result = await _race(prober.check(), child.exited)
                 if result is None:
                     break
+                self._probed(unit, "ready", result)
                 self.transition(unit, unit.state, result.detail)
                 if result.ok:
                     return True, result.detail
@@ -329,20 +333,25 @@ class Engine:
         finally:
             prober.close()
 
+    def _probed(self, unit: Unit, kind: str, result: ProbeResult) -> None:
+        for listener in self.probe_listeners:
+            listener(unit, kind, result)
+
     async def _watch(self, unit: Unit, child: Process) -> Exit:
         spec = unit.spec.live
         if spec is None:
-            return await child.exited
+            return await child.wait()
         prober: Prober = make_prober(spec, self._probe_context(unit))
         failures = 0
         try:
             while True:
                 await asyncio.wait([child.exited], timeout=spec.interval)
                 if not child.alive:
-                    return await child.exited
+                    return await child.wait()
                 result = await _race(prober.check(), child.exited)
                 if result is None:
-                    return await child.exited
+                    return await child.wait()
+                self._probed(unit, "live", result)
                 if result.ok:
                     failures = 0
                     if unit.state is UnitState.DEGRADED:
@@ -354,7 +363,7 @@ class Engine:
                         f"liveness failed {failures} times in a row: {result.detail}; killed"
                     )
                     process.kill_group_now(child.pid)
-                    return await child.exited
+                    return await child.wait()
                 self.transition(
                     unit,
                     UnitState.DEGRADED,
@@ -393,6 +402,9 @@ class Engine:
                 done[unit.name].set()
 
         await asyncio.gather(*(stop_one(u) for u in self.units.values()))
+        for unit in self.units.values():
+            await unit.sink.drain(timeout=0.5)
+            unit.sink.close()
         return survivors
 
     async def stop_unit(self, unit: Unit) -> list[int]:
@@ -403,6 +415,8 @@ class Engine:
         if unit.state is UnitState.STOPPED:
             return []
         child = unit.child
+        if unit.state.running:
+            self.transition(unit, UnitState.STOPPING)
         if child is None or not child.alive:
             result = await process.stop_tree(
                 child.pid if child else -1,
@@ -416,7 +430,7 @@ class Engine:
         started = time.monotonic()
         self.transition(
             unit,
-            UnitState.STOPPING,
+            unit.state,
             f"sending {unit.spec.stop.signal} to group "
             f"{child.pid} (SIGKILL after {unit.spec.stop.timeout:g}s)",
         )
@@ -427,7 +441,7 @@ class Engine:
             sig=unit.spec.stop.signum,
             timeout=unit.spec.stop.timeout,
         )
-        exit = await child.exited
+        exit = await child.wait()
         unit.last_exit = exit
         took = time.monotonic() - started
         how = "escalated to SIGKILL" if result.escalated else exit.describe()

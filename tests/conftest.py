@@ -1,0 +1,130 @@
+"""Shared fixtures: short state dirs, a CLI runner, and a safety net that ends anything a
+test's dynamod left behind (by pid / by the run's env marker, never by name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamod.proctable import marked_pids
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PROC = FIXTURES / "proc.py"
+
+
+class Dynamod:
+    """Runs the real `dynamod` CLI against one state dir."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    def run(self, *args: str, timeout: float = 120, check: bool = False,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir), *args]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                env={**os.environ, **(env or {})})
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"dynamod {' '.join(args)} exited {result.returncode}\n"
+                f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+            )
+        return result
+
+    def status(self) -> dict[str, Any]:
+        out = self.run("status", "--json", check=True).stdout
+        data: dict[str, Any] = json.loads(out)
+        return data
+
+    def unit(self, name: str) -> dict[str, Any]:
+        for unit in self.status()["units"]:
+            if unit["name"] == name:
+                return dict(unit)
+        raise KeyError(name)
+
+    def wait_for(self, predicate: Any, timeout: float = 30, what: str = "condition") -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.status()
+            except AssertionError:
+                last = None
+            if last is not None:
+                value = predicate(last)
+                if value:
+                    return value
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; last status: "
+                             f"{json.dumps(last, indent=1)[:3000] if last else None}")
+
+    def run_id(self) -> str | None:
+        try:
+            return str(json.loads((self.state_dir / "run.json").read_text())["run_id"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def daemon_log(self) -> str:
+        path = self.state_dir / "daemon.log"
+        return path.read_text() if path.exists() else ""
+
+
+def unit_by_name(status: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(u for u in status["units"] if u["name"] == name)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_dead(pids: list[int], timeout: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
+
+
+@pytest.fixture
+def dm() -> Iterator[Dynamod]:
+    state = Path(tempfile.mkdtemp(prefix="dm-", dir="/tmp"))
+    d = Dynamod(state)
+    yield d
+    run_id = d.run_id()
+    if (state / "dynamod.sock").exists():
+        d.run("down", timeout=120)
+    if run_id:  # belt and braces: only processes carrying this run's marker
+        for pid in marked_pids(run_id):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def stack_file(tmp_path: Path) -> Any:
+    def write(text: str, name: str = "stack.toml") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text).replace("@PROC@", str(PROC)))
+        return path
+
+    return write

@@ -1,0 +1,74 @@
+import random
+
+from dynamod.restart import Exit, RestartTracker
+from dynamod.spec import RestartSpec
+
+CRASH = Exit(code=1, signal=None)
+KILLED = Exit(code=None, signal=9)
+CLEAN = Exit(code=0, signal=None)
+
+
+def tracker(**kw: object) -> RestartTracker:
+    spec = RestartSpec.model_validate({"jitter": 0, **kw})
+    return RestartTracker(spec, rng=random.Random(1))
+
+
+def test_backoff_grows_exponentially_up_to_the_cap() -> None:
+    t = tracker(backoff_initial=0.1, backoff_factor=2, backoff_max=0.5, limit_burst=100)
+    delays = [t.decide(CRASH, now=i, uptime=0.1, premature=False).delay for i in range(6)]
+    assert delays == [0.1, 0.2, 0.4, 0.5, 0.5, 0.5]
+
+
+def test_jitter_stays_within_the_fraction() -> None:
+    spec = RestartSpec(backoff_initial=1.0, backoff_factor=1, jitter=0.2, limit_burst=1000)
+    t = RestartTracker(spec, rng=random.Random(7))
+    delays = [t.decide(CRASH, now=i * 100, uptime=0, premature=False).delay for i in range(200)]
+    assert min(delays) >= 0.8 and max(delays) <= 1.2
+    assert len(set(delays)) > 100  # actually jittered
+
+
+def test_restart_limit_counts_a_burst_within_the_interval() -> None:
+    t = tracker(limit_burst=3, limit_interval=10)
+    decisions = [t.decide(CRASH, now=float(i), uptime=0.1, premature=False) for i in range(4)]
+    assert [d.restart for d in decisions] == [True, True, True, False]
+    assert "restart limit reached: 3 restarts within 10s" in decisions[-1].reason
+    assert "exited with status 1" in decisions[-1].reason
+
+
+def test_restarts_outside_the_window_do_not_count() -> None:
+    t = tracker(limit_burst=2, limit_interval=10)
+    assert t.decide(CRASH, now=0, uptime=1, premature=False).restart
+    assert t.decide(CRASH, now=1, uptime=1, premature=False).restart
+    assert not t.decide(CRASH, now=2, uptime=1, premature=False).restart
+    assert t.decide(CRASH, now=20, uptime=1, premature=False).restart
+
+
+def test_long_uptime_resets_the_backoff() -> None:
+    t = tracker(backoff_initial=1, backoff_factor=2, reset_after=30, limit_burst=100)
+    assert t.decide(CRASH, now=0, uptime=1, premature=False).delay == 1
+    assert t.decide(CRASH, now=10, uptime=1, premature=False).delay == 2
+    assert t.decide(CRASH, now=100, uptime=60, premature=False).delay == 1
+
+
+def test_policies() -> None:
+    assert not tracker(policy="never").decide(CRASH, now=0, uptime=0, premature=False).restart
+    on_failure = tracker(policy="on-failure")
+    assert on_failure.decide(KILLED, now=0, uptime=0, premature=False).restart
+    assert not on_failure.decide(CLEAN, now=1, uptime=0, premature=False).restart
+    # a service that exits 0 before it was ready still failed
+    assert on_failure.decide(CLEAN, now=2, uptime=0, premature=True).restart
+    assert tracker(policy="always").decide(CLEAN, now=0, uptime=0, premature=False).restart
+
+
+def test_manual_reset_forgets_the_burst() -> None:
+    t = tracker(limit_burst=1)
+    assert t.decide(CRASH, now=0, uptime=0, premature=False).restart
+    assert not t.decide(CRASH, now=1, uptime=0, premature=False).restart
+    t.reset()
+    assert t.decide(CRASH, now=2, uptime=0, premature=False).restart
+    assert t.total == 2
+
+
+def test_exit_descriptions() -> None:
+    assert KILLED.describe() == "killed by SIGKILL"
+    assert CRASH.describe() == "exited with status 1"

@@ -1,0 +1,224 @@
+import itertools
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dynamod import spec
+from dynamod.errors import CycleError, SpecError, SpecErrors
+
+
+def load(tmp_path: Path, text: str, **vars: object) -> spec.Stack:
+    path = tmp_path / "stack.toml"
+    path.write_text(textwrap.dedent(text))
+    counter = itertools.count(40000)
+    return spec.load(path, state_dir=tmp_path / "state", allocate_port=lambda: next(counter),
+                     var_overrides=vars)
+
+
+def errors_of(tmp_path: Path, text: str) -> list[SpecError]:
+    with pytest.raises(SpecErrors) as info:
+        load(tmp_path, text)
+    return info.value.errors
+
+
+def test_replicas_ports_and_references(tmp_path: Path) -> None:
+    stack = load(tmp_path, """
+        [vars]
+        workers = 2
+        [units.etcd]
+        command = ["etcd", "--port", "{ports.client}"]
+        ports = { client = 0 }
+        [units.worker]
+        replicas = "{vars.workers}"
+        command = ["w", "--etcd", "{units.etcd.ports.client}", "--gpu", "{index}"]
+        ports = { system = 0, fixed = 9100 }
+        env = { NAME = "{name}" }
+        depends_on = ["etcd"]
+        [units.frontend]
+        command = ["fe", "{units.worker@1.ports.system}"]
+        depends_on = { worker = "ready" }
+    """)
+    assert list(stack.units) == ["etcd", "worker@0", "worker@1", "frontend"]
+    etcd_port = stack.units["etcd"].ports["client"]
+    w0, w1 = stack.units["worker@0"], stack.units["worker@1"]
+    assert w0.command == ["w", "--etcd", str(etcd_port), "--gpu", "0"]
+    assert w1.command[-1] == "1" and w1.env["NAME"] == "worker@1"
+    assert (w0.ports["fixed"], w1.ports["fixed"]) == (9100, 9101)
+    assert w0.ports["system"] != w1.ports["system"]
+    assert stack.units["frontend"].depends_on == {"worker@0": "ready", "worker@1": "ready"}
+    assert stack.units["frontend"].command[1] == str(w1.ports["system"])
+    assert stack.order.index("etcd") < stack.order.index("worker@0")
+
+
+def test_var_override_changes_replicas(tmp_path: Path) -> None:
+    text = """
+        [vars]
+        workers = 2
+        [units.worker]
+        replicas = "{vars.workers}"
+        command = ["w"]
+    """
+    assert len(load(tmp_path, text, workers=4).units) == 4
+
+
+def test_unknown_key_names_file_unit_and_field(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.etcd]
+        command = ["etcd"]
+        comand = ["typo"]
+    """)
+    assert err.unit == "etcd" and err.field == "comand" and err.message == "unknown key"
+    assert err.file and err.file.endswith("stack.toml")
+    assert "stack.toml" in str(err) and "'etcd'" in str(err) and "'comand'" in str(err)
+
+
+def test_unknown_probe_key_and_bad_values(tmp_path: Path) -> None:
+    errs = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        [units.a.ready]
+        kind = "http"
+        url = "http://x"
+        expect_stauts = 200
+        [units.a.stop]
+        signal = "SIGNOPE"
+        [units.a.restart]
+        policy = "sometimes"
+    """)
+    fields = {e.field for e in errs}
+    assert {"ready.expect_stauts", "stop.signal", "restart.policy"} <= fields
+    assert all(e.unit == "a" for e in errs)
+
+
+def test_unknown_probe_kind(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        ready = { kind = "telepathy" }
+    """)
+    assert err.field == "ready" and "telepathy" in err.message
+
+
+def test_missing_command(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        description = "nothing to run"
+    """)
+    assert err.field == "command" and err.message == "required but missing"
+
+
+def test_unknown_dependency(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        depends_on = ["etdc"]
+    """)
+    assert err.field == "depends_on.etdc" and "unknown unit 'etdc'" in err.message
+
+
+def test_bad_condition(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        [units.b]
+        command = ["b"]
+        depends_on = { a = "healthy" }
+    """)
+    assert err.unit == "b" and err.field == "depends_on.a" and "healthy" in err.message
+
+
+def test_cycle_is_refused_with_the_cycle(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        depends_on = ["c"]
+        [units.b]
+        command = ["b"]
+        depends_on = ["a"]
+        [units.c]
+        command = ["c"]
+        depends_on = ["b"]
+    """)
+    assert isinstance(err, CycleError)
+    assert "a -> c -> b -> a" in str(err)
+
+
+def test_unknown_template_reference(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        command = ["a", "{ports.nope}"]
+    """)
+    assert err.field == "command[1]" and "{ports.nope}" in err.message
+
+
+def test_completed_dependency_on_always_restarting_unit(tmp_path: Path) -> None:
+    (err,) = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        restart = { policy = "always" }
+        [units.b]
+        command = ["b"]
+        depends_on = { a = "completed" }
+    """)
+    assert "never completes" in err.message
+
+
+def test_includes_and_duplicate_units(tmp_path: Path) -> None:
+    (tmp_path / "etcd.toml").write_text('[units.etcd]\ncommand = ["etcd"]\n[vars]\nx = 1\n')
+    stack = load(tmp_path, """
+        [stack]
+        name = "s"
+        include = ["etcd.toml"]
+        [vars]
+        x = 2
+        [units.a]
+        command = ["a", "{vars.x}"]
+    """)
+    assert set(stack.units) == {"etcd", "a"} and stack.units["a"].command[1] == "2"
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, """
+            [stack]
+            include = ["etcd.toml"]
+            [units.etcd]
+            command = ["again"]
+        """)
+    assert "also defined in" in str(info.value) and "etcd.toml" in str(info.value)
+
+
+def test_missing_include_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, '[stack]\ninclude = ["nope.toml"]\n')
+    assert "nope.toml" in str(info.value) and "not found" in str(info.value)
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, "[units.a\ncommand=")
+    assert "not valid TOML" in str(info.value)
+
+
+def test_unknown_top_level_table(tmp_path: Path) -> None:
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, '[unit.a]\ncommand = ["a"]\n')
+    assert info.value.field == "unit"
+
+
+def test_all_problems_reported_at_once(tmp_path: Path) -> None:
+    errs = errors_of(tmp_path, """
+        [units.a]
+        command = ["a"]
+        colour = "red"
+        [units.b]
+        command = ["b"]
+        size = 3
+    """)
+    assert {(e.unit, e.field) for e in errs} == {("a", "colour"), ("b", "size")}
+
+
+def test_stock_stacks_validate() -> None:
+    root = Path(__file__).resolve().parents[2] / "units" / "stacks"
+    counter = itertools.count(41000)
+    for path in sorted(root.glob("*.toml")):
+        stack = spec.load(path, state_dir=Path("/tmp/x"), allocate_port=lambda: next(counter))
+        assert stack.units, path
