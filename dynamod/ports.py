@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
 class PortAllocator:
-    """Hands out free loopback ports, never the same one twice in one stack."""
+    """Hands out free loopback ports, never the same one twice in one stack.
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    Ports come from below the kernel's ephemeral range (which starts at 32768 here):
+    Dynamo refuses a DYN_SYSTEM_PORT above 32767, and a port from the ephemeral range can
+    be taken by any outgoing connection between allocation and the unit's bind.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        low: int = 20000,
+        high: int = 32767,
+        rng: random.Random | None = None,
+    ) -> None:
         self.host = host
+        self.low, self.high = low, high
+        self.rng = rng or random.Random()
         self.given: set[int] = set()
 
     def __call__(self) -> int:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind((self.host, 0))
-                port = int(sock.getsockname()[1])
-            if port not in self.given:
-                self.given.add(port)
-                return port
-        raise OSError("could not find a free loopback port after 100 tries")
+        for _ in range(500):
+            port = self.rng.randint(self.low, self.high)
+            if port in self.given or in_use(port, self.host):
+                continue
+            self.given.add(port)
+            return port
+        raise OSError(f"no free loopback port in {self.low}-{self.high} after 500 tries")
 
 
 def in_use(port: int, host: str = "127.0.0.1") -> bool:

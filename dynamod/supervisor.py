@@ -443,6 +443,8 @@ class Engine:
         )
         exit = await child.wait()
         unit.last_exit = exit
+        for hook in self.hooks:  # e.g. revoke a registration the unit did not remove itself
+            await hook.on_exit(unit, exit)
         took = time.monotonic() - started
         how = "escalated to SIGKILL" if result.escalated else exit.describe()
         detail = f"stopped in {took:.2f}s ({how})"

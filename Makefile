@@ -1,0 +1,30 @@
+# The two commands on a fresh machine:
+#   make up     install what is needed, then run the default stack (foreground)
+#   make test   install what is needed, then lint, type-check and run the whole test suite
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install up test lint typecheck pytest bench clean
+
+install:
+	./scripts/install.sh
+
+up: install
+	$(BIN)/dynamod up
+
+lint:
+	$(BIN)/ruff check dynamod tests bench
+
+typecheck:
+	$(BIN)/mypy dynamod
+
+pytest:
+	$(BIN)/pytest -q -ra --durations=15
+
+test: install lint typecheck pytest
+
+bench: install
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
