@@ -5,6 +5,9 @@ ask the daemon object. Routes:
   GET  /status           stack phase and every unit
   POST /down             tear down; answers once everything is gone
   POST /restart/{unit}   operator restart of one unit
+  GET  /policy           the policy ledger and every shard's applied version
+  POST /policy/push      {"step": N, "path": DIR}: load into every admitted shard
+  POST /policy/publish   {"step": N, "path": DIR}: the trainer loaded it; verify shards
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class Controlled(Protocol):
     async def down(self) -> dict[str, Any]: ...
 
     async def restart(self, unit: str) -> dict[str, Any]: ...
+
+    async def policy_push(self, step: int, path: str) -> dict[str, Any]: ...
+
+    async def policy_publish(self, step: int, path: str) -> dict[str, Any]: ...
+
+    async def policy_status(self) -> dict[str, Any]: ...
 
 
 def _peer_uid(request: web.Request) -> int | None:
@@ -65,6 +74,25 @@ def build_app(daemon: Controlled) -> web.Application:
     async def restart(request: web.Request) -> web.Response:
         return web.json_response(await daemon.restart(request.match_info["unit"]))
 
+    async def step_and_path(request: web.Request) -> tuple[int, str]:
+        try:
+            body = await request.json()
+            return int(body["step"]), str(body["path"])
+        except (ValueError, KeyError, TypeError):
+            raise DynamodError('expected a JSON body {"step": N, "path": "DIR"}') from None
+
+    async def policy_push(request: web.Request) -> web.Response:
+        return web.json_response(await daemon.policy_push(*await step_and_path(request)))
+
+    async def policy_publish(request: web.Request) -> web.Response:
+        return web.json_response(await daemon.policy_publish(*await step_and_path(request)))
+
+    async def policy_status(_: web.Request) -> web.Response:
+        return web.json_response(await daemon.policy_status())
+
+    app.router.add_get("/policy", policy_status)
+    app.router.add_post("/policy/push", policy_push)
+    app.router.add_post("/policy/publish", policy_publish)
     app.router.add_get("/status", status)
     app.router.add_post("/down", down)
     app.router.add_post("/restart/{unit}", restart)

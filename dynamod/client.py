@@ -78,3 +78,21 @@ class Client:
     def restart(self, unit: str) -> dict[str, Any]:
         result: dict[str, Any] = self.request("POST", f"/restart/{unit}", timeout=120)
         return result
+
+    def policy_push(self, step: int, path: str | Path, timeout: float = 900) -> dict[str, Any]:
+        """Load checkpoint `path` as policy version `step` into every admitted shard."""
+        result: dict[str, Any] = self.request(
+            "POST", "/policy/push", {"step": step, "path": str(path)}, timeout=timeout
+        )
+        return result
+
+    def policy_publish(self, step: int, path: str | Path, timeout: float = 300) -> dict[str, Any]:
+        """Record that the trainer loaded `step` into the shards itself; dynamod verifies."""
+        result: dict[str, Any] = self.request(
+            "POST", "/policy/publish", {"step": step, "path": str(path)}, timeout=timeout
+        )
+        return result
+
+    def policy_status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "/policy", timeout=30)
+        return result

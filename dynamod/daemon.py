@@ -28,6 +28,7 @@ import structlog
 
 from dynamod import api, paths, process
 from dynamod.errors import DaemonError, DynamodError, UnitFailed
+from dynamod.policy import PolicyManager
 from dynamod.spec import Stack
 from dynamod.supervisor import Engine, UnitHooks
 
@@ -128,6 +129,7 @@ class Daemon:
     _shutdown: asyncio.Event = field(default_factory=asyncio.Event)
     _down_result: asyncio.Future[dict[str, Any]] | None = None
     on_phase: list[Callable[[Phase], None]] = field(default_factory=list)
+    policy: PolicyManager | None = None
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -148,7 +150,33 @@ class Daemon:
             "error": self.error,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "units": self.engine.snapshot() if self.engine else [],
+            "policy": self.policy.summary() if self.policy and self.engine else None,
         }
+
+    def _policy(self) -> PolicyManager:
+        if self.policy is None:
+            raise DynamodError(
+                f"stack {self.stack.name} has no [policy] table "
+                f"({self.stack.path}); it has no rollout shards to update"
+            )
+        if self.phase is not Phase.UP:
+            raise DynamodError(f"stack is {self.phase}; policy updates need a running stack")
+        return self.policy
+
+    async def policy_push(self, step: int, path: str) -> dict[str, Any]:
+        return await self._policy().push(step, path)
+
+    async def policy_publish(self, step: int, path: str) -> dict[str, Any]:
+        return await self._policy().publish(step, path)
+
+    async def policy_status(self) -> dict[str, Any]:
+        if self.policy is None:
+            return self._policy_missing()
+        return await self.policy.status()
+
+    def _policy_missing(self) -> dict[str, Any]:
+        self._policy()
+        return {}
 
     async def down(self) -> dict[str, Any]:
         self._shutdown.set()
@@ -199,6 +227,9 @@ class Daemon:
                 hooks=[],
             )
             self.engine.hooks.extend(factory(self) for factory in self.hook_factories)
+            if self.stack.policy is not None:
+                self.policy = PolicyManager(self.stack.policy)
+                self.extensions.append(self.policy)
             for extension in self.extensions:
                 await extension.start(self)
             runner = await api.serve(api.build_app(self), paths.socket_path(self.state.path))

@@ -84,8 +84,11 @@ def _detail(unit: Row) -> str:
         ids = dynamo.get("instance_ids") or []
         if ids:
             parts.append("instance " + ",".join(f"{i:x}" for i in ids))
-        if "routed" in dynamo:
+        if dynamo.get("routed") is not None:
             parts.append("routed" if dynamo["routed"] else "NOT routed")
+    policy = unit.get("policy")
+    if isinstance(policy, Mapping) and "version" in policy:
+        parts.append(f"policy v{policy['version']} (current {policy.get('current')})")
     detail = unit.get("detail") or ""
     if detail:
         parts.append(detail.splitlines()[0][:120])

@@ -96,7 +96,6 @@ class DynamoFrontendProbe(_ProbeBase):
 
     kind: Literal["dynamo_frontend"]
     url: str
-    etcd: str
     namespace: str
     model: str
     min_instances: int = Field(1, ge=0)
@@ -148,6 +147,21 @@ class DynamoWorkerSpec(_Model):
     system_url: str
 
 
+class PolicySpec(_Model):
+    """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
+
+    store: Literal["etcd", "file"] = "etcd"
+    etcd: str | None = Field(None, description="etcd endpoint when store = 'etcd'")
+    shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
+    keep: int = Field(3, ge=1, description="policy versions kept in the ledger's history")
+    min_ready_shards: int = Field(1, ge=0)
+    initial_version: int = Field(0, ge=0, description="version of the weights shards boot with")
+    taint_prefix: str = "dynamod.policy/"
+    replay_backoff_initial: float = Field(0.5, gt=0)
+    replay_backoff_max: float = Field(10.0, gt=0)
+    call_timeout: float = Field(300.0, gt=0, description="seconds one engine admin call may take")
+
+
 class UnitSpec(_Model):
     """One runnable instance, fully rendered. Replicas become `NAME@i` instances."""
 
@@ -186,9 +200,10 @@ class RawStack:
     name: str
     units: dict[str, RawUnit] = field(default_factory=dict)
     vars: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] | None = None
 
 
-_STACK_KEYS = {"stack", "vars", "units"}
+_STACK_KEYS = {"stack", "vars", "units", "policy"}
 _STACK_TABLE_KEYS = {"name", "include", "description"}
 _UNIT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
@@ -223,7 +238,7 @@ def _load_file(
     for key in data:
         if key not in _STACK_KEYS:
             raise SpecError(
-                f"unknown top-level table {key!r} (expected one of: stack, vars, units)",
+                f"unknown top-level table {key!r} (expected one of: stack, vars, units, policy)",
                 file=path,
                 field=key,
             )
@@ -245,6 +260,15 @@ def _load_file(
     else:
         for key, value in file_vars.items():
             included_vars.setdefault(key, value)
+
+    if "policy" in data:
+        if not is_root:
+            raise SpecError(
+                "only the stack file itself may have a [policy] table", file=path, field="policy"
+            )
+        if not isinstance(data["policy"], dict):
+            raise SpecError("must be a table", file=path, field="policy")
+        stack.policy = data["policy"]
 
     includes = header.get("include", [])
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
@@ -282,6 +306,13 @@ class Stack:
     path: Path
     units: dict[str, UnitSpec]
     order: list[str]
+    policy: PolicySpec | None = None
+
+    def shards(self) -> list[str]:
+        """Instance names of the rollout shards, in start order."""
+        if self.policy is None:
+            return []
+        return [n for n in self.order if self.units[n].unit in self.policy.shards]
 
     def dependents(self, name: str) -> list[str]:
         return [u.name for u in self.units.values() if name in u.depends_on]
@@ -514,9 +545,59 @@ def resolve_stack(
         first = specs[exc.cycle[0]]
         raise SpecErrors([CycleError(exc.cycle, file=first.source)]) from None
     _check_completed_deps(specs, errors)
+    policy = _resolve_policy(raw, {**base_context, "units": units_context}, specs, errors)
     if errors:
         raise SpecErrors(errors)
-    return Stack(name=raw.name, path=raw.path, units=specs, order=order)
+    return Stack(name=raw.name, path=raw.path, units=specs, order=order, policy=policy)
+
+
+def _resolve_policy(
+    raw: RawStack,
+    context: Mapping[str, Any],
+    specs: Mapping[str, UnitSpec],
+    errors: list[SpecError],
+) -> PolicySpec | None:
+    if raw.policy is None:
+        return None
+    holder = RawUnit(name="[policy]", source=raw.path, table=raw.policy)
+    try:
+        rendered = _render_field(raw.policy, context, holder, "policy")
+        policy = PolicySpec.model_validate(rendered)
+    except SpecError as exc:
+        errors.append(exc)
+        return None
+    except ValidationError as exc:
+        for err in _pydantic_errors(exc, holder, "[policy]"):
+            err.unit = None
+            err.field = f"policy.{err.field}" if err.field else "policy"
+            errors.append(SpecError(err.message, file=raw.path, field=err.field))
+        return None
+    bases = {s.unit for s in specs.values()}
+    for name in policy.shards:
+        if name not in bases:
+            errors.append(
+                SpecError(
+                    f"shard unit {name!r} is not in the stack", file=raw.path, field="policy.shards"
+                )
+            )
+        elif not any(s.dynamo for s in specs.values() if s.unit == name):
+            errors.append(
+                SpecError(
+                    f"shard unit {name!r} needs a [units.{name}.dynamo] table (system_url) so "
+                    "dynamod can reach its engine routes",
+                    file=raw.path,
+                    field="policy.shards",
+                )
+            )
+    if policy.store == "etcd" and not policy.etcd:
+        errors.append(
+            SpecError(
+                "store = 'etcd' needs etcd = \"http://host:port\"",
+                file=raw.path,
+                field="policy.etcd",
+            )
+        )
+    return policy
 
 
 def _check_completed_deps(specs: Mapping[str, UnitSpec], errors: list[SpecError]) -> None:

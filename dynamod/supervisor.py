@@ -55,6 +55,7 @@ class Unit:
     state_since: float = field(default_factory=time.monotonic)
     child: Process | None = None
     detail: str = ""  # the last probe answer, or why the unit is where it is
+    hold_reason: str | None = None  # set while a hook keeps the unit out of service
     last_exit: Exit | None = None
     ready_at: float | None = None
     starts: int = 0
@@ -147,6 +148,15 @@ class Engine:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def hold(self, unit: Unit, reason: str) -> None:
+        """Keep a running unit out of service (e.g. a shard catching up to the policy)."""
+        unit.hold_reason = reason
+        self.transition(unit, UnitState.HELD, reason)
+
+    def admit(self, unit: Unit, detail: str | None) -> None:
+        unit.hold_reason = None
+        self.transition(unit, UnitState.READY, detail)
+
     async def changed(self, timeout: float | None = None) -> None:
         """Wait for the next state change (or the timeout)."""
         event = self._changed
@@ -213,6 +223,7 @@ class Engine:
             if exit is None:  # could not even spawn
                 return
             unit.last_exit = exit
+            unit.hold_reason = None
             for hook in self.hooks:
                 await hook.on_exit(unit, exit)
             await self._reap_leftovers(unit)
@@ -261,11 +272,12 @@ class Engine:
         elif not child.alive:
             return await child.wait(), True
         for hook in self.hooks:
-            await hook.on_ready(unit)
-        if not child.alive:
-            return await child.wait(), True
+            if await _race(hook.on_ready(unit), child.exited) is _EXITED:
+                return await child.wait(), True
         unit.ready_at = time.monotonic()
-        if spec.ready is None:
+        if unit.hold_reason is not None:
+            self.admit(unit, None)
+        elif spec.ready is None:
             self.transition(unit, UnitState.READY, "running (no readiness probe)")
         else:
             self.transition(unit, UnitState.READY)
@@ -318,7 +330,7 @@ class Engine:
         try:
             while child.alive:
                 result = await _race(prober.check(), child.exited)
-                if result is None:
+                if result is _EXITED:
                     break
                 self._probed(unit, "ready", result)
                 self.transition(unit, unit.state, result.detail)
@@ -349,13 +361,14 @@ class Engine:
                 if not child.alive:
                     return await child.wait()
                 result = await _race(prober.check(), child.exited)
-                if result is None:
+                if result is _EXITED:
                     return await child.wait()
                 self._probed(unit, "live", result)
                 if result.ok:
                     failures = 0
                     if unit.state is UnitState.DEGRADED:
-                        self.transition(unit, UnitState.READY, result.detail)
+                        back = UnitState.HELD if unit.hold_reason else UnitState.READY
+                        self.transition(unit, back, result.detail)
                     continue
                 failures += 1
                 if failures >= spec.failure_threshold:
@@ -492,13 +505,21 @@ class Engine:
         return rows
 
 
-async def _race(probe: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
-    """Run a probe attempt unless the process exits first (then None)."""
-    task = asyncio.ensure_future(probe)
-    await asyncio.wait([task, exited], return_when=asyncio.FIRST_COMPLETED)
+_EXITED = object()
+
+
+async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
+    """Run `work` (a probe attempt, a hook) unless the process exits first: then cancel
+    it and return _EXITED."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait([task, exited], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
     if task.done():
         return task.result()
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
-    return None
+    return _EXITED
