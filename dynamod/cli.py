@@ -9,45 +9,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
 from dynamod import paths, render
 from dynamod.client import Client
+from dynamod.cliutil import fail, load_stack, state_dir_of
 from dynamod.commands import register_commands
-from dynamod.errors import DaemonError, DynamodError, SpecErrors
-
-
-def _fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"dynamod: {message}", err=True)
-    sys.exit(code)
-
-
-def _state_dir(ctx: click.Context) -> Path:
-    path: Path = ctx.obj["state_dir"]
-    return path
-
-
-def _load(stack: str | None, state_dir: Path, variables: tuple[str, ...]) -> Any:
-    from dynamod import ports, preflight, spec
-
-    path = paths.resolve_stack_path(stack)
-    try:
-        overrides = dict(spec.parse_var(v) for v in variables)
-        allocator = ports.PortAllocator()
-        resolved = spec.load(
-            path,
-            state_dir=state_dir.absolute(),
-            allocate_port=allocator,
-            var_overrides=overrides,
-        )
-        preflight.check(resolved, allocator.given)
-    except SpecErrors as exc:
-        _fail(f"invalid stack, nothing was started.\n{exc}", 2)
-    except DynamodError as exc:
-        _fail(str(exc), 2)
-    return resolved
+from dynamod.errors import DaemonError, DynamodError
 
 
 @click.group()
@@ -88,7 +58,7 @@ _var_option = click.option(
 @click.pass_context
 def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
-    resolved = _load(stack, _state_dir(ctx), variables)
+    resolved = load_stack(stack, state_dir_of(ctx), variables)
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
     from dynamod import graph
 
@@ -123,13 +93,13 @@ def up(
     timeout: float | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
-    state_dir = _state_dir(ctx)
+    state_dir = state_dir_of(ctx)
     if Client(state_dir).running():
-        _fail(
+        fail(
             f"a dynamod daemon already runs with state dir {state_dir}; "
             "`dynamod status` shows it, `dynamod down` stops it"
         )
-    resolved = _load(stack, state_dir, variables)
+    resolved = load_stack(stack, state_dir, variables)
     if detach:
         sys.exit(_up_detached(state_dir, stack, variables, timeout, metrics_addr))
     sys.exit(_run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr))
@@ -144,8 +114,8 @@ def daemon(
     ctx: click.Context, stack: str | None, variables: tuple[str, ...], metrics_addr: str | None
 ) -> None:
     """Run the daemon in the foreground without progress output (used by --detach)."""
-    resolved = _load(stack, _state_dir(ctx), variables)
-    sys.exit(_run_daemon(resolved, _state_dir(ctx), progress=False, metrics_addr=metrics_addr))
+    resolved = load_stack(stack, state_dir_of(ctx), variables)
+    sys.exit(_run_daemon(resolved, state_dir_of(ctx), progress=False, metrics_addr=metrics_addr))
 
 
 def _run_daemon(
@@ -177,7 +147,7 @@ def _run_daemon(
     try:
         return asyncio.run(main())
     except DynamodError as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 async def _print_progress(daemon: Any) -> None:
@@ -286,13 +256,13 @@ def _explain_daemon_exit(client: Client, state_dir: Path, log_path: Path, code: 
 @click.pass_context
 def down(ctx: click.Context, as_json: bool) -> None:
     """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
-    state_dir = _state_dir(ctx)
+    state_dir = state_dir_of(ctx)
     client = Client(state_dir)
     try:
         pid = client.status()["daemon_pid"]
         result = client.down()
     except DaemonError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     _wait_pid_gone(int(pid), 30)
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -320,9 +290,9 @@ def _wait_pid_gone(pid: int, timeout: float) -> None:
 def status(ctx: click.Context, as_json: bool) -> None:
     """Show the unit tree: state, pid, uptime, restarts, last exit, probe detail."""
     try:
-        result = Client(_state_dir(ctx)).status()
+        result = Client(state_dir_of(ctx)).status()
     except DaemonError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(json.dumps(result, indent=2) if as_json else render.status_table(result))
 
 
@@ -332,9 +302,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
 def restart(ctx: click.Context, unit: str) -> None:
     """Stop UNIT, reset its backoff and start it again."""
     try:
-        Client(_state_dir(ctx)).restart(unit)
+        Client(state_dir_of(ctx)).restart(unit)
     except DaemonError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     click.echo(f"{unit} restarted")
 
 
@@ -348,9 +318,9 @@ def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
     from dynamod import logview
 
     try:
-        logview.show(_state_dir(ctx), unit, lines=lines, follow=follow, out=click.echo)
+        logview.show(state_dir_of(ctx), unit, lines=lines, follow=follow, out=click.echo)
     except DynamodError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     except KeyboardInterrupt:
         pass
 

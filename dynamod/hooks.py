@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dynamod.metrics import MetricsServer
+from dynamod.registrations import DynamoRegistrations
 from dynamod.sdnotify import SystemdNotifier
 
 if TYPE_CHECKING:
@@ -19,8 +20,9 @@ def default_hooks() -> list[Callable[[Daemon], UnitHooks]]:
 
 
 def default_extensions(*, metrics_addr: str | None = None) -> list[Extension]:
-    """sd_notify when run under systemd; Prometheus metrics when asked for."""
-    extensions: list[Extension] = []
+    """Dynamo registrations always (a no-op without Dynamo units); sd_notify when run under
+    systemd; Prometheus metrics when asked for."""
+    extensions: list[Extension] = [DynamoRegistrations()]
     notifier = SystemdNotifier.from_environment()
     if notifier is not None:
         extensions.append(notifier)

@@ -19,6 +19,12 @@ def default_state_dir() -> Path:
     return Path.home() / ".local" / "state" / "dynamod"
 
 
+def cache_dir() -> Path:
+    """Rebuildable artefacts shared by every stack (the tiny CPU model)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dynamod"
+
+
 def socket_path(state_dir: Path) -> Path:
     return state_dir.absolute() / "dynamod.sock"
 

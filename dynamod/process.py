@@ -154,6 +154,8 @@ def _signal_pid(pid: int, sig: int) -> None:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
+    if pgid <= 1:  # never our own group's 0 nor init's; only a unit's session leader
+        raise ValueError(f"refusing to signal process group {pgid}")
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
 

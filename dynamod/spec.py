@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dynamod import graph
+from dynamod import graph, paths
 from dynamod.errors import CycleError, SpecError, SpecErrors
 from dynamod.template import TemplateError, render
 
@@ -415,8 +415,15 @@ def resolve_stack(
     base_context: dict[str, Any] = {
         "vars": raw.vars,
         "state_dir": str(state_dir),
+        "cache_dir": str(paths.cache_dir()),
         "python": python,
         "stack_dir": str(raw.path.parent),
+    }
+    # Vars may be templates themselves (model_dir = "{cache_dir}/models/{vars.model_name}").
+    holder = RawUnit(name="[vars]", source=raw.path, table={})
+    base_context["vars"] = {
+        key: _render_field(value, base_context, holder, f"vars.{key}")
+        for key, value in raw.vars.items()
     }
 
     # 1. replicas and ports, which other units' templates may reference.

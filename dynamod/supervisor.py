@@ -117,7 +117,6 @@ class Engine:
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self._changed = asyncio.Event()
-        self.loop_heartbeat = time.monotonic()
         logs = state_dir / "logs"
         for name in stack.order:
             spec = stack.units[name]
@@ -430,13 +429,12 @@ class Engine:
         child = unit.child
         if unit.state.running:
             self.transition(unit, UnitState.STOPPING)
-        if child is None or not child.alive:
+        if child is None:  # never spawned
+            self.transition(unit, UnitState.STOPPED)
+            return []
+        if not child.alive:  # its main process is gone; end what it may have left
             result = await process.stop_tree(
-                child.pid if child else -1,
-                run_id=self.run_id,
-                unit=unit.name,
-                sig=signal.SIGKILL,
-                timeout=0,
+                child.pid, run_id=self.run_id, unit=unit.name, sig=signal.SIGKILL, timeout=0
             )
             self.transition(unit, UnitState.STOPPED)
             return result.survivors

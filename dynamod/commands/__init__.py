@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import click
 
+from dynamod.commands.export import export_group
+from dynamod.commands.policy import policy_group
+from dynamod.commands.systemd import systemd_group
+
 
 def register_commands(main: click.Group) -> None:
     """Attach the command groups defined in this package to the `dynamod` group."""
+    main.add_command(systemd_group)
+    main.add_command(export_group)
+    main.add_command(policy_group)

@@ -1,0 +1,75 @@
+"""dynamod.metrics pure parts: address parsing, recovery timing, policy lag."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dynamod.errors import DynamodError
+from dynamod.metrics import RecoveryClock, is_shard, parse_address, policy_lag
+from dynamod.state import UnitState as S
+
+
+@pytest.mark.parametrize(
+    ("address", "parsed"),
+    [
+        ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+        (":9464", ("127.0.0.1", 9464)),
+        ("[::1]:9464", ("::1", 9464)),
+        ("localhost:0", ("localhost", 0)),
+    ],
+)
+def test_parse_address(address: str, parsed: tuple[str, int]) -> None:
+    assert parse_address(address) == parsed
+
+
+@pytest.mark.parametrize("address", ["9464", "localhost", "host:port", "127.0.0.1:70000"])
+def test_parse_address_rejects(address: str) -> None:
+    with pytest.raises(DynamodError, match="--metrics-addr expects HOST:PORT"):
+        parse_address(address)
+
+
+def unit(name: str = "worker@0", **extra: Any) -> Any:
+    return SimpleNamespace(name=name, extra=extra, spec=SimpleNamespace(dynamo=None))
+
+
+def test_recovery_is_measured_from_first_failure_to_ready() -> None:
+    now = [100.0]
+    clock = RecoveryClock(lambda: now[0])
+    worker = unit()
+    for old, new, at in [
+        (S.STARTING, S.READY, 100.0),
+        (S.READY, S.BACKOFF, 101.0),  # died
+        (S.BACKOFF, S.STARTING, 101.5),
+        (S.STARTING, S.BACKOFF, 102.0),  # died again before ready: same outage
+        (S.BACKOFF, S.STARTING, 103.0),
+        (S.STARTING, S.HELD, 103.5),  # up, catching up with the policy
+        (S.HELD, S.READY, 104.5),
+    ]:
+        now[0] = at
+        clock.on_transition(worker, old, new)
+    assert clock.last == {"worker@0": 3.5}
+    assert clock.down_since == {}
+
+
+def test_a_deliberate_stop_is_not_an_outage() -> None:
+    now = [0.0]
+    clock = RecoveryClock(lambda: now[0])
+    worker = unit()
+    clock.on_transition(worker, S.READY, S.DEGRADED)
+    clock.on_transition(worker, S.DEGRADED, S.STOPPING)
+    now[0] = 50.0
+    clock.on_transition(worker, S.STOPPED, S.STARTING)
+    clock.on_transition(worker, S.STARTING, S.READY)
+    assert clock.last == {}
+
+
+def test_policy_lag_and_shards() -> None:
+    assert policy_lag(unit(policy={"version": 9, "current": 12})) == 3
+    assert policy_lag(unit(policy={"version": 12, "current": 12})) == 0
+    assert policy_lag(unit(policy={"version": None, "current": 12})) == 0
+    assert policy_lag(unit()) == 0
+    assert is_shard(unit(policy={"version": 1, "current": 1}))
+    assert not is_shard(unit("etcd"))
