@@ -159,7 +159,7 @@ class Daemon:
                 f"stack {self.stack.name} has no [policy] table "
                 f"({self.stack.path}); it has no rollout shards to update"
             )
-        if self.phase is not Phase.UP:
+        if self.phase not in {Phase.STARTING, Phase.UP}:
             raise DynamodError(f"stack is {self.phase}; policy updates need a running stack")
         return self.policy
 
