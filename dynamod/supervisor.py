@@ -497,6 +497,7 @@ class Engine:
                     "ports": dict(unit.spec.ports),
                     "depends_on": {k: str(v) for k, v in unit.spec.depends_on.items()},
                     "log": str(unit.log_path),
+                    "command": list(unit.spec.command),
                     **unit.extra_public(),
                 }
             )

@@ -1,0 +1,358 @@
+"""Policy updates and rejoin on the real stack: etcd, NATS, the Dynamo frontend (kv router)
+and CPU workers. Every response says which instance served it at which weight version
+(`nvext.engine_data`), so the invariants are checked over the recorded history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from dynamod.paths import units_dir
+from tests.conftest import Dynamod, unit_by_name, wait_dead
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-cpu"
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Path:
+    """The default stack's units, with a short engine-call timeout for stuck shards."""
+    units = units_dir()
+    path = tmp_path / "policy-stack.toml"
+    includes = ", ".join(
+        f'"{units / n}"' for n in ("etcd.toml", "nats.toml", "worker-cpu.toml", "frontend.toml")
+    )
+    path.write_text(f"""
+[stack]
+name = "policytest"
+include = [{includes}]
+
+[vars]
+workers = 2
+
+[policy]
+store = "etcd"
+etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
+shards = ["worker"]
+keep = 2
+call_timeout = 3
+replay_backoff_initial = 0.2
+""")
+    return path
+
+
+def model_dir(status: dict[str, Any]) -> Path:
+    worker = unit_by_name(status, "worker@0")
+    return Path(worker["command"][worker["command"].index("--model-path") + 1])
+
+
+def checkpoint(base: Path, out: Path, scale: float, pad_mb: int = 0) -> Path:
+    """A new policy: the base weights scaled (and optionally padded to be slow to load)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(base / "model.safetensors"))
+    tensors = {k: (v.float() * scale).to(v.dtype) for k, v in tensors.items()}
+    if pad_mb:
+        tensors["padding"] = torch.ones(pad_mb * 256 * 1024, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+class History:
+    """Requests at a bounded rate; every answer recorded with what served it."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.rows: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    async def one(self, session: aiohttp.ClientSession, version: int | None) -> None:
+        nvext: dict[str, Any] = {"extra_fields": ["worker_id", "engine_data"]}
+        if version is not None:
+            nvext["routing_constraints"] = {"required_taints": [f"dynamod.policy/{version}"]}
+        body = {"model": MODEL, "prompt": "the policy says", "max_tokens": 4, "nvext": nvext}
+        sent = time.monotonic()
+        try:
+            async with session.post(f"{self.url}/v1/completions", json=body) as resp:
+                status, text = resp.status, await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            status, text = -1, repr(exc)
+        row: dict[str, Any] = {
+            "sent": sent,
+            "done": time.monotonic(),
+            "required": version,
+            "status": status,
+        }
+        if status == 200:
+            engine = json.loads(text)["nvext"]["engine_data"]
+            row.update(version=engine["weight_version"], instance=engine["instance_id"])
+        else:
+            row["error"] = text[:200]
+        self.rows.append(row)
+
+    def run(self, version_of: Any, rate: float = 8, limit_s: float = 120) -> None:
+        async def loop() -> None:
+            timeout = aiohttp.ClientTimeout(total=20)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                tasks = []
+                start = time.monotonic()
+                while not self._stop.is_set() and time.monotonic() - start < limit_s:
+                    tasks.append(asyncio.create_task(self.one(session, version_of())))
+                    await asyncio.sleep(1 / rate)
+                await asyncio.gather(*tasks)
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(loop()), daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(timeout=60)
+
+
+def up(dm: Dynamod, stack: Path) -> dict[str, Any]:
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    return dm.status()
+
+
+def push(dm: Dynamod, step: int, path: Path) -> dict[str, Any]:
+    result = dm.run(
+        "policy", "push", "--step", str(step), "--path", str(path), "--json", check=True
+    )
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def shard_versions(dm: Dynamod) -> dict[str, Any]:
+    return {
+        u["name"]: u.get("policy_version")
+        for u in dm.status()["units"]
+        if u["name"].startswith("worker@")
+    }
+
+
+def frontend(status: dict[str, Any]) -> str:
+    return f"http://127.0.0.1:{unit_by_name(status, 'frontend')['ports']['http']}"
+
+
+def admitted_at(dm: Dynamod, unit: str, after: float) -> list[float]:
+    """Wall-clock times the daemon log shows `unit` going held -> ready after `after`."""
+    from datetime import datetime
+
+    times = []
+    for line in dm.daemon_log().splitlines():
+        if '"unit.state"' not in line:
+            continue
+        event = json.loads(line)
+        if event["unit"] == unit and event["old"] == "held" and event["new"] == "ready":
+            at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+            if at >= after:
+                times.append(at)
+    return times
+
+
+def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
+    dm: Dynamod, stack: Path, tmp_path: Path
+) -> None:
+    status = up(dm, stack)
+    assert status["policy"]["current"] == 0 and set(shard_versions(dm).values()) == {0}
+    base = model_dir(status)
+    result = push(dm, 1, checkpoint(base, tmp_path / "step-1", 1.01))
+    assert (
+        result["ok"] and result["stale"] == [] and set(result["acks"]) == {"worker@0", "worker@1"}
+    )
+    for ack in result["acks"].values():
+        assert ack["ok"] and ack["version"] == 1 and ack["digest"] == result["digest"]
+        assert {"pause", "load", "kv_reset", "verify", "taint", "resume"} <= set(ack["ms"])
+    assert shard_versions(dm) == {"worker@0": 1, "worker@1": 1}
+    assert dm.status()["policy"]["current"] == 1
+    ledger = json.loads(dm.run("policy", "status", "--json", check=True).stdout)
+    assert ledger["current"] == 1 and ledger["current_digest"] == result["digest"]
+
+    history = History(frontend(status))
+    history.run(lambda: 1)
+    time.sleep(2)
+    victim = dm.unit("worker@1")
+    killed_wall = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    back = dm.wait_for(
+        lambda s: (
+            (u := unit_by_name(s, "worker@1"))["state"] == "ready"
+            and u["pid"] != victim["pid"]
+            and u
+        ),
+        timeout=60,
+        what="rejoin",
+    )
+    time.sleep(3)
+    history.stop()
+    assert back["policy_version"] == 1 and back["restarts"] == 1
+    (admitted_wall,) = admitted_at(dm, "worker@1", killed_wall)
+    new_instance = back["dynamo"]["instance_ids"][0]
+    served = [r for r in history.rows if r["status"] == 200]
+    assert len(served) > 20
+    # Invariant: nothing is served below the current version; the restarted shard
+    # served nothing before it was admitted, and then it did serve.
+    assert {r["version"] for r in served} == {1}
+    by_new = [r for r in served if r["instance"] == new_instance]
+    mono_to_wall = time.time() - time.monotonic()
+    assert by_new, "the rejoined shard never served"
+    assert all(r["sent"] + mono_to_wall >= admitted_wall - 0.05 for r in by_new) or all(
+        r["done"] + mono_to_wall >= admitted_wall for r in by_new
+    )
+    failures = [r for r in history.rows if r["status"] != 200]
+    assert failures == [], failures[:3]
+    log = dm.daemon_log()
+    assert "held: waiting to replay the current policy" in log
+
+
+def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
+    dm: Dynamod, stack: Path, tmp_path: Path
+) -> None:
+    status = up(dm, stack)
+    ckpt = checkpoint(model_dir(status), tmp_path / "step-5", 0.99)
+    victim = dm.unit("worker@1")
+    os.kill(victim["pid"], signal.SIGSTOP)  # the push reaches it, then it dies mid-call
+    answer: dict[str, Any] = {}
+    pusher = threading.Thread(target=lambda: answer.update(push(dm, 5, ckpt)))
+    pusher.start()
+    time.sleep(1.0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    pusher.join(timeout=60)
+    assert answer["ok"] and answer["version"] == 5
+    assert answer["acks"]["worker@0"]["ok"] and not answer["acks"]["worker@1"]["ok"]
+    assert answer["stale"] == ["worker@1"]
+    back = dm.wait_for(
+        lambda s: (
+            (u := unit_by_name(s, "worker@1"))["state"] == "ready"
+            and u["pid"] != victim["pid"]
+            and u
+        ),
+        timeout=60,
+        what="catch-up",
+    )
+    assert back["policy_version"] == 5
+    assert shard_versions(dm) == {"worker@0": 5, "worker@1": 5}
+
+
+def test_stale_but_alive_shard_is_held_replayed_and_admitted(
+    dm: Dynamod, stack: Path, tmp_path: Path
+) -> None:
+    status = up(dm, stack)
+    ckpt = checkpoint(model_dir(status), tmp_path / "step-2", 1.02)
+    history = History(frontend(status))
+    current = {"v": 0}
+    history.run(lambda: current["v"])
+    stuck = dm.unit("worker@1")
+    os.kill(stuck["pid"], signal.SIGSTOP)  # its update call times out: alive but stale
+    try:
+        result = push(dm, 2, ckpt)
+        boundary = time.monotonic()
+        current["v"] = 2
+        assert result["ok"] and result["stale"] == ["worker@1"]
+        assert "timeout" in result["acks"]["worker@1"]["error"].lower() or (
+            "no answer" in result["acks"]["worker@1"]["error"]
+        )
+        held = dm.unit("worker@1")
+        # held (and, while it is stopped, possibly degraded too: its liveness probe fails)
+        assert held["state"] in {"held", "degraded"} and held["pid"] == stuck["pid"]
+        assert held["policy"]["admitted"] is False
+        ledger = json.loads(dm.run("policy", "status", "--json", check=True).stdout)
+        stale = next(s for s in ledger["shards"] if s["name"] == "worker@1")
+        assert not stale["admitted"] and stale["last_error"]
+    finally:
+        os.kill(stuck["pid"], signal.SIGCONT)
+    back = dm.wait_for(
+        lambda s: (u := unit_by_name(s, "worker@1"))["state"] == "ready" and u,
+        timeout=60,
+        what="stale shard admitted",
+    )
+    time.sleep(2)
+    history.stop()
+    assert back["pid"] == stuck["pid"] and back["restarts"] == 0  # replayed, not restarted
+    assert back["policy_version"] == 2
+    served = [r for r in history.rows if r["status"] == 200]
+    # A request may be answered by newer weights than it asked for (it waited out the
+    # pause), never by older ones; once the push returned, only version 2 serves.
+    assert served and all(r["version"] >= r["required"] for r in served)
+    assert {r["version"] for r in served if r["sent"] > boundary} == {2}
+    stuck_instance = stuck["dynamo"]["instance_ids"][0]
+    assert any(r["instance"] == stuck_instance and r["version"] == 2 for r in served)
+
+
+def test_corrupt_or_missing_checkpoint_fails_cleanly(
+    dm: Dynamod, stack: Path, tmp_path: Path
+) -> None:
+    status = up(dm, stack)
+    base = model_dir(status)
+    good = push(dm, 1, checkpoint(base, tmp_path / "step-1", 1.01))
+    missing = dm.run("policy", "push", "--step", "2", "--path", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and f"{tmp_path / 'nope'} does not exist" in missing.stderr
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    bad = dm.run("policy", "push", "--step", "2", "--path", str(garbage))
+    assert bad.returncode == 1 and str(garbage / "model.safetensors") in bad.stderr
+    # A file whose header is fine but whose data is cut short gets past the header check;
+    # every shard refuses it, names the file and keeps its weights.
+    truncated = checkpoint(base, tmp_path / "truncated", 1.5)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cut = dm.run("policy", "push", "--step", "2", "--path", str(truncated))
+    assert cut.returncode == 1
+    assert "failed on every shard" in cut.stderr
+    assert str(truncated / "model.safetensors") in cut.stderr
+    ledger = json.loads(dm.run("policy", "status", "--json", check=True).stdout)
+    assert ledger["current"] == 1 and ledger["current_digest"] == good["digest"]
+    status = dm.status()
+    for name in ("worker@0", "worker@1"):
+        unit = unit_by_name(status, name)
+        assert unit["state"] == "ready" and unit["policy_version"] == 1
+
+    async def still_serving() -> dict[str, Any]:
+        history = History(frontend(status))
+        async with aiohttp.ClientSession() as session:
+            await history.one(session, 1)
+        return history.rows[0]
+
+    row = asyncio.run(still_serving())
+    assert row["status"] == 200 and row["version"] == 1
+
+
+def test_daemon_killed_and_restarted_keeps_ledger_and_admits_nothing_stale(
+    dm: Dynamod, stack: Path, tmp_path: Path
+) -> None:
+    status = up(dm, stack)
+    base = model_dir(status)
+    push(dm, 1, checkpoint(base, tmp_path / "step-1", 1.01))
+    second = push(dm, 2, checkpoint(base, tmp_path / "step-2", 1.02))
+    pids = [u["pid"] for u in status["units"] if u["pid"]]
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    assert wait_dead(pids, timeout=15) == []
+    log_before = len(dm.daemon_log().splitlines())
+
+    again = up(dm, stack)
+    assert again["policy"]["current"] == 2
+    assert shard_versions(dm) == {"worker@0": 2, "worker@1": 2}
+    ledger = json.loads(dm.run("policy", "status", "--json", check=True).stdout)
+    assert ledger["current_digest"] == second["digest"]
+    assert [v["version"] for v in ledger["history"]] == [1, 2]
+    # In the new run no shard was ever admitted at anything but version 2.
+    for line in dm.daemon_log().splitlines()[log_before:]:
+        if '"unit.state"' in line:
+            event = json.loads(line)
+            if event["new"] == "ready" and event["unit"].startswith("worker@"):
+                assert "at policy version 2 " in event["detail"], event
