@@ -3,7 +3,6 @@ systemd would run it (Type=notify, WatchdogSec)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import socket
@@ -111,8 +110,10 @@ def test_ready_status_watchdog_stopping_and_stalled_loop(
         pets = [f for f in notify_socket.collect(1.2) if "WATCHDOG" in f]
         assert len(pets) >= 4 and all(p["WATCHDOG"] == "1" for p in pets)
         times = [t for t, f in notify_socket.messages if "WATCHDOG" in f][-len(pets) :]
-        gaps = [b - a for a, b in itertools.pairwise(times)]
-        assert all(0.1 < gap < 0.5 for gap in gaps), gaps
+        # Receive times jitter when the test itself is descheduled (two queued datagrams
+        # read back to back), so judge the mean period, not each gap.
+        period = (times[-1] - times[0]) / (len(times) - 1)
+        assert 0.1 < period < 0.5, times
 
         # a stalled daemon stops petting, and pets again once it runs
         os.kill(daemon.pid, signal.SIGSTOP)

@@ -1,0 +1,1 @@
+"""CPU rollout worker and the tiny local model it serves."""
