@@ -123,7 +123,7 @@ def _run_daemon(
 ) -> int:
     from dynamod import logsetup
     from dynamod.daemon import Daemon, StateDir
-    from dynamod.hooks import default_extensions, default_hooks
+    from dynamod.extensions import default_extensions
 
     logsetup.configure()
 
@@ -131,7 +131,6 @@ def _run_daemon(
         daemon = Daemon(
             stack=resolved,
             state=StateDir(state_dir),
-            hook_factories=default_hooks(),
             extensions=default_extensions(metrics_addr=metrics_addr),
         )
         printer = asyncio.ensure_future(_print_progress(daemon)) if progress else None

@@ -30,7 +30,7 @@ from dynamod import api, paths, process
 from dynamod.errors import DaemonError, DynamodError, UnitFailed
 from dynamod.policy import PolicyManager
 from dynamod.spec import Stack
-from dynamod.supervisor import Engine, UnitHooks
+from dynamod.supervisor import Engine
 
 log = structlog.get_logger("dynamod.daemon")
 
@@ -119,7 +119,6 @@ def start_guardian(run_id: str) -> tuple[subprocess.Popen[bytes], int]:
 class Daemon:
     stack: Stack
     state: StateDir
-    hook_factories: list[Callable[[Daemon], UnitHooks]] = field(default_factory=list)
     extensions: list[Extension] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     phase: Phase = Phase.STARTING
@@ -153,13 +152,13 @@ class Daemon:
             "policy": self.policy.summary() if self.policy and self.engine else None,
         }
 
-    def _policy(self) -> PolicyManager:
+    def _policy(self, *, running: bool = True) -> PolicyManager:
         if self.policy is None:
             raise DynamodError(
-                f"stack {self.stack.name} has no [policy] table "
-                f"({self.stack.path}); it has no rollout shards to update"
+                f"stack {self.stack.name} has no [policy] table ({self.stack.path}); "
+                "it has no rollout shards to update"
             )
-        if self.phase not in {Phase.STARTING, Phase.UP}:
+        if running and self.phase not in {Phase.STARTING, Phase.UP}:
             raise DynamodError(f"stack is {self.phase}; policy updates need a running stack")
         return self.policy
 
@@ -170,13 +169,7 @@ class Daemon:
         return await self._policy().publish(step, path)
 
     async def policy_status(self) -> dict[str, Any]:
-        if self.policy is None:
-            return self._policy_missing()
-        return await self.policy.status()
-
-    def _policy_missing(self) -> dict[str, Any]:
-        self._policy()
-        return {}
+        return await self._policy(running=False).status()
 
     async def down(self) -> dict[str, Any]:
         self._shutdown.set()
@@ -226,7 +219,6 @@ class Daemon:
                 session=session,
                 hooks=[],
             )
-            self.engine.hooks.extend(factory(self) for factory in self.hook_factories)
             if self.stack.policy is not None:
                 self.policy = PolicyManager(self.stack.policy)
                 self.extensions.append(self.policy)

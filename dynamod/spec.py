@@ -574,10 +574,10 @@ def _resolve_policy(
         errors.append(exc)
         return None
     except ValidationError as exc:
-        for err in _pydantic_errors(exc, holder, "[policy]"):
-            err.unit = None
-            err.field = f"policy.{err.field}" if err.field else "policy"
-            errors.append(SpecError(err.message, file=raw.path, field=err.field))
+        errors.extend(
+            SpecError(e.message, file=raw.path, field=f"policy.{e.field}" if e.field else "policy")
+            for e in _pydantic_errors(exc, holder, "[policy]")
+        )
         return None
     bases = {s.unit for s in specs.values()}
     for name in policy.shards:

@@ -1,9 +1,9 @@
-"""Which hooks a daemon runs with. Hooks add behaviour around units without touching the
-engine: Dynamo lease revocation on worker death, shard admission, metrics."""
+"""Which extensions a daemon runs with. Extensions add behaviour around units without
+touching the engine: Dynamo lease revocation on worker death, sd_notify, metrics. (Shard
+admission is added by the daemon itself when the stack has a [policy] table.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from dynamod.metrics import MetricsServer
@@ -11,12 +11,7 @@ from dynamod.registrations import DynamoRegistrations
 from dynamod.sdnotify import SystemdNotifier
 
 if TYPE_CHECKING:
-    from dynamod.daemon import Daemon, Extension
-    from dynamod.supervisor import UnitHooks
-
-
-def default_hooks() -> list[Callable[[Daemon], UnitHooks]]:
-    return []
+    from dynamod.daemon import Extension
 
 
 def default_extensions(*, metrics_addr: str | None = None) -> list[Extension]:
