@@ -114,6 +114,8 @@ class HttpProber:
             async with self.session.request(spec.method, spec.url) as resp:
                 body = await resp.text()
                 status = resp.status
+        except aiohttp.ClientConnectorError as exc:
+            return False, f"{what}: cannot connect ({exc.os_error.strerror or exc.os_error})"
         except aiohttp.ClientError as exc:
             return False, f"{what}: {exc.__class__.__name__}: {_short(str(exc))}"
         if status != spec.expect_status:
