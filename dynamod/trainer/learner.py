@@ -1,0 +1,66 @@
+"""The policy being trained: the model directory's Llama on CPU, and its AdamW optimizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dynamod.trainer import grpo
+from dynamod.workers.weights import load_checkpoint
+
+
+class Learner:
+    """`transformers.LlamaForCausalLM` built from the model directory's config, holding
+    the weights a checkpoint (or the directory itself) gives it. Offline: nothing is
+    fetched, the config and tensors are read from disk."""
+
+    def __init__(self, model_dir: Path, lr: float, seed: int) -> None:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(seed)
+        config = LlamaConfig.from_json_file(str(model_dir / "config.json"))
+        self.model = LlamaForCausalLM(config)
+        self.vocab_size = int(config.vocab_size)
+        self.pad_id = int(config.pad_token_id or 0)
+        self.load(model_dir)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def load(self, checkpoint: Path) -> str:
+        """Replace every weight with the checkpoint's (strict: same names, same shapes);
+        returns the checkpoint's digest."""
+        weights = load_checkpoint(checkpoint)
+        self.model.load_state_dict(dict(weights.tensors), strict=True)
+        return weights.digest
+
+    def tensors(self) -> dict[str, Any]:
+        """The weights under the names the model directory (and a rollout worker) uses."""
+        return {name: t.detach() for name, t in self.model.state_dict().items()}
+
+    def step(
+        self, prompts: list[list[int]], completions: list[list[int]], advantages: list[float]
+    ) -> float:
+        """One AdamW step on -(advantage * mean completion log-prob); returns the loss.
+
+        Completion ids must already lie in the vocabulary (see `grpo.fold_into_vocab`).
+        """
+        import torch
+
+        rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+        length = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), length), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            attention[i, : len(row)] = 1
+        logits = self.model(input_ids=input_ids, attention_mask=attention).logits
+        logprobs = grpo.token_logprobs(logits, input_ids)
+        mask = grpo.completion_mask(
+            [len(p) for p in prompts], [len(c) for c in completions], length
+        )
+        loss = grpo.policy_loss(logprobs, mask, torch.tensor(advantages, dtype=torch.float32))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.item())
