@@ -331,8 +331,12 @@ class PolicyManager:
                     f"{current.version}; pushes must move forward"
                 )
             shards = self.admitted_shards()
-            if not shards:
-                raise PolicyError("no admitted shard to push to")
+            if not shards or len(shards) < self.spec.min_ready_shards:
+                raise PolicyError(
+                    f"only {len(shards)} shard(s) admitted, fewer than min_ready_shards="
+                    f"{self.spec.min_ready_shards}; the push would leave too few serving "
+                    "(held shards: " + ", ".join(self.summary()["held"]) + ")"
+                )
             target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
             results = await asyncio.gather(
                 *(self._apply(u, target) for u in shards), return_exceptions=True
@@ -461,11 +465,12 @@ class PolicyManager:
 
     def summary(self) -> dict[str, Any]:
         """Cheap, synchronous view for `status --json` (no ledger round trip)."""
+        shards = self.engine.stack.shards()
+        admitted = len(self.admitted_shards())
         return {
             "current": self.current_version,
-            "held": [
-                n
-                for n in self.engine.stack.shards()
-                if self.engine.units[n].state is UnitState.HELD
-            ],
+            "admitted": admitted,
+            "min_ready_shards": self.spec.min_ready_shards,
+            "serving": admitted >= max(1, self.spec.min_ready_shards),
+            "held": [n for n in shards if self.engine.units[n].state is UnitState.HELD],
         }

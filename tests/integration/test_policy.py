@@ -270,6 +270,9 @@ def test_stale_but_alive_shard_is_held_replayed_and_admitted(
         # held (and, while it is stopped, possibly degraded too: its liveness probe fails)
         assert held["state"] in {"held", "degraded"} and held["pid"] == stuck["pid"]
         assert held["policy"]["admitted"] is False
+        summary = dm.status()["policy"]
+        assert summary["held"] == ["worker@1"] and summary["admitted"] == 1
+        assert summary["serving"]  # min_ready_shards = 1: worker@0 keeps serving
         ledger = json.loads(dm.run("policy", "status", "--json", check=True).stdout)
         stale = next(s for s in ledger["shards"] if s["name"] == "worker@1")
         assert not stale["admitted"] and stale["last_error"]
