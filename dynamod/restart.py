@@ -39,7 +39,7 @@ class Exit:
 class Decision:
     restart: bool
     delay: float = 0.0
-    reason: str = ""
+    reason: str = ""  # the policy's side: why (not) restarted; the exit is described apart
 
 
 @dataclass
@@ -79,8 +79,7 @@ class RestartTracker:
         if not self.should_restart(exit, premature=premature):
             return Decision(
                 False,
-                reason=f"{exit.describe()}; restart policy "
-                f"'{self.spec.policy}' does not restart it",
+                reason=f"restart policy '{self.spec.policy}' does not restart it",
             )
         if uptime >= self.spec.reset_after:
             self.attempt = 0
@@ -91,15 +90,15 @@ class RestartTracker:
             return Decision(
                 False,
                 reason=(
-                    f"{exit.describe()}; restart limit reached: {len(self.history)} restarts "
-                    f"within {self.spec.limit_interval:g}s (limit_burst={self.spec.limit_burst})"
+                    f"restart limit reached: {len(self.history)} restarts within"
+                    f" {self.spec.limit_interval:g}s (limit_burst={self.spec.limit_burst})"
                 ),
             )
         delay = self.delay()
         self.attempt += 1
         self.history.append(now)
         self._total += 1
-        return Decision(True, delay=delay, reason=exit.describe())
+        return Decision(True, delay=delay, reason=f"restarting in {delay:.2f}s")
 
     def reset(self) -> None:
         """Manual restart: forget the burst window and backoff."""

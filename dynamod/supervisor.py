@@ -231,23 +231,22 @@ class Engine:
             decision = unit.tracker.decide(
                 exit, now=time.monotonic(), uptime=uptime, premature=premature
             )
+            what = exit.describe()
+            hint = unit.extra.get("failure_hint")
+            if hint:
+                what += f" ({hint})"
             if not decision.restart:
                 if exit.clean and not premature:
-                    self.transition(unit, UnitState.COMPLETED, exit.describe())
+                    self.transition(unit, UnitState.COMPLETED, what)
                 else:
-                    self.transition(unit, UnitState.FAILED, f"{decision.reason}{self._why(unit)}")
+                    self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
                 return
             self.transition(
                 unit,
                 UnitState.BACKOFF,
-                f"{decision.reason}{self._why(unit)}; restarting in {decision.delay:.2f}s "
-                f"(restart {unit.tracker.total})",
+                f"{what}; {decision.reason} (restart {unit.tracker.total})",
             )
             await asyncio.sleep(decision.delay)
-
-    def _why(self, unit: Unit) -> str:
-        hint = unit.extra.get("failure_hint")
-        return f" ({hint})" if hint else ""
 
     async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
         """Spawn, wait for readiness, watch. Returns (exit, premature)."""

@@ -38,46 +38,35 @@ def policy_group() -> None:
     """Policy (weight) updates for the rollout shards, and the ledger."""
 
 
-@policy_group.command("push")
-@click.option("--step", type=int, required=True, help="Policy version (trainer step).")
-@click.option(
-    "--path",
-    "path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Checkpoint directory holding the step's *.safetensors.",
-)
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def push(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
-    """Load a checkpoint into every admitted shard (pause, load, reset KV, verify, resume)."""
-    try:
-        result = _client(ctx).policy_push(step, path.absolute())
-    except DaemonError as exc:
-        click.echo(f"dynamod: policy push failed: {exc}", err=True)
-        sys.exit(1)
-    _report(result, as_json)
+def _update_command(name: str, path_help: str, doc: str) -> None:
+    """`push` and `publish` take the same arguments and report the same way."""
+
+    @policy_group.command(name, help=doc)
+    @click.option("--step", type=int, required=True, help="Policy version (trainer step).")
+    @click.option("--path", "path", type=click.Path(path_type=Path), required=True, help=path_help)
+    @click.option("--json", "as_json", is_flag=True)
+    @click.pass_context
+    def command(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
+        client = _client(ctx)
+        send = client.policy_push if name == "push" else client.policy_publish
+        try:
+            result = send(step, path.absolute())
+        except DaemonError as exc:
+            click.echo(f"dynamod: policy {name} failed: {exc}", err=True)
+            sys.exit(1)
+        _report(result, as_json)
 
 
-@policy_group.command("publish")
-@click.option("--step", type=int, required=True, help="Policy version (trainer step).")
-@click.option(
-    "--path",
-    "path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Where the step's weights can be loaded from (for replays).",
+_update_command(
+    "push",
+    "Checkpoint directory holding the step's *.safetensors.",
+    "Load a checkpoint into every admitted shard (pause, load, reset KV, verify, resume).",
 )
-@click.option("--json", "as_json", is_flag=True)
-@click.pass_context
-def publish(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
-    """Record a step the trainer loaded itself; verify the shards, hold mismatches."""
-    try:
-        result = _client(ctx).policy_publish(step, path.absolute())
-    except DaemonError as exc:
-        click.echo(f"dynamod: policy publish failed: {exc}", err=True)
-        sys.exit(1)
-    _report(result, as_json)
+_update_command(
+    "publish",
+    "Where the step's weights can be loaded from (for replays).",
+    "Record a step the trainer loaded itself; verify the shards, hold mismatches.",
+)
 
 
 @policy_group.command("status")

@@ -112,6 +112,21 @@ def test_restart_limit_fails_the_unit_and_up(dm: Dynamod, stack_file: Any) -> No
     assert crashy["restarts"] == 3 and crashy["starts"] == 4
 
 
+def test_service_exiting_0_at_once_is_a_failed_start(dm: Dynamod, stack_file: Any) -> None:
+    """Like the mocker without --model-path: exit 0 before ready is not success."""
+    stack = stack_file("""
+        [units.quitter]
+        command = ["{python}", "@PROC@", "exit", "0"]
+        ready = { kind = "tcp", port = 1, deadline = 5 }
+        restart = { backoff_initial = 0.05, limit_burst = 2 }
+    """)
+    result = dm.run("up", str(stack), "--detach")
+    assert result.returncode == 1
+    assert "exited with status 0 (exited before it was ready" in result.stderr
+    assert "restart limit reached" in result.stderr and "log: " in result.stderr
+    assert "nothing was left running" in result.stderr
+
+
 def test_restart_limit_after_the_stack_is_up(dm: Dynamod, stack_file: Any, tmp_path: Path) -> None:
     stack = stack_file(f"""
         [units.svc]
@@ -215,6 +230,13 @@ def test_down_leaves_nothing_even_double_forked_term_ignoring(
     assert not listening(port)
     stubborn = next(u for u in down["units"] if u["name"] == "stubborn")
     assert "escalated to SIGKILL" in stubborn["detail"]
+
+
+def test_control_socket_is_private(dm: Dynamod, stack_file: Any) -> None:
+    stack = stack_file('[units.s]\ncommand = ["sleep", "60"]\n')
+    dm.run("up", str(stack), "--detach", check=True)
+    assert (dm.state_dir / "dynamod.sock").stat().st_mode & 0o777 == 0o600
+    assert dm.state_dir.stat().st_mode & 0o777 == 0o700
 
 
 def test_sigkilled_daemon_takes_its_units_with_it(
