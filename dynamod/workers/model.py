@@ -60,6 +60,9 @@ class ModelDirError(DynamodError):
     """A model directory is missing, incomplete or unreadable."""
 
 
+BUILT_MARKER = ".built-by-dynamod"
+
+
 def missing_model_files(path: Path) -> list[str]:
     """Names of the required files absent from `path` (all of them if it is no directory)."""
     if not path.is_dir():
@@ -194,17 +197,28 @@ def write_model_dir(path: Path, seed: int = DEFAULT_SEED) -> None:
 def ensure_model(path: Path, seed: int = DEFAULT_SEED) -> Path:
     """Return `path` holding a complete tiny model, building it first if needed.
 
-    Idempotent: a complete directory is left untouched. A partial one is replaced.
-    The build happens in a sibling temporary directory renamed into place, so a
-    concurrent reader never sees a half-written model.
+    Idempotent: a complete directory is left untouched. A partial one is replaced only
+    if dynamod built it (it holds BUILT_MARKER); anyone else's directory is never
+    touched: ModelDirError names what it lacks. The build happens in a sibling temporary
+    directory renamed into place, so a concurrent reader never sees a half-written model.
     """
     path = Path(path)
-    if not missing_model_files(path):
+    missing = missing_model_files(path)
+    if not missing:
         return path
+    if path.exists() and (not path.is_dir() or (
+        any(path.iterdir()) and not (path / BUILT_MARKER).exists()
+    )):
+        raise ModelDirError(
+            f"model directory {path} lacks {', '.join(missing)} and was not built by "
+            "dynamod, so it is left alone: point model_dir at a complete model directory, "
+            "or at a new path to build the tiny model there"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         write_model_dir(staging, seed)
+        (staging / BUILT_MARKER).write_text("built by python -m dynamod.workers.model\n")
         staging.chmod(0o755)
         for file in staging.iterdir():
             file.chmod(0o644)
@@ -226,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
     args = parser.parse_args(argv)
-    path = ensure_model(args.out_dir, seed=args.seed)
+    try:
+        path = ensure_model(args.out_dir, seed=args.seed)
+    except ModelDirError as exc:
+        print(f"dynamod.workers.model: {exc}", file=sys.stderr)
+        return 2
     print(path)
     return 0
 

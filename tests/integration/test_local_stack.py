@@ -204,3 +204,20 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
     assert not set(victim["dynamo"]["instance_ids"]) & registered
     log = dm.daemon_log()
     assert '"event": "dynamo.revoked"' in log
+
+
+def test_wrong_model_directory_fails_up_cleanly(dm: Dynamod, tmp_path: Path) -> None:
+    """Someone else's incomplete model dir is named, left untouched, and nothing runs."""
+    model = tmp_path / "not-a-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    result = dm.run("up", "--detach", "--var", f"model_dir={model}", "--var",
+                    "trainer_steps=0", timeout=300)
+    assert result.returncode == 1
+    assert f"model directory {model} lacks" in result.stderr
+    assert "tokenizer.json" in result.stderr and "was not built by dynamod" in result.stderr
+    assert "nothing was left running" in result.stderr
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+    down = json.loads((dm.state_dir / "last-down.json").read_text())
+    assert down["survivors"] == []
+    assert all(u["state"] == "stopped" for u in down["units"])
