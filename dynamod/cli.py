@@ -274,13 +274,13 @@ def down(ctx: click.Context, as_json: bool) -> None:
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> None:
+    """Until the daemon has exited. A zombie counts as gone: the detached daemon's parent
+    is whatever reaps orphans here, which may take its time."""
+    from dynamod.proctable import is_zombie
+
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.02)
+    while time.monotonic() < deadline and not is_zombie(pid):
+        time.sleep(0.01)
 
 
 @main.command()
