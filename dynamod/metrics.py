@@ -143,7 +143,7 @@ class StackCollector(Collector):
                 recovery.add_metric([unit.name], self.recovery.last[unit.name])
             if is_shard(unit):
                 lag.add_metric([unit.name], policy_lag(unit))
-                held += unit.state is UnitState.HELD
+                held += unit.hold_reason is not None
         yield state
         yield restarts
         yield recovery

@@ -162,18 +162,33 @@ class PolicyManager:
     # ------------------------------------------------------------------ rejoin
 
     async def _catch_up(self, unit: Unit) -> None:
-        """Replay the ledger's current version until it sticks. Returns when admitted."""
+        """Replay the ledger's current version until it sticks. Returns when admitted.
+
+        Replays of different shards run in parallel (a GPU shard's load takes seconds);
+        only the admission takes the policy lock, and it checks that no push moved the
+        ledger on meanwhile, else the replay starts over at the new version.
+        """
         delay = self.spec.replay_backoff_initial
         attempt = 0
         while True:
             attempt += 1
             try:
+                target = await self.ledger().current()
+                self._note_current(target)
+                ack = await self._apply(unit, target)
                 async with self._lock:
-                    target = await self.ledger().current()
-                    self._note_current(target)
-                    ack = await self._apply(unit, target)
-                    await self._record_ack(unit, ack)
-                return
+                    now = await self.ledger().current()
+                    if (now.version if now else self.spec.initial_version) == ack.version:
+                        await self._record_ack(unit, ack)
+                        return
+                self._note_current(now)
+                log.info(
+                    "policy.replay_overtaken",
+                    unit=unit.name,
+                    replayed=ack.version,
+                    current=self.current_version,
+                )
+                continue
             except (PolicyError, EtcdError) as exc:
                 error = str(exc)
             await self._record_failure(unit, error)
@@ -195,7 +210,7 @@ class PolicyManager:
         async def rejoin() -> None:
             await self._catch_up(unit)
             self._rejoins.pop(unit.name, None)
-            if unit.state is UnitState.HELD:
+            if unit.hold_reason is not None and unit.state.running:
                 self.engine.admit(unit, self._ack_detail(unit))
 
         self._rejoins[unit.name] = asyncio.get_running_loop().create_task(rejoin())
@@ -312,10 +327,12 @@ class PolicyManager:
     # ------------------------------------------------------------------ push / publish
 
     def admitted_shards(self) -> list[Unit]:
+        """Shards in service: running, past readiness, and not held (a held shard can also
+        be degraded while its liveness probe fails; it is still not admitted)."""
         return [
-            self.engine.units[n]
-            for n in self.engine.stack.shards()
-            if self.engine.units[n].state in {UnitState.READY, UnitState.DEGRADED}
+            unit
+            for unit in (self.engine.units[n] for n in self.engine.stack.shards())
+            if unit.state in {UnitState.READY, UnitState.DEGRADED} and unit.hold_reason is None
         ]
 
     async def push(self, step: int, path: str) -> dict[str, Any]:
@@ -439,6 +456,7 @@ class PolicyManager:
         current = await ledger.current()
         history = await ledger.history()
         records = await ledger.shards()
+        admitted = {u.name for u in self.admitted_shards()}
         shards = []
         for name in self.engine.stack.shards():
             unit = self.engine.units[name]
@@ -448,7 +466,7 @@ class PolicyManager:
                     "name": name,
                     "state": str(unit.state),
                     "policy_version": unit.extra.get("policy_version"),
-                    "admitted": unit.state in {UnitState.READY, UnitState.DEGRADED},
+                    "admitted": name in admitted,
                     "last_ack": record.acked_at if record else None,
                     "last_error": record.last_error if record else None,
                 }
@@ -472,5 +490,5 @@ class PolicyManager:
             "admitted": admitted,
             "min_ready_shards": self.spec.min_ready_shards,
             "serving": admitted >= max(1, self.spec.min_ready_shards),
-            "held": [n for n in shards if self.engine.units[n].state is UnitState.HELD],
+            "held": [n for n in shards if self.engine.units[n].hold_reason is not None],
         }

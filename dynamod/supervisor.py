@@ -45,7 +45,7 @@ Listener = Callable[["Unit", UnitState, UnitState], None]
 ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one object per supervised instance
 class Unit:
     spec: UnitSpec
     sink: OutputSink
@@ -153,8 +153,11 @@ class Engine:
         self.transition(unit, UnitState.HELD, reason)
 
     def admit(self, unit: Unit, detail: str | None) -> None:
+        """End a hold. A unit that is also degraded stays so until its liveness recovers,
+        and then goes to ready, not back to held."""
         unit.hold_reason = None
-        self.transition(unit, UnitState.READY, detail)
+        new = UnitState.READY if unit.state is UnitState.HELD else unit.state
+        self.transition(unit, new, detail)
 
     async def changed(self, timeout: float | None = None) -> None:
         """Wait for the next state change (or the timeout)."""
