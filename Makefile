@@ -4,7 +4,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test lint typecheck pytest bench clean
+.PHONY: install up test lint typecheck pytest bench bench-quick clean
 
 install:
 	./scripts/install.sh
@@ -25,6 +25,10 @@ test: install lint typecheck pytest
 
 bench: install
 	$(BIN)/python -m bench.run_all
+
+# Every benchmark's smoke run (each under a minute); results are not comparable.
+bench-quick: install
+	$(BIN)/python -m bench.run_all --quick
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

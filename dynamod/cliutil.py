@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 
 from dynamod import paths
 from dynamod.errors import DynamodError, SpecErrors
-from dynamod.spec import Stack
+
+if TYPE_CHECKING:  # the CLI imports this module; pydantic loads only when a stack does
+    from dynamod.spec import Stack
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
