@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -101,21 +100,8 @@ def up(
         )
     resolved = load_stack(stack, state_dir, variables)
     if detach:
-        sys.exit(_up_detached(state_dir, stack, variables, timeout, metrics_addr))
+        sys.exit(_up_detached(resolved, state_dir, timeout, metrics_addr))
     sys.exit(_run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr))
-
-
-@main.command(hidden=True)
-@click.argument("stack", required=False)
-@_var_option
-@_metrics_option
-@click.pass_context
-def daemon(
-    ctx: click.Context, stack: str | None, variables: tuple[str, ...], metrics_addr: str | None
-) -> None:
-    """Run the daemon in the foreground without progress output (used by --detach)."""
-    resolved = load_stack(stack, state_dir_of(ctx), variables)
-    sys.exit(_run_daemon(resolved, state_dir_of(ctx), progress=False, metrics_addr=metrics_addr))
 
 
 def _run_daemon(
@@ -167,45 +153,54 @@ async def _print_progress(daemon: Any) -> None:
 
 
 def _up_detached(
-    state_dir: Path,
-    stack: str | None,
-    variables: tuple[str, ...],
-    timeout: float | None,
-    metrics_addr: str | None,
+    resolved: Any, state_dir: Path, timeout: float | None, metrics_addr: str | None
 ) -> int:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(state_dir, 0o700)
+    """Fork the daemon off this process (it keeps the validated stack and the imports, so
+    nothing is loaded twice), then follow its progress over the socket."""
     from dynamod import sdnotify
 
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
     log_path = state_dir / "daemon.log"
-    argv = [sys.executable, "-m", "dynamod", "--state-dir", str(state_dir), "daemon"]
-    argv += [stack] if stack else []
-    for var in variables:
-        argv += ["--var", var]
-    if metrics_addr:
-        argv += ["--metrics-addr", metrics_addr]
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=sdnotify.handover_environment(),
-            start_new_session=True,
-            close_fds=True,
-        )
-    sdnotify.notify(f"MAINPID={proc.pid}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _become_daemon(log_path)
+        code = 1
+        try:
+            code = _run_daemon(resolved, state_dir, progress=False, metrics_addr=metrics_addr)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sdnotify.notify(f"MAINPID={pid}")
     client = Client(state_dir)
     progress = render.Progress()
     started = time.monotonic()
-    click.echo(f"dynamod daemon pid {proc.pid}, state dir {state_dir}, log {log_path}")
+    click.echo(f"dynamod daemon pid {pid}, state dir {state_dir}, log {log_path}")
+
+    def exited() -> int | None:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return os.waitstatus_to_exitcode(status) if done else None
+
+    def wait() -> int:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
     while True:
-        if proc.poll() is not None:
-            return _explain_daemon_exit(client, state_dir, log_path, proc.returncode)
+        exit_code = exited()
+        if exit_code is not None:
+            return _explain_daemon_exit(client, state_dir, log_path, exit_code)
         try:
             status = client.status()
         except DaemonError:
-            time.sleep(0.1)
+            time.sleep(0.02)
             continue
         for line in progress.update(status, time.monotonic()):
             click.echo(line)
@@ -216,17 +211,30 @@ def _up_detached(
             )
             return 0
         if status["phase"] in {"failed", "stopping", "stopped"}:
-            proc.wait(timeout=600)
-            return _explain_daemon_exit(client, state_dir, log_path, proc.returncode)
+            return _explain_daemon_exit(client, state_dir, log_path, wait())
         if timeout is not None and time.monotonic() - started > timeout:
             click.echo(f"dynamod: stack not ready after {timeout:g}s; tearing it down", err=True)
             waiting = [u for u in status["units"] if u["state"] not in {"ready", "completed"}]
             for unit in waiting:
                 click.echo(f"  {unit['name']}: {unit['state']}: {unit['detail']}", err=True)
             client.down()
-            proc.wait(timeout=600)
+            wait()
             return 1
-        time.sleep(0.2)
+        time.sleep(0.05)
+
+
+def _become_daemon(log_path: Path) -> None:
+    """In the forked child: own session, no terminal, output to the daemon log. The child
+    becomes systemd's main pid (MAINPID=), so WATCHDOG_PID, naming the parent, goes."""
+    os.setsid()
+    os.environ.pop("WATCHDOG_PID", None)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null_fd = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null_fd, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(null_fd)
+    os.close(log_fd)
 
 
 def _explain_daemon_exit(client: Client, state_dir: Path, log_path: Path, code: int) -> int:

@@ -49,15 +49,6 @@ def notify(message: str, socket_path: str | None = None) -> bool:
     return True
 
 
-def handover_environment() -> dict[str, str]:
-    """The environment for a process that is about to become the service's main pid
-    (`up --detach` sends MAINPID= for it): WATCHDOG_PID names the detaching parent, so
-    it is dropped and the new main process pets the watchdog itself."""
-    env = dict(os.environ)
-    env.pop("WATCHDOG_PID", None)
-    return env
-
-
 def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
     """Seconds between WATCHDOG=1 pings (half of WATCHDOG_USEC), or None when systemd
     expects none from this process (unset, unparsable, or WATCHDOG_PID is another pid)."""

@@ -52,13 +52,6 @@ def test_watchdog_interval_is_half_the_timeout_and_only_for_us(
     assert sdnotify.watchdog_interval(environ, pid=4242) == interval
 
 
-def test_handover_environment_drops_watchdog_pid(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WATCHDOG_PID", "4242")
-    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
-    env = sdnotify.handover_environment()
-    assert "WATCHDOG_PID" not in env and env["WATCHDOG_USEC"] == "30000000"
-
-
 def test_notify_sends_one_datagram(tmp_path: Path) -> None:
     path = tmp_path / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
