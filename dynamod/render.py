@@ -22,7 +22,7 @@ def duration(seconds: float | None) -> str:
 
 def _tree_lines(units: Sequence[Row]) -> list[tuple[str, Row]]:
     """Units nothing depends on are roots; each unit's children are its dependencies.
-    A unit already shown appears again with a trailing '^' and no children."""
+    A unit already shown appears again with a trailing '^', its state only, no children."""
     by_name = {u["name"]: u for u in units}
     depended_on = {dep for u in units for dep in u["depends_on"]}
     roots = [u for u in units if u["name"] not in depended_on]
@@ -51,6 +51,9 @@ def status_table(status: Mapping[str, Any]) -> str:
     header = ["UNIT", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "DETAIL"]
     rows = []
     for label, unit in _tree_lines(units):
+        if label.endswith(" ^"):  # shown in full further up
+            rows.append([label, unit["state"], "", "", "", "", ""])
+            continue
         rows.append(
             [
                 label,
