@@ -67,10 +67,15 @@ class RestartTracker:
         return premature or not exit.clean
 
     def delay(self) -> float:
-        base = min(
-            self.spec.backoff_max,
-            self.spec.backoff_initial * (self.spec.backoff_factor**self.attempt),
-        )
+        """first_delay for the first restart after a good run, then backoff_initial growing
+        by backoff_factor per consecutive restart, capped at backoff_max, +/- jitter."""
+        if self.attempt == 0:
+            base = self.spec.first_delay
+        else:
+            base = min(
+                self.spec.backoff_max,
+                self.spec.backoff_initial * (self.spec.backoff_factor ** (self.attempt - 1)),
+            )
         spread = base * self.spec.jitter
         return max(0.0, base + self.rng.uniform(-spread, spread))
 

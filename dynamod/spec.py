@@ -109,7 +109,10 @@ Probe = Annotated[
 
 class RestartSpec(_Model):
     policy: Literal["never", "on-failure", "always"] = "on-failure"
-    backoff_initial: float = Field(0.1, ge=0)
+    first_delay: float = Field(
+        0.0, ge=0, description="delay of the first restart after the unit ran well"
+    )
+    backoff_initial: float = Field(0.1, ge=0, description="delay of the second restart in a row")
     backoff_max: float = Field(30.0, ge=0)
     backoff_factor: float = Field(2.0, ge=1)
     jitter: float = Field(0.2, ge=0, le=1, description="+/- fraction of each delay")

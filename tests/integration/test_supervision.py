@@ -71,7 +71,7 @@ def test_sigkill_restarts_with_backoff(dm: Dynamod, stack_file: Any) -> None:
         command = [{SERVE}]
         ports = {{ http = 0 }}
         {_http_ready()}
-        restart = {{ backoff_initial = 0.4, backoff_factor = 2, jitter = 0 }}
+        restart = {{ first_delay = 0.4, backoff_initial = 0.8, jitter = 0 }}
     """)
     dm.run("up", str(stack), "--detach", check=True)
     first = dm.unit("svc")
@@ -88,7 +88,7 @@ def test_sigkill_restarts_with_backoff(dm: Dynamod, stack_file: Any) -> None:
                         what="second restart")
     second_delay = time.monotonic() - killed_at
     assert third["restarts"] == 2
-    assert first_delay >= 0.4 and second_delay >= 0.8  # 0.4 s, then doubled
+    assert first_delay >= 0.4 and second_delay >= 0.8  # first_delay, then backoff_initial
     log = dm.daemon_log()
     assert "restarting in 0.40s" in log and "restarting in 0.80s" in log
 

@@ -15,12 +15,19 @@ def tracker(**kw: object) -> RestartTracker:
 
 def test_backoff_grows_exponentially_up_to_the_cap() -> None:
     t = tracker(backoff_initial=0.1, backoff_factor=2, backoff_max=0.5, limit_burst=100)
-    delays = [t.decide(CRASH, now=i, uptime=0.1, premature=False).delay for i in range(6)]
-    assert delays == [0.1, 0.2, 0.4, 0.5, 0.5, 0.5]
+    delays = [t.decide(CRASH, now=i, uptime=0.1, premature=False).delay for i in range(7)]
+    assert delays == [0.0, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5]  # the first restart is immediate
+
+
+def test_first_delay_is_configurable() -> None:
+    t = tracker(first_delay=0.3, backoff_initial=1, limit_burst=100)
+    delays = [t.decide(CRASH, now=i, uptime=0.1, premature=False).delay for i in range(3)]
+    assert delays == [0.3, 1, 2]
 
 
 def test_jitter_stays_within_the_fraction() -> None:
-    spec = RestartSpec(backoff_initial=1.0, backoff_factor=1, jitter=0.2, limit_burst=1000)
+    spec = RestartSpec(first_delay=1.0, backoff_initial=1.0, backoff_factor=1, jitter=0.2,
+                       limit_burst=1000)
     t = RestartTracker(spec, rng=random.Random(7))
     delays = [t.decide(CRASH, now=i * 100, uptime=0, premature=False).delay for i in range(200)]
     assert min(delays) >= 0.8 and max(delays) <= 1.2
@@ -32,7 +39,7 @@ def test_restart_limit_counts_a_burst_within_the_interval() -> None:
     decisions = [t.decide(CRASH, now=float(i), uptime=0.1, premature=False) for i in range(4)]
     assert [d.restart for d in decisions] == [True, True, True, False]
     assert "restart limit reached: 3 restarts within 10s" in decisions[-1].reason
-    assert decisions[0].reason == "restarting in 0.10s"
+    assert decisions[0].reason == "restarting in 0.00s"
 
 
 def test_restarts_outside_the_window_do_not_count() -> None:
@@ -45,9 +52,10 @@ def test_restarts_outside_the_window_do_not_count() -> None:
 
 def test_long_uptime_resets_the_backoff() -> None:
     t = tracker(backoff_initial=1, backoff_factor=2, reset_after=30, limit_burst=100)
-    assert t.decide(CRASH, now=0, uptime=1, premature=False).delay == 1
-    assert t.decide(CRASH, now=10, uptime=1, premature=False).delay == 2
-    assert t.decide(CRASH, now=100, uptime=60, premature=False).delay == 1
+    assert t.decide(CRASH, now=0, uptime=1, premature=False).delay == 0
+    assert t.decide(CRASH, now=10, uptime=1, premature=False).delay == 1
+    assert t.decide(CRASH, now=20, uptime=1, premature=False).delay == 2
+    assert t.decide(CRASH, now=100, uptime=60, premature=False).delay == 0
 
 
 def test_policies() -> None:
