@@ -70,6 +70,18 @@ class Dynamod:
         raise AssertionError(f"timed out waiting for {what}; last status: "
                              f"{json.dumps(last, indent=1)[:3000] if last else None}")
 
+    def wait_ready_again(self, name: str, *old_pids: int, timeout: float = 30,
+                         what: str = "") -> dict[str, Any]:
+        """Until unit `name` is ready under a pid that is none of `old_pids` (a restart)."""
+        def ready_again(status: dict[str, Any]) -> dict[str, Any] | None:
+            unit = unit_by_name(status, name)
+            ready = unit["state"] == "ready" and unit["pid"] not in old_pids
+            return unit if ready else None
+
+        result: dict[str, Any] = self.wait_for(ready_again, timeout=timeout,
+                                               what=what or f"{name} ready again")
+        return result
+
     def run_id(self) -> str | None:
         try:
             return str(json.loads((self.state_dir / "run.json").read_text())["run_id"])

@@ -30,9 +30,7 @@ def test_infra_up_kill_nats_restart_down_leaves_nothing(dm: Dynamod) -> None:
     assert get_json(f"http://127.0.0.1:{nats['ports']['monitor']}/healthz") == {"status": "ok"}
 
     os.kill(nats["pid"], signal.SIGKILL)
-    again = dm.wait_for(
-        lambda s: (u := unit_by_name(s, "nats"))["state"] == "ready" and u["pid"] != nats["pid"]
-        and u, what="nats restarted and ready")
+    again = dm.wait_ready_again("nats", nats["pid"], what="nats restarted and ready")
     assert again["restarts"] == 1 and again["last_exit"] == "killed by SIGKILL"
     assert again["ports"] == nats["ports"]  # same ports after a restart
     assert get_json(f"http://127.0.0.1:{nats['ports']['monitor']}/healthz") == {"status": "ok"}

@@ -184,15 +184,7 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
     assert len(events) == 150
     assert failures == [], f"{len(failures)} client-visible failures after kill -9"
     assert any(t > killed_at for t, _, _ in events)
-    again = dm.wait_for(
-        lambda s: (
-            (u := unit_by_name(s, "worker@1"))["state"] == "ready"
-            and u["pid"] != victim["pid"]
-            and u
-        ),
-        timeout=60,
-        what="worker@1 back",
-    )
+    again = dm.wait_ready_again("worker@1", victim["pid"], timeout=60)
     assert again["restarts"] == 1 and again["last_exit"] == "killed by SIGKILL"
     new_ids = again["dynamo"]["instance_ids"]
     assert new_ids and set(new_ids).isdisjoint(victim["dynamo"]["instance_ids"])

@@ -188,15 +188,7 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     victim = dm.unit("worker@1")
     killed_wall = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
-    back = dm.wait_for(
-        lambda s: (
-            (u := unit_by_name(s, "worker@1"))["state"] == "ready"
-            and u["pid"] != victim["pid"]
-            and u
-        ),
-        timeout=60,
-        what="rejoin",
-    )
+    back = dm.wait_ready_again("worker@1", victim["pid"], timeout=60, what="rejoin")
     time.sleep(3)
     history.stop()
     assert back["policy_version"] == 1 and back["restarts"] == 1
@@ -235,15 +227,7 @@ def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
     assert answer["ok"] and answer["version"] == 5
     assert answer["acks"]["worker@0"]["ok"] and not answer["acks"]["worker@1"]["ok"]
     assert answer["stale"] == ["worker@1"]
-    back = dm.wait_for(
-        lambda s: (
-            (u := unit_by_name(s, "worker@1"))["state"] == "ready"
-            and u["pid"] != victim["pid"]
-            and u
-        ),
-        timeout=60,
-        what="catch-up",
-    )
+    back = dm.wait_ready_again("worker@1", victim["pid"], timeout=60, what="catch-up")
     assert back["policy_version"] == 5
     assert shard_versions(dm) == {"worker@0": 5, "worker@1": 5}
 

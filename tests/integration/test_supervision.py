@@ -77,15 +77,12 @@ def test_sigkill_restarts_with_backoff(dm: Dynamod, stack_file: Any) -> None:
     first = dm.unit("svc")
     os.kill(first["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
-    second = dm.wait_for(lambda s: (u := unit_by_name(s, "svc"))["state"] == "ready"
-                         and u["pid"] != first["pid"] and u, what="first restart")
+    second = dm.wait_ready_again("svc", first["pid"], what="first restart")
     first_delay = time.monotonic() - killed_at
     assert second["restarts"] == 1 and second["last_exit"] == "killed by SIGKILL"
     os.kill(second["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
-    third = dm.wait_for(lambda s: (u := unit_by_name(s, "svc"))["state"] == "ready"
-                        and u["pid"] not in (first["pid"], second["pid"]) and u,
-                        what="second restart")
+    third = dm.wait_ready_again("svc", first["pid"], second["pid"], what="second restart")
     second_delay = time.monotonic() - killed_at
     assert third["restarts"] == 2
     assert first_delay >= 0.4 and second_delay >= 0.8  # first_delay, then backoff_initial
@@ -166,9 +163,7 @@ def test_liveness_failure_restarts_a_hung_process(dm: Dynamod, stack_file: Any) 
     dm.run("up", str(stack), "--detach", check=True)
     hung = dm.unit("svc")
     os.kill(hung["pid"], signal.SIGSTOP)
-    restarted = dm.wait_for(lambda s: (u := unit_by_name(s, "svc"))["state"] == "ready"
-                            and u["pid"] != hung["pid"] and u, timeout=15,
-                            what="hung unit restarted")
+    restarted = dm.wait_ready_again("svc", hung["pid"], timeout=15, what="hung unit restarted")
     assert restarted["restarts"] == 1
     assert restarted["last_exit"] == "killed by SIGKILL"
     assert not pid_alive(hung["pid"])
@@ -271,8 +266,7 @@ def test_restart_command_and_logs(dm: Dynamod, stack_file: Any) -> None:
     dm.run("up", str(stack), "--detach", check=True)
     before = dm.unit("svc")
     dm.run("restart", "svc", check=True)
-    after = dm.wait_for(lambda s: (u := unit_by_name(s, "svc"))["state"] == "ready"
-                        and u["pid"] != before["pid"] and u, what="manual restart")
+    after = dm.wait_ready_again("svc", before["pid"], what="manual restart")
     assert after["starts"] == 2
     logs = dm.run("logs", "svc", check=True).stdout
     assert logs.count("listening on") == 2 and "start #2" in logs
