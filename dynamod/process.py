@@ -256,7 +256,3 @@ def base_environment(run_id: str, unit: str, extra: Mapping[str, str]) -> dict[s
     env[MARK_UNIT] = unit
     env.pop("NOTIFY_SOCKET", None)  # systemd notifications are dynamod's, not the units'
     return env
-
-
-def search_path(env: Mapping[str, str]) -> str:
-    return env.get("PATH", os.defpath)

@@ -317,9 +317,6 @@ class Stack:
             return []
         return [n for n in self.order if self.units[n].unit in self.policy.shards]
 
-    def dependents(self, name: str) -> list[str]:
-        return [u.name for u in self.units.values() if name in u.depends_on]
-
 
 def _render_field(value: Any, context: Mapping[str, Any], raw: RawUnit, where: str) -> Any:
     """Render strings in `value`, turning template errors into SpecErrors at `where`."""

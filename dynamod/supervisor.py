@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
-from dynamod import process
+from dynamod import graph, process
 from dynamod.errors import UnitFailed
 from dynamod.logs import LogFile, OutputSink
 from dynamod.probes import ProbeContext, Prober, ProbeResult, make_prober
@@ -401,10 +401,7 @@ class Engine:
         pids of any process that survived SIGKILL (should be none)."""
         self.stopping = True
         done: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.units}
-        dependents: dict[str, list[str]] = {name: [] for name in self.units}
-        for unit in self.units.values():
-            for dep in unit.spec.depends_on:
-                dependents[dep].append(unit.name)
+        dependents = graph.dependents({n: list(u.spec.depends_on) for n, u in self.units.items()})
         survivors: list[int] = []
 
         async def stop_one(unit: Unit) -> None:

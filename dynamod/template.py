@@ -49,18 +49,3 @@ def render(text: str, context: Mapping[str, Any]) -> str:
         return str(value)
 
     return _REF.sub(substitute, text)
-
-
-def render_tree(value: Any, context: Mapping[str, Any]) -> Any:
-    """Render every string inside nested dicts and lists; other values pass through."""
-    if isinstance(value, str):
-        return render(value, context)
-    if isinstance(value, dict):
-        return {key: render_tree(item, context) for key, item in value.items()}
-    if isinstance(value, list):
-        return [render_tree(item, context) for item in value]
-    return value
-
-
-def references(text: str) -> list[str]:
-    return [m.group(1) for m in _REF.finditer(text) if m.group(1)]
