@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -392,14 +392,14 @@ def _pydantic_errors(exc: ValidationError, raw: RawUnit, instance: str) -> list[
     return errors
 
 
+# pydantic puts the probe's `kind` into an error's location; it is not a field the user wrote.
+_PROBE_KINDS = frozenset(
+    get_args(cls.model_fields["kind"].annotation)[0] for cls in get_args(get_args(Probe)[0])
+)
+
+
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and part in {
-        "tcp",
-        "http",
-        "exec",
-        "log",
-        "dynamo_frontend",
-    }
+    return isinstance(part, str) and part in _PROBE_KINDS
 
 
 def resolve_stack(
