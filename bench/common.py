@@ -431,7 +431,7 @@ class Dynamod:
     def __init__(self, state: Path) -> None:
         bench_mark()
         self.state = state
-        from dynamod.client import Client
+        from dynamod.control.client import Client
 
         self.client = Client(state)
 
@@ -515,7 +515,7 @@ class Dynamod:
                 self.down()
         run_id = self.run_id()
         if run_id:
-            from dynamod.proctable import marked_pids
+            from dynamod.core.proctable import marked_pids
 
             for pid in marked_pids(run_id):
                 with contextlib.suppress(ProcessLookupError):
@@ -625,7 +625,7 @@ def prebuilt_model() -> Path:
     """The tiny model where the stock units look for it (`model_dir`, in dynamod's cache
     dir), built once if missing, so stack benchmarks measure processes, not tokenizer
     builds: the `model` unit then only checks it, for every variant alike."""
-    from dynamod import paths
+    from dynamod.core import paths
     from dynamod.workers.model import ensure_model
 
     return ensure_model(paths.cache_dir() / "models" / MODEL)
@@ -657,7 +657,7 @@ def serve_stack(state: Path) -> Path:
 def load_local_stack(state: Path, *variables: str) -> Any:
     """The serve-only local stack rendered the way `dynamod up` renders it (ports
     allocated now)."""
-    from dynamod import ports, spec
+    from dynamod.core import ports, spec
 
     allocator = ports.PortAllocator()
     return spec.load(
@@ -679,7 +679,7 @@ def unit_env(unit_spec: Any) -> dict[str, str]:
 
 async def routable(session: Any, url: str, workers: int, model: str = MODEL) -> bool:
     """The frontend lists `workers` generate instances and the model: fully ready."""
-    from dynamod import dynamo
+    from dynamod.rollout import dynamo
 
     try:
         instances = await dynamo.frontend_routed_instances(session, url, NAMESPACE,

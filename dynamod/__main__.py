@@ -1,3 +1,3 @@
-from dynamod.cli import main
+from dynamod.control.cli import main
 
 main()

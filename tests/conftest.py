@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dynamod.proctable import marked_pids
+from dynamod.core.proctable import marked_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -8,8 +8,8 @@ import sys
 
 import structlog
 
-from dynamod import logsetup
-from dynamod.errors import DynamodError
+from dynamod.core import logsetup
+from dynamod.core.errors import DynamodError
 from dynamod.trainer.config import parse_args
 from dynamod.trainer.loop import Trainer
 from dynamod.workers.model import ModelDirError, check_model_dir

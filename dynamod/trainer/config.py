@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamod.paths import STATE_DIR_ENV, default_state_dir
+from dynamod.core.paths import STATE_DIR_ENV, default_state_dir
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from dynamod.errors import DynamodError
+from dynamod.core.errors import DynamodError
 from dynamod.trainer import checkpoints, grpo
 from dynamod.trainer.config import TrainerConfig
 from dynamod.trainer.control import Control

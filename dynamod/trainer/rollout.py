@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import structlog
 
-from dynamod.errors import DynamodError
+from dynamod.core.errors import DynamodError
 from dynamod.trainer.control import Control
 from dynamod.trainer.history import HistoryWriter, RequestRecord
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamod.errors import DynamodError
+from dynamod.core.errors import DynamodError
 from dynamod.workers.model import ModelDirError, check_model_dir
 from dynamod.workers.weights import CheckpointError, WeightSet, load_checkpoint
 
@@ -316,7 +316,7 @@ class MockerEngine:
 
 
 def _free_loopback_port() -> int:
-    from dynamod.ports import PortAllocator
+    from dynamod.core.ports import PortAllocator
 
     return PortAllocator()()
 

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dynamod.errors import DynamodError
+from dynamod.core.errors import DynamodError
 from dynamod.workers.weights import WEIGHTS_FILE
 
 DEFAULT_SEED = 0

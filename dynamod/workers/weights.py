@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dynamod.errors import DynamodError
+from dynamod.core.errors import DynamodError
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamod.ports import PortAllocator
+from dynamod.core.ports import PortAllocator
 
 REPO = Path(__file__).resolve().parents[2]
 # Dynamo listens on the host's address unless told otherwise (its ZMQ event-plane

@@ -1,4 +1,4 @@
-"""dynamod.dynamo against a real stack: etcd, NATS, the Dynamo frontend and Dynamo mocker
+"""dynamod.rollout.dynamo against a real stack: etcd, NATS, the Dynamo frontend and Dynamo mocker
 workers (Dynamo 1.6.1, CPU). The tests share one stack and run in file order: the first one
 checks readiness before any worker exists."""
 
@@ -17,9 +17,9 @@ from typing import TypeVar
 import aiohttp
 import pytest
 
-from dynamod import dynamo
-from dynamod.etcd import EtcdClient
-from dynamod.ports import PortAllocator
+from dynamod.core.ports import PortAllocator
+from dynamod.rollout import dynamo
+from dynamod.rollout.etcd import EtcdClient
 from tests.integration.rawstack import RawStack, Worker, raw_stack
 
 # Below 32768: Dynamo refuses a larger DYN_SYSTEM_PORT.

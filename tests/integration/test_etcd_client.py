@@ -1,4 +1,4 @@
-"""dynamod.etcd against a real etcd (the JSON gateway of etcd 3.5)."""
+"""dynamod.rollout.etcd against a real etcd (the JSON gateway of etcd 3.5)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from dynamod.etcd import EtcdClient, EtcdError, prefix_range_end
+from dynamod.rollout.etcd import EtcdClient, EtcdError, prefix_range_end
 from tests.integration.rawstack import free_port, raw_stack
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamod.ports import listening
+from dynamod.core.ports import listening
 from tests.conftest import Dynamod, unit_by_name, wait_dead
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dynamod import dynamo
-from dynamod.ports import listening
+from dynamod.core.ports import listening
+from dynamod.rollout import dynamo
 from tests.conftest import Dynamod, unit_by_name, wait_dead
 
 pytestmark = pytest.mark.slow

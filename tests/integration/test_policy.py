@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dynamod.paths import units_dir
+from dynamod.core.paths import units_dir
 from tests.conftest import Dynamod, unit_by_name, wait_dead
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from dynamod import spec
-from dynamod.paths import units_dir
-from dynamod.ports import PortAllocator
+from dynamod.core import spec
+from dynamod.core.paths import units_dir
+from dynamod.core.ports import PortAllocator
 from tests.conftest import Dynamod
 
 

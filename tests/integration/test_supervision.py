@@ -220,7 +220,7 @@ def test_down_leaves_nothing_even_double_forked_term_ignoring(
     down = json.loads(result.stdout)
     assert down["ok"] and down["survivors"] == []
     assert wait_dead(pids, timeout=5) == []
-    from dynamod.ports import listening
+    from dynamod.core.ports import listening
 
     assert not listening(port)
     stubborn = next(u for u in down["units"] if u["name"] == "stubborn")

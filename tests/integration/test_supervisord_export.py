@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamod.ports import listening
+from dynamod.core.ports import listening
 from tests.conftest import PROC, Dynamod, pid_alive, wait_dead
 
 pytestmark = pytest.mark.slow

@@ -1,6 +1,6 @@
 import pytest
 
-from dynamod import graph
+from dynamod.core import graph
 
 
 def test_start_order_puts_dependencies_first() -> None:

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from dynamod import logsetup, logview
-from dynamod.errors import DynamodError
-from dynamod.logs import LogFile
+from dynamod.control import logview
+from dynamod.core import logsetup
+from dynamod.core.errors import DynamodError
+from dynamod.core.logs import LogFile
 
 
 def files(log: Path) -> dict[str, bytes]:

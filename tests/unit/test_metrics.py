@@ -1,4 +1,4 @@
-"""dynamod.metrics pure parts: address parsing, recovery timing, policy lag."""
+"""dynamod.ops.metrics pure parts: address parsing, recovery timing, policy lag."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from dynamod.errors import DynamodError
-from dynamod.metrics import RecoveryClock, is_shard, parse_address, policy_lag
-from dynamod.state import UnitState as S
+from dynamod.core.errors import DynamodError
+from dynamod.core.state import UnitState as S
+from dynamod.ops.metrics import RecoveryClock, is_shard, parse_address, policy_lag
 
 
 @pytest.mark.parametrize(

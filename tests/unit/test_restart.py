@@ -1,7 +1,7 @@
 import random
 
-from dynamod.restart import Exit, RestartTracker
-from dynamod.spec import RestartSpec
+from dynamod.core.restart import Exit, RestartTracker
+from dynamod.core.spec import RestartSpec
 
 CRASH = Exit(code=1, signal=None)
 KILLED = Exit(code=None, signal=9)

@@ -1,4 +1,4 @@
-"""dynamod.sdnotify: what goes into STATUS=, when the watchdog is ours, engine faults."""
+"""dynamod.ops.sdnotify: what goes into STATUS=, when the watchdog is ours, engine faults."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamod import sdnotify
-from dynamod.daemon import Phase
-from dynamod.state import UnitState
+from dynamod.core.daemon import Phase
+from dynamod.core.state import UnitState
+from dynamod.ops import sdnotify
 
 
 def test_status_line_counts_ready_units_and_names_the_others() -> None:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamod import spec
-from dynamod.errors import CycleError, SpecError, SpecErrors
+from dynamod.core import spec
+from dynamod.core.errors import CycleError, SpecError, SpecErrors
 
 
 def load(tmp_path: Path, text: str, **vars: object) -> spec.Stack:

@@ -1,6 +1,6 @@
 import pytest
 
-from dynamod.state import ALLOWED, IllegalTransition, UnitState, check_transition
+from dynamod.core.state import ALLOWED, IllegalTransition, UnitState, check_transition
 
 
 def test_every_state_has_a_transition_row() -> None:

@@ -1,4 +1,4 @@
-"""dynamod.systemd: unit file generation from a stack (pure; nothing runs)."""
+"""dynamod.ops.systemd: unit file generation from a stack (pure; nothing runs)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamod import spec, systemd
-from dynamod.export import ExportError
+from dynamod.core import spec
+from dynamod.ops import systemd
+from dynamod.ops.supervisord import ExportError
 
 STACK = """
     [units.etcd]

@@ -1,6 +1,6 @@
 import pytest
 
-from dynamod.template import TemplateError, render
+from dynamod.core.template import TemplateError, render
 
 CTX = {"ports": {"client": 2379}, "units": {"etcd": {"ports": {"client": 1}}},
        "vars": {"n": 2, "flag": True}, "index": 0}

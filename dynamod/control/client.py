@@ -1,0 +1,98 @@
+"""A small synchronous client for the control socket (used by the CLI, tests, trainers).
+
+Standard library only, so `dynamod status` starts fast.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from dynamod.core.errors import DaemonError
+from dynamod.core.paths import socket_path
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.unix_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(str(self.unix_path))
+        self.sock = sock
+
+
+class Client:
+    def __init__(self, state_dir: Path, timeout: float = 30.0) -> None:
+        self.state_dir = state_dir
+        self.path = socket_path(state_dir)
+        self.timeout = timeout
+
+    def request(
+        self, method: str, route: str, body: Any = None, timeout: float | None = None
+    ) -> Any:
+        conn = _UnixConnection(self.path, timeout or self.timeout)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if payload else {}
+            conn.request(method, route, body=payload, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise DaemonError(
+                f"no dynamod daemon is running for state dir {self.state_dir} "
+                f"(no socket at {self.path}); start one with `dynamod up`"
+            ) from None
+        except OSError as exc:
+            raise DaemonError(f"talking to dynamod at {self.path} failed: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            answer = json.loads(data) if data else {}
+        except ValueError:
+            raise DaemonError(f"dynamod answered {route} with non-JSON: {data[:200]!r}") from None
+        if resp.status >= 400:
+            raise DaemonError(answer.get("error", f"{route}: HTTP {resp.status}"))
+        return answer
+
+    def running(self) -> bool:
+        try:
+            self.status()
+        except DaemonError:
+            return False
+        return True
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "/status", timeout=10)
+        return result
+
+    def down(self, timeout: float = 600) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("POST", "/down", timeout=timeout)
+        return result
+
+    def restart(self, unit: str) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("POST", f"/restart/{unit}", timeout=120)
+        return result
+
+    def policy_push(self, step: int, path: str | Path, timeout: float = 900) -> dict[str, Any]:
+        """Load checkpoint `path` as policy version `step` into every admitted shard."""
+        result: dict[str, Any] = self.request(
+            "POST", "/policy/push", {"step": step, "path": str(path)}, timeout=timeout
+        )
+        return result
+
+    def policy_publish(self, step: int, path: str | Path, timeout: float = 300) -> dict[str, Any]:
+        """Record that the trainer loaded `step` into the shards itself; dynamod verifies."""
+        result: dict[str, Any] = self.request(
+            "POST", "/policy/publish", {"step": step, "path": str(path)}, timeout=timeout
+        )
+        return result
+
+    def policy_status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "/policy", timeout=30)
+        return result

@@ -1,0 +1,16 @@
+"""Command groups that live in their own modules (one module per command family)."""
+
+from __future__ import annotations
+
+import click
+
+from dynamod.control.commands.export import export_group
+from dynamod.control.commands.policy import policy_group
+from dynamod.control.commands.systemd import systemd_group
+
+
+def register_commands(main: click.Group) -> None:
+    """Attach the command groups defined in this package to the `dynamod` group."""
+    main.add_command(systemd_group)
+    main.add_command(export_group)
+    main.add_command(policy_group)

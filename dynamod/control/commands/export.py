@@ -1,0 +1,58 @@
+"""`dynamod export`: a stack as another process manager's config (see dynamod.ops.supervisord)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from dynamod.core.errors import DynamodError
+
+
+@click.group("export")
+def export_group() -> None:
+    """Write a stack as another process manager's configuration."""
+
+
+@export_group.command()
+@click.argument("stack", required=False)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="File to write (default: standard output).",
+)
+@click.option(
+    "--var", "variables", multiple=True, metavar="KEY=VALUE", help="Override a stack variable."
+)
+@click.pass_context
+def supervisord(
+    ctx: click.Context, stack: str | None, out: Path | None, variables: tuple[str, ...]
+) -> None:
+    """A supervisord config for STACK: one [program:x] per unit, with the unit's command,
+    environment, restart and stop settings, priorities in dependency order, and its logs in
+    STATE_DIR/logs (where `dynamod logs` reads them). Ports are allocated now and fixed in
+    the file. What supervisord cannot do is printed to stderr."""
+    from dynamod.control.cliutil import fail, load_stack, state_dir_of
+    from dynamod.ops import supervisord as export
+
+    state_dir = state_dir_of(ctx)
+    resolved = load_stack(stack, state_dir, variables)
+    try:
+        text = export.supervisord_config(resolved, state_dir=state_dir)
+    except DynamodError as exc:
+        fail(str(exc), 2)
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)  # supervisord will not create it
+    os.chmod(state_dir, 0o700)
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        click.echo(f"wrote {out}", err=True)
+    click.echo(
+        f"supervisord runs the {resolved.name} stack's processes, but NOT what dynamod adds:",
+        err=True,
+    )
+    for gap in export.supervisord_gaps(resolved):
+        click.echo(f"  - {gap}", err=True)

@@ -1,0 +1,31 @@
+"""Which extensions a daemon runs with: the composition of the layers above the core.
+
+Extensions add behaviour around units without touching the engine: Dynamo lease
+revocation on worker death, shard admission and policy updates when the stack has a
+[policy] table, sd_notify under systemd, metrics when asked for.
+"""
+
+from __future__ import annotations
+
+from dynamod.core.extensions import Extension
+from dynamod.core.spec import Stack
+from dynamod.ops.metrics import MetricsServer
+from dynamod.ops.sdnotify import SystemdNotifier
+from dynamod.rollout import frontend_probe
+from dynamod.rollout.policy import PolicyManager
+from dynamod.rollout.registrations import DynamoRegistrations
+
+
+def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list[Extension]:
+    """Dynamo registrations always (a no-op without Dynamo units); the policy manager for a
+    stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
+    frontend_probe.register()
+    extensions: list[Extension] = [DynamoRegistrations()]
+    if stack.policy is not None:
+        extensions.append(PolicyManager(stack.policy))
+    notifier = SystemdNotifier.from_environment()
+    if notifier is not None:
+        extensions.append(notifier)
+    if metrics_addr:
+        extensions.append(MetricsServer(metrics_addr))
+    return extensions

@@ -1,0 +1,131 @@
+"""Human output: the status tree and the progress lines `up` prints while it waits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Row = Mapping[str, Any]
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def _tree_lines(units: Sequence[Row]) -> list[tuple[str, Row]]:
+    """Units nothing depends on are roots; each unit's children are its dependencies.
+    A unit already shown appears again with a trailing '^', its state only, no children."""
+    by_name = {u["name"]: u for u in units}
+    depended_on = {dep for u in units for dep in u["depends_on"]}
+    roots = [u for u in units if u["name"] not in depended_on]
+    lines: list[tuple[str, Row]] = []
+    shown: set[str] = set()
+
+    def walk(row: Row, prefix: str, last: bool, top: bool) -> None:
+        branch = "" if top else ("└─ " if last else "├─ ")
+        seen = row["name"] in shown
+        lines.append((prefix + branch + row["name"] + (" ^" if seen else ""), row))
+        if seen:
+            return
+        shown.add(row["name"])
+        deps = [by_name[d] for d in row["depends_on"] if d in by_name]
+        child_prefix = prefix + ("" if top else ("   " if last else "│  "))
+        for i, dep in enumerate(deps):
+            walk(dep, child_prefix, i == len(deps) - 1, False)
+
+    for root in roots:
+        walk(root, "", True, True)
+    return lines
+
+
+def status_table(status: Mapping[str, Any]) -> str:
+    units: list[Row] = status["units"]
+    header = ["UNIT", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "DETAIL"]
+    rows = []
+    for label, unit in _tree_lines(units):
+        if label.endswith(" ^"):  # shown in full further up
+            rows.append([label, unit["state"], "", "", "", "", ""])
+            continue
+        rows.append(
+            [
+                label,
+                unit["state"],
+                str(unit["pid"] or "-"),
+                duration(unit["uptime_s"]),
+                str(unit["restarts"]),
+                unit["last_exit"] or "-",
+                _detail(unit),
+            ]
+        )
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    out = [
+        f"stack {status['stack']} ({status['phase']}) — daemon pid {status['daemon_pid']}, "
+        f"state dir {status['state_dir']}"
+    ]
+    if status.get("error"):
+        out.append(f"error: {status['error']}")
+    for row in [header, *rows]:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        out.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(out)
+
+
+def _detail(unit: Row) -> str:
+    parts = []
+    if unit.get("ports"):
+        parts.append(" ".join(f"{k}={v}" for k, v in unit["ports"].items()))
+    dynamo = unit.get("dynamo")
+    if isinstance(dynamo, Mapping):
+        ids = dynamo.get("instance_ids") or []
+        if ids:
+            parts.append("instance " + ",".join(f"{i:x}" for i in ids))
+        if dynamo.get("routed") is not None:
+            parts.append("routed" if dynamo["routed"] else "NOT routed")
+    policy = unit.get("policy")
+    if isinstance(policy, Mapping) and "version" in policy:
+        parts.append(f"policy v{policy['version']} (current {policy.get('current')})")
+    detail = unit.get("detail") or ""
+    if detail:
+        parts.append(detail.splitlines()[0][:120])
+    return "  ".join(parts)
+
+
+class Progress:
+    """Turns successive status snapshots into lines worth printing while `up` waits."""
+
+    def __init__(self, every: float = 2.0) -> None:
+        self.every = every
+        self._states: dict[str, str] = {}
+        self._last_summary = -1e9
+
+    def update(self, status: Mapping[str, Any], now: float) -> list[str]:
+        lines = []
+        for unit in status["units"]:
+            name, state = unit["name"], unit["state"]
+            if self._states.get(name) != state:
+                self._states[name] = state
+                if state == "inactive":
+                    continue
+                pid = f" pid {unit['pid']}" if unit["pid"] else ""
+                lines.append(f"  {name:<16} {state}{pid}  {_first_line(unit['detail'])}")
+        if now - self._last_summary >= self.every:
+            self._last_summary = now
+            waiting = [u for u in status["units"] if u["state"] in {"starting", "backoff", "held"}]
+            for unit in waiting:
+                lines.append(
+                    f"  … {unit['name']} {unit['state']} for {duration(unit['since_s'])}: "
+                    f"{_first_line(unit['detail'])}"
+                )
+        return lines
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").splitlines()[0][:160] if text else ""

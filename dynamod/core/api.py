@@ -1,0 +1,87 @@
+"""The control socket: HTTP/JSON over a unix socket only its owner can use.
+
+The CLI and `dynamod.control.client` only ever ask the daemon through here; the handlers only
+ask the daemon object. Routes:
+  GET  /status           stack phase and every unit
+  POST /down             tear down; answers once everything is gone
+  POST /restart/{unit}   operator restart of one unit
+Extensions add their own routes (the rollout layer's /policy family).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from dynamod.core.errors import DynamodError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Controlled(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    async def down(self) -> dict[str, Any]: ...
+
+    async def restart(self, unit: str) -> dict[str, Any]: ...
+
+
+def _peer_uid(request: web.Request) -> int | None:
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is None:
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+@web.middleware
+async def _owner_only(request: web.Request, handler: Handler) -> web.StreamResponse:
+    uid = _peer_uid(request)
+    if uid is not None and uid != os.getuid():
+        return web.json_response(
+            {"error": "only the daemon's owner may use this socket"}, status=403
+        )
+    try:
+        return await handler(request)
+    except DynamodError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
+
+
+def build_app(daemon: Controlled) -> web.Application:
+    app = web.Application(middlewares=[_owner_only])
+
+    async def status(_: web.Request) -> web.Response:
+        return web.json_response(daemon.status())
+
+    async def down(_: web.Request) -> web.Response:
+        return web.json_response(await daemon.down())
+
+    async def restart(request: web.Request) -> web.Response:
+        return web.json_response(await daemon.restart(request.match_info["unit"]))
+
+    app.router.add_get("/status", status)
+    app.router.add_post("/down", down)
+    app.router.add_post("/restart/{unit}", restart)
+    return app
+
+
+async def serve(app: web.Application, path: Path) -> web.AppRunner:
+    """Listen on `path` with mode 0600 (the state dir itself is 0700)."""
+    path.unlink(missing_ok=True)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    old_umask = os.umask(0o177)
+    try:
+        site = web.UnixSite(runner, str(path))
+        await site.start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    return runner

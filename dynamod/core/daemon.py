@@ -1,0 +1,274 @@
+"""The daemon: owns the state dir, the engine, the control socket and the guardian.
+
+Lifecycle: lock state dir -> subreaper + SIGCHLD -> guardian -> control socket ->
+engine.start -> wait until every unit is ready (or fail, tear down, exit 1) -> serve until
+`down`, SIGTERM or SIGINT -> stop units in reverse order -> sweep marked processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import structlog
+
+from dynamod.core import api, paths, process
+from dynamod.core.engine import Engine
+from dynamod.core.errors import DaemonError, DynamodError, UnitFailed
+from dynamod.core.extensions import Extension
+from dynamod.core.spec import Stack
+
+log = structlog.get_logger("dynamod.core.daemon")
+
+
+class Phase(StrEnum):
+    STARTING = "starting"
+    UP = "up"
+    FAILED = "failed"  # bring-up failed; tearing down
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class StateDir:
+    """The per-stack directory: lock, socket, pid file, logs. Mode 0700."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path.absolute()
+        self._lock: IO[bytes] | None = None
+
+    def acquire(self) -> None:
+        problem = paths.check_socket_path(self.path)
+        if problem:
+            raise DaemonError(problem)
+        self.path.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        lock = (self.path / "dynamod.lock").open("a+b")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            pid = self.read_pid()
+            raise DaemonError(
+                f"a dynamod daemon (pid {pid}) already runs with state dir {self.path}; "
+                "stop it with `dynamod down` or use another --state-dir"
+            ) from None
+        self._lock = lock
+        (self.path / "dynamod.pid").write_text(f"{os.getpid()}\n")
+
+    def read_pid(self) -> int | None:
+        try:
+            return int((self.path / "dynamod.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def write_json(self, name: str, data: Any) -> None:
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.path / name)
+
+    def release(self) -> None:
+        for name in ("dynamod.sock", "dynamod.pid"):
+            (self.path / name).unlink(missing_ok=True)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def start_guardian(run_id: str) -> tuple[subprocess.Popen[bytes], int]:
+    """Start the guardian in its own session; return it and the pipe end we keep open."""
+    read_fd, write_fd = os.pipe()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNAMOD_RUN")}
+    guardian = subprocess.Popen(
+        [sys.executable, "-m", "dynamod.core.guardian", run_id],
+        stdin=read_fd,
+        env=env,
+        start_new_session=True,
+        close_fds=True,
+    )
+    os.close(read_fd)
+    os.set_inheritable(write_fd, False)
+    guardian.returncode = 0  # the Reaper reaps it
+    return guardian, write_fd
+
+
+@dataclass
+class Daemon:
+    stack: Stack
+    state: StateDir
+    extensions: list[Extension] = field(default_factory=list)
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    phase: Phase = Phase.STARTING
+    error: str | None = None
+    engine: Engine | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    _shutdown: asyncio.Event = field(default_factory=asyncio.Event)
+    _down_result: asyncio.Future[dict[str, Any]] | None = None
+    on_phase: list[Callable[[Phase], None]] = field(default_factory=list)
+
+    def set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        log.info("stack.phase", stack=self.stack.name, phase=str(phase))
+        for callback in self.on_phase:
+            callback(phase)
+
+    # -------------------------------------------------------------- control API
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            "stack": self.stack.name,
+            "stack_file": str(self.stack.path),
+            "state_dir": str(self.state.path),
+            "daemon_pid": os.getpid(),
+            "run_id": self.run_id,
+            "phase": str(self.phase),
+            "error": self.error,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+            "units": self.engine.snapshot() if self.engine else [],
+        }
+        if self.engine is not None:
+            for extension in self.extensions:
+                status.update(extension.status())
+        return status
+
+    def require_running(self, what: str) -> None:
+        """Raise unless the stack is starting or up (for commands that change it)."""
+        if self.phase not in {Phase.STARTING, Phase.UP}:
+            raise DynamodError(f"stack is {self.phase}; {what} needs a running stack")
+
+    async def down(self) -> dict[str, Any]:
+        self._shutdown.set()
+        assert self._down_result is not None
+        return await asyncio.shield(self._down_result)
+
+    async def restart(self, unit: str) -> dict[str, Any]:
+        assert self.engine is not None
+        if unit not in self.engine.units:
+            known = ", ".join(self.engine.units)
+            raise DynamodError(f"no unit {unit!r} in stack {self.stack.name} (units: {known})")
+        if self.phase is not Phase.UP:
+            raise DynamodError(f"stack is {self.phase}; restart needs a running stack")
+        await self.engine.restart_unit(unit)
+        return {"ok": True, "unit": unit}
+
+    # -------------------------------------------------------------- run
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._down_result = loop.create_future()
+        self.state.acquire()
+        reaper = process.Reaper()
+        process.become_subreaper()
+        reaper.install(loop)
+        guardian, guardian_fd = start_guardian(self.run_id)
+        self.state.write_json(
+            "run.json",
+            {
+                "run_id": self.run_id,
+                "pid": os.getpid(),
+                "stack": str(self.stack.path),
+                "guardian_pid": guardian.pid,
+            },
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._shutdown.set)
+        runner = None
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        exit_code = 0
+        try:
+            self.engine = Engine(
+                self.stack,
+                state_dir=self.state.path,
+                run_id=self.run_id,
+                reaper=reaper,
+                session=session,
+                hooks=[],
+            )
+            for extension in self.extensions:
+                await extension.start(self)
+            app = api.build_app(self)
+            for extension in self.extensions:
+                app.router.add_routes(extension.routes())
+            runner = await api.serve(app, paths.socket_path(self.state.path))
+            self.engine.start()
+            exit_code = await self._bring_up_and_serve()
+        finally:
+            survivors = await self._teardown()
+            if survivors:
+                exit_code = exit_code or 3
+            if runner is not None:
+                with contextlib.suppress(Exception):
+                    await runner.cleanup()
+            for extension in self.extensions:
+                with contextlib.suppress(Exception):
+                    await extension.stop()
+            await session.close()
+            os.close(guardian_fd)  # the guardian sees EOF, finds nothing left, exits
+            self.state.release()
+            self.set_phase(Phase.STOPPED)
+        return exit_code
+
+    async def _bring_up_and_serve(self) -> int:
+        assert self.engine is not None
+        bring_up = asyncio.ensure_future(self.engine.wait_up())
+        shutdown = asyncio.ensure_future(self._shutdown.wait())
+        await asyncio.wait([bring_up, shutdown], return_when=asyncio.FIRST_COMPLETED)
+        if not bring_up.done():
+            bring_up.cancel()
+            self.error = "shutdown requested before the stack was ready"
+            log.warning("stack.abandoned", reason=self.error)
+            return 1
+        try:
+            bring_up.result()
+        except UnitFailed as exc:
+            shutdown.cancel()
+            self.error = str(exc)
+            self.set_phase(Phase.FAILED)
+            log.error("stack.failed", unit=exc.unit, reason=exc.reason)
+            return 1
+        took = time.monotonic() - self.started_at
+        self.set_phase(Phase.UP)
+        log.info(
+            "stack.ready",
+            stack=self.stack.name,
+            seconds=round(took, 3),
+            units=len(self.engine.units),
+        )
+        await shutdown
+        return 0
+
+    async def _teardown(self) -> list[int]:
+        assert self._down_result is not None
+        if self.phase is not Phase.FAILED:
+            self.set_phase(Phase.STOPPING)
+        started = time.monotonic()
+        survivors: list[int] = []
+        if self.engine is not None:
+            survivors = await self.engine.stop()
+        survivors = sorted(set(survivors) | set(await process.sweep(self.run_id)))
+        result = {
+            "ok": not survivors,
+            "seconds": round(time.monotonic() - started, 3),
+            "survivors": survivors,
+            "units": self.engine.snapshot() if self.engine else [],
+            "error": self.error,
+        }
+        self.state.write_json("last-down.json", result)
+        log.info("stack.down", seconds=result["seconds"], survivors=survivors)
+        if not self._down_result.done():
+            self._down_result.set_result(result)
+        await asyncio.sleep(0.05)  # let a waiting /down request get its answer out
+        return survivors

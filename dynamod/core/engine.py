@@ -1,0 +1,523 @@
+"""The engine: one lifecycle task per unit, dependency-gated start, restart with backoff,
+liveness watching, reverse-order stop. Exits arrive as events from the Reaper.
+
+Policies that are not about processes (Dynamo lease revocation, shard admission) plug
+in through `UnitHooks`, so the engine stays about units and states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+import structlog
+
+from dynamod.core import graph, process
+from dynamod.core.errors import UnitFailed
+from dynamod.core.logs import LogFile, OutputSink
+from dynamod.core.probes import ProbeContext, Prober, ProbeResult, make_prober
+from dynamod.core.restart import Exit, RestartTracker
+from dynamod.core.spec import Condition, Stack, UnitSpec
+from dynamod.core.state import UnitState, check_transition
+
+log = structlog.get_logger("dynamod.engine")
+
+
+class UnitHooks(Protocol):
+    """Extension points around a unit's life. Hooks must not raise for normal outcomes."""
+
+    async def on_ready(self, unit: Unit) -> None:
+        """The readiness probe passed; runs before the unit counts as ready."""
+
+    async def on_exit(self, unit: Unit, exit: Exit) -> None:
+        """The unit's main process exited (before any restart decision)."""
+
+
+Listener = Callable[["Unit", UnitState, UnitState], None]
+ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
+
+
+@dataclass(eq=False)  # identity: one object per supervised instance
+class Unit:
+    spec: UnitSpec
+    sink: OutputSink
+    log_path: Path
+    tracker: RestartTracker
+    state: UnitState = UnitState.INACTIVE
+    state_since: float = field(default_factory=time.monotonic)
+    child: Process | None = None
+    detail: str = ""  # the last probe answer, or why the unit is where it is
+    hold_reason: str | None = None  # set while a hook keeps the unit out of service
+    last_exit: Exit | None = None
+    ready_at: float | None = None
+    starts: int = 0
+    task: asyncio.Task[None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.child.pid if self.child and self.child.alive else None
+
+    def extra_public(self) -> dict[str, Any]:
+        return {k: v for k, v in self.extra.items() if k != "failure_hint"}
+
+
+Process = process.Child
+
+
+def _satisfied(state: UnitState, condition: Condition) -> bool:
+    if condition is Condition.COMPLETED:
+        return state is UnitState.COMPLETED
+    if condition is Condition.READY:
+        return state in {UnitState.READY, UnitState.DEGRADED, UnitState.COMPLETED}
+    return state in {
+        UnitState.STARTING,
+        UnitState.READY,
+        UnitState.HELD,
+        UnitState.DEGRADED,
+        UnitState.COMPLETED,
+    }
+
+
+_DEAD_END = {UnitState.FAILED, UnitState.STOPPING, UnitState.STOPPED}
+
+
+class Engine:
+    def __init__(
+        self,
+        stack: Stack,
+        *,
+        state_dir: Path,
+        run_id: str,
+        reaper: process.Reaper,
+        session: aiohttp.ClientSession,
+        hooks: Iterable[UnitHooks] = (),
+        log_max_bytes: int = 20 * 1024 * 1024,
+    ) -> None:
+        self.stack = stack
+        self.state_dir = state_dir
+        self.run_id = run_id
+        self.reaper = reaper
+        self.session = session
+        self.hooks = list(hooks)
+        self.listeners: list[Listener] = []
+        self.probe_listeners: list[ProbeListener] = []
+        self.units: dict[str, Unit] = {}
+        self.stopping = False
+        self._changed = asyncio.Event()
+        logs = state_dir / "logs"
+        for name in stack.order:
+            spec = stack.units[name]
+            path = logs / f"{name}.log"
+            self.units[name] = Unit(
+                spec=spec,
+                sink=OutputSink(LogFile(path, max_bytes=log_max_bytes)),
+                log_path=path,
+                tracker=RestartTracker(spec.restart),
+            )
+
+    # ------------------------------------------------------------------ state
+
+    def transition(self, unit: Unit, new: UnitState, detail: str | None = None) -> None:
+        old = unit.state
+        if old is new:
+            if detail is not None:
+                unit.detail = detail
+            return
+        check_transition(unit.name, old, new)
+        unit.state = new
+        unit.state_since = time.monotonic()
+        if detail is not None:
+            unit.detail = detail
+        log.info("unit.state", unit=unit.name, old=str(old), new=str(new), detail=unit.detail)
+        for listener in self.listeners:
+            listener(unit, old, new)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def hold(self, unit: Unit, reason: str) -> None:
+        """Keep a running unit out of service (e.g. a shard catching up to the policy)."""
+        unit.hold_reason = reason
+        self.transition(unit, UnitState.HELD, reason)
+
+    def admit(self, unit: Unit, detail: str | None) -> None:
+        """End a hold. A unit that is also degraded stays so until its liveness recovers,
+        and then goes to ready, not back to held."""
+        unit.hold_reason = None
+        new = UnitState.READY if unit.state is UnitState.HELD else unit.state
+        self.transition(unit, new, detail)
+
+    async def changed(self, timeout: float | None = None) -> None:
+        """Wait for the next state change (or the timeout)."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    def all_up(self) -> bool:
+        return all(u.state in {UnitState.READY, UnitState.COMPLETED} for u in self.units.values())
+
+    # ------------------------------------------------------------------ start
+
+    def start(self) -> None:
+        for unit in self.units.values():
+            unit.task = asyncio.get_running_loop().create_task(
+                self._lifecycle(unit), name=f"unit:{unit.name}"
+            )
+
+    async def wait_up(self) -> None:
+        """Return once every unit is ready (or completed); raise UnitFailed if one fails."""
+        while True:
+            failed = [u for u in self.units.values() if u.state is UnitState.FAILED]
+            if failed:
+                unit = failed[0]
+                raise UnitFailed(unit.name, self.explain(unit))
+            if self.all_up():
+                return
+            if self.stopping:
+                raise UnitFailed("stack", "shutdown requested before the stack was ready")
+            await self.changed()
+
+    def explain(self, unit: Unit) -> str:
+        lines = [unit.detail, f"log: {unit.log_path}"]
+        tail = unit.sink.last(12)
+        if tail:
+            lines.append("last lines:")
+            lines += [f"  | {line}" for line in tail]
+        return "\n".join(lines)
+
+    async def _wait_for_dependencies(self, unit: Unit) -> str | None:
+        """Block until every dependency meets its condition; return a reason if one never will."""
+        while True:
+            waiting = []
+            for dep, condition in unit.spec.depends_on.items():
+                other = self.units[dep]
+                if _satisfied(other.state, condition):
+                    continue
+                if other.state in _DEAD_END or (
+                    condition is Condition.COMPLETED and other.state is UnitState.COMPLETED
+                ):
+                    return f"dependency {dep} is {other.state}: {other.detail}"
+                waiting.append(f"{dep} ({condition})")
+            if not waiting:
+                return None
+            self.transition(unit, unit.state, f"waiting for {', '.join(waiting)}")
+            await self.changed()
+
+    async def _lifecycle(self, unit: Unit) -> None:
+        blocked = await self._wait_for_dependencies(unit)
+        if blocked is not None:
+            self.transition(unit, UnitState.FAILED, blocked)
+            return
+        while True:
+            exit, premature = await self._run_once(unit)
+            if exit is None:  # could not even spawn
+                return
+            unit.last_exit = exit
+            unit.hold_reason = None
+            for hook in self.hooks:
+                await hook.on_exit(unit, exit)
+            await self._reap_leftovers(unit)
+            await unit.sink.drain(timeout=0.5)
+            uptime = time.monotonic() - (unit.child.started_at if unit.child else time.monotonic())
+            decision = unit.tracker.decide(
+                exit, now=time.monotonic(), uptime=uptime, premature=premature
+            )
+            what = exit.describe()
+            hint = unit.extra.get("failure_hint")
+            if hint:
+                what += f" ({hint})"
+            if not decision.restart:
+                if exit.clean and not premature:
+                    self.transition(unit, UnitState.COMPLETED, what)
+                else:
+                    self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
+                return
+            self.transition(
+                unit,
+                UnitState.BACKOFF,
+                f"{what}; {decision.reason} (restart {unit.tracker.total})",
+            )
+            await asyncio.sleep(decision.delay)
+
+    async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
+        """Spawn, wait for readiness, watch. Returns (exit, premature)."""
+        unit.extra.pop("failure_hint", None)
+        if not self._spawn(unit):
+            return None, True
+        child = unit.child
+        assert child is not None
+        spec = unit.spec
+        if spec.type == "oneshot":
+            return await child.wait(), False
+        if spec.ready is not None:
+            ready, detail = await self._await_ready(unit, child)
+            if not ready:
+                if child.alive:
+                    unit.extra["failure_hint"] = detail
+                    process.kill_group_now(child.pid)
+                    return await child.wait(), True
+                unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
+                return await child.wait(), True
+        elif not child.alive:
+            return await child.wait(), True
+        for hook in self.hooks:
+            if await _race(hook.on_ready(unit), child.exited) is _EXITED:
+                return await child.wait(), True
+        unit.ready_at = time.monotonic()
+        if unit.hold_reason is not None:
+            self.admit(unit, None)
+        elif spec.ready is None:
+            self.transition(unit, UnitState.READY, "running (no readiness probe)")
+        else:
+            self.transition(unit, UnitState.READY)
+        return await self._watch(unit, child), False
+
+    def _spawn(self, unit: Unit) -> bool:
+        spec = unit.spec
+        env = process.base_environment(self.run_id, unit.name, spec.env)
+        read_fd, write_fd = os.pipe()
+        try:
+            child = process.spawn(
+                self.reaper,
+                spec.command,
+                env=env,
+                cwd=Path(spec.cwd) if spec.cwd else None,
+                stdout_fd=write_fd,
+            )
+        except OSError as exc:
+            os.close(read_fd)
+            hint = f" ({spec.install_hint})" if spec.install_hint else ""
+            self.transition(
+                unit,
+                UnitState.FAILED,
+                f"cannot start {spec.command[0]!r}: {exc.strerror or exc}{hint}",
+            )
+            return False
+        finally:
+            os.close(write_fd)
+        unit.starts += 1
+        unit.child = child
+        unit.ready_at = None
+        unit.sink.header(f"start #{unit.starts} pid {child.pid}: {' '.join(spec.command)}")
+        unit.sink.attach(read_fd)
+        self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
+        return True
+
+    def _probe_context(self, unit: Unit) -> ProbeContext:
+        return ProbeContext(
+            session=self.session,
+            reaper=self.reaper,
+            sink=unit.sink,
+            env=process.base_environment(self.run_id, f"{unit.name}:probe", unit.spec.env),
+        )
+
+    async def _await_ready(self, unit: Unit, child: Process) -> tuple[bool, str]:
+        spec = unit.spec.ready
+        assert spec is not None
+        prober = make_prober(spec, self._probe_context(unit))
+        deadline = child.started_at + spec.deadline
+        try:
+            while child.alive:
+                result = await _race(prober.check(), child.exited)
+                if result is _EXITED:
+                    break
+                self._probed(unit, "ready", result)
+                self.transition(unit, unit.state, result.detail)
+                if result.ok:
+                    return True, result.detail
+                if time.monotonic() >= deadline:
+                    return False, (
+                        f"not ready within {spec.deadline:g}s; last probe: {result.detail}"
+                    )
+                await asyncio.wait([child.exited], timeout=spec.interval)
+            return False, unit.detail
+        finally:
+            prober.close()
+
+    def _probed(self, unit: Unit, kind: str, result: ProbeResult) -> None:
+        for listener in self.probe_listeners:
+            listener(unit, kind, result)
+
+    async def _watch(self, unit: Unit, child: Process) -> Exit:
+        spec = unit.spec.live
+        if spec is None:
+            return await child.wait()
+        prober: Prober = make_prober(spec, self._probe_context(unit))
+        failures = 0
+        try:
+            while True:
+                await asyncio.wait([child.exited], timeout=spec.interval)
+                if not child.alive:
+                    return await child.wait()
+                result = await _race(prober.check(), child.exited)
+                if result is _EXITED:
+                    return await child.wait()
+                self._probed(unit, "live", result)
+                if result.ok:
+                    failures = 0
+                    if unit.state is UnitState.DEGRADED:
+                        back = UnitState.HELD if unit.hold_reason else UnitState.READY
+                        self.transition(unit, back, result.detail)
+                    continue
+                failures += 1
+                if failures >= spec.failure_threshold:
+                    unit.extra["failure_hint"] = (
+                        f"liveness failed {failures} times in a row: {result.detail}; killed"
+                    )
+                    process.kill_group_now(child.pid)
+                    return await child.wait()
+                self.transition(
+                    unit,
+                    UnitState.DEGRADED,
+                    f"liveness {failures}/{spec.failure_threshold}: {result.detail}",
+                )
+        finally:
+            prober.close()
+
+    async def _reap_leftovers(self, unit: Unit) -> None:
+        """The main process is gone; end whatever it left in its group or marked as its own."""
+        if unit.child is None:
+            return
+        await process.stop_tree(
+            unit.child.pid, run_id=self.run_id, unit=unit.name, sig=signal.SIGKILL, timeout=0
+        )
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self) -> list[int]:
+        """Stop every unit: dependents first, independent units in parallel. Returns the
+        pids of any process that survived SIGKILL (should be none)."""
+        self.stopping = True
+        done: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.units}
+        dependents = graph.dependents({n: list(u.spec.depends_on) for n, u in self.units.items()})
+        survivors: list[int] = []
+
+        async def stop_one(unit: Unit) -> None:
+            try:
+                for other in dependents[unit.name]:
+                    await done[other].wait()
+                survivors.extend(await self.stop_unit(unit))
+            finally:
+                done[unit.name].set()
+
+        await asyncio.gather(*(stop_one(u) for u in self.units.values()))
+        for unit in self.units.values():
+            await unit.sink.drain(timeout=0.5)
+            unit.sink.close()
+        return survivors
+
+    async def stop_unit(self, unit: Unit) -> list[int]:
+        if unit.task is not None and not unit.task.done():
+            unit.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await unit.task
+        if unit.state is UnitState.STOPPED:
+            return []
+        child = unit.child
+        if unit.state.running:
+            self.transition(unit, UnitState.STOPPING)
+        if child is None:  # never spawned
+            self.transition(unit, UnitState.STOPPED)
+            return []
+        if not child.alive:  # its main process is gone; end what it may have left
+            result = await process.stop_tree(
+                child.pid, run_id=self.run_id, unit=unit.name, sig=signal.SIGKILL, timeout=0
+            )
+            self.transition(unit, UnitState.STOPPED)
+            return result.survivors
+        started = time.monotonic()
+        self.transition(
+            unit,
+            unit.state,
+            f"sending {unit.spec.stop.signal} to group "
+            f"{child.pid} (SIGKILL after {unit.spec.stop.timeout:g}s)",
+        )
+        result = await process.stop_tree(
+            child.pid,
+            run_id=self.run_id,
+            unit=unit.name,
+            sig=unit.spec.stop.signum,
+            timeout=unit.spec.stop.timeout,
+        )
+        exit = await child.wait()
+        unit.last_exit = exit
+        for hook in self.hooks:  # e.g. revoke a registration the unit did not remove itself
+            await hook.on_exit(unit, exit)
+        took = time.monotonic() - started
+        how = "escalated to SIGKILL" if result.escalated else exit.describe()
+        detail = f"stopped in {took:.2f}s ({how})"
+        if result.survivors:
+            detail += f"; SURVIVORS: {result.survivors}"
+        self.transition(unit, UnitState.STOPPED, detail)
+        return result.survivors
+
+    async def restart_unit(self, name: str) -> None:
+        """Operator restart: stop this unit alone, forget its backoff, start it again."""
+        unit = self.units[name]
+        await self.stop_unit(unit)
+        unit.tracker.reset()
+        unit.task = asyncio.get_running_loop().create_task(
+            self._lifecycle(unit), name=f"unit:{unit.name}"
+        )
+
+    # ------------------------------------------------------------------ views
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        rows = []
+        for unit in self.units.values():
+            child = unit.child
+            alive = child is not None and child.alive
+            rows.append(
+                {
+                    "name": unit.name,
+                    "unit": unit.spec.unit,
+                    "index": unit.spec.index,
+                    "state": str(unit.state),
+                    "since_s": round(now - unit.state_since, 3),
+                    "pid": child.pid if alive and child else None,
+                    "uptime_s": round(now - child.started_at, 3) if alive and child else None,
+                    "restarts": unit.tracker.total,
+                    "starts": unit.starts,
+                    "last_exit": unit.last_exit.describe() if unit.last_exit else None,
+                    "detail": unit.detail,
+                    "ports": dict(unit.spec.ports),
+                    "depends_on": {k: str(v) for k, v in unit.spec.depends_on.items()},
+                    "log": str(unit.log_path),
+                    "command": list(unit.spec.command),
+                    **unit.extra_public(),
+                }
+            )
+        return rows
+
+
+_EXITED = object()
+
+
+async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
+    """Run `work` (a probe attempt, a hook) unless the process exits first: then cancel
+    it and return _EXITED."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait([task, exited], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return _EXITED

@@ -1,0 +1,59 @@
+"""Last line of defence when dynamod itself dies without `down` (e.g. SIGKILL).
+
+The daemon starts `python -m dynamod.core.guardian RUN_ID` in its own session with a pipe on
+stdin and keeps the write end open. When the daemon dies the pipe reaches EOF and the
+guardian SIGKILLs every process that still carries the run's marker, then exits.
+PDEATHSIG already kills the units' direct children; this catches their descendants
+(engine subprocesses, double-forked daemons). Standard library only: it must start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from dynamod.core.proctable import marked_pids
+
+
+def _kill_marked(run_id: str) -> int:
+    killed = 0
+    for _ in range(20):  # repeat: a dying parent may still fork once
+        pids = marked_pids(run_id)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+    return killed
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m dynamod.core.guardian RUN_ID", file=sys.stderr)
+        return 2
+    run_id = argv[0]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the daemon to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        try:
+            data = os.read(0, 64)
+        except InterruptedError:
+            continue
+        if not data:
+            break
+    killed = _kill_marked(run_id)
+    if killed:
+        print(
+            f"dynamod guardian: daemon gone, killed {killed} leftover process(es)", file=sys.stderr
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

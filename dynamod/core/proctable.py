@@ -1,0 +1,66 @@
+"""Finding processes by marker or process group in /proc. Standard library only, so the
+guardian can import it without the daemon's dependencies."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+MARK_RUN = "DYNAMOD_RUN_ID"
+MARK_UNIT = "DYNAMOD_UNIT"
+
+
+def _proc_pids() -> Iterator[int]:
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            yield int(entry.name)
+
+
+def _environ(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+
+
+def marked_pids(run_id: str, unit: str | None = None) -> list[int]:
+    """Live processes carrying this run's marker (and this unit's, if given)."""
+    run_mark = f"{MARK_RUN}={run_id}".encode()
+    unit_mark = f"{MARK_UNIT}={unit}".encode() if unit is not None else None
+    me = os.getpid()
+    found = []
+    for pid in _proc_pids():
+        if pid == me:
+            continue
+        env = _environ(pid)
+        if not env:
+            continue
+        entries = env.split(b"\0")
+        if run_mark not in entries:
+            continue
+        if unit_mark is not None and unit_mark not in entries:
+            continue
+        if not is_zombie(pid):
+            found.append(pid)
+    return found
+
+
+def group_pids(pgid: int) -> list[int]:
+    found = []
+    for pid in _proc_pids():
+        try:
+            if os.getpgid(pid) == pgid and not is_zombie(pid):
+                found.append(pid)
+        except ProcessLookupError:
+            continue
+    return found

@@ -1,0 +1,650 @@
+"""Unit and stack files (TOML) -> typed, validated, fully rendered unit specs.
+
+A stack file lists units directly (`[units.NAME]`) and/or includes unit files
+(`[stack] include = [...]`, paths relative to the including file). `[vars]` tables give
+template defaults; the stack's vars override included ones and `--var` overrides both.
+
+Resolution order, all before anything starts:
+  raw tables -> replicas expanded to `NAME@i` -> ports fixed or allocated -> every string
+  rendered (`{ports.x}`, `{units.other.ports.y}`, `{vars.v}`, `{index}`, ...) -> pydantic
+  validation (unknown keys are errors) -> dependency references checked -> graph checked.
+Every error names the file, the unit and the field.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+import sys
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dynamod.core import graph, paths
+from dynamod.core.errors import CycleError, SpecError, SpecErrors
+from dynamod.core.template import TemplateError, render
+
+# --------------------------------------------------------------------------- models
+
+
+class Condition(StrEnum):
+    """What a dependent waits for: process spawned, probe passed, or exited 0."""
+
+    STARTED = "started"
+    READY = "ready"
+    COMPLETED = "completed"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _ProbeBase(_Model):
+    interval: float = Field(0.2, gt=0, description="seconds between attempts")
+    timeout: float = Field(2.0, gt=0, description="seconds one attempt may take")
+    deadline: float = Field(
+        120.0, gt=0, description="readiness: seconds from spawn until the unit must be ready"
+    )
+    failure_threshold: int = Field(
+        3, ge=1, description="liveness: consecutive failures before the unit is restarted"
+    )
+
+
+class TcpProbe(_ProbeBase):
+    kind: Literal["tcp"]
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+
+
+class HttpProbe(_ProbeBase):
+    kind: Literal["http"]
+    url: str
+    method: Literal["GET", "POST"] = "GET"
+    expect_status: int = 200
+    expect_json: dict[str, Any] | None = Field(
+        None, description="every key given must be present with this value (recursive)"
+    )
+
+
+class ExecProbe(_ProbeBase):
+    kind: Literal["exec"]
+    command: list[str] = Field(min_length=1)
+
+
+class LogProbe(_ProbeBase):
+    kind: Literal["log"]
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        import re
+
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from exc
+        return value
+
+
+class DynamoFrontendProbe(_ProbeBase):
+    """Ready = enough `generate` instances registered and the model listed in /v1/models."""
+
+    kind: Literal["dynamo_frontend"]
+    url: str
+    namespace: str
+    model: str
+    min_instances: int = Field(1, ge=0)
+
+
+Probe = Annotated[
+    TcpProbe | HttpProbe | ExecProbe | LogProbe | DynamoFrontendProbe,
+    Field(discriminator="kind"),
+]
+
+
+class RestartSpec(_Model):
+    policy: Literal["never", "on-failure", "always"] = "on-failure"
+    first_delay: float = Field(
+        0.0, ge=0, description="delay of the first restart after the unit ran well"
+    )
+    backoff_initial: float = Field(0.1, ge=0, description="delay of the second restart in a row")
+    backoff_max: float = Field(30.0, ge=0)
+    backoff_factor: float = Field(2.0, ge=1)
+    jitter: float = Field(0.2, ge=0, le=1, description="+/- fraction of each delay")
+    limit_burst: int = Field(5, ge=1, description="restarts allowed within limit_interval")
+    limit_interval: float = Field(60.0, gt=0)
+    reset_after: float = Field(
+        30.0, ge=0, description="seconds of uptime after which backoff starts over"
+    )
+
+
+class StopSpec(_Model):
+    signal: str = "SIGTERM"
+    timeout: float = Field(10.0, ge=0, description="seconds before SIGKILL to the group")
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        name = value.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in _signal.Signals.__members__:
+            raise ValueError(f"unknown signal {value!r}")
+        return name
+
+    @property
+    def signum(self) -> _signal.Signals:
+        return _signal.Signals[self.signal]
+
+
+class DynamoWorkerSpec(_Model):
+    """Marks a unit as a Dynamo worker: on death its etcd registration is revoked at once."""
+
+    etcd: str
+    namespace: str
+    system_url: str
+
+
+class PolicySpec(_Model):
+    """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
+
+    store: Literal["etcd", "file"] = "etcd"
+    etcd: str | None = Field(None, description="etcd endpoint when store = 'etcd'")
+    shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
+    keep: int = Field(3, ge=1, description="policy versions kept in the ledger's history")
+    min_ready_shards: int = Field(1, ge=0)
+    initial_version: int = Field(0, ge=0, description="version of the weights shards boot with")
+    taint_prefix: str = "dynamod.policy/"
+    replay_backoff_initial: float = Field(0.5, gt=0)
+    replay_backoff_max: float = Field(10.0, gt=0)
+    call_timeout: float = Field(300.0, gt=0, description="seconds one engine admin call may take")
+
+
+class UnitSpec(_Model):
+    """One runnable instance, fully rendered. Replicas become `NAME@i` instances."""
+
+    name: str
+    unit: str
+    index: int | None = None
+    source: str
+    description: str = ""
+    type: Literal["service", "oneshot"] = "service"
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    ports: dict[str, int] = Field(default_factory=dict)
+    depends_on: dict[str, Condition] = Field(default_factory=dict)
+    ready: Probe | None = None
+    live: Probe | None = None
+    restart: RestartSpec = RestartSpec()
+    stop: StopSpec = StopSpec()
+    install_hint: str | None = None
+    dynamo: DynamoWorkerSpec | None = None
+
+
+# --------------------------------------------------------------------------- raw files
+
+
+@dataclass
+class RawUnit:
+    name: str
+    source: Path
+    table: dict[str, Any]
+
+
+@dataclass
+class RawStack:
+    path: Path
+    name: str
+    units: dict[str, RawUnit] = field(default_factory=dict)
+    vars: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] | None = None
+
+
+_STACK_KEYS = {"stack", "vars", "units", "policy"}
+_STACK_TABLE_KEYS = {"name", "include", "description"}
+_UNIT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise SpecError("file not found", file=path) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"not valid TOML: {exc}", file=path) from None
+
+
+def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> RawStack:
+    """Read a stack file and everything it includes. No rendering, no validation yet."""
+    path = path.resolve()
+    stack = RawStack(path=path, name=path.stem)
+    included_vars: dict[str, Any] = {}
+    _load_file(path, stack, included_vars, chain=[])
+    stack.vars = {**included_vars, **stack.vars, **(var_overrides or {})}
+    return stack
+
+
+def _load_file(
+    path: Path, stack: RawStack, included_vars: dict[str, Any], chain: list[Path]
+) -> None:
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in [*chain, path])
+        raise SpecError(f"include cycle: {cycle}", file=chain[-1], field="stack.include")
+    data = _read_toml(path)
+    for key in data:
+        if key not in _STACK_KEYS:
+            raise SpecError(
+                f"unknown top-level table {key!r} (expected one of: stack, vars, units, policy)",
+                file=path,
+                field=key,
+            )
+    is_root = not chain
+    header = data.get("stack", {})
+    if not isinstance(header, dict):
+        raise SpecError("must be a table", file=path, field="stack")
+    for key in header:
+        if key not in _STACK_TABLE_KEYS:
+            raise SpecError(f"unknown key {key!r}", file=path, field=f"stack.{key}")
+    if is_root and "name" in header:
+        stack.name = str(header["name"])
+
+    file_vars = data.get("vars", {})
+    if not isinstance(file_vars, dict):
+        raise SpecError("must be a table", file=path, field="vars")
+    if is_root:
+        stack.vars = dict(file_vars)
+    else:
+        for key, value in file_vars.items():
+            included_vars.setdefault(key, value)
+
+    if "policy" in data:
+        if not is_root:
+            raise SpecError(
+                "only the stack file itself may have a [policy] table", file=path, field="policy"
+            )
+        if not isinstance(data["policy"], dict):
+            raise SpecError("must be a table", file=path, field="policy")
+        stack.policy = data["policy"]
+
+    includes = header.get("include", [])
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise SpecError("must be a list of file paths", file=path, field="stack.include")
+    for include in includes:
+        _load_file((path.parent / include).resolve(), stack, included_vars, [*chain, path])
+
+    units = data.get("units", {})
+    if not isinstance(units, dict):
+        raise SpecError("must be a table of units", file=path, field="units")
+    for name, table in units.items():
+        if not name or not set(name) <= _UNIT_NAME_CHARS:
+            raise SpecError(
+                "unit names may use letters, digits, '_' and '-' only", file=path, unit=name
+            )
+        if not isinstance(table, dict):
+            raise SpecError("must be a table", file=path, unit=name)
+        if name in stack.units:
+            other = stack.units[name].source
+            raise SpecError(f"unit is also defined in {other}", file=path, unit=name)
+        stack.units[name] = RawUnit(name=name, source=path, table=table)
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+PortAllocator = Callable[[], int]
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A validated stack: instances in start order, ready for the engine."""
+
+    name: str
+    path: Path
+    units: dict[str, UnitSpec]
+    order: list[str]
+    policy: PolicySpec | None = None
+
+    def shards(self) -> list[str]:
+        """Instance names of the rollout shards, in start order."""
+        if self.policy is None:
+            return []
+        return [n for n in self.order if self.units[n].unit in self.policy.shards]
+
+
+def _render_field(value: Any, context: Mapping[str, Any], raw: RawUnit, where: str) -> Any:
+    """Render strings in `value`, turning template errors into SpecErrors at `where`."""
+    if isinstance(value, str):
+        try:
+            return render(value, context)
+        except TemplateError as exc:
+            raise SpecError(str(exc), file=raw.source, unit=raw.name, field=where) from None
+    if isinstance(value, dict):
+        return {
+            k: _render_field(v, context, raw, f"{where}.{k}" if where else k)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_render_field(v, context, raw, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def _as_int(value: Any, raw: RawUnit, where: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        value = str(value)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise SpecError(
+            f"must be an integer, got {value!r}", file=raw.source, unit=raw.name, field=where
+        ) from None
+    if number < minimum:
+        raise SpecError(
+            f"must be >= {minimum}, got {number}", file=raw.source, unit=raw.name, field=where
+        )
+    return number
+
+
+def _dependencies(raw: RawUnit) -> dict[str, Condition]:
+    value = raw.table.get("depends_on", {})
+    if isinstance(value, list):
+        value = {str(name): Condition.READY.value for name in value}
+    if not isinstance(value, dict):
+        raise SpecError(
+            "must be a list of unit names or a table of name = condition",
+            file=raw.source,
+            unit=raw.name,
+            field="depends_on",
+        )
+    deps: dict[str, Condition] = {}
+    for name, cond in value.items():
+        try:
+            deps[name] = Condition(cond)
+        except ValueError:
+            raise SpecError(
+                f"unknown condition {cond!r} (expected started, ready or completed)",
+                file=raw.source,
+                unit=raw.name,
+                field=f"depends_on.{name}",
+            ) from None
+    return deps
+
+
+def _pydantic_errors(exc: ValidationError, raw: RawUnit, instance: str) -> list[SpecError]:
+    errors = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif err["type"] == "missing":
+            message = "required but missing"
+        else:
+            message = err["msg"]
+            if "input" in err and not isinstance(err["input"], dict | list):
+                message += f" (got {err['input']!r})"
+        errors.append(SpecError(message, file=raw.source, unit=instance, field=loc or None))
+    return errors
+
+
+# pydantic puts the probe's `kind` into an error's location; it is not a field the user wrote.
+_PROBE_KINDS = frozenset(
+    get_args(cls.model_fields["kind"].annotation)[0] for cls in get_args(get_args(Probe)[0])
+)
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and part in _PROBE_KINDS
+
+
+def resolve_stack(
+    raw: RawStack,
+    *,
+    state_dir: Path,
+    allocate_port: PortAllocator,
+    python: str | None = None,
+) -> Stack:
+    """Expand, allocate, render and validate. Raises SpecErrors listing every problem."""
+    errors: list[SpecError] = []
+    python = python or sys.executable
+    base_context: dict[str, Any] = {
+        "vars": raw.vars,
+        "state_dir": str(state_dir),
+        "cache_dir": str(paths.cache_dir()),
+        "python": python,
+        "stack_dir": str(raw.path.parent),
+    }
+    # Vars may be templates themselves (model_dir = "{cache_dir}/models/{vars.model_name}").
+    holder = RawUnit(name="[vars]", source=raw.path, table={})
+    base_context["vars"] = {
+        key: _render_field(value, base_context, holder, f"vars.{key}")
+        for key, value in raw.vars.items()
+    }
+
+    # 1. replicas and ports, which other units' templates may reference.
+    instances: dict[str, tuple[RawUnit, int | None]] = {}
+    ports: dict[str, dict[str, int]] = {}
+    replicated: dict[str, list[str]] = {}
+    for raw_unit in raw.units.values():
+        try:
+            replicas_value = _render_field(
+                raw_unit.table.get("replicas"), base_context, raw_unit, "replicas"
+            )
+            names: list[tuple[str, int | None]]
+            if replicas_value is None:
+                names = [(raw_unit.name, None)]
+            else:
+                count = _as_int(replicas_value, raw_unit, "replicas", minimum=0)
+                names = [(f"{raw_unit.name}@{i}", i) for i in range(count)]
+                replicated[raw_unit.name] = [n for n, _ in names]
+            port_table = raw_unit.table.get("ports", {})
+            if not isinstance(port_table, dict):
+                raise SpecError(
+                    "must be a table of name = port",
+                    file=raw_unit.source,
+                    unit=raw_unit.name,
+                    field="ports",
+                )
+            for instance, index in names:
+                instances[instance] = (raw_unit, index)
+                context = {**base_context, "index": index if index is not None else 0}
+                ports[instance] = {}
+                for port_name, port_value in port_table.items():
+                    where = f"ports.{port_name}"
+                    rendered = _render_field(port_value, context, raw_unit, where)
+                    number = _as_int(rendered, raw_unit, where, minimum=0)
+                    if number > 65535:
+                        raise SpecError(
+                            f"port {number} is out of range",
+                            file=raw_unit.source,
+                            unit=instance,
+                            field=where,
+                        )
+                    if number == 0:
+                        number = allocate_port()
+                    elif index is not None and isinstance(port_value, int):
+                        number += index  # a fixed base port: instance i listens on base + i
+                    ports[instance][port_name] = number
+        except SpecError as exc:
+            errors.append(exc)
+    if errors:
+        raise SpecErrors(errors)
+
+    units_context: dict[str, Any] = {name: {"ports": p} for name, p in ports.items()}
+    for base, members in replicated.items():
+        units_context.setdefault(base, {"instances": members})
+
+    # 2. render and validate every instance.
+    specs: dict[str, UnitSpec] = {}
+    for instance, (raw_unit, index) in instances.items():
+        context = {
+            **base_context,
+            "name": instance,
+            "unit": raw_unit.name,
+            "index": index if index is not None else 0,
+            "unit_dir": str(raw_unit.source.parent),
+            "ports": ports[instance],
+            "units": units_context,
+        }
+        try:
+            deps = _dependencies(raw_unit)
+            table = {
+                k: v
+                for k, v in raw_unit.table.items()
+                if k not in {"replicas", "ports", "depends_on"}
+            }
+            rendered = _render_field(table, context, raw_unit, "")
+        except SpecError as exc:
+            errors.append(exc)
+            continue
+        expanded_deps: dict[str, Condition] = {}
+        for dep, cond in deps.items():
+            targets = replicated.get(dep, [dep])
+            for target in targets:
+                if target not in instances:
+                    errors.append(
+                        SpecError(
+                            f"depends on unknown unit {dep!r}"
+                            + _known_hint(sorted({r.name for r in raw.units.values()})),
+                            file=raw_unit.source,
+                            unit=instance,
+                            field=f"depends_on.{dep}",
+                        )
+                    )
+                    continue
+                if target == instance:
+                    errors.append(
+                        SpecError(
+                            "a unit cannot depend on itself",
+                            file=raw_unit.source,
+                            unit=instance,
+                            field=f"depends_on.{dep}",
+                        )
+                    )
+                    continue
+                expanded_deps[target] = cond
+        try:
+            specs[instance] = UnitSpec.model_validate(
+                {
+                    **rendered,
+                    "name": instance,
+                    "unit": raw_unit.name,
+                    "index": index,
+                    "source": str(raw_unit.source),
+                    "ports": ports[instance],
+                    "depends_on": expanded_deps,
+                }
+            )
+        except ValidationError as exc:
+            errors.extend(_pydantic_errors(exc, raw_unit, instance))
+    if errors:
+        raise SpecErrors(errors)
+
+    edges = {name: list(spec.depends_on) for name, spec in specs.items()}
+    try:
+        order = graph.start_order(edges)
+    except graph.Cycle as exc:
+        first = specs[exc.cycle[0]]
+        raise SpecErrors([CycleError(exc.cycle, file=first.source)]) from None
+    _check_completed_deps(specs, errors)
+    policy = _resolve_policy(raw, {**base_context, "units": units_context}, specs, errors)
+    if errors:
+        raise SpecErrors(errors)
+    return Stack(name=raw.name, path=raw.path, units=specs, order=order, policy=policy)
+
+
+def _resolve_policy(
+    raw: RawStack,
+    context: Mapping[str, Any],
+    specs: Mapping[str, UnitSpec],
+    errors: list[SpecError],
+) -> PolicySpec | None:
+    if raw.policy is None:
+        return None
+    holder = RawUnit(name="[policy]", source=raw.path, table=raw.policy)
+    try:
+        rendered = _render_field(raw.policy, context, holder, "policy")
+        policy = PolicySpec.model_validate(rendered)
+    except SpecError as exc:
+        errors.append(exc)
+        return None
+    except ValidationError as exc:
+        errors.extend(
+            SpecError(e.message, file=raw.path, field=f"policy.{e.field}" if e.field else "policy")
+            for e in _pydantic_errors(exc, holder, "[policy]")
+        )
+        return None
+    bases = {s.unit for s in specs.values()}
+    for name in policy.shards:
+        if name not in bases:
+            errors.append(
+                SpecError(
+                    f"shard unit {name!r} is not in the stack", file=raw.path, field="policy.shards"
+                )
+            )
+        elif not any(s.dynamo for s in specs.values() if s.unit == name):
+            errors.append(
+                SpecError(
+                    f"shard unit {name!r} needs a [units.{name}.dynamo] table (system_url) so "
+                    "dynamod can reach its engine routes",
+                    file=raw.path,
+                    field="policy.shards",
+                )
+            )
+    if policy.store == "etcd" and not policy.etcd:
+        errors.append(
+            SpecError(
+                "store = 'etcd' needs etcd = \"http://host:port\"",
+                file=raw.path,
+                field="policy.etcd",
+            )
+        )
+    return policy
+
+
+def _check_completed_deps(specs: Mapping[str, UnitSpec], errors: list[SpecError]) -> None:
+    for spec in specs.values():
+        for dep, cond in spec.depends_on.items():
+            target = specs[dep]
+            if cond is Condition.COMPLETED and target.restart.policy == "always":
+                errors.append(
+                    SpecError(
+                        f"waits for {dep!r} to complete, but {dep!r} has restart policy "
+                        "'always' and never completes",
+                        file=spec.source,
+                        unit=spec.name,
+                        field=f"depends_on.{dep}",
+                    )
+                )
+
+
+def _known_hint(names: list[str]) -> str:
+    return f" (units in this stack: {', '.join(names)})" if names else ""
+
+
+def load(
+    path: Path,
+    *,
+    state_dir: Path,
+    allocate_port: PortAllocator,
+    var_overrides: Mapping[str, Any] | None = None,
+) -> Stack:
+    """load_stack + resolve_stack: the one call the CLI and the daemon use."""
+    raw = load_stack(path, var_overrides)
+    return resolve_stack(raw, state_dir=state_dir, allocate_port=allocate_port)
+
+
+def parse_var(text: str) -> tuple[str, Any]:
+    """`--var key=value`: ints stay ints so `replicas = "{vars.workers}"` just works."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SpecError(f"--var expects key=value, got {text!r}", field="--var")
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, value

@@ -1,0 +1,212 @@
+"""Prometheus metrics (opt-in: `dynamod up --metrics-addr HOST:PORT`).
+
+Gauges and counters are read from the engine at scrape time (a custom collector), so
+they can never drift from what `dynamod status` shows. What only exists as an event is
+recorded as it happens: probe latency (engine probe listener) and recovery time (state
+listener). The registry is dedicated (no process/platform collectors of the default one)
+and is served by aiohttp on the daemon's own event loop, so scrapes read engine state
+from the loop's thread.
+
+  dynamod_stack_phase{stack,phase}              1 for the daemon's current phase
+  dynamod_unit_state{unit,state}                1 for the unit's current state, else 0
+  dynamod_unit_restarts_total{unit}             restarts decided by the restart policy
+  dynamod_unit_last_recovery_seconds{unit}      last failure/exit -> ready again
+  dynamod_probe_duration_seconds{unit,probe,result}   readiness/liveness probe latency
+  dynamod_shards_held                           rollout shards held out of routing
+  dynamod_shard_policy_version_lag{unit}        ledger version - shard's applied version
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from dynamod.core.daemon import Phase
+from dynamod.core.errors import DaemonError, DynamodError
+from dynamod.core.extensions import Extension
+from dynamod.core.state import UnitState
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+    from dynamod.core.daemon import Daemon
+    from dynamod.core.engine import Unit
+    from dynamod.core.probes import ProbeResult
+
+log = structlog.get_logger("dynamod.ops.metrics")
+
+_DOWN = {UnitState.BACKOFF, UnitState.FAILED, UnitState.DEGRADED}
+_PROBE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`HOST:PORT`, `[::1]:PORT` or `:PORT` (loopback). Raises DynamodError otherwise."""
+    host, sep, port_text = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not sep or not 0 <= port <= 65535:
+        raise DynamodError(
+            f"--metrics-addr expects HOST:PORT (e.g. 127.0.0.1:9464), got {address!r}"
+        )
+    return host, port
+
+
+def policy_lag(unit: Unit) -> int:
+    """How many policy versions a shard is behind; 0 when it reports none."""
+    policy = unit.extra.get("policy")
+    if not isinstance(policy, dict):
+        return 0
+    version, current = policy.get("version"), policy.get("current")
+    if not isinstance(version, int) or not isinstance(current, int):
+        return 0
+    return max(current - version, 0)
+
+
+def is_shard(unit: Unit) -> bool:
+    """A rollout shard: a Dynamo worker, or anything the policy ledger tracks."""
+    return unit.spec.dynamo is not None or "policy" in unit.extra
+
+
+class RecoveryClock:
+    """Time from a unit going down (backoff, failed, degraded) to ready again."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.down_since: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def on_transition(self, unit: Unit, old: UnitState, new: UnitState) -> None:
+        if new in _DOWN:
+            self.down_since.setdefault(unit.name, self.clock())
+        elif new is UnitState.READY and unit.name in self.down_since:
+            self.last[unit.name] = self.clock() - self.down_since.pop(unit.name)
+        elif new in {UnitState.STOPPING, UnitState.STOPPED}:
+            self.down_since.pop(unit.name, None)  # stopped on purpose: nothing to recover
+
+
+class StackCollector(Collector):
+    """Reads the daemon and its engine at scrape time."""
+
+    def __init__(self, daemon: Daemon, recovery: RecoveryClock) -> None:
+        self.daemon = daemon
+        self.recovery = recovery
+
+    def collect(self) -> Iterator[Metric]:
+        daemon = self.daemon
+        phase = GaugeMetricFamily(
+            "dynamod_stack_phase", "1 for the daemon's current phase", labels=["stack", "phase"]
+        )
+        for each_phase in Phase:
+            phase.add_metric(
+                [daemon.stack.name, each_phase], 1.0 if daemon.phase is each_phase else 0.0
+            )
+        yield phase
+
+        units = list(daemon.engine.units.values()) if daemon.engine else []
+        state = GaugeMetricFamily(
+            "dynamod_unit_state",
+            "1 for the unit's current state, 0 otherwise",
+            labels=["unit", "state"],
+        )
+        restarts = CounterMetricFamily(
+            "dynamod_unit_restarts",
+            "Restarts decided by the unit's restart policy",
+            labels=["unit"],
+        )
+        recovery = GaugeMetricFamily(
+            "dynamod_unit_last_recovery_seconds",
+            "Seconds from the unit's last failure or exit until it was ready again",
+            labels=["unit"],
+        )
+        lag = GaugeMetricFamily(
+            "dynamod_shard_policy_version_lag",
+            "Policy versions a rollout shard is behind the ledger",
+            labels=["unit"],
+        )
+        held = 0
+        for unit in units:
+            for each_state in UnitState:
+                state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
+            restarts.add_metric([unit.name], unit.tracker.total)
+            if unit.name in self.recovery.last:
+                recovery.add_metric([unit.name], self.recovery.last[unit.name])
+            if is_shard(unit):
+                lag.add_metric([unit.name], policy_lag(unit))
+                held += unit.hold_reason is not None
+        yield state
+        yield restarts
+        yield recovery
+        yield lag
+        yield GaugeMetricFamily(
+            "dynamod_shards_held", "Rollout shards held out of routing (catching up)", value=held
+        )
+
+
+class MetricsServer(Extension):
+    """Daemon extension: serves /metrics on `address` for the daemon's lifetime.
+
+    The address is bound when the server is made, before the daemon starts anything, so
+    a taken port fails `dynamod up` at once instead of after the stack came up."""
+
+    def __init__(self, address: str) -> None:
+        host, port = parse_address(address)
+        try:
+            self.sock = socket.create_server(
+                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+            )
+        except OSError as exc:
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise DaemonError(
+                f"cannot serve metrics on {address}: {reason} "
+                "(is another process listening there? pick another --metrics-addr)"
+            ) from None
+        self.url = "http://{}:{}/metrics".format(*self.sock.getsockname()[:2])
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.recovery = RecoveryClock()
+        self.probe_duration = Histogram(
+            "dynamod_probe_duration_seconds",
+            "Readiness (probe=ready) and liveness (probe=live) probe latency",
+            ["unit", "probe", "result"],
+            buckets=_PROBE_BUCKETS,
+            registry=self.registry,
+        )
+        self._runner: web.AppRunner | None = None
+
+    def on_probe(self, unit: Unit, probe: str, result: ProbeResult) -> None:
+        outcome = "ok" if result.ok else "fail"
+        self.probe_duration.labels(unit.name, probe, outcome).observe(result.latency)
+
+    async def start(self, daemon: Daemon) -> None:
+        assert daemon.engine is not None
+        self.registry.register(StackCollector(daemon, self.recovery))
+        daemon.engine.listeners.append(self.recovery.on_transition)
+        daemon.engine.probe_listeners.append(self.on_probe)
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, self.sock).start()
+        log.info("metrics.serving", url=self.url)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        self.sock.close()
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )

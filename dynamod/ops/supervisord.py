@@ -1,0 +1,242 @@
+"""Export a stack to another process manager. Pure text generation, plus the few facts
+every export needs: absolute executables, the PATH units see, and what gets lost.
+
+supervisord (`supervisord_config`) runs the same commands with the same environment, in
+dependency order by priority, and stops each unit's process group. It cannot express
+readiness gating, liveness probes, the rejoin protocol or the tree sweep; `supervisord_gaps`
+says so in words, for the file header and for stderr.
+
+Ports are allocated when the stack is loaded, so an exported file carries fixed ports.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from dynamod.core import graph, process
+from dynamod.core.errors import DynamodError
+from dynamod.core.spec import Condition, Stack, UnitSpec
+
+
+class ExportError(DynamodError):
+    """The stack uses something the target format cannot carry (names the unit)."""
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def bin_dir() -> Path:
+    """dynamod's own bin dir (a venv's): dynamod puts it first on every unit's PATH, so
+    binaries installed beside it (etcd, nats-server) are found."""
+    return Path(sys.executable).parent
+
+
+def resolve_command(spec: UnitSpec) -> list[str]:
+    """The unit's command with its executable made absolute (service managers need that),
+    looked up the way dynamod's preflight does."""
+    exe = spec.command[0]
+    path = process.base_environment("export", spec.name, spec.env)["PATH"]
+    found = exe if "/" in exe else shutil.which(exe, path=path)
+    if found is None:
+        hint = f"; {spec.install_hint}" if spec.install_hint else ""
+        raise ExportError(
+            f"{spec.source}: unit {spec.name!r}: command {exe!r} is not installed "
+            f"(not found on PATH){hint}. Export on the machine that will run the stack."
+        )
+    return [str(Path(found).absolute()), *spec.command[1:]]
+
+
+def _start_levels(stack: Stack) -> dict[str, int]:
+    """Instance -> start wave (0 = no dependencies)."""
+    edges = {name: list(spec.depends_on) for name, spec in stack.units.items()}
+    return {name: i for i, wave in enumerate(graph.levels(edges)) for name in wave}
+
+
+def _names(units: Sequence[UnitSpec]) -> str:
+    return ", ".join(u.name for u in units)
+
+
+# --------------------------------------------------------------------------- supervisord
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_INLINE_COMMENT = re.compile(r"\s[;#]")  # supervisord's parser cuts a value there
+_SHLEX_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]+\Z")
+_PRIORITY_BASE, _PRIORITY_STEP = 100, 10
+_SOCKET_MAX = 107  # sun_path is 108 bytes including the NUL
+
+
+def program_name(instance: str) -> str:
+    """supervisord program names cannot contain '@': worker@0 -> worker-0."""
+    return instance.replace("@", "-")
+
+
+def _ini(value: str, what: str) -> str:
+    """A value for supervisord's config parser: '%' doubled (it expands %(name)s), no
+    newline, and no whitespace followed by ';' or '#' (an inline comment to it)."""
+    if "\n" in value or _INLINE_COMMENT.search(value):
+        raise ExportError(
+            f"{what} {value!r} cannot be written to a supervisord config "
+            "(its parser cuts values at newlines and at ' ;' / ' #')"
+        )
+    return value.replace("%", "%%")
+
+
+def _comment(text: str) -> str:
+    return " ".join(text.split())
+
+
+def supervisord_command(argv: Sequence[str]) -> str:
+    """`command=` is split with shlex (POSIX). Unsafe characters are backslash-escaped
+    rather than quoted, so no whitespace is ever followed by ';' or '#'."""
+    words = []
+    for arg in argv:
+        if not arg:
+            words.append("''")
+        elif _SHLEX_SAFE.match(arg):
+            words.append(arg)
+        else:
+            words.append("".join(c if _SHLEX_SAFE.match(c) else "\\" + c for c in arg))
+    return " ".join(words)
+
+
+def supervisord_environment(spec: UnitSpec) -> str:
+    """`environment=KEY="value",...` for one program, ready for the config file.
+
+    PATH is dynamod's bin dir in front of supervisord's own PATH (unless the unit sets
+    PATH), as under dynamod. Values are parsed by a non-POSIX shlex that keeps the quotes
+    and then strips quote characters from both ends, so a value may contain one kind of
+    quote but must not start or end with one."""
+    where = f"unit {spec.name!r}: environment"
+    pairs = [] if "PATH" in spec.env else [f'PATH="{_ini(str(bin_dir()), where)}:%(ENV_PATH)s"']
+    for key, value in spec.env.items():
+        if not ENV_NAME.match(key):
+            raise ExportError(f"{where}: {key!r} is not a valid variable name")
+        if value[:1] in {"'", '"'} or value[-1:] in {"'", '"'} or ('"' in value and "'" in value):
+            raise ExportError(
+                f"{where}: {key}={value!r} cannot be expressed in supervisord's environment= "
+                "syntax (a quote at either end, or both kinds of quote)"
+            )
+        quote = "'" if '"' in value else '"'
+        pairs.append(f"{key}={quote}{_ini(value, where)}{quote}")
+    return ",".join(pairs)
+
+
+def _autorestart(spec: UnitSpec) -> str:
+    return {"always": "true", "on-failure": "unexpected", "never": "false"}[spec.restart.policy]
+
+
+def supervisord_config(stack: Stack, *, state_dir: Path) -> str:
+    """The whole supervisord config: daemon sections plus one [program:x] per instance.
+    supervisord's socket, pid file and log go in `state_dir`, unit logs in `state_dir/logs`
+    (where `dynamod logs` looks)."""
+    names: dict[str, str] = {}
+    for instance in stack.order:
+        name = program_name(instance)
+        if name in names:
+            raise ExportError(
+                f"units {names[name]!r} and {instance!r} both map to supervisord program {name!r}"
+            )
+        names[name] = instance
+    base = _ini(str(state_dir.absolute()), "state dir")
+    socket = f"{base}/supervisord.sock"
+    if len(socket.encode()) > _SOCKET_MAX:
+        raise ExportError(
+            f"socket path {socket} is too long for a unix socket; pick a shorter --state-dir"
+        )
+    levels = _start_levels(stack)
+    lines = [
+        f"; supervisord config for dynamod stack {stack.name!r}, generated from",
+        f"; {_comment(str(stack.path))} by `dynamod export supervisord`.",
+        "; Ports were allocated at export time and are fixed below: export again, do not edit.",
+        f"; Before starting: mkdir -p {base}/logs",
+        ";",
+        "; What supervisord cannot do that dynamod does:",
+        *[f";   - {gap}" for gap in supervisord_gaps(stack)],
+        "",
+        "[unix_http_server]",
+        f"file={socket}",
+        "chmod=0700",
+        "",
+        "[supervisord]",
+        "nodaemon=true",
+        f"pidfile={base}/supervisord.pid",
+        f"logfile={base}/supervisord.log",
+        f"childlogdir={base}/logs",
+        "",
+        "[supervisorctl]",
+        f"serverurl=unix://{socket}",
+        "",
+        "[rpcinterface:supervisor]",
+        "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
+    ]
+    for name, instance in names.items():
+        lines += ["", *_program(stack.units[instance], name, levels[instance], base)]
+    return "\n".join(lines) + "\n"
+
+
+def _program(spec: UnitSpec, name: str, level: int, base: str) -> list[str]:
+    where = f"unit {spec.name!r}:"
+    lines = [
+        f"; {spec.name}: {_comment(spec.description)}" if spec.description else f"; {spec.name}"
+    ]
+    if spec.depends_on:
+        after = ", ".join(f"{dep} ({cond})" for dep, cond in spec.depends_on.items())
+        lines.append(f"; dynamod starts it after: {after}")
+    command = supervisord_command(resolve_command(spec))
+    lines += [f"[program:{name}]", f"command={_ini(command, f'{where} command')}"]
+    if spec.cwd:
+        lines.append(f"directory={_ini(spec.cwd, f'{where} cwd')}")
+    lines += [
+        f"environment={supervisord_environment(spec)}",
+        # lower starts first and stops last: one step per dependency wave
+        f"priority={_PRIORITY_BASE + _PRIORITY_STEP * level}",
+        "autostart=true",
+        f"autorestart={_autorestart(spec)}",
+        "exitcodes=0",
+        # dynamod forgets a unit's backoff once it stayed up reset_after seconds; in
+        # supervisord an exit before startsecs counts toward startretries (then FATAL)
+        f"startsecs={0 if spec.type == 'oneshot' else math.ceil(spec.restart.reset_after)}",
+        f"startretries={spec.restart.limit_burst}",
+        f"stopsignal={spec.stop.signal.removeprefix('SIG')}",
+        f"stopwaitsecs={math.ceil(spec.stop.timeout)}",
+        "stopasgroup=true",
+        "killasgroup=true",
+        "redirect_stderr=true",
+        f"stdout_logfile={base}/logs/{spec.name}.log",
+        "stdout_logfile_maxbytes=20MB",
+        "stdout_logfile_backups=3",
+    ]
+    return lines
+
+
+def supervisord_gaps(stack: Stack) -> list[str]:
+    """What the exported config does not do, in words an operator can act on."""
+    units = list(stack.units.values())
+    gated = [u for u in units if any(c is not Condition.STARTED for c in u.depends_on.values())]
+    probed = [u for u in units if u.ready is not None]
+    live = [u for u in units if u.live is not None]
+    workers = [u for u in units if u.dynamo is not None]
+    gaps = [
+        "readiness gating: programs start in priority order without waiting for readiness "
+        + (f"probes (these have one: {_names(probed)})" if probed else "probes")
+        + "; a dependent may start before what it needs answers",
+        "dependency conditions: 'ready' and 'completed' are not expressible"
+        + (f" (used by: {_names(gated)})" if gated else "")
+        + "; priorities only order starts and stops",
+        "liveness probes: supervisord only notices exits"
+        + (f"; a hung {_names(live)} is not restarted" if live else ""),
+        "rejoin / lease revocation: a restarted rollout shard takes traffic without policy "
+        "replay, and a dead worker's etcd lease is not revoked"
+        + (f" (Dynamo workers: {_names(workers)})" if workers else ""),
+        "process tree sweep: stopasgroup/killasgroup signal the process group only; "
+        "descendants that left it survive, and nothing is killed if supervisord is SIGKILLed",
+        "restart limits: supervisord retries failed starts with a linear delay, not "
+        "exponential backoff with jitter, and restarts a program that ran past startsecs "
+        "without any limit",
+    ]
+    return gaps

@@ -1,0 +1,158 @@
+"""The policy ledger: the job's current policy version and what each shard has applied.
+
+Kept in etcd (shared by every node, survives dynamod's own restart) or, for stacks
+without etcd, in a JSON file in the state dir. Keys (etcd):
+
+    dynamod/<stack>/policy/current          {"version", "path", "digest", "published_at", "how"}
+    dynamod/<stack>/policy/history/<v:012>  the same, one per kept version (last K)
+    dynamod/<stack>/shards/<name>           {"applied_version", "digest", "acked_at", "last_error"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from dynamod.rollout.etcd import EtcdClient
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    version: int
+    path: str
+    digest: str | None
+    published_at: float  # wall-clock seconds, for people
+    how: str  # "push" (dynamod loaded it into the shards) or "publish" (the trainer did)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    name: str
+    applied_version: int | None
+    digest: str | None
+    acked_at: float | None
+    last_error: str | None = None
+
+
+class Ledger(Protocol):
+    async def current(self) -> PolicyVersion | None: ...
+
+    async def history(self) -> list[PolicyVersion]: ...
+
+    async def advance(self, version: PolicyVersion, keep: int) -> None: ...
+
+    async def shards(self) -> dict[str, ShardRecord]: ...
+
+    async def record_shard(self, record: ShardRecord) -> None: ...
+
+
+def _version_from(data: dict[str, Any]) -> PolicyVersion:
+    return PolicyVersion(
+        version=int(data["version"]),
+        path=str(data["path"]),
+        digest=data.get("digest"),
+        published_at=float(data.get("published_at", 0)),
+        how=str(data.get("how", "push")),
+    )
+
+
+def _shard_from(name: str, data: dict[str, Any]) -> ShardRecord:
+    return ShardRecord(
+        name=name,
+        applied_version=data.get("applied_version"),
+        digest=data.get("digest"),
+        acked_at=data.get("acked_at"),
+        last_error=data.get("last_error"),
+    )
+
+
+def _shard_json(record: ShardRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data.pop("name")
+    return data
+
+
+class EtcdLedger:
+    def __init__(self, etcd: EtcdClient, stack: str) -> None:
+        self.etcd = etcd
+        self.prefix = f"dynamod/{stack}/"
+
+    async def current(self) -> PolicyVersion | None:
+        raw = await self.etcd.get(self.prefix + "policy/current")
+        return _version_from(json.loads(raw)) if raw else None
+
+    async def history(self) -> list[PolicyVersion]:
+        kvs = await self.etcd.get_prefix(self.prefix + "policy/history/")
+        return sorted((_version_from(json.loads(kv.value)) for kv in kvs), key=lambda v: v.version)
+
+    async def advance(self, version: PolicyVersion, keep: int) -> None:
+        data = json.dumps(asdict(version))
+        await self.etcd.put(f"{self.prefix}policy/history/{version.version:012d}", data)
+        await self.etcd.put(self.prefix + "policy/current", data)
+        kept = await self.history()
+        for old in kept[:-keep]:
+            await self.etcd.delete(f"{self.prefix}policy/history/{old.version:012d}")
+
+    async def shards(self) -> dict[str, ShardRecord]:
+        kvs = await self.etcd.get_prefix(self.prefix + "shards/")
+        result = {}
+        for kv in kvs:
+            name = kv.key[len(self.prefix + "shards/") :]
+            result[name] = _shard_from(name, json.loads(kv.value))
+        return result
+
+    async def record_shard(self, record: ShardRecord) -> None:
+        await self.etcd.put(f"{self.prefix}shards/{record.name}", json.dumps(_shard_json(record)))
+
+
+class FileLedger:
+    """The same ledger in one JSON file, replaced atomically on every write."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            data = {}
+        data.setdefault("current", None)
+        data.setdefault("history", [])
+        data.setdefault("shards", {})
+        return data
+
+    def _save(self, data: dict[str, Any]) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self.path)
+
+    async def current(self) -> PolicyVersion | None:
+        current = self._load()["current"]
+        return _version_from(current) if current else None
+
+    async def history(self) -> list[PolicyVersion]:
+        return [_version_from(v) for v in self._load()["history"]]
+
+    async def advance(self, version: PolicyVersion, keep: int) -> None:
+        data = self._load()
+        entry = asdict(version)
+        history = [v for v in data["history"] if v["version"] != version.version] + [entry]
+        data["history"] = sorted(history, key=lambda v: v["version"])[-keep:]
+        data["current"] = entry
+        self._save(data)
+
+    async def shards(self) -> dict[str, ShardRecord]:
+        return {n: _shard_from(n, d) for n, d in self._load()["shards"].items()}
+
+    async def record_shard(self, record: ShardRecord) -> None:
+        data = self._load()
+        data["shards"][record.name] = _shard_json(record)
+        self._save(data)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,534 @@
+"""Policy updates and the rejoin protocol.
+
+A rollout shard serves traffic only at the ledger's current policy version:
+
+  push:    on every admitted shard in parallel: pause -> update_weights_from_disk ->
+           flush_cache -> verify version (+ digest) -> taint `dynamod.policy/<v>` -> resume.
+           The ledger advances once the push completes; shards that failed are stale.
+  publish: the trainer loaded the weights itself; dynamod records the version and
+           verifies every shard; a mismatch is stale.
+  rejoin:  a shard that (re)starts, or is stale, is `held` (paused, no current taint)
+           while the ledger's current version is replayed into it, its KV cache reset and
+           its version verified; only then is it admitted. Retries with backoff, forever
+           while the process lives; a shard that cannot catch up stays out and says why.
+
+Trainer traffic requires the current version's taint (`nvext.routing_constraints`), so
+the kv router never sends it to a held or stale shard, whatever the timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from dynamod.core.errors import DynamodError
+from dynamod.core.extensions import Extension
+from dynamod.core.restart import Exit
+from dynamod.core.spec import PolicySpec
+from dynamod.core.state import UnitState
+from dynamod.rollout import dynamo
+from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
+
+if TYPE_CHECKING:
+    from dynamod.core.daemon import Daemon
+    from dynamod.core.engine import Engine, Unit
+
+log = structlog.get_logger("dynamod.rollout.policy")
+
+
+class PolicyError(DynamodError):
+    """A push, publish or replay could not be done; says where and why."""
+
+
+class ShardError(PolicyError):
+    def __init__(self, shard: str, step: str, detail: str) -> None:
+        self.shard, self.step, self.detail = shard, step, detail
+        super().__init__(f"{shard}: {step} failed: {detail}")
+
+
+@dataclass
+class ShardAck:
+    shard: str
+    version: int
+    digest: str | None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "version": self.version,
+            "digest": self.digest,
+            "ms": {k: round(v, 1) for k, v in self.timings_ms.items()},
+            "total_ms": round(sum(self.timings_ms.values()), 1),
+        }
+
+
+def check_checkpoint(path: Path) -> list[Path]:
+    """The checkpoint directory holds readable safetensors files; names the one at fault."""
+    if not path.exists():
+        raise PolicyError(f"checkpoint {path} does not exist")
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise PolicyError(f"checkpoint {path} holds no *.safetensors file")
+    for file in files:
+        try:
+            with file.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100_000_000:
+                    raise ValueError(f"header length {size} is implausible")
+                header = json.loads(fh.read(size))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except (OSError, ValueError, struct.error) as exc:
+            raise PolicyError(f"checkpoint file {file} is not valid safetensors: {exc}") from None
+    return files
+
+
+class PolicyManager(Extension):
+    """Daemon extension + engine hook: the ledger, pushes, publishes and rejoins.
+
+    Control socket routes:
+      GET  /policy           the policy ledger and every shard's applied version
+      POST /policy/push      {"step": N, "path": DIR}: load into every admitted shard
+      POST /policy/publish   {"step": N, "path": DIR}: the trainer loaded it; verify shards
+    """
+
+    def __init__(self, spec: PolicySpec) -> None:
+        self.spec = spec
+        self.daemon: Daemon | None = None
+        self._lock = asyncio.Lock()  # one policy operation at a time
+        self._rejoins: dict[str, asyncio.Task[None]] = {}
+        self.current_version: int | None = None  # None until the ledger was first read
+        self._etcd: EtcdClient | None = None
+        self._file: FileLedger | None = None
+        self.shard_names: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, daemon: Daemon) -> None:
+        assert daemon.engine is not None
+        self.daemon = daemon
+        self.shard_names = set(daemon.stack.shards())
+        daemon.engine.hooks.append(self)
+        if self.spec.store == "etcd":
+            assert self.spec.etcd
+            self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
+        else:
+            self._file = FileLedger(daemon.state.path / "policy.json")
+
+    async def stop(self) -> None:
+        for task in list(self._rejoins.values()):
+            task.cancel()
+        for task in list(self._rejoins.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def routes(self) -> list[web.RouteDef]:
+        async def step_and_path(request: web.Request) -> tuple[int, str]:
+            try:
+                body = await request.json()
+                return int(body["step"]), str(body["path"])
+            except (ValueError, KeyError, TypeError):
+                raise DynamodError('expected a JSON body {"step": N, "path": "DIR"}') from None
+
+        def running() -> None:
+            assert self.daemon is not None
+            self.daemon.require_running("a policy update")
+
+        async def push(request: web.Request) -> web.Response:
+            running()
+            return web.json_response(await self.push(*await step_and_path(request)))
+
+        async def publish(request: web.Request) -> web.Response:
+            running()
+            return web.json_response(await self.publish(*await step_and_path(request)))
+
+        async def status(_: web.Request) -> web.Response:
+            return web.json_response(await self.status_full())
+
+        return [
+            web.get("/policy", status),
+            web.post("/policy/push", push),
+            web.post("/policy/publish", publish),
+        ]
+
+    def status(self) -> dict[str, Any]:
+        return {"policy": self.summary()}
+
+    @property
+    def engine(self) -> Engine:
+        assert self.daemon is not None and self.daemon.engine is not None
+        return self.daemon.engine
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self.engine.session
+
+    def ledger(self) -> Ledger:
+        if self._etcd is not None:
+            return EtcdLedger(self._etcd, self.engine.stack.name)
+        assert self._file is not None
+        return self._file
+
+    # ------------------------------------------------------------------ hooks
+
+    async def on_ready(self, unit: Unit) -> None:
+        """A shard passed its readiness probe: hold it until it holds the current policy."""
+        if unit.name not in self.shard_names:
+            return
+        self.engine.hold(unit, "held: waiting to replay the current policy")
+        await self._catch_up(unit)
+
+    async def on_exit(self, unit: Unit, exit: Exit) -> None:
+        task = self._rejoins.pop(unit.name, None)
+        if task is not None:
+            task.cancel()
+        if unit.name in self.shard_names:
+            info = unit.extra.setdefault("policy", {})
+            info.update(admitted=False, version=None)
+            unit.extra["policy_version"] = None
+
+    # ------------------------------------------------------------------ rejoin
+
+    async def _catch_up(self, unit: Unit) -> None:
+        """Replay the ledger's current version until it sticks. Returns when admitted.
+
+        Replays of different shards run in parallel (a GPU shard's load takes seconds);
+        only the admission takes the policy lock, and it checks that no push moved the
+        ledger on meanwhile, else the replay starts over at the new version.
+        """
+        delay = self.spec.replay_backoff_initial
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                target = await self.ledger().current()
+                self._note_current(target)
+                ack = await self._apply(unit, target)
+                async with self._lock:
+                    now = await self.ledger().current()
+                    if (now.version if now else self.spec.initial_version) == ack.version:
+                        await self._record_ack(unit, ack)
+                        return
+                self._note_current(now)
+                log.info(
+                    "policy.replay_overtaken",
+                    unit=unit.name,
+                    replayed=ack.version,
+                    current=self.current_version,
+                )
+                continue
+            except (PolicyError, EtcdError) as exc:
+                error = str(exc)
+            await self._record_failure(unit, error)
+            self.engine.transition(
+                unit,
+                UnitState.HELD,
+                f"held: replay attempt {attempt} failed: {error}; retrying in {delay:.1f}s",
+            )
+            log.warning("policy.replay_failed", unit=unit.name, attempt=attempt, error=error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.spec.replay_backoff_max)
+
+    def _start_rejoin(self, unit: Unit, reason: str) -> None:
+        """A live shard went stale: hold it and replay in the background, then admit."""
+        if unit.name in self._rejoins or not unit.state.running:
+            return
+        self.engine.hold(unit, f"held: {reason}")
+
+        async def rejoin() -> None:
+            await self._catch_up(unit)
+            self._rejoins.pop(unit.name, None)
+            if unit.hold_reason is not None and unit.state.running:
+                self.engine.admit(unit, self._ack_detail(unit))
+
+        self._rejoins[unit.name] = asyncio.get_running_loop().create_task(rejoin())
+
+    def _note_current(self, current: PolicyVersion | None) -> None:
+        self.current_version = current.version if current else self.spec.initial_version
+        for name in self.shard_names:
+            self.engine.units[name].extra.setdefault("policy", {})["current"] = self.current_version
+
+    def _ack_detail(self, unit: Unit) -> str:
+        info = unit.extra.get("policy", {})
+        ms = info.get("last_ack_ms", {})
+        steps = ", ".join(f"{k} {v:.0f}" for k, v in ms.items())
+        return (
+            f"at policy version {unit.extra.get('policy_version')} "
+            f"(last update {sum(ms.values()):.0f} ms: {steps})"
+        )
+
+    # ------------------------------------------------------------------ one shard
+
+    async def _call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        assert unit.spec.dynamo is not None
+        try:
+            reply = await dynamo.engine_call(
+                self.session,
+                unit.spec.dynamo.system_url,
+                route,
+                payload,
+                timeout_s=self.spec.call_timeout,
+            )
+        except (dynamo.EngineRouteError, dynamo.DynamoHTTPError) as exc:
+            raise ShardError(unit.name, route, str(exc)) from None
+        if reply.get("status") != "ok":
+            raise ShardError(unit.name, route, reply.get("message") or json.dumps(reply)[:300])
+        return reply
+
+    async def _apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
+        """Bring one shard to `target` (None: the boot weights at initial_version), reset its
+        KV cache, verify, taint and resume it. The shard stays paused if any step fails."""
+        timings: dict[str, float] = {}
+
+        async def step(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+            started = time.monotonic()
+            reply = await self._call(unit, route, payload)
+            timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
+            return reply
+
+        await step("pause", "pause_generation", {})
+        if target is None:
+            version, digest = self.spec.initial_version, None
+            await step("load", "set_weight_version", {"weight_version": version})
+        else:
+            version, digest = target.version, target.digest
+            loaded = await step(
+                "load",
+                "update_weights_from_disk",
+                {"model_path": target.path, "weight_version": version},
+            )
+            if digest and loaded.get("digest") and loaded["digest"] != digest:
+                raise ShardError(
+                    unit.name,
+                    "update_weights_from_disk",
+                    f"loaded digest {loaded['digest']} != ledger digest {digest}",
+                )
+        await step("kv_reset", "flush_cache", {})
+        seen = await step("verify", "get_weight_version", {})
+        if seen.get("version") != version:
+            raise ShardError(
+                unit.name,
+                "verify",
+                f"shard reports version {seen.get('version')!r}, expected {version}",
+            )
+        if digest and seen.get("digest") and seen["digest"] != digest:
+            raise ShardError(
+                unit.name, "verify", f"shard reports digest {seen['digest']}, ledger has {digest}"
+            )
+        await step(
+            "taint", "update/model_taints", {"taints": [f"{self.spec.taint_prefix}{version}"]}
+        )
+        await step("resume", "resume_generation", {})
+        return ShardAck(unit.name, version, seen.get("digest"), timings)
+
+    async def _record_ack(self, unit: Unit, ack: ShardAck) -> None:
+        unit.extra["policy_version"] = ack.version
+        unit.extra["policy"] = {
+            "version": ack.version,
+            "current": self.current_version,
+            "admitted": True,
+            "digest": ack.digest,
+            "last_ack_ms": ack.as_dict()["ms"],
+            "last_error": None,
+        }
+        with contextlib.suppress(EtcdError):
+            await self.ledger().record_shard(
+                ShardRecord(unit.name, ack.version, ack.digest, time.time(), None)
+            )
+        self.engine.transition(unit, unit.state, self._ack_detail(unit))
+
+    async def _record_failure(self, unit: Unit, error: str) -> None:
+        info = unit.extra.setdefault("policy", {})
+        info.update(admitted=False, last_error=error)
+        with contextlib.suppress(EtcdError):
+            old = (await self.ledger().shards()).get(unit.name)
+            await self.ledger().record_shard(
+                ShardRecord(
+                    unit.name,
+                    old.applied_version if old else None,
+                    old.digest if old else None,
+                    old.acked_at if old else None,
+                    error,
+                )
+            )
+
+    # ------------------------------------------------------------------ push / publish
+
+    def admitted_shards(self) -> list[Unit]:
+        """Shards in service: running, past readiness, and not held (a held shard can also
+        be degraded while its liveness probe fails; it is still not admitted)."""
+        return [
+            unit
+            for unit in (self.engine.units[n] for n in self.engine.stack.shards())
+            if unit.state in {UnitState.READY, UnitState.DEGRADED} and unit.hold_reason is None
+        ]
+
+    async def push(self, step: int, path: str) -> dict[str, Any]:
+        started = time.monotonic()
+        checkpoint = Path(path).absolute()
+        check_checkpoint(checkpoint)
+        async with self._lock:
+            ledger = self.ledger()
+            current = await ledger.current()
+            if current is not None and step < current.version:
+                raise PolicyError(
+                    f"step {step} is older than the current policy version "
+                    f"{current.version}; pushes must move forward"
+                )
+            shards = self.admitted_shards()
+            if not shards or len(shards) < self.spec.min_ready_shards:
+                raise PolicyError(
+                    f"only {len(shards)} shard(s) admitted, fewer than min_ready_shards="
+                    f"{self.spec.min_ready_shards}; the push would leave too few serving "
+                    "(held shards: " + ", ".join(self.summary()["held"]) + ")"
+                )
+            target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
+            results = await asyncio.gather(
+                *(self._apply(u, target) for u in shards), return_exceptions=True
+            )
+            acks: dict[str, Any] = {}
+            good: list[ShardAck] = []
+            bad: dict[str, str] = {}
+            for unit, result in zip(shards, results, strict=True):
+                if isinstance(result, ShardAck):
+                    good.append(result)
+                    acks[unit.name] = result.as_dict()
+                elif isinstance(result, PolicyError):
+                    bad[unit.name] = str(result)
+                    acks[unit.name] = {"ok": False, "error": str(result)}
+                else:
+                    raise result
+            if not good:
+                await self._resume_after_failed_push(shards)
+                raise PolicyError(
+                    f"push of step {step} from {checkpoint} failed on every shard; the ledger "
+                    f"stays at {current.version if current else 'its initial version'}: "
+                    + "; ".join(bad.values())
+                )
+            digests = {a.digest for a in good if a.digest}
+            target = PolicyVersion(
+                step, str(checkpoint), next(iter(digests), None), target.published_at, "push"
+            )
+            await ledger.advance(target, self.spec.keep)
+            self._note_current(target)
+            for ack in good:
+                await self._record_ack(self.engine.units[ack.shard], ack)
+        for name, error in bad.items():
+            unit = self.engine.units[name]
+            await self._record_failure(unit, error)
+            self._start_rejoin(unit, f"stale after failed push of step {step}: {error}")
+        answer = {
+            "ok": True,
+            "version": step,
+            "path": str(checkpoint),
+            "digest": target.digest,
+            "acks": acks,
+            "stale": sorted(bad),
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        log.info(
+            "policy.pushed",
+            version=step,
+            seconds=answer["seconds"],
+            acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
+        )
+        return answer
+
+    async def _resume_after_failed_push(self, shards: list[Unit]) -> None:
+        """Nothing took the new weights: every shard still holds the current version, so
+        it goes back to serving rather than staying paused."""
+        for unit in shards:
+            with contextlib.suppress(PolicyError):
+                await self._call(unit, "resume_generation", {})
+
+    async def publish(self, step: int, path: str) -> dict[str, Any]:
+        started = time.monotonic()
+        async with self._lock:
+            ledger = self.ledger()
+            target = PolicyVersion(step, str(Path(path).absolute()), None, time.time(), "publish")
+            await ledger.advance(target, self.spec.keep)
+            self._note_current(target)
+            acks: dict[str, Any] = {}
+            stale: dict[str, str] = {}
+            for unit in self.admitted_shards():
+                try:
+                    seen = await self._call(unit, "get_weight_version", {})
+                    if seen.get("version") != step:
+                        raise ShardError(
+                            unit.name, "verify", f"shard reports version {seen.get('version')!r}"
+                        )
+                    await self._call(
+                        unit, "update/model_taints", {"taints": [f"{self.spec.taint_prefix}{step}"]}
+                    )
+                except PolicyError as exc:
+                    stale[unit.name] = str(exc)
+                    acks[unit.name] = {"ok": False, "error": str(exc)}
+                    continue
+                ack = ShardAck(unit.name, step, seen.get("digest"))
+                acks[unit.name] = ack.as_dict()
+                await self._record_ack(unit, ack)
+        for name, error in stale.items():
+            self._start_rejoin(
+                self.engine.units[name], f"stale after publish of step {step}: {error}"
+            )
+        return {
+            "ok": True,
+            "version": step,
+            "acks": acks,
+            "stale": sorted(stale),
+            "seconds": round(time.monotonic() - started, 3),
+        }
+
+    async def status_full(self) -> dict[str, Any]:
+        ledger = self.ledger()
+        current = await ledger.current()
+        history = await ledger.history()
+        records = await ledger.shards()
+        admitted = {u.name for u in self.admitted_shards()}
+        shards = []
+        for name in self.engine.stack.shards():
+            unit = self.engine.units[name]
+            record = records.get(name)
+            shards.append(
+                {
+                    "name": name,
+                    "state": str(unit.state),
+                    "policy_version": unit.extra.get("policy_version"),
+                    "admitted": name in admitted,
+                    "last_ack": record.acked_at if record else None,
+                    "last_error": record.last_error if record else None,
+                }
+            )
+        return {
+            "store": self.spec.store,
+            "current": current.version if current else self.spec.initial_version,
+            "initial": current is None,
+            "current_path": current.path if current else None,
+            "current_digest": current.digest if current else None,
+            "history": [{"version": v.version, "path": v.path, "how": v.how} for v in history],
+            "shards": shards,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Cheap, synchronous view for `status --json` (no ledger round trip)."""
+        shards = self.engine.stack.shards()
+        admitted = len(self.admitted_shards())
+        return {
+            "current": self.current_version,
+            "admitted": admitted,
+            "min_ready_shards": self.spec.min_ready_shards,
+            "serving": admitted >= max(1, self.spec.min_ready_shards),
+            "held": [n for n in shards if self.engine.units[n].hold_reason is not None],
+        }
