@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dynamod.workers.cpu import PAUSE_REQUIRED, CpuWorker, parse_version
+from dynamod.workers.cpu.admission import PAUSE_REQUIRED, CpuWorker
+from dynamod.workers.cpu.args import parse_version
 from dynamod.workers.model import check_model_dir, missing_model_files
 from dynamod.workers.weights import (
     WEIGHTS_FILE,

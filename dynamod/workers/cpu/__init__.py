@@ -1,0 +1,35 @@
+"""CPU rollout worker: Dynamo's mocker engine behind dynamo.vllm's RL admin routes.
+
+    python -m dynamod.workers.cpu --model-path DIR [--model-name NAME] [dynamo.mocker flags]
+                                  [--initial-version V] [--drain-timeout S]
+
+Two Dynamo runtimes share this process and its event loop:
+
+* the *engine* runtime (file discovery in a private directory, invisible outside) serves
+  Dynamo's mocker engine exactly as `python -m dynamo.mocker` builds it
+  (`make_engine` + `run_input`);
+* the *public* runtime (etcd discovery) registers the model and serves the worker's
+  `generate` endpoint, which forwards each request to the engine. It also serves the
+  RL admin routes of `dynamo.vllm` 1.6.1 on the system port (`POST /engine/<name>`),
+  with the same request and response shapes.
+
+Standing between the frontend and the engine is what makes those routes real:
+`pause_generation` stops admission (new requests wait until `resume_generation`),
+`flush_cache` replaces the engine with a fresh one, which has no cached prefix
+blocks (the mocker offers no other reset; the public instance id stays the same),
+and every response carries the weight version it was admitted under, the weights'
+digest and the serving instance in `engine_data` (returned by the frontend as
+`nvext.engine_data` when a request asks for `"nvext": {"extra_fields": ["engine_data"]}`).
+The engine's KV events are relayed to the router as the public worker's, and a flush
+tells the router that all of the worker's blocks are gone.
+
+The worker holds real tensors: the model directory's `model.safetensors` at start,
+replaced by `update_weights_from_disk`. The mocker's output does not depend on them;
+what matters to the stack is which weights, which version, which digest.
+
+Modules, one job each: `errors` (the worker's error, Dynamo's typed engine death),
+`mocker` (the replaceable engine on a private runtime), `kv_events` (the KV event relay
+to the router), `admission` (admission, pause, weights and the RL admin routes),
+`routes` (registering handlers, upstream's taint route), `args` (the command line and
+the environment), `serve` (the public runtime, wiring it all together).
+"""

@@ -1,0 +1,5 @@
+import sys
+
+from dynamod.workers.cpu.serve import main
+
+sys.exit(main())

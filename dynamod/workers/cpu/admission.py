@@ -1,0 +1,355 @@
+"""Admission, pause, weights and the RL admin routes of one CPU rollout worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamod.workers.cpu.errors import WorkerError, engine_shutdown
+from dynamod.workers.cpu.mocker import MockerEngine
+from dynamod.workers.weights import CheckpointError, WeightSet, load_checkpoint
+
+log = logging.getLogger("dynamod.workers.cpu")
+
+PAUSE_MODES = ("keep", "wait", "abort")
+PAUSE_REQUIRED = (
+    "Worker must be paused via pause_generation() before updating weights. "
+    "Call pause_generation() first, then update, then resume_generation()."
+)
+NOT_AN_OBJECT = {"status": "error", "message": "request body must be a JSON object"}
+
+RouteHandler = Callable[[Any], Awaitable[dict[str, Any]]]
+
+
+_END = object()
+_ABORTED = object()
+# What an aborted request ends with; Dynamo's name for vLLM's "abort" finish reason.
+CANCELLED_CHUNK: dict[str, Any] = {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One admitted request: its engine stream is pumped into `chunks` by `pump`."""
+
+    version: Any
+    digest: str
+    probe: bool
+    chunks: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    pump: asyncio.Task[None] | None = None
+    aborted: bool = False
+    in_engine: bool = True  # counted in CpuWorker._pumping until it leaves the engine
+
+
+class CpuWorker:
+    """Admission, weights and the RL admin routes of one CPU rollout worker.
+
+    One lock serialises pause, resume, flush and weight updates, as upstream's
+    `_pause_lock` does, so a resume can never interleave with an update.
+    """
+
+    def __init__(
+        self,
+        engine: MockerEngine,
+        weights: WeightSet,
+        version: Any = None,
+        version_declared: bool = False,
+        drain_timeout: float = 60.0,
+    ) -> None:
+        self.engine = engine
+        self.weights = weights
+        self.version = version
+        self.version_declared = version_declared
+        self.drain_timeout = drain_timeout
+        self.instance_id: int | None = None
+        self._lock = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        self._paused = False  # new requests wait at admission
+        self._holding = False  # in-flight output is held back (pause mode "keep")
+        self._swapping = False  # the engine is being replaced; nothing enters it
+        self._closing = False  # shutting down: nothing waits any more
+        self._flights: set[_Flight] = set()
+        self._pumping = 0  # requests still inside the engine
+
+    # ----------------------------------------------------------------- generation
+
+    async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[Any]:
+        from dynamo.common.backend.health_check import HEALTH_CHECK_KEY, is_probe
+
+        probe = is_probe(request)
+        if probe:
+            request = {k: v for k, v in request.items() if k != HEALTH_CHECK_KEY}
+        flight = await self._admit(probe)
+        flight.pump = asyncio.create_task(self._pump(request, flight))
+        try:
+            while True:
+                chunk = await flight.chunks.get()
+                if chunk is _END:
+                    return
+                if chunk is _ABORTED:
+                    yield CANCELLED_CHUNK
+                    return
+                if isinstance(chunk, BaseException):
+                    raise engine_shutdown(f"mocker engine failed: {chunk}") from chunk
+                if not probe and not await self._wait_output_allowed(flight):
+                    yield CANCELLED_CHUNK
+                    return
+                yield self._annotate(chunk, flight)
+        finally:
+            flight.pump.cancel()
+            # A pump cancelled before it ran never reaches its own `finally`.
+            await self._left_engine(flight)
+            async with self._changed:
+                self._flights.discard(flight)
+                self._changed.notify_all()
+
+    async def _admit(self, probe: bool) -> _Flight:
+        async with self._changed:
+            # Health probes pass a pause: a paused worker is held, not unhealthy.
+            await self._changed.wait_for(
+                lambda: self._closing or (not self._swapping and (probe or not self._paused))
+            )
+            if self._closing:
+                # Typed, so the frontend migrates the request to another worker.
+                raise engine_shutdown("worker is shutting down")
+            flight = _Flight(self.version, self.weights.digest, probe)
+            self._flights.add(flight)
+            self._pumping += 1
+            return flight
+
+    async def _pump(self, request: dict[str, Any], flight: _Flight) -> None:
+        """Drain the engine stream as fast as it comes, so a held request leaves the engine."""
+        try:
+            async for chunk in self.engine.generate(request):
+                flight.chunks.put_nowait(chunk)
+            flight.chunks.put_nowait(_END)
+        except asyncio.CancelledError:
+            flight.chunks.put_nowait(_ABORTED if flight.aborted else _END)
+            raise
+        except Exception as exc:
+            flight.chunks.put_nowait(exc)
+        finally:
+            await self._left_engine(flight)
+
+    async def _left_engine(self, flight: _Flight) -> None:
+        async with self._changed:
+            if flight.in_engine:
+                flight.in_engine = False
+                self._pumping -= 1
+                self._changed.notify_all()
+
+    async def _wait_output_allowed(self, flight: _Flight) -> bool:
+        """Wait while output is held; False when the request was aborted meanwhile."""
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: not self._holding or flight.aborted or self._closing
+            )
+        return not flight.aborted
+
+    def _annotate(self, chunk: Any, flight: _Flight) -> Any:
+        """Say which weights and which worker produced the chunk (`nvext.engine_data`).
+
+        `instance_id` is the worker that really served it: after a migration the
+        frontend's `nvext.worker_id` still names the first worker it picked.
+        """
+        if isinstance(chunk, dict):
+            engine_data = chunk.get("engine_data")
+            engine_data = dict(engine_data) if isinstance(engine_data, dict) else {}
+            engine_data["weight_version"] = flight.version
+            engine_data["weight_digest"] = flight.digest
+            engine_data["instance_id"] = self.instance_id
+            chunk = {**chunk, "engine_data": engine_data}
+        return chunk
+
+    async def close(self) -> None:
+        """Stop admitting and stop holding, so a graceful shutdown does not wait on a pause."""
+        async with self._changed:
+            self._closing = True
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------- engine control
+
+    async def _reset_engine(self) -> None:
+        """Replace the engine once no request is inside it; admission waits meanwhile."""
+        async with self._changed:
+            self._swapping = True
+        try:
+            async with self._changed:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._pumping == 0), self.drain_timeout
+                )
+            await self.engine.restart()
+        except TimeoutError as exc:
+            raise WorkerError(
+                f"cache not flushed: {self._pumping} request(s) still in the engine "
+                f"after {self.drain_timeout}s"
+            ) from exc
+        finally:
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()
+
+    async def _abort_in_flight(self) -> None:
+        for flight in self._flights:
+            if not flight.probe:
+                flight.aborted = True
+                if flight.pump is not None:
+                    flight.pump.cancel()
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------ admin routes
+
+    def serialised(self, handler: RouteHandler) -> RouteHandler:
+        """`handler` run under the admin lock (for routes defined elsewhere)."""
+
+        async def locked(body: Any) -> dict[str, Any]:
+            async with self._lock:
+                return await handler(body)
+
+        return locked
+
+    def routes(self) -> dict[str, RouteHandler]:
+        return {
+            "liveness_probe": self.liveness_probe,
+            "pause_generation": self.pause_generation,
+            "resume_generation": self.resume_generation,
+            "flush_cache": self.flush_cache,
+            "update_weights_from_disk": self.update_weights_from_disk,
+            "get_weight_version": self.get_weight_version,
+            "set_weight_version": self.set_weight_version,
+        }
+
+    async def liveness_probe(self, body: Any) -> dict[str, Any]:
+        if body is not None and not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        if not self.engine.alive and not self._swapping:
+            return {"status": "error", "alive": False, "message": "mocker engine is not serving"}
+        return {
+            "status": "ok",
+            "alive": True,
+            "instance_id": self.instance_id,
+            "paused": self._paused,
+            "engine_generation": self.engine.generation,
+        }
+
+    async def pause_generation(self, body: Any) -> dict[str, Any]:
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        mode = body.get("mode", "keep")
+        clear_cache = bool(body.get("clear_cache", False))
+        if mode not in PAUSE_MODES:
+            return {
+                "status": "error",
+                "message": f"Invalid mode '{mode}'; expected keep|wait|abort",
+            }
+        async with self._lock:
+            async with self._changed:
+                self._paused = True
+                self._holding = mode == "keep"
+                self._changed.notify_all()
+            if mode == "abort":
+                await self._abort_in_flight()
+            elif mode == "wait":
+                async with self._changed:
+                    await self._changed.wait_for(
+                        lambda: not any(not f.probe for f in self._flights)
+                    )
+            if clear_cache:
+                try:
+                    await self._reset_engine()
+                except WorkerError as exc:
+                    return {"status": "error", "message": str(exc)}
+            log.info("[RL] Engine paused (mode=%s, clear_cache=%s)", mode, clear_cache)
+            return {
+                "status": "ok",
+                "message": "Engine paused",
+                "mode": mode,
+                "clear_cache": clear_cache,
+            }
+
+    async def resume_generation(self, body: Any) -> dict[str, Any]:
+        if body is not None and not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        async with self._lock:
+            async with self._changed:
+                self._paused = self._holding = False
+                self._changed.notify_all()
+            log.info("[RL] Engine resumed")
+            return {"status": "ok", "message": "Engine resumed"}
+
+    async def flush_cache(self, body: Any) -> dict[str, Any]:
+        if body is not None and not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        async with self._lock:
+            try:
+                await self._reset_engine()
+            except WorkerError as exc:
+                return {"status": "error", "message": str(exc)}
+            log.info("[RL] Prefix cache flushed (engine %d)", self.engine.generation)
+            return {"status": "ok", "message": "Cache flushed"}
+
+    async def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        async with self._lock:
+            if not self._paused:
+                return {"status": "error", "message": PAUSE_REQUIRED}
+            path = body.get("model_path")
+            if not path:
+                return {"status": "error", "message": "Missing 'model_path' in body"}
+            declared = "weight_version" in body
+            version = body.get("weight_version", "unknown")
+            try:
+                weights = await asyncio.to_thread(load_checkpoint, Path(path))
+            except CheckpointError as exc:
+                log.error("[RL] update_weights_from_disk failed: %s", exc)
+                return {
+                    "status": "error",
+                    "message": f"weights not loaded, old weights kept: {exc}",
+                }
+            self.weights = weights
+            if declared:
+                self.version, self.version_declared = version, True
+            # Weights changed: cached prefixes were computed under the old ones.
+            try:
+                await self._reset_engine()
+            except WorkerError as exc:
+                return {"status": "error", "message": f"weights loaded but {exc}"}
+            log.info(
+                "[RL] Weights loaded from %s (version=%s, digest=%s)", path, version, weights.digest
+            )
+            return {
+                "status": "ok",
+                "version": version,
+                "version_declared": declared,
+                "digest": weights.digest,
+                "model_path": str(weights.source),
+                "num_tensors": weights.num_tensors,
+            }
+
+    async def get_weight_version(self, body: Any) -> dict[str, Any]:
+        if body is not None and not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        return {
+            "status": "ok",
+            "version": self.version if self.version_declared else None,
+            "version_declared": self.version_declared,
+            "digest": self.weights.digest,
+            "model_path": str(self.weights.source),
+        }
+
+    async def set_weight_version(self, body: Any) -> dict[str, Any]:
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        if "weight_version" not in body:
+            return {"status": "error", "message": "Missing 'weight_version' in body"}
+        self.version, self.version_declared = body["weight_version"], True
+        log.info("[RL] Weight version declared: %s", self.version)
+        return {"status": "ok", "version": self.version}

@@ -1,0 +1,82 @@
+"""The CPU worker's command line (its own flags plus dynamo.mocker's) and environment."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from dynamod.workers.cpu.errors import WorkerError
+
+
+def parse_version(text: str) -> int | str:
+    """`--initial-version` as the JSON value a trainer would send: an integer step or text."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """(own options, dynamo.mocker's options); every dynamo.mocker flag is accepted."""
+    own = argparse.ArgumentParser(
+        prog="python -m dynamod.workers.cpu",
+        description=(
+            "CPU rollout worker: Dynamo's mocker engine with dynamo.vllm's RL admin routes. "
+            "Also accepts the flags of `python -m dynamo.mocker` (--model-path, --model-name, "
+            "--endpoint, --discovery-backend, --block-size, --speedup-ratio, ...)."
+        ),
+    )
+    own.add_argument(
+        "--initial-version",
+        help="weight version declared at start (an integer step or text); default: undeclared",
+    )
+    own.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a cache flush waits for requests to leave the engine (default 60)",
+    )
+    ours, rest = own.parse_known_args(argv)
+
+    from dynamo.mocker.args import parse_args as parse_mocker_args
+
+    mocker = parse_mocker_args(rest)
+    unsupported = [
+        (mocker.num_workers != 1, "--num-workers (run one worker process per replica)"),
+        (mocker.disaggregation_mode != "agg", "--disaggregation-mode other than agg"),
+        (bool(mocker.bootstrap_ports_list), "--bootstrap-ports"),
+        (bool(mocker.zmq_kv_events_ports_list), "--zmq-kv-events-ports"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise WorkerError(f"{what} is not supported by the CPU worker")
+    if not mocker.model_path:
+        raise WorkerError("--model-path is required (a local model directory)")
+    return ours, mocker
+
+
+def check_system_port() -> None:
+    raw = os.environ.get("DYN_SYSTEM_PORT", "")
+    try:
+        port = int(raw)
+    except ValueError:
+        port = 0
+    if not 0 < port <= 32767:
+        raise WorkerError(
+            f"DYN_SYSTEM_PORT={raw!r}: set it to a port in 1..32767 "
+            "(Dynamo reads it as a 16-bit signed integer); /health and /engine/* live there"
+        )
+
+
+def engine_args_for(mocker: argparse.Namespace) -> dict[str, Any]:
+    from dynamo.mocker.config import apply_worker_engine_args_overrides, load_mocker_engine_args
+    from dynamo.mocker.utils.kv_cache import compute_kv_bytes_per_token
+
+    kv_bytes = mocker.kv_bytes_per_token
+    if kv_bytes is None:
+        kv_bytes = compute_kv_bytes_per_token(mocker.model_path, mocker.kv_cache_dtype)
+    engine_args: dict[str, Any] = apply_worker_engine_args_overrides(
+        load_mocker_engine_args(mocker), kv_bytes_per_token=kv_bytes
+    )
+    return engine_args

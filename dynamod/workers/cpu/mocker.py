@@ -1,0 +1,179 @@
+"""Dynamo's mocker engine on a private runtime, replaceable in place (a flush is a new engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+from dynamod.workers.cpu.errors import WorkerError
+from dynamod.workers.cpu.kv_events import KvEventBridge
+
+log = logging.getLogger("dynamod.workers.cpu")
+
+# Where the engine runtime serves the mocker. Its discovery is a private directory, so
+# the name never reaches etcd or the frontend.
+ENGINE_ENDPOINT = "dynamod-engine.mocker.generate"
+
+
+@contextlib.contextmanager
+def _without_system_server() -> Iterator[None]:
+    """Hide DYN_SYSTEM_PORT while an engine-side runtime is built.
+
+    Each DistributedRuntime starts a system server when the variable is set; only the
+    public runtime may own the port (it carries /health and the admin routes). The
+    engine serves no model metadata either: nothing outside the process reads it.
+    """
+    hidden = {"DYN_SYSTEM_PORT": None, "DYN_SELF_HOST_METADATA": "0"}
+    saved = {name: os.environ.get(name) for name in hidden}
+    for name, value in hidden.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class MockerEngine:
+    """Dynamo's mocker engine on a private runtime, replaceable in place.
+
+    Each engine runs on its own runtime so that shutting that runtime down stops it;
+    the client that reaches it lives on a separate, long-lived runtime (a runtime that
+    acts as a client keeps a listener open after shutdown, so a client per engine
+    would leak one per flush). Both use file discovery in a private directory, which
+    neither etcd nor the frontend ever see.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        model_name: str | None,
+        engine_args: dict[str, Any],
+        on_death: Callable[[BaseException | None], None],
+    ) -> None:
+        self._model_path = model_path
+        self._model_name = model_name
+        self._engine_args = engine_args
+        self._on_death = on_death
+        self._client: Any = None
+        self._client_runtime: Any = None
+        self._runtime: Any = None
+        self._serving: asyncio.Future[Any] | None = None
+        self._instance_id: int | None = None
+        self._stopping = False
+        self.generation = 0  # how many engines have been started; a flush adds one
+        self.kv_events: KvEventBridge | None = None
+        self.events_port = 0  # where the current engine publishes its KV events
+
+    def _new_runtime(self) -> Any:
+        from dynamo.runtime import DistributedRuntime
+
+        with _without_system_server():
+            return DistributedRuntime(asyncio.get_running_loop(), "file", "tcp", event_plane="zmq")
+
+    async def start(self, timeout: float = 60.0) -> None:
+        from dynamo._core import EngineType, EntrypointArgs, make_engine, run_input
+        from dynamo.mocker.config import apply_worker_engine_args_overrides, build_runtime_config
+
+        if self._client is None:
+            self._client_runtime = self._new_runtime()
+            self._client = await self._client_runtime.endpoint(ENGINE_ENDPOINT).client()
+        runtime = self._new_runtime()
+        events_port = _free_loopback_port()
+        engine_args = apply_worker_engine_args_overrides(
+            self._engine_args, zmq_kv_events_port=events_port
+        )
+        block_size, runtime_config = build_runtime_config(engine_args)
+        entry = EntrypointArgs(
+            engine_type=EngineType.Mocker,
+            model_path=self._model_path,
+            model_name=self._model_name,
+            endpoint_id=f"dyn://{ENGINE_ENDPOINT}",
+            mocker_engine_args=engine_args,
+            runtime_config=runtime_config,
+            kv_cache_block_size=block_size,
+        )
+        with _without_system_server():
+            engine_config = await make_engine(runtime, entry)
+            serving = asyncio.ensure_future(
+                run_input(runtime, f"dyn://{ENGINE_ENDPOINT}", engine_config)
+            )
+        self._instance_id = await asyncio.wait_for(self._new_instance(), timeout)
+        self._runtime, self._serving = runtime, serving
+        self._stopping = False
+        self.events_port = events_port
+        if self.kv_events is not None:
+            self.kv_events.attach(events_port)
+        serving.add_done_callback(self._served)
+        self.generation += 1
+        log.info("mocker engine %d serving as %x", self.generation, self._instance_id)
+
+    async def _new_instance(self) -> int:
+        previous = self._instance_id
+        while True:
+            fresh = [i for i in self._client.instance_ids() if i != previous]
+            if fresh:
+                return int(fresh[0])
+            await asyncio.sleep(0.01)
+
+    def _served(self, serving: asyncio.Future[Any]) -> None:
+        if self._stopping or serving is not self._serving:
+            return
+        error = None if serving.cancelled() else serving.exception()
+        self._on_death(error)
+
+    @property
+    def alive(self) -> bool:
+        return self._serving is not None and not self._serving.done()
+
+    async def stop(self) -> None:
+        serving, runtime = self._serving, self._runtime
+        if serving is None:
+            return
+        self._stopping = True
+        runtime.shutdown()
+        # run_input reports its own shutdown as an error; that is the expected end.
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(serving, 10)
+        self._serving = self._runtime = None
+        if self.kv_events is not None:
+            await self.kv_events.detach_and_clear()
+
+    async def close(self) -> None:
+        await self.stop()
+        if self.kv_events is not None:
+            await self.kv_events.close()
+        if self._client_runtime is not None:
+            self._client_runtime.shutdown()
+            self._client_runtime = self._client = None
+
+    async def restart(self) -> None:
+        await self.stop()
+        try:
+            await self.start()
+        except Exception as exc:
+            self._on_death(exc)  # no engine any more: the worker must go down
+            raise
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[Any]:
+        if self._client is None or self._instance_id is None or not self.alive:
+            raise WorkerError("mocker engine is not running")
+        stream = await self._client.direct(request, self._instance_id)
+        async for item in stream:
+            yield item.data()
+
+
+def _free_loopback_port() -> int:
+    from dynamod.core.ports import PortAllocator
+
+    return PortAllocator()()

@@ -1,0 +1,171 @@
+"""The CPU worker's process: the public runtime, registration, routes, shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dynamod.workers.cpu.admission import CpuWorker
+from dynamod.workers.cpu.args import (
+    check_system_port,
+    engine_args_for,
+    parse_args,
+    parse_version,
+)
+from dynamod.workers.cpu.errors import WorkerError
+from dynamod.workers.cpu.kv_events import KvEventBridge
+from dynamod.workers.cpu.mocker import MockerEngine
+from dynamod.workers.cpu.routes import catching, upstream_taint_route
+from dynamod.workers.model import ModelDirError, check_model_dir
+from dynamod.workers.weights import CheckpointError, load_checkpoint
+
+log = logging.getLogger("dynamod.workers.cpu")
+
+# Set unless the environment says otherwise: loopback for every listener Dynamo opens,
+# and no compute thread pool (the mocker sets the latter too).
+ENV_DEFAULTS = {
+    "DYN_TCP_RPC_HOST": "127.0.0.1",
+    "DYN_HTTP_RPC_HOST": "127.0.0.1",
+    "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+    "DYN_SYSTEM_HOST": "127.0.0.1",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+    "DYN_COMPUTE_THREADS": "0",
+}
+
+
+def health_check_payload(model_dir: Path) -> dict[str, Any]:
+    from dynamo.common.backend.health_check import build_health_check_payload
+
+    config = json.loads((model_dir / "config.json").read_text())
+    payload: dict[str, Any] = build_health_check_payload(int(config.get("bos_token_id") or 1))
+    return payload
+
+
+async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
+    from dynamo.common.configuration.groups.router_args import build_router_config
+    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+    from dynamo.mocker.config import build_runtime_config
+    from dynamo.runtime import DistributedRuntime
+
+    loop = asyncio.get_running_loop()
+    model_dir = Path(mocker.model_path)
+    weights = await asyncio.to_thread(load_checkpoint, model_dir)
+    log.info("initial weights %s (digest %s)", weights.source, weights.digest)
+    engine_args = engine_args_for(mocker)
+
+    fatal: list[str] = []
+    runtime: Any = None
+
+    def engine_died(error: BaseException | None) -> None:
+        fatal.append(f"mocker engine stopped serving: {error}")
+        log.error("%s; shutting down", fatal[-1])
+        if runtime is not None:
+            runtime.shutdown()
+
+    engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
+    await engine.start()
+
+    runtime = DistributedRuntime(
+        loop,
+        mocker.discovery_backend,
+        mocker.request_plane,
+        event_plane=mocker.event_plane,
+        response_plane=mocker.response_plane,
+    )
+    endpoint = runtime.endpoint(mocker.endpoint.removeprefix("dyn://"))
+    version = parse_version(ours.initial_version) if ours.initial_version is not None else None
+    worker = CpuWorker(
+        engine,
+        weights,
+        version=version,
+        version_declared=ours.initial_version is not None,
+        drain_timeout=ours.drain_timeout,
+    )
+    worker.instance_id = endpoint.connection_id()
+    for name, handler in worker.routes().items():
+        runtime.register_engine_route(name, catching(name, handler))
+    # As upstream, a bad taint list raises: the system server answers HTTP 500.
+    runtime.register_engine_route(
+        "update/model_taints", worker.serialised(upstream_taint_route(runtime, endpoint))
+    )
+
+    block_size, runtime_config = build_runtime_config(engine_args)
+    engine.kv_events = KvEventBridge(endpoint, block_size)
+    engine.kv_events.attach(engine.events_port)
+    runtime_config.enable_local_indexer = True  # the bridge's publisher keeps one
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat | ModelType.Completions,
+        endpoint,
+        str(model_dir),
+        mocker.model_name,
+        worker_type=WorkerType.Aggregated,
+        kv_cache_block_size=block_size,
+        runtime_config=runtime_config,
+        router_config=build_router_config(mocker.router_advertisement),
+    )
+
+    closing: list[asyncio.Future[None]] = []  # keeps the close task referenced
+
+    def shutdown() -> None:
+        log.info("shutdown signal: unregistering and stopping")
+        closing.append(asyncio.ensure_future(worker.close()))
+        runtime.shutdown()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, shutdown)
+
+    log.info(
+        "serving %s as instance %s (etcd lease %x), version %s",
+        mocker.endpoint,
+        worker.instance_id,
+        worker.instance_id or 0,
+        worker.version if worker.version_declared else "undeclared",
+    )
+    try:
+        await endpoint.serve_endpoint(
+            worker.generate, health_check_payload=health_check_payload(model_dir)
+        )
+    finally:
+        await engine.close()
+    if fatal:
+        print(f"dynamod.workers.cpu: {fatal[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    for name, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    try:
+        ours, mocker = parse_args(sys.argv[1:] if argv is None else argv)
+        check_model_dir(Path(mocker.model_path))
+        check_system_port()
+    except (WorkerError, ModelDirError) as exc:
+        print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
+        return 2
+
+    import uvloop
+    from dynamo.runtime.logging import configure_dynamo_logging
+
+    configure_dynamo_logging()
+    # The engine's discovery: a directory of this process only.
+    with tempfile.TemporaryDirectory(prefix="dynamod-cpu-worker-") as discovery:
+        os.environ["DYN_FILE_KV"] = discovery
+        try:
+            return uvloop.run(serve(ours, mocker))
+        except CheckpointError as exc:
+            print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
+            return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
