@@ -29,26 +29,32 @@ import time
 import urllib.request
 from typing import Any
 
-from bench.common import (
-    MODEL,
-    NAMESPACE,
-    Dynamod,
-    PlainStack,
-    Report,
-    Supervisord,
-    Table,
+from bench.procs import (
     bench_mark,
-    emit,
-    load_local_stack,
-    options,
-    prebuilt_model,
-    ratio,
-    routable,
-    serve_stack,
     started_at,
     state_dir,
-    summary,
     sweep,
+)
+from bench.report import (
+    Report,
+    Table,
+    emit,
+    options,
+    ratio,
+    summary,
+)
+from bench.runners import (
+    Dynamod,
+    Supervisord,
+)
+from bench.stack import (
+    MODEL,
+    NAMESPACE,
+    PlainStack,
+    load_local_stack,
+    prebuilt_model,
+    routable,
+    serve_stack,
 )
 
 
@@ -76,14 +82,14 @@ class Watcher(threading.Thread):
                 if url is not None:
                     if self.first_health is None:
                         try:
-                            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(
-                                    total=1)) as resp:
+                            async with session.get(
+                                f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)
+                            ) as resp:
                                 if resp.status == 200:
                                     self.first_health = time.monotonic() - self.started
                         except (TimeoutError, aiohttp.ClientError):
                             pass
-                    if self.first_health is not None and await routable(session, url,
-                                                                        self.workers):
+                    if self.first_health is not None and await routable(session, url, self.workers):
                         self.routable = time.monotonic() - self.started
                         return
                 await asyncio.sleep(0.02)
@@ -128,13 +134,18 @@ def run_dynamod(workers: int) -> dict[str, Any]:
             events = dm.events()
         finally:
             dm.close()
-    return {"up_s": up_s, "routable_s": watcher.routable, "first_health_s": watcher.first_health,
-            "daemon_started_s": daemon_started,
-            **from_log(events, t0_epoch, watcher.first_health)}
+    return {
+        "up_s": up_s,
+        "routable_s": watcher.routable,
+        "first_health_s": watcher.first_health,
+        "daemon_started_s": daemon_started,
+        **from_log(events, t0_epoch, watcher.first_health),
+    }
 
 
-def from_log(events: list[dict[str, Any]], t0: float, frontend_health: float | None
-             ) -> dict[str, Any]:
+def from_log(
+    events: list[dict[str, Any]], t0: float, frontend_health: float | None
+) -> dict[str, Any]:
     """stack.ready, each unit's spawn -> ready, and the critical path."""
     spawn: dict[str, float] = {}
     ready: dict[str, float] = {}
@@ -151,22 +162,31 @@ def from_log(events: list[dict[str, Any]], t0: float, frontend_health: float | N
     took = {u: ready[u] - spawn[u] for u in ready if u in spawn}
     infra = max(took.get("etcd", 0.0), took.get("nats", 0.0))
     before_workers = max(infra, took.get("model", 0.0))
-    worker_chain = max((before_workers + d for u, d in took.items() if u.startswith("worker@")),
-                       default=0.0)
-    frontend_chain = (infra + frontend_health - spawn["frontend"]
-                      if frontend_health is not None and "frontend" in spawn else 0.0)
+    worker_chain = max(
+        (before_workers + d for u, d in took.items() if u.startswith("worker@")), default=0.0
+    )
+    frontend_chain = (
+        infra + frontend_health - spawn["frontend"]
+        if frontend_health is not None and "frontend" in spawn
+        else 0.0
+    )
     first_spawn = min(spawn.values()) if spawn else 0.0
-    frontend_boot = (frontend_health - spawn["frontend"]
-                     if frontend_health is not None and "frontend" in spawn else None)
+    frontend_boot = (
+        frontend_health - spawn["frontend"]
+        if frontend_health is not None and "frontend" in spawn
+        else None
+    )
     return {
         "frontend_boot_s": frontend_boot,
-        "ready_to_stack_ready_s": (stack_ready - max(ready.values())
-                                   if stack_ready is not None and ready else None),
+        "ready_to_stack_ready_s": (
+            stack_ready - max(ready.values()) if stack_ready is not None and ready else None
+        ),
         "stack_ready_s": stack_ready,
         "unit_ready_s": took,
         "first_spawn_s": first_spawn,
         "critical_path_s": max(worker_chain, frontend_chain),
-        "critical_chain": "etcd/nats/model -> worker" if worker_chain >= frontend_chain
+        "critical_chain": "etcd/nats/model -> worker"
+        if worker_chain >= frontend_chain
         else "etcd/nats -> frontend boot",
     }
 
@@ -189,8 +209,9 @@ def run_supervisord(workers: int) -> dict[str, Any]:
     return {"routable_s": watcher.routable, "first_health_s": watcher.first_health}
 
 
-def run_sequential(workers: int, infra_poll: float = 0.5, dynamo_poll: float = 2.0
-                   ) -> dict[str, Any]:
+def run_sequential(
+    workers: int, infra_poll: float = 0.5, dynamo_poll: float = 2.0
+) -> dict[str, Any]:
     with state_dir("qcu") as state:
         prebuilt_model()
         stack = load_local_stack(state, f"workers={workers}")
@@ -235,8 +256,7 @@ def main() -> None:
     args = parser.parse_args()
     bench_mark()
     reps = 1 if args.quick else 7
-    report = Report("cold_up", f"4. Cold start to fully ready ({args.workers} shards)",
-                    args.quick)
+    report = Report("cold_up", f"4. Cold start to fully ready ({args.workers} shards)", args.quick)
     runs: dict[str, list[dict[str, Any]]] = {"dynamod": [], "supervisord": [], "sequential": []}
     try:
         for _ in range(reps):
@@ -253,44 +273,97 @@ def main() -> None:
     s_route = summary(r["routable_s"] for r in sup)
     q_route = summary(r["routable_s"] for r in seq)
     base = s_route["median"]
-    table = Table(f"Seconds from start to fully ready, {reps} run(s) each",
-                  ["variant", "gated on readiness", "median", "p95", "vs supervisord"],
-                  digits=2)
+    table = Table(
+        f"Seconds from start to fully ready, {reps} run(s) each",
+        ["variant", "gated on readiness", "median", "p95", "vs supervisord"],
+        digits=2,
+    )
     table.rows += [
-        ["dynamod: `up --detach` returned", True, d_up["median"], d_up["p95"],
-         ratio(d_up["median"], base)],
-        ["dynamod: daemon logged stack.ready", True, d_ready["median"], d_ready["p95"],
-         ratio(d_ready["median"], base)],
-        ["dynamod: outside poller saw it routable", True, d_route["median"], d_route["p95"],
-         ratio(d_route["median"], base)],
-        ["supervisord, all at once (outside poller)", False, s_route["median"], s_route["p95"],
-         1.0],
-        ["sequential recipe, 0.5 s / 2 s polls", True, q_route["median"], q_route["p95"],
-         ratio(q_route["median"], base)],
-        ["critical path (longest chain of unit ready times)", "-", crit["median"], crit["p95"],
-         ratio(crit["median"], base)],
+        [
+            "dynamod: `up --detach` returned",
+            True,
+            d_up["median"],
+            d_up["p95"],
+            ratio(d_up["median"], base),
+        ],
+        [
+            "dynamod: daemon logged stack.ready",
+            True,
+            d_ready["median"],
+            d_ready["p95"],
+            ratio(d_ready["median"], base),
+        ],
+        [
+            "dynamod: outside poller saw it routable",
+            True,
+            d_route["median"],
+            d_route["p95"],
+            ratio(d_route["median"], base),
+        ],
+        [
+            "supervisord, all at once (outside poller)",
+            False,
+            s_route["median"],
+            s_route["p95"],
+            1.0,
+        ],
+        [
+            "sequential recipe, 0.5 s / 2 s polls",
+            True,
+            q_route["median"],
+            q_route["p95"],
+            ratio(q_route["median"], base),
+        ],
+        [
+            "critical path (longest chain of unit ready times)",
+            "-",
+            crit["median"],
+            crit["p95"],
+            ratio(crit["median"], base),
+        ],
     ]
     report.tables.append(table)
-    units = Table("dynamod run: each unit's spawn -> ready, seconds (median)",
-                  ["unit", "spawn -> ready"], digits=2)
+    units = Table(
+        "dynamod run: each unit's spawn -> ready, seconds (median)",
+        ["unit", "spawn -> ready"],
+        digits=2,
+    )
     names = sorted({u for r in dyn for u in r["unit_ready_s"]})
     for name in names:
         units.rows.append([name, summary(r["unit_ready_s"].get(name) for r in dyn)["median"]])
-    units.rows.append(["frontend: spawn -> first /health 200 (outside poller)",
-                       summary(r["frontend_boot_s"] for r in dyn)["median"]])
-    units.rows.append(["(CLI) `up` invoked -> daemon process started (10 ms steps)",
-                       summary(r["daemon_started_s"] for r in dyn)["median"]])
-    units.rows.append(["(daemon) process started -> first unit spawned",
-                       summary(r["first_spawn_s"] - r["daemon_started_s"] for r in dyn)["median"]])
-    units.rows.append(["(daemon) last unit ready -> stack.ready logged",
-                       summary(r["ready_to_stack_ready_s"] for r in dyn)["median"]])
-    units.rows.append(["(CLI) stack.ready -> `up --detach` returned",
-                       summary(r["up_s"] - r["stack_ready_s"] for r in dyn)["median"]])
+    units.rows.append(
+        [
+            "frontend: spawn -> first /health 200 (outside poller)",
+            summary(r["frontend_boot_s"] for r in dyn)["median"],
+        ]
+    )
+    units.rows.append(
+        [
+            "(CLI) `up` invoked -> daemon process started (10 ms steps)",
+            summary(r["daemon_started_s"] for r in dyn)["median"],
+        ]
+    )
+    units.rows.append(
+        [
+            "(daemon) process started -> first unit spawned",
+            summary(r["first_spawn_s"] - r["daemon_started_s"] for r in dyn)["median"],
+        ]
+    )
+    units.rows.append(
+        [
+            "(daemon) last unit ready -> stack.ready logged",
+            summary(r["ready_to_stack_ready_s"] for r in dyn)["median"],
+        ]
+    )
+    units.rows.append(
+        [
+            "(CLI) stack.ready -> `up --detach` returned",
+            summary(r["up_s"] - r["stack_ready_s"] for r in dyn)["median"],
+        ]
+    )
     report.tables.append(units)
-    report.target("dynamod `up` / supervisord ungated start", ratio(d_up["median"], base), 1.2,
-                  "x")
-    report.data = {"runs": runs, "workers": args.workers, "model": MODEL,
-                   "namespace": NAMESPACE}
+    report.target("dynamod `up` / supervisord ungated start", ratio(d_up["median"], base), 1.2, "x")
+    report.data = {"runs": runs, "workers": args.workers, "model": MODEL, "namespace": NAMESPACE}
     report.notes += [
         "the tiny model is built beforehand in dynamod's cache dir (the stock `model_dir`), "
         "so the `model` unit only checks it (building it takes ~4 s and would dominate "
@@ -305,4 +378,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -27,19 +27,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Dynamod,
-    Report,
-    Supervisord,
-    Table,
+from bench.procs import (
     bench_mark,
+    state_dir,
+    sweep,
+    wait_until,
+)
+from bench.report import (
+    Report,
+    Table,
     emit,
     options,
     ratio,
-    state_dir,
     summary,
-    sweep,
-    wait_until,
+)
+from bench.runners import (
+    Dynamod,
+    Supervisord,
 )
 
 UNITS = 4
@@ -111,8 +115,12 @@ def run_dynamod(kills: int, polled: int, idle: int = 0) -> dict[str, Any]:
             status_state_ms: list[float] = []
             for k in range(kills + polled):
                 name = f"victim@{k % UNITS}"
-                pid = wait_until(lambda name=name: _ready_pid(dm, name, last[name]), 10, 0.01,
-                                 f"{name} ready again")
+                pid = wait_until(
+                    lambda name=name: _ready_pid(dm, name, last[name]),
+                    10,
+                    0.01,
+                    f"{name} ready again",
+                )
                 last[name] = pid
                 time.sleep(random.uniform(0.02, 0.08))  # no phase lock with anything
                 poll = k >= kills
@@ -122,8 +130,7 @@ def run_dynamod(kills: int, polled: int, idle: int = 0) -> dict[str, Any]:
                 if poll:
                     exit_seen = state_seen = None
                     deadline = time.monotonic() + 5
-                    while (exit_seen is None or state_seen is None) and \
-                            time.monotonic() < deadline:
+                    while (exit_seen is None or state_seen is None) and time.monotonic() < deadline:
                         unit = dm.unit(name)
                         now = time.time()
                         if exit_seen is None and unit["pid"] != pid:
@@ -139,13 +146,27 @@ def run_dynamod(kills: int, polled: int, idle: int = 0) -> dict[str, Any]:
     log_ms: list[float] = []
     polled_log_ms: list[float] = []
     for name, t_kill, poll in plan:
-        seen = next((e["t"] for e in transitions if e["unit"] == name and e["t"] >= t_kill - 0.001
-                     and e["old"] == "ready" and e["new"] in {"backoff", "failed"}), None)
+        seen = next(
+            (
+                e["t"]
+                for e in transitions
+                if e["unit"] == name
+                and e["t"] >= t_kill - 0.001
+                and e["old"] == "ready"
+                and e["new"] in {"backoff", "failed"}
+            ),
+            None,
+        )
         value = ((seen if seen is not None else float("nan")) - t_kill) * 1000
         (polled_log_ms if poll else log_ms).append(value)
-    return {"log_ms": log_ms, "polled_log_ms": polled_log_ms,
-            "status_exit_ms": status_exit_ms, "status_state_ms": status_state_ms,
-            "host_processes": processes, "idle_units": idle}
+    return {
+        "log_ms": log_ms,
+        "polled_log_ms": polled_log_ms,
+        "status_exit_ms": status_exit_ms,
+        "status_state_ms": status_state_ms,
+        "host_processes": processes,
+        "idle_units": idle,
+    }
 
 
 EXITED = re.compile(r"exited: (\S+) \(terminated by SIGKILL")
@@ -175,14 +196,27 @@ def run_supervisord(kills: int) -> dict[str, Any]:
                 os.kill(pid, signal.SIGKILL)
                 plan.append((program, t_kill))
             events = wait_until(
-                lambda: (ev := sd.log_events()) and sum(1 for _, m in ev if EXITED.search(m))
-                >= kills and ev, 5, 0.05, "every kill in supervisord.log")
+                lambda: (
+                    (ev := sd.log_events())
+                    and sum(1 for _, m in ev if EXITED.search(m)) >= kills
+                    and ev
+                ),
+                5,
+                0.05,
+                "every kill in supervisord.log",
+            )
         finally:
             sd.close()
     ms = []
     for program, t_kill in plan:
-        seen = next((t for t, msg in events if t >= t_kill - 0.005
-                     and (m := EXITED.search(msg)) and m.group(1) == program), None)
+        seen = next(
+            (
+                t
+                for t, msg in events
+                if t >= t_kill - 0.005 and (m := EXITED.search(msg)) and m.group(1) == program
+            ),
+            None,
+        )
         # The stamp is truncated to the millisecond: +0.5 ms is its expected value.
         ms.append(((seen + 0.0005 if seen is not None else float("nan")) - t_kill) * 1000)
     return {"log_ms": ms}
@@ -192,17 +226,37 @@ def run_poller(kills: int, window: float, interval: float = 5.0) -> dict[str, An
     with state_dir("poll") as state:
         pids_file, seen_file = state / "pids", state / "seen"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.poll_watch", "--interval", str(interval),
-             "--count", str(kills), "--pids", str(pids_file), "--seen", str(seen_file),
-             "--for", str(window + 2 * interval), "--", "sleep", "infinity"],
+            [
+                sys.executable,
+                "-m",
+                "bench.poll_watch",
+                "--interval",
+                str(interval),
+                "--count",
+                str(kills),
+                "--pids",
+                str(pids_file),
+                "--seen",
+                str(seen_file),
+                "--for",
+                str(window + 2 * interval),
+                "--",
+                "sleep",
+                "infinity",
+            ],
             start_new_session=True,
         )
         try:
             pids = wait_until(
-                lambda: (lines := pids_file.read_text().splitlines() if pids_file.exists()
-                         else []) and len(lines) == kills and [json.loads(x)["pid"]
-                                                               for x in lines],
-                10, 0.01, "the poller's children")
+                lambda: (
+                    (lines := pids_file.read_text().splitlines() if pids_file.exists() else [])
+                    and len(lines) == kills
+                    and [json.loads(x)["pid"] for x in lines]
+                ),
+                10,
+                0.01,
+                "the poller's children",
+            )
             start = time.time()
             schedule = sorted((random.uniform(0, window), pid) for pid in pids)
             killed: dict[int, float] = {}
@@ -239,34 +293,87 @@ def main() -> None:
     if not poll:
         raise RuntimeError("the 5 s poller run failed")
     d, s, p = summary(dyn["log_ms"]), summary(sup["log_ms"]), summary(poll["log_ms"])
-    table = Table("Kill -> noticed, ms", ["supervisor (how measured)", "kills", "median", "p95",
-                                          "p99", "max", "median vs dynamod"], digits=2)
-    table.rows.append([f"dynamod (daemon.log unit.state ready->backoff; "
-                       f"{dyn['host_processes']} processes on the host)", d["n"], d["median"],
-                       d["p95"], d["p99"], d["max"], 1.0])
+    table = Table(
+        "Kill -> noticed, ms",
+        ["supervisor (how measured)", "kills", "median", "p95", "p99", "max", "median vs dynamod"],
+        digits=2,
+    )
+    table.rows.append(
+        [
+            f"dynamod (daemon.log unit.state ready->backoff; "
+            f"{dyn['host_processes']} processes on the host)",
+            d["n"],
+            d["median"],
+            d["p95"],
+            d["p99"],
+            d["max"],
+            1.0,
+        ]
+    )
     for label, values in (
         ("dynamod (status over socket: pid gone)", dyn["status_exit_ms"]),
         ("dynamod (status over socket: state left ready)", dyn["status_state_ms"]),
         ("dynamod (daemon.log, kills with status loop running)", dyn["polled_log_ms"]),
     ):
         x = summary(values)
-        table.rows.append([label, x["n"], x["median"], x["p95"], x["p99"], x["max"],
-                           ratio(x["median"], d["median"])])
+        table.rows.append(
+            [
+                label,
+                x["n"],
+                x["median"],
+                x["p95"],
+                x["p99"],
+                x["max"],
+                ratio(x["median"], d["median"]),
+            ]
+        )
     if crowded is not None:
         x = summary(crowded["log_ms"])
-        table.rows.append([f"dynamod, {UNITS + CROWD}-unit stack ({crowded['host_processes']} "
-                           "processes on the host; daemon.log)", x["n"], x["median"], x["p95"],
-                           x["p99"], x["max"], ratio(x["median"], d["median"])])
-    table.rows.append(["supervisord (supervisord.log 'exited:', ms stamps)", s["n"], s["median"],
-                       s["p95"], s["p99"], s["max"], ratio(s["median"], d["median"])])
-    table.rows.append(["5 s polling loop (waitpid every 5 s)", p["n"], p["median"], p["p95"],
-                       p["p99"], p["max"], ratio(p["median"], d["median"])])
+        table.rows.append(
+            [
+                f"dynamod, {UNITS + CROWD}-unit stack ({crowded['host_processes']} "
+                "processes on the host; daemon.log)",
+                x["n"],
+                x["median"],
+                x["p95"],
+                x["p99"],
+                x["max"],
+                ratio(x["median"], d["median"]),
+            ]
+        )
+    table.rows.append(
+        [
+            "supervisord (supervisord.log 'exited:', ms stamps)",
+            s["n"],
+            s["median"],
+            s["p95"],
+            s["p99"],
+            s["max"],
+            ratio(s["median"], d["median"]),
+        ]
+    )
+    table.rows.append(
+        [
+            "5 s polling loop (waitpid every 5 s)",
+            p["n"],
+            p["median"],
+            p["p95"],
+            p["p99"],
+            p["max"],
+            ratio(p["median"], d["median"]),
+        ]
+    )
     report.tables.append(table)
     report.target("dynamod detection median", d["median"], 5.0, "ms")
     report.target("dynamod detection p99", d["p99"], 20.0, "ms")
-    report.data = {"dynamod": dyn, "dynamod_crowded": crowded, "supervisord": sup,
-                   "poller": poll,
-                   "summary": {"dynamod": d, "supervisord": s, "poller": p}, "units": UNITS}
+    report.data = {
+        "dynamod": dyn,
+        "dynamod_crowded": crowded,
+        "supervisord": sup,
+        "poller": poll,
+        "summary": {"dynamod": d, "supervisord": s, "poller": p},
+        "units": UNITS,
+    }
     report.notes += [
         f"{UNITS} `sleep infinity` units, restart always (backoff 0.05 s); kills rotate over "
         "them, each after the unit is running again plus a random 20-80 ms.",

@@ -29,26 +29,32 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
+from bench.procs import (
     BIN,
     PROC,
-    Dynamod,
-    Report,
-    Supervisord,
-    Table,
     alive,
     bench_mark,
-    emit,
     marked,
-    options,
-    prebuilt_model,
-    ratio,
-    serve_stack,
     state_dir,
-    summary,
     sweep,
-    wait_routable,
     wait_until,
+)
+from bench.report import (
+    Report,
+    Table,
+    emit,
+    options,
+    ratio,
+    summary,
+)
+from bench.runners import (
+    Dynamod,
+    Supervisord,
+)
+from bench.stack import (
+    prebuilt_model,
+    serve_stack,
+    wait_routable,
 )
 
 STOP_TIMEOUT = 2
@@ -96,8 +102,12 @@ def write_stack(state: Path, stray: bool) -> Path:
     return path
 
 
-def watch(pids: list[int], stopper: subprocess.Popen[Any] | None, started: float,
-          supervisor_pid: int | None = None) -> dict[str, Any]:
+def watch(
+    pids: list[int],
+    stopper: subprocess.Popen[Any] | None,
+    started: float,
+    supervisor_pid: int | None = None,
+) -> dict[str, Any]:
     """Poll until every pid is gone, or the supervisor exited GRACE s ago."""
     gone: dict[int, float] = {}
     returned = None
@@ -158,8 +168,11 @@ def dynamod_down(scenario: str) -> dict[str, Any]:
             time.sleep(0.3)  # let strays settle
             pids = marked()
             started = time.monotonic()
-            stopper = subprocess.Popen([str(BIN / "dynamod"), "--state-dir", str(state), "down"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stopper = subprocess.Popen(
+                [str(BIN / "dynamod"), "--state-dir", str(state), "down"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             result = watch(pids, stopper, started)
             stopper.wait(60)
             _kill(result.pop("_survivor_pids"))
@@ -181,8 +194,12 @@ def supervisord_down(scenario: str) -> dict[str, Any]:
                 assert port is not None
                 wait_routable(f"http://127.0.0.1:{port.group(1)}", 2, timeout=180)
             else:
-                wait_until(lambda: all(i["statename"] == "RUNNING" for i in sd.info()),
-                           120, 0.05, "every program RUNNING")
+                wait_until(
+                    lambda: all(i["statename"] == "RUNNING" for i in sd.info()),
+                    120,
+                    0.05,
+                    "every program RUNNING",
+                )
             time.sleep(0.3)
             assert sd.proc is not None
             pids = marked()
@@ -211,10 +228,22 @@ def main() -> None:
                 runs[scenario]["supervisord"].append(supervisord_down(scenario))
     finally:
         sweep()
-    table = Table("Stop the whole stack, seconds (median / p95 over runs)",
-                  ["scenario", "supervisor", "runs", "processes", "supervisor returned",
-                   "no process left", "p95 no process left", "runs with survivors",
-                   "survivors (total)", "no process left vs dynamod"], digits=3)
+    table = Table(
+        "Stop the whole stack, seconds (median / p95 over runs)",
+        [
+            "scenario",
+            "supervisor",
+            "runs",
+            "processes",
+            "supervisor returned",
+            "no process left",
+            "p95 no process left",
+            "runs with survivors",
+            "survivors (total)",
+            "no process left vs dynamod",
+        ],
+        digits=3,
+    )
     judged: dict[str, dict[str, Any]] = {}
     for scenario, by in runs.items():
         base = math.nan
@@ -226,23 +255,39 @@ def main() -> None:
             survivors = sum(r["survivors"] for r in results)
             if name == "dynamod":
                 base = empty["median"]
-            judged[f"{scenario}/{name}"] = {"returned": returned, "empty": empty,
-                                            "survivors": survivors}
-            table.rows.append([
-                scenario, name, len(results), results[0]["processes"] if results else 0,
-                returned["median"],
-                empty["median"] if empty["n"] == len(results) else "never (survivors)",
-                empty["p95"] if empty["n"] == len(results) else "-",
-                with_survivors, survivors,
-                ratio(empty["median"], base) if empty["n"] == len(results) else "-",
-            ])
+            judged[f"{scenario}/{name}"] = {
+                "returned": returned,
+                "empty": empty,
+                "survivors": survivors,
+            }
+            table.rows.append(
+                [
+                    scenario,
+                    name,
+                    len(results),
+                    results[0]["processes"] if results else 0,
+                    returned["median"],
+                    empty["median"] if empty["n"] == len(results) else "never (survivors)",
+                    empty["p95"] if empty["n"] == len(results) else "-",
+                    with_survivors,
+                    survivors,
+                    ratio(empty["median"], base) if empty["n"] == len(results) else "-",
+                ]
+            )
     report.tables.append(table)
     clean_d, clean_s = judged["clean/dynamod"]["empty"], judged["clean/supervisord"]["empty"]
-    report.target("clean stack: dynamod / supervisord, time to no process left",
-                  ratio(clean_d["median"], clean_s["median"]), 1.0, "x")
-    report.target("dynamod survivors (all scenarios)",
-                  sum(v["survivors"] for k, v in judged.items() if k.endswith("/dynamod")),
-                  0, "processes")
+    report.target(
+        "clean stack: dynamod / supervisord, time to no process left",
+        ratio(clean_d["median"], clean_s["median"]),
+        1.0,
+        "x",
+    )
+    report.target(
+        "dynamod survivors (all scenarios)",
+        sum(v["survivors"] for k, v in judged.items() if k.endswith("/dynamod")),
+        0,
+        "processes",
+    )
     report.data = {"runs": runs, "stop_timeout_s": STOP_TIMEOUT}
     report.notes += [
         f"every unit has stop timeout {STOP_TIMEOUT} s (supervisord: stopwaitsecs={STOP_TIMEOUT});"

@@ -32,23 +32,29 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
+from bench.procs import (
+    bench_mark,
+    sweep,
+    wait_until,
+)
+from bench.report import (
+    Report,
+    Table,
+    emit,
+    options,
+    summary,
+)
+from bench.runners import (
     Dynamod,
+    Supervisord,
+)
+from bench.stack import (
     Outcome,
     PlainStack,
-    Report,
-    Supervisord,
-    Table,
-    bench_mark,
-    emit,
     load_local_stack,
-    options,
     prebuilt_model,
     serve_stack,
-    summary,
-    sweep,
     wait_routable,
-    wait_until,
 )
 
 RATE = 10.0
@@ -99,8 +105,9 @@ class DynamodVariant(Variant):
         return int(self.dm.unit(VICTIM)["pid"])
 
     def after(self) -> dict[str, Any]:
-        unit = wait_until(lambda: (u := self.dm.unit(VICTIM))["state"] == "ready" and u, 60,
-                          0.1, "victim back")
+        unit = wait_until(
+            lambda: (u := self.dm.unit(VICTIM))["state"] == "ready" and u, 60, 0.1, "victim back"
+        )
         return {"victim_restarts": unit["restarts"], "victim_state": unit["state"]}
 
     def close(self) -> None:
@@ -180,7 +187,9 @@ async def load_and_kill(variant: Variant, seconds: float, kill_at: float) -> dic
 
             asyncio.get_running_loop().call_later(delay, kill)
 
-    from bench.common import steady_load
+    from bench.stack import (
+        steady_load,
+    )
 
     await steady_load(variant.url, 1.0, 3.0)  # warm-up, not counted
     outcomes: list[Outcome] = await steady_load(variant.url, RATE, seconds, on_tick=tick)
@@ -194,8 +203,12 @@ async def load_and_kill(variant: Variant, seconds: float, kill_at: float) -> dic
         "failed_sent_after": sum(1 for o in failures if o.sent_at >= kill_t),
         "codes": dict(Counter(o.status for o in outcomes)),
         "killed_at_s": kill_t,
-        "failure_window_s": [min(o.sent_at for o in failures) - kill_t,
-                             max(o.sent_at for o in failures) - kill_t] if failures else None,
+        "failure_window_s": [
+            min(o.sent_at for o in failures) - kill_t,
+            max(o.sent_at for o in failures) - kill_t,
+        ]
+        if failures
+        else None,
         "errors": sorted({o.error[:160] for o in failures})[:5],
         "latency_ms": summary(o.latency * 1000 for o in outcomes if o.status == 200),
     }
@@ -204,8 +217,9 @@ async def load_and_kill(variant: Variant, seconds: float, kill_at: float) -> dic
 VARIANTS = [DynamodVariant, SupervisordVariant, PlainVariant]
 
 
-def run_sequential(workers: int, migration: int, seconds: float, kill_at: float
-                   ) -> list[dict[str, Any]]:
+def run_sequential(
+    workers: int, migration: int, seconds: float, kill_at: float
+) -> list[dict[str, Any]]:
     results = []
     for cls in VARIANTS:
         variant = cls(workers, migration)
@@ -216,13 +230,15 @@ def run_sequential(workers: int, migration: int, seconds: float, kill_at: float
         finally:
             variant.cleanup()
             sweep()
-        results.append({"variant": variant.name, "workers": workers,
-                        "migration_limit": migration, **result})
+        results.append(
+            {"variant": variant.name, "workers": workers, "migration_limit": migration, **result}
+        )
     return results
 
 
-def run_side_by_side(workers: int, migration: int, seconds: float, kill_at: float
-                     ) -> list[dict[str, Any]]:
+def run_side_by_side(
+    workers: int, migration: int, seconds: float, kill_at: float
+) -> list[dict[str, Any]]:
     variants = [cls(workers, migration) for cls in VARIANTS]
     try:
         errors: list[BaseException] = []
@@ -242,8 +258,9 @@ def run_side_by_side(workers: int, migration: int, seconds: float, kill_at: floa
             raise errors[0]
 
         async def together() -> list[dict[str, Any]]:
-            return list(await asyncio.gather(*(load_and_kill(v, seconds, kill_at)
-                                               for v in variants)))
+            return list(
+                await asyncio.gather(*(load_and_kill(v, seconds, kill_at) for v in variants))
+            )
 
         results = asyncio.run(together())
         for v, r in zip(variants, results, strict=True):
@@ -252,8 +269,10 @@ def run_side_by_side(workers: int, migration: int, seconds: float, kill_at: floa
         for v in variants:
             v.cleanup()
         sweep()
-    return [{"variant": v.name, "workers": workers, "migration_limit": migration, **r}
-            for v, r in zip(variants, results, strict=True)]
+    return [
+        {"variant": v.name, "workers": workers, "migration_limit": migration, **r}
+        for v, r in zip(variants, results, strict=True)
+    ]
 
 
 def main() -> None:
@@ -263,8 +282,9 @@ def main() -> None:
         counts, migrations, seconds, kill_at = [2], [0], 15.0, 5.0
     else:
         counts, migrations, seconds, kill_at = [2, 4], [3, 0], 60.0, 20.0
-    report = Report("load_kill", "3. Client-visible failures, one kill -9 under 10 req/s",
-                    args.quick)
+    report = Report(
+        "load_kill", "3. Client-visible failures, one kill -9 under 10 req/s", args.quick
+    )
     results: list[dict[str, Any]] = []
     try:
         for migration in migrations:
@@ -275,29 +295,61 @@ def main() -> None:
                     results += run_sequential(n, migration, seconds, kill_at)
     finally:
         sweep()
-    table = Table(f"{RATE:g} req/s for {seconds:g} s, worker@1 SIGKILLed at {kill_at:g} s",
-                  ["frontend --migration-limit", "shards", "supervisor", "requests", "failed",
-                   "failed %", "in flight at the kill", "sent after the kill",
-                   "failures from / to (s after kill)", "latency p50 ms", "p99 ms",
-                   "killed worker afterwards"], digits=1)
+    table = Table(
+        f"{RATE:g} req/s for {seconds:g} s, worker@1 SIGKILLed at {kill_at:g} s",
+        [
+            "frontend --migration-limit",
+            "shards",
+            "supervisor",
+            "requests",
+            "failed",
+            "failed %",
+            "in flight at the kill",
+            "sent after the kill",
+            "failures from / to (s after kill)",
+            "latency p50 ms",
+            "p99 ms",
+            "killed worker afterwards",
+        ],
+        digits=1,
+    )
     for r in results:
-        window = (f"{r['failure_window_s'][0]:.1f} / {r['failure_window_s'][1]:.1f}"
-                  if r["failure_window_s"] else "-")
-        table.rows.append([r["migration_limit"], r["workers"], r["variant"], r["requests"],
-                           r["failures"], 100 * r["failures"] / max(1, r["requests"]),
-                           r["failed_in_flight"], r["failed_sent_after"], window,
-                           r["latency_ms"]["median"], r["latency_ms"]["p99"],
-                           r.get("victim_state", "dead (nothing restarts it)")])
+        window = (
+            f"{r['failure_window_s'][0]:.1f} / {r['failure_window_s'][1]:.1f}"
+            if r["failure_window_s"]
+            else "-"
+        )
+        table.rows.append(
+            [
+                r["migration_limit"],
+                r["workers"],
+                r["variant"],
+                r["requests"],
+                r["failures"],
+                100 * r["failures"] / max(1, r["requests"]),
+                r["failed_in_flight"],
+                r["failed_sent_after"],
+                window,
+                r["latency_ms"]["median"],
+                r["latency_ms"]["p99"],
+                r.get("victim_state", "dead (nothing restarts it)"),
+            ]
+        )
     report.tables.append(table)
     for r in results:
         if r["variant"] == "dynamod":
-            report.target(f"dynamod client-visible failures, {r['workers']} shards, "
-                          f"migration limit {r['migration_limit']}",
-                          r["failures"], 0, "requests")
+            report.target(
+                f"dynamod client-visible failures, {r['workers']} shards, "
+                f"migration limit {r['migration_limit']}",
+                r["failures"],
+                0,
+                "requests",
+            )
     report.data = {"runs": results, "rate": RATE, "seconds": seconds, "kill_at_s": kill_at}
     report.notes += [
-        "failure errors seen: " + "; ".join(sorted({e for r in results for e in r["errors"]}))[
-            :600] if any(r["errors"] for r in results) else "no failed request carried an error",
+        "failure errors seen: " + "; ".join(sorted({e for r in results for e in r["errors"]}))[:600]
+        if any(r["errors"] for r in results)
+        else "no failed request carried an error",
         "3 s of warm-up requests at 1 req/s precede each measured window (not counted).",
     ]
     if args.quick:

@@ -23,21 +23,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
+from bench.procs import (
     BIN,
-    Dynamod,
-    Report,
-    Supervisord,
-    Table,
     bench_mark,
     cpu_seconds,
-    emit,
-    options,
     rss_mb,
     state_dir,
-    summary,
     sweep,
     wait_until,
+)
+from bench.report import (
+    Report,
+    Table,
+    emit,
+    options,
+    summary,
+)
+from bench.runners import (
+    Dynamod,
+    Supervisord,
 )
 
 STACK = textwrap.dedent(
@@ -95,10 +99,10 @@ def measure_dynamod(n: int, window: float, reps: int) -> dict[str, Any]:
             time.sleep(SETTLE)
             cpu = idle_cpu(pid, window)
             rss, guardian_rss = rss_mb(pid), rss_mb(guardian)
-            cli = timed([str(BIN / "dynamod"), "--state-dir", str(state), "status", "--json"],
-                        reps)
-            table_cli = timed([str(BIN / "dynamod"), "--state-dir", str(state), "status"],
-                              max(3, reps // 2))
+            cli = timed([str(BIN / "dynamod"), "--state-dir", str(state), "status", "--json"], reps)
+            table_cli = timed(
+                [str(BIN / "dynamod"), "--state-dir", str(state), "status"], max(3, reps // 2)
+            )
             lean = timed([sys.executable, "-c", LEAN_STATUS, str(state)], reps)
             socket = []
             for _ in range(reps * 5):
@@ -110,9 +114,18 @@ def measure_dynamod(n: int, window: float, reps: int) -> dict[str, Any]:
             down_s = time.monotonic() - started
         finally:
             dm.close()
-    return {"units": n, "up_s": up_s, "rss_mb": rss, "guardian_rss_mb": guardian_rss,
-            "idle_cpu_pct": cpu, "status_cli_ms": cli, "status_table_cli_ms": table_cli,
-            "status_lean_ms": lean, "status_socket_ms": socket, "down_s": down_s}
+    return {
+        "units": n,
+        "up_s": up_s,
+        "rss_mb": rss,
+        "guardian_rss_mb": guardian_rss,
+        "idle_cpu_pct": cpu,
+        "status_cli_ms": cli,
+        "status_table_cli_ms": table_cli,
+        "status_lean_ms": lean,
+        "status_socket_ms": socket,
+        "down_s": down_s,
+    }
 
 
 def measure_supervisord(n: int, window: float, reps: int) -> dict[str, Any]:
@@ -121,8 +134,12 @@ def measure_supervisord(n: int, window: float, reps: int) -> dict[str, Any]:
         try:
             started = sd.start()
             sd.wait_rpc()
-            wait_until(lambda: all(i["statename"] == "RUNNING" for i in sd.info()), 120, 0.05,
-                       "every program RUNNING")
+            wait_until(
+                lambda: all(i["statename"] == "RUNNING" for i in sd.info()),
+                120,
+                0.05,
+                "every program RUNNING",
+            )
             up_s = time.monotonic() - started
             assert sd.proc is not None
             time.sleep(SETTLE)
@@ -131,8 +148,7 @@ def measure_supervisord(n: int, window: float, reps: int) -> dict[str, Any]:
             ctl = timed([str(BIN / "supervisorctl"), "-c", str(sd.conf), "status"], reps)
         finally:
             sd.close()
-    return {"units": n, "up_s": up_s, "rss_mb": rss, "idle_cpu_pct": cpu,
-            "status_cli_ms": ctl}
+    return {"units": n, "up_s": up_s, "rss_mb": rss, "idle_cpu_pct": cpu, "status_cli_ms": ctl}
 
 
 def main() -> None:
@@ -150,42 +166,87 @@ def main() -> None:
                 sup.append(measure_supervisord(n, window, reps))
     finally:
         sweep()
-    table = Table("dynamod daemon", ["units", "RSS MB", "guardian RSS MB", "idle CPU %",
-                                     "status --json CLI ms (median)", "p95",
-                                     "status table CLI ms (median)",
-                                     "lean client process ms (median)",
-                                     "socket request ms (median)", "p95", "up s", "down s"],
-                  digits=2)
+    table = Table(
+        "dynamod daemon",
+        [
+            "units",
+            "RSS MB",
+            "guardian RSS MB",
+            "idle CPU %",
+            "status --json CLI ms (median)",
+            "p95",
+            "status table CLI ms (median)",
+            "lean client process ms (median)",
+            "socket request ms (median)",
+            "p95",
+            "up s",
+            "down s",
+        ],
+        digits=2,
+    )
     for r in dyn:
         cli, sock = summary(r["status_cli_ms"]), summary(r["status_socket_ms"])
-        table.rows.append([r["units"], r["rss_mb"], r["guardian_rss_mb"], r["idle_cpu_pct"],
-                           cli["median"], cli["p95"],
-                           statistics.median(r["status_table_cli_ms"]),
-                           statistics.median(r["status_lean_ms"]), sock["median"],
-                           sock["p95"], r["up_s"], r["down_s"]])
+        table.rows.append(
+            [
+                r["units"],
+                r["rss_mb"],
+                r["guardian_rss_mb"],
+                r["idle_cpu_pct"],
+                cli["median"],
+                cli["p95"],
+                statistics.median(r["status_table_cli_ms"]),
+                statistics.median(r["status_lean_ms"]),
+                sock["median"],
+                sock["p95"],
+                r["up_s"],
+                r["down_s"],
+            ]
+        )
     report.tables.append(table)
-    ref = Table("supervisord (same units, exported config)",
-                ["units", "RSS MB", "idle CPU %", "supervisorctl status ms (median)", "p95",
-                 "all RUNNING s", "dynamod RSS / supervisord RSS"], digits=2)
+    ref = Table(
+        "supervisord (same units, exported config)",
+        [
+            "units",
+            "RSS MB",
+            "idle CPU %",
+            "supervisorctl status ms (median)",
+            "p95",
+            "all RUNNING s",
+            "dynamod RSS / supervisord RSS",
+        ],
+        digits=2,
+    )
     for r in sup:
         ctl = summary(r["status_cli_ms"])
         mine = next(d for d in dyn if d["units"] == r["units"])
-        ref.rows.append([r["units"], r["rss_mb"], r["idle_cpu_pct"], ctl["median"], ctl["p95"],
-                         r["up_s"], mine["rss_mb"] / r["rss_mb"]])
+        ref.rows.append(
+            [
+                r["units"],
+                r["rss_mb"],
+                r["idle_cpu_pct"],
+                ctl["median"],
+                ctl["p95"],
+                r["up_s"],
+                mine["rss_mb"] / r["rss_mb"],
+            ]
+        )
     report.tables.append(ref)
     by = {r["units"]: r for r in dyn}
     report.target("RSS at 64 units", by[64]["rss_mb"], 80, "MB")
     report.target("idle CPU (worst size)", max(r["idle_cpu_pct"] for r in dyn), 1.0, "%")
     largest = max(by)
-    report.target(f"`status --json` CLI at {largest} units (median)",
-                  summary(by[largest]["status_cli_ms"])["median"], 200, "ms")
+    report.target(
+        f"`status --json` CLI at {largest} units (median)",
+        summary(by[largest]["status_cli_ms"])["median"],
+        200,
+        "ms",
+    )
     report.data = {"dynamod": dyn, "supervisord": sup, "idle_window_s": window}
     report.notes += [
         f"idle CPU over {window:g} s after {SETTLE:g} s of settling; % of one core.",
         "`status` CLI time is the whole process (interpreter start, imports, request, print).",
         "lean client process: `python -c` importing only dynamod.control.client (stdlib) and "
-        "printing "
-        "the same JSON - the floor a `status` command could reach.",
+        "printing the same JSON - the floor a `status` command could reach.",
     ]
     emit(report, args.json)
 

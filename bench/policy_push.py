@@ -23,21 +23,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    Dynamod,
-    Report,
-    Table,
+from bench.procs import (
     bench_mark,
-    emit,
-    options,
-    prebuilt_model,
-    serve_stack,
     state_dir,
-    summary,
     sweep,
     wait_until,
 )
 from bench.recovery import admission_ms
+from bench.report import (
+    Report,
+    Table,
+    emit,
+    options,
+    summary,
+)
+from bench.runners import (
+    Dynamod,
+)
+from bench.stack import (
+    prebuilt_model,
+    serve_stack,
+)
 
 CKPT_ROOT = Path("/tmp/dmbench-cache/checkpoints")
 STEPS = ("pause", "load", "kv_reset", "verify", "taint", "resume")
@@ -69,8 +75,7 @@ def checkpoint(megabytes: int | None) -> tuple[Path, float]:
 
 def push(dm: Dynamod, step: int, path: Path) -> dict[str, Any]:
     started = time.monotonic()
-    out = dm.cli("policy", "push", "--step", str(step), "--path", str(path), "--json",
-                 timeout=600)
+    out = dm.cli("policy", "push", "--step", str(step), "--path", str(path), "--json", timeout=600)
     wall = time.monotonic() - started
     result: dict[str, Any] = json.loads(out.stdout)
     acks = result["acks"]
@@ -78,9 +83,13 @@ def push(dm: Dynamod, step: int, path: Path) -> dict[str, Any]:
     if bad:
         raise RuntimeError(f"push of step {step} failed on {bad}")
     slowest = max(acks.values(), key=lambda a: a["total_ms"])
-    return {"wall_s": wall, "daemon_s": result["seconds"], "slowest_ms": slowest["ms"],
-            "slowest_total_ms": slowest["total_ms"],
-            "shard_total_ms": {k: v["total_ms"] for k, v in acks.items()}}
+    return {
+        "wall_s": wall,
+        "daemon_s": result["seconds"],
+        "slowest_ms": slowest["ms"],
+        "slowest_total_ms": slowest["total_ms"],
+        "shard_total_ms": {k: v["total_ms"] for k, v in acks.items()},
+    }
 
 
 def replay(dm: Dynamod, unit: str) -> dict[str, Any]:
@@ -99,8 +108,11 @@ def replay(dm: Dynamod, unit: str) -> dict[str, Any]:
     held = next(e for e in events if e["new"] == "held")
     ready = next(e for e in events if e["new"] == "ready" and e["old"] == "held")
     steps = admission_ms(ready["detail"])
-    return {"held_to_ready_s": ready["t"] - held["t"], "steps_ms": steps,
-            "steps_total_ms": sum(steps.values())}
+    return {
+        "held_to_ready_s": ready["t"] - held["t"],
+        "steps_ms": steps,
+        "steps_total_ms": sum(steps.values()),
+    }
 
 
 def main() -> None:
@@ -135,32 +147,58 @@ def main() -> None:
                     dm.close()
     finally:
         sweep()
-    table = Table(f"Push one update to every shard in parallel ({reps} pushes each), seconds",
-                  ["shards", "weights MB", "CLI wall median", "p95", "daemon median", "p95",
-                   *[f"slowest shard {s} ms" for s in STEPS]], digits=3)
+    table = Table(
+        f"Push one update to every shard in parallel ({reps} pushes each), seconds",
+        [
+            "shards",
+            "weights MB",
+            "CLI wall median",
+            "p95",
+            "daemon median",
+            "p95",
+            *[f"slowest shard {s} ms" for s in STEPS],
+        ],
+        digits=3,
+    )
     for n in counts:
         for size in sizes:
             mb = ckpts[size][1]
             rows = [p for p in pushes if p["shards"] == n and p["mb"] == mb]
             wall, daemon = summary(p["wall_s"] for p in rows), summary(p["daemon_s"] for p in rows)
-            table.rows.append([n, mb, wall["median"], wall["p95"], daemon["median"],
-                               daemon["p95"],
-                               *[summary(p["slowest_ms"].get(s, 0) for p in rows)["median"]
-                                 for s in STEPS]])
+            table.rows.append(
+                [
+                    n,
+                    mb,
+                    wall["median"],
+                    wall["p95"],
+                    daemon["median"],
+                    daemon["p95"],
+                    *[summary(p["slowest_ms"].get(s, 0) for p in rows)["median"] for s in STEPS],
+                ]
+            )
     report.tables.append(table)
-    rt = Table(f"Replay into one rejoining shard ({counts[0]}-shard stack): held -> ready",
-               ["weights MB", "replays", "held -> ready s (median)",
-                *[f"{s} ms" for s in STEPS]], digits=3)
+    rt = Table(
+        f"Replay into one rejoining shard ({counts[0]}-shard stack): held -> ready",
+        ["weights MB", "replays", "held -> ready s (median)", *[f"{s} ms" for s in STEPS]],
+        digits=3,
+    )
     for size in sizes:
         mb = ckpts[size][1]
         rows = [r for r in replays_out if r["mb"] == mb]
-        rt.rows.append([mb, len(rows), summary(r["held_to_ready_s"] for r in rows)["median"],
-                        *[summary(r["steps_ms"].get(s, 0) for r in rows)["median"]
-                          for s in STEPS]])
+        rt.rows.append(
+            [
+                mb,
+                len(rows),
+                summary(r["held_to_ready_s"] for r in rows)["median"],
+                *[summary(r["steps_ms"].get(s, 0) for r in rows)["median"] for s in STEPS],
+            ]
+        )
     report.tables.append(rt)
-    report.data = {"pushes": pushes, "replays": replays_out,
-                   "checkpoints": {str(k): {"path": str(v[0]), "mb": v[1]}
-                                   for k, v in ckpts.items()}}
+    report.data = {
+        "pushes": pushes,
+        "replays": replays_out,
+        "checkpoints": {str(k): {"path": str(v[0]), "mb": v[1]} for k, v in ckpts.items()},
+    }
     report.notes += [
         "`load` is the worker's update_weights_from_disk: read every tensor, sha256 digest, "
         "and the KV reset it does itself after new weights; `kv_reset` is the separate "

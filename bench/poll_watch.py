@@ -24,12 +24,16 @@ def main() -> None:
     parser.add_argument("--count", type=int, required=True)
     parser.add_argument("--pids", required=True)
     parser.add_argument("--seen", required=True)
-    parser.add_argument("--for", dest="seconds", type=float, required=True,
-                        help="stop after this many seconds (bounded)")
+    parser.add_argument(
+        "--for",
+        dest="seconds",
+        type=float,
+        required=True,
+        help="stop after this many seconds (bounded)",
+    )
     parser.add_argument("command", nargs="+")
     args = parser.parse_args()
-    children = [subprocess.Popen(args.command, stdin=subprocess.DEVNULL) for _ in
-                range(args.count)]
+    children = [subprocess.Popen(args.command, stdin=subprocess.DEVNULL) for _ in range(args.count)]
     with open(args.pids, "w") as fh:
         for child in children:
             fh.write(json.dumps({"pid": child.pid}) + "\n")

@@ -42,25 +42,31 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import (
-    MODEL,
-    NAMESPACE,
-    Dynamod,
+from bench.procs import (
+    bench_mark,
+    kill_group,
+    state_dir,
+    sweep,
+    wait_until,
+)
+from bench.report import (
     Report,
     Table,
-    bench_mark,
     emit,
-    kill_group,
-    load_local_stack,
     options,
-    prebuilt_model,
     ratio,
-    serve_stack,
-    state_dir,
     summary,
-    sweep,
+)
+from bench.runners import (
+    Dynamod,
+)
+from bench.stack import (
+    MODEL,
+    NAMESPACE,
+    load_local_stack,
+    prebuilt_model,
+    serve_stack,
     unit_env,
-    wait_until,
 )
 
 STEP_MS = re.compile(r"(\w+) (\d+(?:\.\d+)?)")
@@ -102,8 +108,9 @@ def make_checkpoint(root: Path) -> Path:
     return path
 
 
-def stages_of(events: list[dict[str, Any]], unit: str, t_kill: float,
-              health_at: float | None) -> dict[str, Any]:
+def stages_of(
+    events: list[dict[str, Any]], unit: str, t_kill: float, health_at: float | None
+) -> dict[str, Any]:
     after = [e for e in events if e.get("unit") == unit and e["t"] >= t_kill - 0.001]
 
     def first(pred: Any) -> dict[str, Any]:
@@ -112,10 +119,12 @@ def stages_of(events: list[dict[str, Any]], unit: str, t_kill: float,
     backoff = first(lambda e: e.get("new") == "backoff")
     starting = first(lambda e: e.get("new") == "starting" and e["t"] >= backoff["t"])
     held = first(lambda e: e.get("new") == "held" and e["t"] >= starting["t"])
-    ready = first(lambda e: e.get("new") == "ready" and e.get("old") == "held"
-                  and e["t"] >= held["t"])
-    revoked = next((e for e in after if e.get("event") == "dynamo.revoked"
-                    and e["t"] <= backoff["t"]), None)
+    ready = first(
+        lambda e: e.get("new") == "ready" and e.get("old") == "held" and e["t"] >= held["t"]
+    )
+    revoked = next(
+        (e for e in after if e.get("event") == "dynamo.revoked" and e["t"] <= backoff["t"]), None
+    )
     steps = admission_ms(ready.get("detail", ""))
     admit_s = ready["t"] - held["t"]
     replay = (steps.get("pause", 0) + steps.get("load", 0)) / 1000
@@ -160,8 +169,9 @@ def worker_health(port: int, timeout: float = 1.0) -> bool:
         return False
 
 
-def cold_start(state: Path, etcd: int, nats: int, reps: int, namespace: str = "bench-cold"
-               ) -> tuple[list[float], list[float]]:
+def cold_start(
+    state: Path, etcd: int, nats: int, reps: int, namespace: str = "bench-cold"
+) -> tuple[list[float], list[float]]:
     """The worker command alone, against the running stack's etcd/NATS.
 
     In its own namespace (default), returns spawn -> /health ready and SIGKILL -> exit seen
@@ -175,17 +185,29 @@ def cold_start(state: Path, etcd: int, nats: int, reps: int, namespace: str = "b
     for _ in range(reps):
         port = free_port()
         env = unit_env(spec)
-        env.update(ETCD_ENDPOINTS=f"http://127.0.0.1:{etcd}",
-                   NATS_SERVER=f"nats://127.0.0.1:{nats}",
-                   DYN_NAMESPACE=namespace, DYN_SYSTEM_PORT=str(port))
+        env.update(
+            ETCD_ENDPOINTS=f"http://127.0.0.1:{etcd}",
+            NATS_SERVER=f"nats://127.0.0.1:{nats}",
+            DYN_NAMESPACE=namespace,
+            DYN_SYSTEM_PORT=str(port),
+        )
         started = time.monotonic()
         with (state / "cold-worker.log").open("ab") as log:
-            proc = subprocess.Popen(list(spec.command), env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                list(spec.command),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
-            wait_until(lambda port=port: worker_health(port), 90, 0.01,
-                       f"cold worker /health (log: {state / 'cold-worker.log'})")
+            wait_until(
+                lambda port=port: worker_health(port),
+                90,
+                0.01,
+                f"cold worker /health (log: {state / 'cold-worker.log'})",
+            )
             out.append(time.monotonic() - started)
             time.sleep(0.5)
             if not own:
@@ -252,8 +274,14 @@ def main() -> None:
                     os.kill(unit["pid"], signal.SIGKILL)
                     watch.start()
                     plan.append((name, t_kill, watch))
-                    wait_until(lambda name=name, old=unit["pid"]: (u := dm.unit(name))["pid"]
-                               not in (None, old) and u, 60, 0.02, f"{name} respawned")
+                    wait_until(
+                        lambda name=name, old=unit["pid"]: (
+                            (u := dm.unit(name))["pid"] not in (None, old) and u
+                        ),
+                        60,
+                        0.02,
+                        f"{name} respawned",
+                    )
                     spawned[name] = time.monotonic()
                     wait_until(admitted, 120, 0.05, f"{name} admitted")
                     # Cold starts interleaved with the kills: same conditions, and they use
@@ -266,8 +294,7 @@ def main() -> None:
                 events = dm.events()
                 for _, _, watch in plan:
                     watch.join(10)
-                records = [stages_of(events, name, t, watch.ready_at)
-                           for name, t, watch in plan]
+                records = [stages_of(events, name, t, watch.ready_at) for name, t, watch in plan]
                 for _ in range(full_reps):
                     started = time.monotonic()
                     dm.down()
@@ -279,8 +306,11 @@ def main() -> None:
         sweep()
     total = summary(r["total"] for r in records)
     cold_s, cold_ns_s, whole_s = summary(cold), summary(cold_ns), summary(whole)
-    stages = Table(f"kill -9 -> admitted at the current policy, {len(records)} kills, seconds",
-                   ["stage", "median", "p95", "share of median total"], digits=3)
+    stages = Table(
+        f"kill -9 -> admitted at the current policy, {len(records)} kills, seconds",
+        ["stage", "median", "p95", "share of median total"],
+        digits=3,
+    )
     for stage in STAGES:
         x = summary(r[stage] for r in records)
         stages.rows.append([stage, x["median"], x["p95"], ratio(x["median"], total["median"])])
@@ -288,21 +318,49 @@ def main() -> None:
     report.tables.append(stages)
     own = total["median"] - cold_s["median"]
     direct = summary(r["total"] - r["boot"] for r in records)
-    compare = Table("Recovery against the alternatives, seconds",
-                    ["what", "runs", "median", "p95", "recovery / this"], digits=3)
+    compare = Table(
+        "Recovery against the alternatives, seconds",
+        ["what", "runs", "median", "p95", "recovery / this"],
+        digits=3,
+    )
     compare.rows += [
         ["dynamod recovery (kill -> admitted)", total["n"], total["median"], total["p95"], 1.0],
-        ["worker cold start alone (spawn -> /health ready)", cold_s["n"], cold_s["median"],
-         cold_s["p95"], ratio(total["median"], cold_s["median"])],
-        ["  the same, registering in the stack's namespace", cold_ns_s["n"],
-         cold_ns_s["median"], cold_ns_s["p95"], ratio(total["median"], cold_ns_s["median"])],
-        ["whole stack restart (`down` + `up`)", whole_s["n"], whole_s["median"], whole_s["p95"],
-         ratio(total["median"], whole_s["median"])],
+        [
+            "worker cold start alone (spawn -> /health ready)",
+            cold_s["n"],
+            cold_s["median"],
+            cold_s["p95"],
+            ratio(total["median"], cold_s["median"]),
+        ],
+        [
+            "  the same, registering in the stack's namespace",
+            cold_ns_s["n"],
+            cold_ns_s["median"],
+            cold_ns_s["p95"],
+            ratio(total["median"], cold_ns_s["median"]),
+        ],
+        [
+            "whole stack restart (`down` + `up`)",
+            whole_s["n"],
+            whole_s["median"],
+            whole_s["p95"],
+            ratio(total["median"], whole_s["median"]),
+        ],
         ["dynamod's own share (recovery - cold start alone)", "-", own, "-", "-"],
-        ["  the same against the cold start in the stack's namespace", "-",
-         total["median"] - cold_ns_s["median"], "-", "-"],
-        ["  direct: each recovery minus its own boot stage (all stages but boot)",
-         direct["n"], direct["median"], direct["p95"], "-"],
+        [
+            "  the same against the cold start in the stack's namespace",
+            "-",
+            total["median"] - cold_ns_s["median"],
+            "-",
+            "-",
+        ],
+        [
+            "  direct: each recovery minus its own boot stage (all stages but boot)",
+            direct["n"],
+            direct["median"],
+            direct["p95"],
+            "-",
+        ],
     ]
     report.tables.append(compare)
     steps = Table("Admission steps (ms, median)", ["step", "median ms", "p95 ms"], digits=1)
@@ -312,15 +370,21 @@ def main() -> None:
     x = summary(r["revoke_ms"] for r in records if r["revoke_ms"] is not None)
     steps.rows.append(["(lease revoke, before backoff)", x["median"], x["p95"]])
     x = summary(v * 1000 for v in kernel_exit)
-    steps.rows.append(["(kernel: SIGKILL -> worker exit on a pidfd, no supervisor)",
-                       x["median"], x["p95"]])
+    steps.rows.append(
+        ["(kernel: SIGKILL -> worker exit on a pidfd, no supervisor)", x["median"], x["p95"]]
+    )
     report.tables.append(steps)
-    report.target("dynamod's own share of a recovery (median recovery - median cold start)",
-                  own, 0.3, "s")
-    report.data = {"kills": records, "cold_start_s": cold, "cold_start_in_namespace_s": cold_ns,
-                   "whole_restart_s": whole,
-                   "kernel_exit_s": kernel_exit,
-                   "model": MODEL}
+    report.target(
+        "dynamod's own share of a recovery (median recovery - median cold start)", own, 0.3, "s"
+    )
+    report.data = {
+        "kills": records,
+        "cold_start_s": cold,
+        "cold_start_in_namespace_s": cold_ns,
+        "whole_restart_s": whole,
+        "kernel_exit_s": kernel_exit,
+        "model": MODEL,
+    }
     report.notes += [
         "the pushed policy is a copy of the tiny model's weights (0.5 MB); see "
         "bench.policy_push for replay time against checkpoint size.",

@@ -18,7 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, render_json
+from bench.report import (
+    machine,
+    render_json,
+)
 
 BENCHMARKS = ["overhead", "detect", "down", "cold_up", "recovery", "policy_push", "load_kill"]
 
@@ -48,8 +51,11 @@ def main() -> None:
             result = json.loads(proc.stdout)
         except ValueError:
             failed.append(name)
-            print(f"# bench.{name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"# bench.{name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         results.append(result)
         if args.save:
@@ -73,8 +79,10 @@ def main() -> None:
     else:
         print("## Targets")
         for t in summary["targets"]:
-            print(f"- [{'met' if t['met'] else 'MISSED'}] {t['benchmark']}: {t['target']}: "
-                  f"{t['measured']:.3g} {t['unit']} (limit {t['limit']:g} {t['unit']})")
+            print(
+                f"- [{'met' if t['met'] else 'MISSED'}] {t['benchmark']}: {t['target']}: "
+                f"{t['measured']:.3g} {t['unit']} (limit {t['limit']:g} {t['unit']})"
+            )
         if failed:
             print(f"benchmarks that crashed: {', '.join(failed)}")
     sys.exit(1 if failed else 0)

@@ -1,0 +1,210 @@
+"""Safe process handling for benchmarks: everything a benchmark starts inherits
+DYNAMOD_BENCH_MARK=<this run>; the final sweep SIGKILLs, by pid, only processes carrying
+that marker. Nothing is ever killed by name."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import datetime as dt
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+PROC = ROOT / "tests" / "fixtures" / "proc.py"
+MARK = "DYNAMOD_BENCH_MARK"
+
+# --------------------------------------------------------------------------- processes
+
+
+def bench_mark() -> str:
+    """This run's marker; set once and inherited by everything we start.
+
+    The benchmark also becomes a child subreaper, so a detached dynamod daemon (orphaned
+    when `dynamod up --detach` returns) is re-parented to us and reaped the moment it
+    exits, as systemd or a normal init would. This machine's pid 1 reaps orphans only
+    every second or two, and `dynamod down` waits until kill(pid, 0) fails, which a
+    zombie still passes."""
+    mark = os.environ.get(MARK)
+    if not mark:
+        mark = uuid.uuid4().hex[:12]
+        os.environ[MARK] = mark
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        atexit.register(_at_exit)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _exit_on_signal)
+    return mark
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _at_exit() -> None:
+    sweep()
+    reap_zombies()
+
+
+def reap_zombies() -> None:
+    """Reap adopted children that have exited (never blocks)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def reap_when_adopted(pid: int) -> None:
+    """Reap `pid` the moment it exits; it must already be our (adopted) child."""
+
+    def wait() -> None:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+    threading.Thread(target=wait, name=f"reap-{pid}", daemon=True).start()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def marked() -> list[int]:
+    """Live processes (not us, not zombies) carrying this run's marker."""
+    needle = f"{MARK}={os.environ.get(MARK, '')}".encode()
+    me = os.getpid()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                if needle not in fh.read().split(b"\0"):
+                    continue
+        except OSError:
+            continue
+        if alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def sweep() -> list[int]:
+    """SIGKILL every live process carrying this run's marker (by pid); return them."""
+    if not os.environ.get(MARK):
+        return []
+    pids = marked()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    wait_dead(pids, 5)
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def wait_dead(pids: Iterable[int], timeout: float, interval: float = 0.005) -> list[int]:
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(interval)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    if pgid > 1:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def rss_mb(pid: int) -> float:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, in seconds."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read()
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def started_at(pid: int) -> float:
+    """When a process was started, as epoch seconds (kernel clock ticks: 10 ms steps).
+    /proc/PID/stat counts from boot; CLOCK_BOOTTIME is the same clock."""
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        stat = fh.read()
+    ticks = int(stat[stat.rfind(b")") + 2 :].split()[19])
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - age
+
+
+def wait_until(
+    predicate: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition"
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def state_dir(prefix: str) -> Iterator[Path]:
+    """A short state dir under /tmp (unix socket paths are short), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=f"b{prefix}-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def iso_epoch(stamp: str) -> float:
+    return dt.datetime.fromisoformat(stamp).timestamp()
