@@ -162,6 +162,9 @@ ExecStop={" ".join([*base, "down"])}
 # what they left; only after TimeoutStopSec does SIGKILL reach the whole cgroup.
 # control-group would signal every process at once and defeat that order.
 KillMode=mixed
+# dynamod runs each unit in a cgroup of its own below the service's (cgroup v2) and
+# empties it with cgroup.kill; Delegate=yes hands it that subtree.
+Delegate=yes
 # bring-up: longest chain of readiness deadlines + {_START_MARGIN:g}s
 TimeoutStartSec={_seconds(start_budget(stack))}
 # teardown: sum of the units' stop timeouts + {_KILL_WAIT:g}s each after SIGKILL

@@ -115,6 +115,15 @@ def test_stack_service_is_a_notify_service_that_stops_in_order(tmp_path: Path) -
     assert "# mixed: " in unit.text  # the choice is explained where it is made
 
 
+def test_stack_service_delegates_its_cgroup(tmp_path: Path) -> None:
+    """dynamod contains each unit in a cgroup below the service's: systemd must hand it
+    that subtree (Delegate=yes), exactly once, in [Service]."""
+    unit = systemd.stack_service(load(tmp_path), dynamod=DYNAMOD, variables=[], watchdog_sec=20)
+    assert settings(unit.text)["Delegate"] == ["yes"]
+    service = unit.text.split("[Service]", 1)[1].split("[Install]", 1)[0]
+    assert "\nDelegate=yes\n" in service
+
+
 def test_stop_and_start_budgets(tmp_path: Path) -> None:
     stack = load(tmp_path)
     assert systemd.stop_budget(stack) == 10 + 10 + 20.5 + 20.5 + 10 + 5 * 5 + 15
