@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
-from dynamod.core import graph, process
+from dynamod.core import cgroups, graph, process
 from dynamod.core.errors import UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, make_prober
@@ -105,6 +105,7 @@ class Engine:
         session: aiohttp.ClientSession,
         hooks: Iterable[UnitHooks] = (),
         log_max_bytes: int = 20 * 1024 * 1024,
+        containment: cgroups.Containment | None = None,
     ) -> None:
         self.stack = stack
         self.state_dir = state_dir
@@ -116,6 +117,8 @@ class Engine:
         self.probe_listeners: list[ProbeListener] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
+        self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
+        self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
         self._changed = asyncio.Event()
         logs = state_dir / "logs"
         for name in stack.order:
@@ -224,16 +227,12 @@ class Engine:
             exit, premature = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
+            # Record the exit and its state change first; hooks and the sweep come after.
+            exited_at = time.monotonic()
             unit.last_exit = exit
             unit.hold_reason = None
-            for hook in self.hooks:
-                await hook.on_exit(unit, exit)
-            await self._reap_leftovers(unit)
-            await unit.sink.drain(timeout=0.5)
-            uptime = time.monotonic() - (unit.child.started_at if unit.child else time.monotonic())
-            decision = unit.tracker.decide(
-                exit, now=time.monotonic(), uptime=uptime, premature=premature
-            )
+            uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
+            decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
             what = exit.describe()
             hint = unit.extra.get("failure_hint")
             if hint:
@@ -243,13 +242,19 @@ class Engine:
                     self.transition(unit, UnitState.COMPLETED, what)
                 else:
                     self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
+            else:
+                self.transition(
+                    unit,
+                    UnitState.BACKOFF,
+                    f"{what}; {decision.reason} (restart {unit.tracker.total})",
+                )
+            for hook in self.hooks:
+                await hook.on_exit(unit, exit)
+            await self._reap_leftovers(unit)
+            await unit.sink.drain(timeout=0.5)
+            if not decision.restart:
                 return
-            self.transition(
-                unit,
-                UnitState.BACKOFF,
-                f"{what}; {decision.reason} (restart {unit.tracker.total})",
-            )
-            await asyncio.sleep(decision.delay)
+            await asyncio.sleep(max(0.0, decision.delay - (time.monotonic() - exited_at)))
 
     async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
         """Spawn, wait for readiness, watch. Returns (exit, premature)."""
@@ -289,20 +294,24 @@ class Engine:
         env = process.base_environment(self.run_id, unit.name, spec.env)
         read_fd, write_fd = os.pipe()
         try:
+            cgroup = self.containment.unit(unit.name)
+            if cgroup is not None:
+                cgroups.make(cgroup)
             child = process.spawn(
                 self.reaper,
                 spec.command,
                 env=env,
                 cwd=Path(spec.cwd) if spec.cwd else None,
                 stdout_fd=write_fd,
+                cgroup=cgroup,
             )
-        except OSError as exc:
+        except (OSError, cgroups.CgroupError) as exc:
             os.close(read_fd)
             hint = f" ({spec.install_hint})" if spec.install_hint else ""
             self.transition(
                 unit,
                 UnitState.FAILED,
-                f"cannot start {spec.command[0]!r}: {exc.strerror or exc}{hint}",
+                f"cannot start {spec.command[0]!r}: {getattr(exc, 'strerror', None) or exc}{hint}",
             )
             return False
         finally:
@@ -386,13 +395,21 @@ class Engine:
         finally:
             prober.close()
 
+    def _tree(self, unit: Unit, child: Process) -> process.Tree:
+        return process.Tree(
+            pgid=child.pid,
+            run_id=self.run_id,
+            unit=unit.name,
+            cgroup=self.containment.unit(unit.name),
+            reaper=self.reaper,
+        )
+
     async def _reap_leftovers(self, unit: Unit) -> None:
-        """The main process is gone; end whatever it left in its group or marked as its own."""
+        """The main process is gone; end whatever it left in its cgroup (with cgroups: one
+        file read when it left nothing), or in its group, marked, or re-parented to us."""
         if unit.child is None:
             return
-        await process.stop_tree(
-            unit.child.pid, run_id=self.run_id, unit=unit.name, sig=signal.SIGKILL, timeout=0
-        )
+        await process.stop_tree(self._tree(unit, unit.child), sig=signal.SIGKILL, timeout=0)
 
     # ------------------------------------------------------------------ stop
 
@@ -400,6 +417,7 @@ class Engine:
         """Stop every unit: dependents first, independent units in parallel. Returns the
         pids of any process that survived SIGKILL (should be none)."""
         self.stopping = True
+        self.killed = {}  # from here on: what this stop had to kill
         done: dict[str, asyncio.Event] = {name: asyncio.Event() for name in self.units}
         dependents = graph.dependents({n: list(u.spec.depends_on) for n, u in self.units.items()})
         survivors: list[int] = []
@@ -432,31 +450,36 @@ class Engine:
             self.transition(unit, UnitState.STOPPED)
             return []
         if not child.alive:  # its main process is gone; end what it may have left
-            result = await process.stop_tree(
-                child.pid, run_id=self.run_id, unit=unit.name, sig=signal.SIGKILL, timeout=0
-            )
+            result = await process.stop_tree(self._tree(unit, child), sig=signal.SIGKILL, timeout=0)
+            if result.killed:
+                self.killed.setdefault(unit.name, []).extend(result.killed)
             self.transition(unit, UnitState.STOPPED)
             return result.survivors
         started = time.monotonic()
         self.transition(
             unit,
             unit.state,
-            f"sending {unit.spec.stop.signal} to group "
-            f"{child.pid} (SIGKILL after {unit.spec.stop.timeout:g}s)",
+            f"sending {unit.spec.stop.signal} to "
+            + (
+                f"cgroup {cg} (cgroup.kill"
+                if (cg := self.containment.unit(unit.name))
+                else f"group {child.pid} (SIGKILL"
+            )
+            + f" after {unit.spec.stop.timeout:g}s)",
         )
         result = await process.stop_tree(
-            child.pid,
-            run_id=self.run_id,
-            unit=unit.name,
-            sig=unit.spec.stop.signum,
-            timeout=unit.spec.stop.timeout,
+            self._tree(unit, child), sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
         )
+        if result.killed:
+            self.killed.setdefault(unit.name, []).extend(result.killed)
         exit = await child.wait()
         unit.last_exit = exit
         for hook in self.hooks:  # e.g. revoke a registration the unit did not remove itself
             await hook.on_exit(unit, exit)
         took = time.monotonic() - started
         how = "escalated to SIGKILL" if result.escalated else exit.describe()
+        if result.killed_outside_group:
+            how += f"; {result.killed_outside_group} outside its process group"
         detail = f"stopped in {took:.2f}s ({how})"
         if result.survivors:
             detail += f"; SURVIVORS: {result.survivors}"

@@ -1,12 +1,14 @@
 """Spawning and ending process trees. All OS calls the engine makes go through here.
 
-- Each unit gets its own session (and so process group).
-- dynamod is a child subreaper: descendants that double-fork are re-parented to it,
-  so they can be reaped and found.
+- With cgroup v2 (dynamod.core.cgroups) each unit instance runs in its own cgroup, entered
+  between fork and exec, so nothing it starts can leave; ending the unit is the stop signal
+  to every process in it, the stop timeout, then `cgroup.kill`.
+- Without cgroups: each unit gets its own session (and so process group), every spawned
+  process carries DYNAMOD_RUN_ID / DYNAMOD_UNIT in its environment, and dynamod is a child
+  subreaper, so a descendant that left the group and dropped the marker is re-parented to
+  dynamod: any child of dynamod the Reaper is not waiting for is such a leftover.
 - Children get PDEATHSIG=SIGKILL; a guardian process (dynamod.core.guardian) sweeps the rest
   if dynamod itself is SIGKILLed.
-- Every spawned process carries DYNAMOD_RUN_ID / DYNAMOD_UNIT in its environment, which
-  the sweep uses to find descendants that left the unit's process group.
 - Exits arrive as events: one SIGCHLD handler reaps every child and resolves futures.
 """
 
@@ -25,7 +27,15 @@ from pathlib import Path
 
 import structlog
 
-from dynamod.core.proctable import MARK_RUN, MARK_UNIT, group_pids, is_zombie, marked_pids
+from dynamod.core import cgroups
+from dynamod.core.proctable import (
+    MARK_RUN,
+    MARK_UNIT,
+    children_of,
+    group_pids,
+    is_zombie,
+    marked_pids,
+)
 from dynamod.core.restart import Exit
 
 log = structlog.get_logger("dynamod.core.process")
@@ -58,6 +68,7 @@ class Reaper:
     def __init__(self) -> None:
         self._waiters: dict[int, asyncio.Future[Exit]] = {}
         self._unclaimed: dict[int, Exit] = {}
+        self._claimed: set[int] = set()  # orphans a stop is ending
         self.orphans_reaped = 0
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -65,6 +76,19 @@ class Reaper:
 
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.remove_signal_handler(signal.SIGCHLD)
+
+    def claim_orphans(self) -> list[int]:
+        """Live children of this process that nobody waits for and no other stop has
+        claimed: descendants of a unit re-parented to the subreaper, the fallback's only
+        way to find leftovers that dropped the marker. Which unit they came from is not
+        known; the unit being stopped takes them."""
+        found = [
+            pid
+            for pid in children_of(os.getpid())
+            if pid not in self._waiters and pid not in self._claimed
+        ]
+        self._claimed.update(found)
+        return found
 
     def watch(self, pid: int) -> asyncio.Future[Exit]:
         future: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
@@ -83,6 +107,7 @@ class Reaper:
             if pid == 0:
                 return
             result = _exit_from_status(status)
+            self._claimed.discard(pid)
             future = self._waiters.pop(pid, None)
             if future is None:
                 self.orphans_reaped += 1
@@ -110,7 +135,9 @@ class Child:
         return await asyncio.shield(self.exited)
 
 
-def _child_setup(parent_pid: int) -> None:  # runs in the child between fork and exec
+def _child_setup(parent_pid: int, cgroup_fd: int | None) -> None:  # between fork and exec
+    if cgroup_fd is not None:  # "0" moves the writer: the unit starts inside its cgroup
+        os.write(cgroup_fd, b"0")
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(137)
@@ -123,24 +150,38 @@ def spawn(
     env: Mapping[str, str],
     cwd: Path | None = None,
     stdout_fd: int | None = None,
+    cgroup: Path | None = None,
 ) -> Child:
-    """Start argv in a new session with PDEATHSIG; returns at once with an exit future.
+    """Start argv in a new session with PDEATHSIG (inside `cgroup` if given); returns at
+    once with an exit future.
 
     Must be called from the event loop's thread: PDEATHSIG fires when the *thread*
     that forked the child ends.
     """
     parent = os.getpid()
-    proc = subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=stdout_fd if stdout_fd is not None else subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=lambda: _child_setup(parent),
-        close_fds=True,
-    )
+    cgroup_fd = None
+    if cgroup is not None:
+        try:
+            cgroup_fd = os.open(cgroup / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot enter cgroup {cgroup}: {exc.strerror}") from exc
+    try:
+        proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout_fd if stdout_fd is not None else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _child_setup(parent, cgroup_fd),
+            close_fds=True,
+        )
+    except subprocess.SubprocessError as exc:  # the cgroup write in the child failed
+        raise OSError(0, f"cannot move the new process into cgroup {cgroup}: {exc}") from exc
+    finally:
+        if cgroup_fd is not None:
+            os.close(cgroup_fd)
     proc.returncode = 0  # the Reaper owns waiting; stop Popen from ever calling waitpid
     return Child(pid=proc.pid, exited=reaper.watch(proc.pid))
 
@@ -196,49 +237,152 @@ async def wait_gone(pids: Iterable[int], timeout: float) -> list[int]:
 
 
 @dataclass(frozen=True)
+class Tree:
+    """Where one unit instance's processes are: its cgroup when there is one, else its
+    process group, the run's markers and (via the Reaper) unmarked re-parented orphans."""
+
+    pgid: int
+    run_id: str
+    unit: str
+    cgroup: Path | None = None
+    reaper: Reaper | None = None
+
+
+@dataclass(frozen=True)
 class TreeStopped:
-    """What ending a unit's tree took: whether SIGKILL was needed, what survived."""
+    """What ending a unit's tree took: whether SIGKILL was needed, whom it reached (pids
+    found alive when it was sent), what survived it."""
 
     escalated: bool
     killed_outside_group: int
     survivors: list[int]
+    killed: list[int] = field(default_factory=list)
 
 
-async def stop_tree(
-    pgid: int,
-    *,
-    run_id: str,
-    unit: str,
-    sig: int,
-    timeout: float,
-    kill_wait: float = 5.0,
+async def stop_tree(tree: Tree, *, sig: int, timeout: float, kill_wait: float = 5.0) -> TreeStopped:
+    """Send `sig` to the unit's processes; after `timeout`, SIGKILL whatever is left;
+    return whom that reached and anything that still survives. timeout=0: the main
+    process is gone already and the rest gets SIGKILL at once."""
+    if tree.cgroup is not None:
+        return await _stop_cgroup(
+            tree.cgroup, tree.pgid, sig=sig, timeout=timeout, kill_wait=kill_wait
+        )
+    return await _stop_group(tree, sig=sig, timeout=timeout, kill_wait=kill_wait)
+
+
+async def _stop_cgroup(
+    path: Path, pgid: int, *, sig: int, timeout: float, kill_wait: float
 ) -> TreeStopped:
-    """Signal the unit's process group and any marked descendants outside it; after
-    `timeout`, SIGKILL whatever is left; return anything that still survives."""
+    if not cgroups.populated(path):  # the common case after an exit: one file read
+        cgroups.remove(path)
+        return TreeStopped(escalated=False, killed_outside_group=0, survivors=[])
+    outside = 0
+    if timeout > 0 and sig != signal.SIGKILL:
+        members = cgroups.procs(path)
+        group = set(group_pids(pgid)) if len(members) > 1 else {pgid}
+        for pid in members:
+            _signal_pid(pid, sig)
+        outside = len(set(members) - group)
+        deadline = time.monotonic() + timeout
+        while cgroups.populated(path) and (left := deadline - time.monotonic()) > 0:
+            await wait_gone(cgroups.procs(path), left)
+    killed: list[int] = []
+    if cgroups.populated(path):
+        killed = cgroups.procs(path)
+        cgroups.kill(path)
+        deadline = time.monotonic() + kill_wait
+        while cgroups.populated(path) and (left := deadline - time.monotonic()) > 0:
+            await wait_gone(cgroups.procs(path), left)
+    survivors = cgroups.procs(path) if cgroups.populated(path) else []
+    if not survivors:
+        cgroups.remove(path)
+    return TreeStopped(
+        escalated=bool(killed) and timeout > 0 and sig != signal.SIGKILL,
+        killed_outside_group=outside,
+        survivors=survivors,
+        killed=killed,
+    )
+
+
+def _strays(tree: Tree) -> list[int]:
+    """Processes of this unit outside its process group: marked ones, and (the subreaper's
+    catch) children of dynamod that nobody waits for."""
+    group = set(group_pids(tree.pgid))
+    found = set(marked_pids(tree.run_id, tree.unit))
+    if tree.reaper is not None:
+        found |= set(tree.reaper.claim_orphans())
+    return sorted(found - group - {tree.pgid})
+
+
+async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float) -> TreeStopped:
+    pgid = tree.pgid
     _signal_group(pgid, sig)
-    strays = [p for p in marked_pids(run_id, unit) if p not in group_pids(pgid)]
+    strays = _strays(tree)
     for pid in strays:
         _signal_pid(pid, sig)
     targets = set(group_pids(pgid)) | set(strays) | {pgid}
     left = await wait_gone(targets, timeout)
     escalated = False
+    killed: list[int] = []
     # Re-scan: a process may have forked while we waited.
-    left = sorted(set(left) | set(group_pids(pgid)) | set(marked_pids(run_id, unit)))
+    left = sorted(set(left) | set(group_pids(pgid)) | set(_strays(tree)))
     if left:
-        escalated = True
+        escalated = sig != signal.SIGKILL
+        killed = left
         _signal_group(pgid, signal.SIGKILL)
         for pid in left:
             _signal_pid(pid, signal.SIGKILL)
         left = await wait_gone(left, kill_wait)
-    return TreeStopped(escalated=escalated, killed_outside_group=len(strays), survivors=left)
+    return TreeStopped(
+        escalated=escalated, killed_outside_group=len(strays), survivors=left, killed=killed
+    )
 
 
-async def sweep(run_id: str, timeout: float = 5.0) -> list[int]:
-    """SIGKILL every process still carrying this run's marker; return survivors."""
-    pids = marked_pids(run_id)
-    for pid in pids:
-        _signal_pid(pid, signal.SIGKILL)
-    return await wait_gone(pids, timeout) if pids else []
+@dataclass(frozen=True)
+class Swept:
+    """What the final sweep of a run found and SIGKILLed, and what survived it."""
+
+    killed: list[int]
+    survivors: list[int]
+
+
+async def sweep(
+    run_id: str,
+    *,
+    cgroup: Path | None = None,
+    reaper: Reaper | None = None,
+    keep: frozenset[int] = frozenset(),
+    timeout: float = 5.0,
+) -> Swept:
+    """End everything of this run that is still there: the stack's cgroup, processes
+    carrying its marker, and every child of dynamod but `keep` (the guardian). `down` is
+    not finished while any of them lives. Returns whom it killed and who survived."""
+    killed: set[int] = set()
+    survivors: set[int] = set()
+    if cgroup is not None and cgroups.populated(cgroup):
+        killed |= set(cgroups.procs(cgroup))
+        cgroups.kill(cgroup)
+    for _ in range(5):  # a dying parent may still fork once
+        targets = set(marked_pids(run_id))
+        if reaper is not None:
+            targets |= set(children_of(os.getpid()))
+        targets -= keep
+        if cgroup is not None and cgroups.populated(cgroup):
+            targets |= set(cgroups.procs(cgroup))
+        if not targets:
+            break
+        killed |= targets
+        for pid in targets:
+            _signal_pid(pid, signal.SIGKILL)
+        survivors = set(await wait_gone(targets, timeout))
+        if survivors:
+            break
+    if cgroup is not None:
+        if cgroups.populated(cgroup):
+            survivors |= set(cgroups.procs(cgroup))
+        else:
+            cgroups.remove(cgroup)
+    return Swept(killed=sorted(killed), survivors=sorted(survivors))
 
 
 def base_environment(run_id: str, unit: str, extra: Mapping[str, str]) -> dict[str, str]:

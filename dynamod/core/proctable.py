@@ -1,5 +1,5 @@
-"""Finding processes by marker or process group in /proc. Standard library only, so the
-guardian can import it without the daemon's dependencies."""
+"""Finding processes by marker, process group or parent in /proc. Standard library only, so
+the guardian can import it without the daemon's dependencies."""
 
 from __future__ import annotations
 
@@ -63,4 +63,19 @@ def group_pids(pgid: int) -> list[int]:
                 found.append(pid)
         except ProcessLookupError:
             continue
+    return found
+
+
+def children_of(parent: int) -> list[int]:
+    """Live (non-zombie) processes whose parent is `parent`: one /proc scan."""
+    found = []
+    for pid in _proc_pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1 and int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
+            found.append(pid)
     return found
