@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,6 +18,9 @@ from dynamod.control.cliutil import fail, load_stack, state_dir_of
 from dynamod.control.commands import register_commands
 from dynamod.core import paths
 from dynamod.core.errors import DaemonError, DynamodError
+
+if TYPE_CHECKING:
+    from dynamod.core.leftovers import Leftovers
 
 
 @click.group()
@@ -100,9 +103,30 @@ def up(
             "`dynamod status` shows it, `dynamod down` stops it"
         )
     resolved = load_stack(stack, state_dir, variables)
+    _check_containment_setting()
+    _sweep_previous(state_dir)
     if detach:
         sys.exit(_up_detached(resolved, state_dir, timeout, metrics_addr))
     sys.exit(_run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr))
+
+
+def _check_containment_setting() -> None:
+    from dynamod.core import cgroups
+
+    try:
+        cgroups.setting()
+    except ValueError as exc:
+        fail(str(exc), 2)
+
+
+def _sweep_previous(state_dir: Path) -> Leftovers | None:
+    """If the state dir's last daemon died, end what it left and say so."""
+    from dynamod.core import leftovers
+
+    swept = leftovers.sweep_previous(state_dir)
+    if swept is not None:
+        click.echo(f"dynamod: {swept.describe()}", err=True)
+    return swept
 
 
 def _run_daemon(
@@ -270,6 +294,9 @@ def down(ctx: click.Context, as_json: bool) -> None:
         pid = client.status()["daemon_pid"]
         result = client.down()
     except DaemonError as exc:
+        swept = _sweep_previous(state_dir)  # no daemon answers: did the last one die?
+        if swept is not None:
+            sys.exit(1 if swept.survivors else 0)
         fail(str(exc))
     _wait_pid_gone(int(pid), 30)
     if as_json:
@@ -277,8 +304,8 @@ def down(ctx: click.Context, as_json: bool) -> None:
     else:
         for unit in result["units"]:
             click.echo(f"  {unit['name']:<16} {unit['state']}  {unit['detail']}")
-        verdict = "nothing left running" if result["ok"] else f"SURVIVORS {result['survivors']}"
-        click.echo(f"stack down in {result['seconds']:.2f}s: {verdict}")
+        for line in render.down_report(result):
+            click.echo(line)
     sys.exit(0 if result["ok"] else 1)
 
 

@@ -70,12 +70,39 @@ def status_table(status: Mapping[str, Any]) -> str:
         f"stack {status['stack']} ({status['phase']}) — daemon pid {status['daemon_pid']}, "
         f"state dir {status['state_dir']}"
     ]
+    if status.get("containment"):
+        out.append(f"containment: {status['containment']['summary']}")
+    guardian = status.get("guardian")
+    if guardian and guardian.get("restarts"):
+        out.append(
+            f"guardian: pid {guardian['pid']}, restarted {guardian['restarts']} time(s) "
+            f"(last: {guardian['last_death']})"
+        )
     if status.get("error"):
         out.append(f"error: {status['error']}")
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
     return "\n".join(out)
+
+
+def down_report(result: Mapping[str, Any]) -> list[str]:
+    """What `down` had to kill, what it could not, and the verdict."""
+    lines = []
+    if result.get("containment"):
+        lines.append(f"containment: {result['containment']}")
+    killed: Mapping[str, Sequence[int]] = result.get("killed") or {}
+    total = sum(len(pids) for pids in killed.values())
+    if total:
+        where = ", ".join(f"{name}: {' '.join(map(str, pids))}" for name, pids in killed.items())
+        lines.append(f"had to kill {total} process(es) (SIGKILL / cgroup.kill): {where}")
+    else:
+        lines.append("had to kill nothing: every process ended on its stop signal")
+    if result["survivors"]:
+        lines.append(f"COULD NOT KILL {len(result['survivors'])}: {result['survivors']}")
+    verdict = "nothing left running" if result["ok"] else f"SURVIVORS {result['survivors']}"
+    lines.append(f"stack down in {result['seconds']:.2f}s: {verdict}")
+    return lines
 
 
 def _detail(unit: Row) -> str:

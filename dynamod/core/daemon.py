@@ -1,8 +1,10 @@
 """The daemon: owns the state dir, the engine, the control socket and the guardian.
 
-Lifecycle: lock state dir -> subreaper + SIGCHLD -> guardian -> control socket ->
-engine.start -> wait until every unit is ready (or fail, tear down, exit 1) -> serve until
-`down`, SIGTERM or SIGINT -> stop units in reverse order -> sweep marked processes.
+Lifecycle: lock state dir -> sweep what a dead previous run left -> containment (the
+stack's cgroup, or the fallback) -> subreaper + SIGCHLD -> guardian (restarted if it dies)
+-> control socket -> engine.start -> wait until every unit is ready (or fail, tear down,
+exit 1) -> serve until `down`, SIGTERM or SIGINT -> stop units in reverse order -> sweep the
+stack's cgroup, marked processes and every child but the guardian.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ import fcntl
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -26,10 +26,11 @@ from typing import IO, Any
 import aiohttp
 import structlog
 
-from dynamod.core import api, paths, process
+from dynamod.core import api, cgroups, leftovers, paths, process
 from dynamod.core.engine import Engine
 from dynamod.core.errors import DaemonError, DynamodError, UnitFailed
 from dynamod.core.extensions import Extension
+from dynamod.core.guardianship import Guardianship
 from dynamod.core.spec import Stack
 
 log = structlog.get_logger("dynamod.core.daemon")
@@ -88,23 +89,6 @@ class StateDir:
             self._lock = None
 
 
-def start_guardian(run_id: str) -> tuple[subprocess.Popen[bytes], int]:
-    """Start the guardian in its own session; return it and the pipe end we keep open."""
-    read_fd, write_fd = os.pipe()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNAMOD_RUN")}
-    guardian = subprocess.Popen(
-        [sys.executable, "-m", "dynamod.core.guardian", run_id],
-        stdin=read_fd,
-        env=env,
-        start_new_session=True,
-        close_fds=True,
-    )
-    os.close(read_fd)
-    os.set_inheritable(write_fd, False)
-    guardian.returncode = 0  # the Reaper reaps it
-    return guardian, write_fd
-
-
 @dataclass
 class Daemon:
     stack: Stack
@@ -118,6 +102,9 @@ class Daemon:
     _shutdown: asyncio.Event = field(default_factory=asyncio.Event)
     _down_result: asyncio.Future[dict[str, Any]] | None = None
     on_phase: list[Callable[[Phase], None]] = field(default_factory=list)
+    containment: cgroups.Containment | None = None
+    guardian: Guardianship | None = None
+    swept: leftovers.Leftovers | None = None  # what a dead previous run had left
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
@@ -138,6 +125,9 @@ class Daemon:
             "error": self.error,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "units": self.engine.snapshot() if self.engine else [],
+            "containment": self.containment.as_dict() if self.containment else None,
+            "guardian": self.guardian.as_dict() if self.guardian else None,
+            "swept_previous": self.swept.as_dict() if self.swept else None,
         }
         if self.engine is not None:
             for extension in self.extensions:
@@ -170,19 +160,22 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self._down_result = loop.create_future()
         self.state.acquire()
+        self.swept = leftovers.sweep_held(self.state.path)
+        if self.swept is not None:
+            log.warning("stack.swept_previous", **self.swept.as_dict())
+        try:
+            self.containment = cgroups.detect(self.run_id)
+        except (ValueError, cgroups.CgroupError) as exc:
+            self.state.release()
+            raise DaemonError(str(exc)) from exc
+        log.info("stack.containment", containment=self.containment.describe())
         reaper = process.Reaper()
         process.become_subreaper()
         reaper.install(loop)
-        guardian, guardian_fd = start_guardian(self.run_id)
-        self.state.write_json(
-            "run.json",
-            {
-                "run_id": self.run_id,
-                "pid": os.getpid(),
-                "stack": str(self.stack.path),
-                "guardian_pid": guardian.pid,
-            },
+        self.guardian = Guardianship(
+            self.run_id, self.containment.root, reaper, on_new_pid=self._write_run
         )
+        self.guardian.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._shutdown.set)
         runner = None
@@ -196,6 +189,7 @@ class Daemon:
                 reaper=reaper,
                 session=session,
                 hooks=[],
+                containment=self.containment,
             )
             for extension in self.extensions:
                 await extension.start(self)
@@ -216,10 +210,26 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     await extension.stop()
             await session.close()
-            os.close(guardian_fd)  # the guardian sees EOF, finds nothing left, exits
+            self.guardian.close()  # the guardian sees EOF, finds nothing left, exits
             self.state.release()
             self.set_phase(Phase.STOPPED)
         return exit_code
+
+    def _write_run(self, guardian_pid: int) -> None:
+        """run.json: what a later `up` or `down` needs to sweep this run if we die."""
+        assert self.containment is not None
+        root = self.containment.root
+        self.state.write_json(
+            "run.json",
+            {
+                "run_id": self.run_id,
+                "pid": os.getpid(),
+                "stack": str(self.stack.path),
+                "guardian_pid": guardian_pid,
+                "containment": str(self.containment.kind),
+                "cgroup": str(root) if root else None,
+            },
+        )
 
     async def _bring_up_and_serve(self) -> int:
         assert self.engine is not None
@@ -258,16 +268,29 @@ class Daemon:
         survivors: list[int] = []
         if self.engine is not None:
             survivors = await self.engine.stop()
-        survivors = sorted(set(survivors) | set(await process.sweep(self.run_id)))
+        guardian = self.guardian.pid if self.guardian else None
+        swept = await process.sweep(
+            self.run_id,
+            cgroup=self.containment.root if self.containment else None,
+            reaper=self.engine.reaper if self.engine else None,
+            keep=frozenset({guardian} if guardian else set()),
+        )
+        survivors = sorted(set(survivors) | set(swept.survivors))
+        killed = dict(self.engine.killed) if self.engine else {}
+        if swept.killed:
+            killed["(final sweep)"] = swept.killed
         result = {
             "ok": not survivors,
             "seconds": round(time.monotonic() - started, 3),
-            "survivors": survivors,
+            "killed": killed,  # who needed SIGKILL / cgroup.kill: unit -> pids
+            "survivors": survivors,  # what could not be killed
+            "containment": self.containment.describe() if self.containment else None,
             "units": self.engine.snapshot() if self.engine else [],
             "error": self.error,
         }
         self.state.write_json("last-down.json", result)
-        log.info("stack.down", seconds=result["seconds"], survivors=survivors)
+        leftovers.mark_ended(self.state.path, "down")
+        log.info("stack.down", seconds=result["seconds"], killed=killed, survivors=survivors)
         if not self._down_result.done():
             self._down_result.set_result(result)
         await asyncio.sleep(0.05)  # let a waiting /down request get its answer out

@@ -1,10 +1,12 @@
 """Last line of defence when dynamod itself dies without `down` (e.g. SIGKILL).
 
-The daemon starts `python -m dynamod.core.guardian RUN_ID` in its own session with a pipe on
-stdin and keeps the write end open. When the daemon dies the pipe reaches EOF and the
-guardian SIGKILLs every process that still carries the run's marker, then exits.
-PDEATHSIG already kills the units' direct children; this catches their descendants
-(engine subprocesses, double-forked daemons). Standard library only: it must start fast.
+The daemon starts `python -m dynamod.core.guardian RUN_ID [CGROUP]` in its own session with
+a pipe on stdin and keeps the write end open (and restarts it if it dies, see
+dynamod.core.guardianship). When the daemon dies the pipe reaches EOF and the guardian
+empties the stack's cgroup (`cgroup.kill`, then removes it) and SIGKILLs every process
+that still carries the run's marker, then exits. PDEATHSIG already kills the units' direct
+children; this catches their descendants (engine subprocesses, double-forked daemons).
+Standard library only: it must start fast.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
+from dynamod.core import cgroups
 from dynamod.core.proctable import marked_pids
 
 
@@ -34,10 +38,11 @@ def _kill_marked(run_id: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m dynamod.core.guardian RUN_ID", file=sys.stderr)
+    if len(argv) not in (1, 2):
+        print("usage: python -m dynamod.core.guardian RUN_ID [CGROUP]", file=sys.stderr)
         return 2
     run_id = argv[0]
+    cgroup = Path(argv[1]) if len(argv) == 2 else None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the daemon to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     while True:
@@ -47,7 +52,17 @@ def main(argv: list[str]) -> int:
             continue
         if not data:
             break
-    killed = _kill_marked(run_id)
+    killed = 0
+    if cgroup is not None:
+        try:
+            found, survivors = cgroups.empty_and_remove(cgroup)
+        except cgroups.CgroupError as exc:
+            print(f"dynamod guardian: {exc}", file=sys.stderr)
+        else:
+            killed += len(found)
+            if survivors:
+                print(f"dynamod guardian: could not kill {survivors} in {cgroup}", file=sys.stderr)
+    killed += _kill_marked(run_id)
     if killed:
         print(
             f"dynamod guardian: daemon gone, killed {killed} leftover process(es)", file=sys.stderr

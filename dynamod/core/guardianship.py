@@ -1,0 +1,95 @@
+"""Keeping the guardian alive: the daemon starts it, watches its exit through the Reaper,
+and starts a new one at once (and logs it) if it dies while the daemon runs, so a later
+SIGKILL of the daemon is still cleaned up. Closing the pipe on a clean exit ends it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from dynamod.core.process import Reaper
+from dynamod.core.restart import Exit
+
+log = structlog.get_logger("dynamod.core.guardianship")
+
+
+def start_guardian(run_id: str, cgroup: Path | None) -> tuple[int, int]:
+    """Start the guardian in its own session; return its pid and the pipe end we keep."""
+    read_fd, write_fd = os.pipe()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYNAMOD_RUN")}
+    argv = [sys.executable, "-m", "dynamod.core.guardian", run_id]
+    if cgroup is not None:
+        argv.append(str(cgroup))
+    try:
+        guardian = subprocess.Popen(
+            argv, stdin=read_fd, env=env, start_new_session=True, close_fds=True
+        )
+    except OSError:
+        os.close(write_fd)
+        raise
+    finally:
+        os.close(read_fd)
+    os.set_inheritable(write_fd, False)
+    guardian.returncode = 0  # the Reaper reaps it
+    return guardian.pid, write_fd
+
+
+class Guardianship:
+    """One guardian at a time for this daemon run; `on_new_pid` hears of each new one."""
+
+    def __init__(
+        self,
+        run_id: str,
+        cgroup: Path | None,
+        reaper: Reaper,
+        on_new_pid: Callable[[int], None] = lambda pid: None,
+    ) -> None:
+        self.run_id, self.cgroup, self.reaper = run_id, cgroup, reaper
+        self.on_new_pid = on_new_pid
+        self.pid: int | None = None
+        self.restarts = 0
+        self.last_death: str | None = None
+        self._fd: int | None = None
+        self._closing = False
+
+    def start(self) -> int:
+        pid, fd = start_guardian(self.run_id, self.cgroup)
+        self.pid, self._fd = pid, fd
+        self.reaper.watch(pid).add_done_callback(functools.partial(self._exited, pid))
+        self.on_new_pid(pid)
+        return pid
+
+    def _exited(self, pid: int, fut: asyncio.Future[Exit]) -> None:
+        if self._closing or fut.cancelled():
+            return
+        how = fut.result().describe()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.restarts += 1
+        self.last_death = how
+        try:
+            new = self.start()
+        except OSError as exc:
+            self.pid = None
+            log.error("guardian.died", pid=pid, exit=how, restarted=False, error=str(exc))
+            return
+        log.warning("guardian.died", pid=pid, exit=how, restarted=True, new_pid=new)
+
+    def close(self) -> None:
+        """The daemon is done: the guardian sees EOF, finds nothing left and exits."""
+        self._closing = True
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "restarts": self.restarts, "last_death": self.last_death}

@@ -1,0 +1,139 @@
+"""Sweeping what a dead daemon left: a new `up`, or a `down` that finds no daemon, reads the
+previous run's run.json and, under the state dir's lock (so never a live daemon's run),
+empties and removes that run's cgroup and SIGKILLs the processes carrying its marker,
+then marks the run as swept. Standard library only: the CLI runs it before it imports
+the daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamod.core import cgroups
+from dynamod.core.proctable import marked_pids
+
+RUN_FILE = "run.json"
+LOCK_FILE = "dynamod.lock"
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What the sweep of one dead run found."""
+
+    run_id: str
+    daemon_pid: int | None
+    cgroup: str | None
+    killed: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        where = f"cgroup {self.cgroup} and marker" if self.cgroup else "marker"
+        text = (
+            f"the previous daemon (pid {self.daemon_pid}, run {self.run_id}) died without "
+            f"`down`; swept {len(self.killed)} leftover process(es) by {where}"
+        )
+        if self.survivors:
+            text += f"; COULD NOT KILL {self.survivors}"
+        return text
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "daemon_pid": self.daemon_pid,
+            "cgroup": self.cgroup,
+            "killed": self.killed,
+            "survivors": self.survivors,
+        }
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[bool]:
+    """Hold the state dir's lock if nobody does; yields False if a daemon holds it."""
+    try:
+        fh = (state_dir / LOCK_FILE).open("a+b")
+    except OSError:
+        yield False
+        return
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def read_run(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((state_dir / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
+
+
+def mark_ended(state_dir: Path, how: str) -> None:
+    """Record in run.json that this run is over (`down` finished, or it was swept)."""
+    run = read_run(state_dir)
+    if run is None:
+        return
+    run["ended"] = how
+    tmp = state_dir / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(run, indent=2))
+    tmp.replace(state_dir / RUN_FILE)
+
+
+def sweep_previous(state_dir: Path) -> Leftovers | None:
+    """Sweep the previous run if its daemon died; None if there is nothing to sweep (no
+    run recorded, it ended cleanly, or a daemon holds the state dir)."""
+    if not (state_dir / RUN_FILE).exists():
+        return None
+    with _locked(state_dir) as held:
+        if not held:
+            return None
+        return sweep_held(state_dir)
+
+
+def sweep_held(state_dir: Path) -> Leftovers | None:
+    """`sweep_previous` for a caller that already holds the state dir's lock (the daemon)."""
+    run = read_run(state_dir)
+    if run is None or run.get("ended"):
+        return None
+    return _sweep(state_dir, run)
+
+
+def _sweep(state_dir: Path, run: dict[str, Any]) -> Leftovers:
+    run_id: str = run["run_id"]
+    cgroup = run.get("cgroup") if isinstance(run.get("cgroup"), str) else None
+    killed: set[int] = set()
+    survivors: set[int] = set()
+    if cgroup is not None:
+        found, left = cgroups.empty_and_remove(Path(cgroup))
+        killed |= set(found)
+        survivors |= set(left)
+    for _ in range(20):  # a dying parent may still fork once
+        pids = marked_pids(run_id)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= set(pids)
+        time.sleep(0.05)
+    survivors |= set(marked_pids(run_id))
+    mark_ended(state_dir, "swept")
+    daemon_pid = run.get("pid")
+    return Leftovers(
+        run_id=run_id,
+        daemon_pid=daemon_pid if isinstance(daemon_pid, int) else None,
+        cgroup=cgroup,
+        killed=sorted(killed),
+        survivors=sorted(survivors),
+    )
