@@ -176,6 +176,9 @@ class Daemon:
             self.run_id, self.containment.root, reaper, on_new_pid=self._write_run
         )
         self.guardian.start()
+        census = None
+        if self.containment.kind is cgroups.Kind.PGROUP:
+            census = loop.create_task(self.guardian.watch_orphans(), name="guardian-census")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._shutdown.set)
         runner = None
@@ -210,6 +213,8 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     await extension.stop()
             await session.close()
+            if census is not None:
+                census.cancel()
             self.guardian.close()  # the guardian sees EOF, finds nothing left, exits
             self.state.release()
             self.set_phase(Phase.STOPPED)

@@ -1,6 +1,9 @@
-"""Keeping the guardian alive: the daemon starts it, watches its exit through the Reaper,
-and starts a new one at once (and logs it) if it dies while the daemon runs, so a later
-SIGKILL of the daemon is still cleaned up. Closing the pipe on a clean exit ends it."""
+"""Keeping the guardian alive and informed: the daemon starts it, watches its exit through
+the Reaper, and starts a new one at once (and logs it) if it dies while the daemon runs, so
+a later SIGKILL of the daemon is still cleaned up. Without cgroups it also tells the
+guardian, over the pipe, which unmarked orphans the subreaper has adopted (a census every
+second), since after the daemon's death nothing else could find them. Closing the pipe on
+a clean exit ends it."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 import structlog
 
 from dynamod.core.process import Reaper
+from dynamod.core.proctable import start_time
 from dynamod.core.restart import Exit
 
 log = structlog.get_logger("dynamod.core.guardianship")
@@ -59,10 +63,12 @@ class Guardianship:
         self.last_death: str | None = None
         self._fd: int | None = None
         self._closing = False
+        self.orphans: dict[int, int] = {}  # pid -> start time, as told to the guardian
 
     def start(self) -> int:
         pid, fd = start_guardian(self.run_id, self.cgroup)
         self.pid, self._fd = pid, fd
+        self._tell(self.orphans)  # a new guardian learns what the old one knew
         self.reaper.watch(pid).add_done_callback(functools.partial(self._exited, pid))
         self.on_new_pid(pid)
         return pid
@@ -84,6 +90,32 @@ class Guardianship:
             return
         log.warning("guardian.died", pid=pid, exit=how, restarted=True, new_pid=new)
 
+    def _tell(self, orphans: dict[int, int]) -> None:
+        if self._fd is None or not orphans:
+            return
+        lines = "".join(f"{pid} {started}\n" for pid, started in orphans.items())
+        try:
+            os.write(self._fd, lines.encode())
+        except OSError as exc:  # the guardian is dying; its successor will be told
+            log.warning("guardian.tell_failed", error=str(exc))
+
+    def census(self) -> None:
+        """Tell the guardian about orphans adopted since the last census; forget dead ones."""
+        new: dict[int, int] = {}
+        alive = set(self.reaper.orphans()) - {self.pid}
+        for pid in alive - set(self.orphans):
+            started = start_time(pid)
+            if started is not None:
+                new[pid] = started
+        self.orphans = {p: t for p, t in self.orphans.items() if p in alive} | new
+        self._tell(new)
+
+    async def watch_orphans(self, interval: float = 1.0) -> None:
+        """The fallback's census loop (not needed with cgroups: the cgroup holds them)."""
+        while not self._closing:
+            self.census()
+            await asyncio.sleep(interval)
+
     def close(self) -> None:
         """The daemon is done: the guardian sees EOF, finds nothing left and exits."""
         self._closing = True
@@ -92,4 +124,9 @@ class Guardianship:
             self._fd = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "restarts": self.restarts, "last_death": self.last_death}
+        return {
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_death": self.last_death,
+            "orphans_known": len(self.orphans),
+        }

@@ -77,6 +77,10 @@ class Reaper:
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.remove_signal_handler(signal.SIGCHLD)
 
+    def orphans(self) -> list[int]:
+        """Live children of this process that nobody waits for (claimed or not)."""
+        return [pid for pid in children_of(os.getpid()) if pid not in self._waiters]
+
     def claim_orphans(self) -> list[int]:
         """Live children of this process that nobody waits for and no other stop has
         claimed: descendants of a unit re-parented to the subreaper, the fallback's only

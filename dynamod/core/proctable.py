@@ -79,3 +79,14 @@ def children_of(parent: int) -> list[int]:
         if len(fields) > 1 and int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
             found.append(pid)
     return found
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (tells a pid from its reuse)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19]) if len(fields) > 19 else None
