@@ -173,7 +173,7 @@ class Daemon:
         process.become_subreaper()
         reaper.install(loop)
         self.guardian = Guardianship(
-            self.run_id, self.containment.root, reaper, on_new_pid=self._write_run
+            self.run_id, self.containment.root, reaper, on_change=self._write_run
         )
         self.guardian.start()
         census = None
@@ -233,6 +233,7 @@ class Daemon:
                 "guardian_pid": guardian_pid,
                 "containment": str(self.containment.kind),
                 "cgroup": str(root) if root else None,
+                "orphans": sorted(self.guardian.orphans.items()) if self.guardian else [],
             },
         )
 

@@ -2,7 +2,8 @@
 the Reaper, and starts a new one at once (and logs it) if it dies while the daemon runs, so
 a later SIGKILL of the daemon is still cleaned up. Without cgroups it also tells the
 guardian, over the pipe, which unmarked orphans the subreaper has adopted (a census every
-second), since after the daemon's death nothing else could find them. Closing the pipe on
+second, also kept in run.json for the next sweep), since after the daemon's death nothing
+else could find them. Closing the pipe on
 a clean exit ends it."""
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ def start_guardian(run_id: str, cgroup: Path | None) -> tuple[int, int]:
 
 
 class Guardianship:
-    """One guardian at a time for this daemon run; `on_new_pid` hears of each new one."""
+    """One guardian at a time for this daemon run; `on_change(pid)` hears of each new one
+    and of each change in the orphans it was told about."""
 
     def __init__(
         self,
         run_id: str,
         cgroup: Path | None,
         reaper: Reaper,
-        on_new_pid: Callable[[int], None] = lambda pid: None,
+        on_change: Callable[[int], None] = lambda pid: None,
     ) -> None:
         self.run_id, self.cgroup, self.reaper = run_id, cgroup, reaper
-        self.on_new_pid = on_new_pid
+        self.on_change = on_change
         self.pid: int | None = None
         self.restarts = 0
         self.last_death: str | None = None
@@ -70,7 +72,7 @@ class Guardianship:
         self.pid, self._fd = pid, fd
         self._tell(self.orphans)  # a new guardian learns what the old one knew
         self.reaper.watch(pid).add_done_callback(functools.partial(self._exited, pid))
-        self.on_new_pid(pid)
+        self.on_change(pid)
         return pid
 
     def _exited(self, pid: int, fut: asyncio.Future[Exit]) -> None:
@@ -107,8 +109,12 @@ class Guardianship:
             started = start_time(pid)
             if started is not None:
                 new[pid] = started
-        self.orphans = {p: t for p, t in self.orphans.items() if p in alive} | new
+        known = {p: t for p, t in self.orphans.items() if p in alive} | new
+        changed = known != self.orphans
+        self.orphans = known
         self._tell(new)
+        if changed and self.pid is not None:  # run.json keeps them for a later sweep
+            self.on_change(self.pid)
 
     async def watch_orphans(self, interval: float = 1.0) -> None:
         """The fallback's census loop (not needed with cgroups: the cgroup holds them)."""

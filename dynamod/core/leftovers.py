@@ -1,7 +1,8 @@
 """Sweeping what a dead daemon left: a new `up`, or a `down` that finds no daemon, reads the
 previous run's run.json and, under the state dir's lock (so never a live daemon's run),
-empties and removes that run's cgroup and SIGKILLs the processes carrying its marker,
-then marks the run as swept. Standard library only: the CLI runs it before it imports
+empties and removes that run's cgroup and SIGKILLs the processes carrying its marker and
+the unmarked orphans it recorded (pid + start time, so never a reused pid), then marks the
+run as swept. Standard library only: the CLI runs it before it imports
 the daemon."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.core import cgroups
-from dynamod.core.proctable import marked_pids
+from dynamod.core.proctable import marked_pids, start_time
 
 RUN_FILE = "run.json"
 LOCK_FILE = "dynamod.lock"
@@ -35,7 +36,7 @@ class Leftovers:
     survivors: list[int] = field(default_factory=list)
 
     def describe(self) -> str:
-        where = f"cgroup {self.cgroup} and marker" if self.cgroup else "marker"
+        where = f"cgroup {self.cgroup} and marker" if self.cgroup else "marker and pid"
         text = (
             f"the previous daemon (pid {self.daemon_pid}, run {self.run_id}) died without "
             f"`down`; swept {len(self.killed)} leftover process(es) by {where}"
@@ -109,6 +110,14 @@ def sweep_held(state_dir: Path) -> Leftovers | None:
     return _sweep(state_dir, run)
 
 
+def _orphans(run: dict[str, Any]) -> list[tuple[int, int]]:
+    found = []
+    for entry in run.get("orphans") or []:
+        if isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, int) for x in entry):
+            found.append((entry[0], entry[1]))
+    return found
+
+
 def _sweep(state_dir: Path, run: dict[str, Any]) -> Leftovers:
     run_id: str = run["run_id"]
     cgroup = run.get("cgroup") if isinstance(run.get("cgroup"), str) else None
@@ -127,6 +136,11 @@ def _sweep(state_dir: Path, run: dict[str, Any]) -> Leftovers:
                 os.kill(pid, signal.SIGKILL)
         killed |= set(pids)
         time.sleep(0.05)
+    for pid, started in _orphans(run):  # the fallback's unmarked leftovers, by start time
+        if start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
     survivors |= set(marked_pids(run_id))
     mark_ended(state_dir, "swept")
     daemon_pid = run.get("pid")

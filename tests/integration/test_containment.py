@@ -1,0 +1,262 @@
+"""Containment against real processes, with cgroup v2 and again with the fallback (process
+groups + markers + subreaper, forced with DYNAMOD_CONTAINMENT=pgroup): a descendant that
+double-forks, leaves its session, clears its environment and ignores SIGTERM is gone after
+its unit exits, after `restart UNIT` and after `down`; a SIGKILLed daemon leaves nothing;
+a dead guardian is restarted; a dead run's leftovers are swept by the next `down` or `up`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamod.core import cgroups
+from tests.conftest import Dynamod, pid_alive, unit_by_name, wait_dead
+
+pytestmark = pytest.mark.slow
+
+_BASE, _WHY = cgroups.own_cgroup_dir()
+HAVE_CGROUPS = _BASE is not None and os.access(_BASE, os.W_OK)
+
+
+@pytest.fixture(params=["cgroup", "pgroup"])
+def containment(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    mode: str = request.param
+    if mode == "cgroup" and not HAVE_CGROUPS:
+        pytest.skip(f"no writable cgroup v2 hierarchy here: {_WHY or 'not writable'}")
+    monkeypatch.setenv(cgroups.CONTAINMENT_ENV, mode)
+    return mode
+
+
+@pytest.fixture
+def strays(dm: Dynamod) -> Iterator[list[int]]:
+    """Pids of escaped descendants this test made; killed by pid at the end whatever
+    happened (the dm fixture's marker sweep cannot find them), and the run's cgroup too."""
+    found: list[int] = []
+    yield found
+    for pid in found:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    run = _run(dm)
+    if run and run.get("cgroup"):
+        cgroups.empty_and_remove(Path(run["cgroup"]))
+
+
+def _run(dm: Dynamod) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads((dm.state_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data
+
+
+def _stack(stack_file: Any, pidfile: Path) -> Path:
+    path: Path = stack_file(f"""
+        [units.escaper]
+        command = ["{{python}}", "@PROC@", "escape", "{pidfile}"]
+        ready = {{ kind = "log", pattern = "left an escaped descendant", deadline = 10 }}
+        restart = {{ first_delay = 0, backoff_initial = 0.05, jitter = 0 }}
+        stop = {{ timeout = 0.5 }}
+        [units.other]
+        command = ["sleep", "600"]
+    """)
+    return path
+
+
+def _stray(pidfile: Path, strays: list[int], timeout: float = 10) -> int:
+    deadline = time.monotonic() + timeout
+    while not pidfile.exists():
+        assert time.monotonic() < deadline, f"no escaped descendant wrote {pidfile}"
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    pidfile.unlink()
+    strays.append(pid)
+    return pid
+
+
+def _escaped(pid: int, unit_pid: int) -> None:
+    """The stray really escaped: other session, no marker, SIGTERM ignored."""
+    assert pid_alive(pid)
+    assert os.getsid(pid) != os.getsid(unit_pid)
+    environ = Path(f"/proc/{pid}/environ").read_bytes()
+    assert b"DYNAMOD" not in environ
+    sigign = next(
+        line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("SigIgn:")
+    )
+    assert int(sigign.split()[1], 16) & (1 << (signal.SIGTERM - 1))
+
+
+def test_escaped_descendant_is_gone_after_exit_restart_and_down(
+    dm: Dynamod, stack_file: Any, tmp_path: Path, containment: str, strays: list[int]
+) -> None:
+    pidfile = tmp_path / "stray.pid"
+    dm.run("up", str(_stack(stack_file, pidfile)), "--detach", check=True)
+    unit = dm.unit("escaper")
+    first = _stray(pidfile, strays)
+    _escaped(first, unit["pid"])
+
+    # 1. the unit's main process dies: its leftovers go before it is restarted
+    os.kill(unit["pid"], signal.SIGKILL)
+    unit = dm.wait_ready_again("escaper", unit["pid"], what="escaper restarted after kill")
+    assert wait_dead([first], timeout=5) == [], "escaped descendant survived its unit's exit"
+    second = _stray(pidfile, strays)
+
+    # 2. restart UNIT
+    dm.run("restart", "escaper", check=True)
+    unit = dm.wait_ready_again("escaper", unit["pid"], what="escaper restarted by command")
+    assert wait_dead([second], timeout=5) == [], "escaped descendant survived `restart`"
+    third = _stray(pidfile, strays)
+    other = dm.unit("other")
+    assert other["restarts"] == 0 and pid_alive(other["pid"])  # the other unit untouched
+
+    # 3. down
+    run = _run(dm)
+    assert run is not None
+    result = dm.run("down", check=True)
+    assert "nothing left running" in result.stdout
+    assert f"had to kill 1 process(es) (SIGKILL / cgroup.kill): escaper: {third}" in result.stdout
+    assert wait_dead([third, unit["pid"], other["pid"]], timeout=5) == []
+    if containment == "cgroup":
+        assert run["cgroup"] and not Path(run["cgroup"]).exists()  # emptied and removed
+
+
+def test_status_shows_the_containment_in_force(
+    dm: Dynamod, stack_file: Any, containment: str
+) -> None:
+    stack = stack_file('[units.s]\ncommand = ["sleep", "600"]\n')
+    dm.run("up", str(stack), "--detach", check=True)
+    status = dm.status()
+    text = dm.run("status", check=True).stdout
+    pid = unit_by_name(status, "s")["pid"]
+    own = Path(f"/proc/{pid}/cgroup").read_text()
+    if containment == "cgroup":
+        path = Path(status["containment"]["cgroup"])
+        assert status["containment"]["kind"] == "cgroup"
+        assert f"containment: cgroup v2 at {path}" in text
+        assert (path / "s" / "cgroup.procs").read_text().split() == [str(pid)]
+        assert f"0::/{path.relative_to(_BASE or Path('/'))}/s" in own
+    else:
+        assert status["containment"]["kind"] == "pgroup"
+        assert status["containment"]["cgroup"] is None
+        assert (
+            "containment: process groups + markers (forced by DYNAMOD_CONTAINMENT=pgroup)" in text
+        )
+        assert "dynamod-" not in own
+
+
+def test_unknown_containment_setting_is_refused(dm: Dynamod, stack_file: Any) -> None:
+    stack = stack_file('[units.s]\ncommand = ["sleep", "600"]\n')
+    result = dm.run("up", str(stack), "--detach", env={cgroups.CONTAINMENT_ENV: "jail"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "dynamod: environment variable DYNAMOD_CONTAINMENT='jail': expected one of "
+        "auto, cgroup, pgroup"
+    ]
+    assert not (dm.state_dir / "run.json").exists()
+
+
+def _wait_orphan_census(dm: Dynamod, containment: str) -> None:
+    if containment == "pgroup":  # the guardian learns of unmarked orphans once a second
+        dm.wait_for(lambda s: s["guardian"]["orphans_known"] >= 1, timeout=10,
+                    what="the guardian told of the escaped descendant")
+
+
+def test_sigkilled_daemon_leaves_nothing(
+    dm: Dynamod, stack_file: Any, tmp_path: Path, containment: str, strays: list[int]
+) -> None:
+    pidfile = tmp_path / "stray.pid"
+    dm.run("up", str(_stack(stack_file, pidfile)), "--detach", check=True)
+    status = dm.status()
+    stray = _stray(pidfile, strays)
+    pids = [u["pid"] for u in status["units"]] + [stray]
+    assert all(pid_alive(p) for p in pids)
+    _wait_orphan_census(dm, containment)
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    assert wait_dead(pids, timeout=10) == []
+    run = _run(dm)
+    assert run is not None
+    if containment == "cgroup":
+        assert not Path(run["cgroup"]).exists()  # the guardian emptied and removed it
+    assert wait_dead([status["guardian"]["pid"]], timeout=5) == []
+
+
+def test_dead_guardian_is_restarted_and_a_dead_run_is_swept(
+    dm: Dynamod, stack_file: Any, tmp_path: Path, containment: str, strays: list[int]
+) -> None:
+    pidfile = tmp_path / "stray.pid"
+    dm.run("up", str(_stack(stack_file, pidfile)), "--detach", check=True)
+    status = dm.status()
+    stray = _stray(pidfile, strays)
+    first = status["guardian"]["pid"]
+    os.kill(first, signal.SIGKILL)
+    status = dm.wait_for(
+        lambda s: s if s["guardian"]["pid"] not in (None, first) else None,
+        timeout=10, what="a new guardian",
+    )
+    guardian = status["guardian"]
+    assert guardian["restarts"] == 1 and guardian["last_death"] == "killed by SIGKILL"
+    assert pid_alive(guardian["pid"])
+    assert "guardian: pid" in dm.run("status", check=True).stdout
+    assert _run(dm)["guardian_pid"] == guardian["pid"]  # type: ignore[index]
+    died = [json.loads(line) for line in dm.daemon_log().splitlines()
+            if '"guardian.died"' in line]
+    assert died and died[0]["pid"] == first and died[0]["new_pid"] == guardian["pid"]
+
+    # Now both go: the daemon cannot restart the guardian while stopped, then is killed.
+    _wait_orphan_census(dm, containment)
+    daemon = status["daemon_pid"]
+    os.kill(daemon, signal.SIGSTOP)
+    os.kill(guardian["pid"], signal.SIGKILL)
+    assert wait_dead([guardian["pid"]], timeout=5) == []
+    os.kill(daemon, signal.SIGKILL)
+    units = [u["pid"] for u in status["units"]]
+    assert wait_dead(units, timeout=10) == []  # PDEATHSIG
+    assert pid_alive(stray)  # nobody was left to end it ...
+
+    result = dm.run("down")  # ... until the next down finds the dead run
+    assert result.returncode == 0, result.stderr
+    assert (
+        f"the previous daemon (pid {daemon}, run {_run(dm)['run_id']}) died without `down`; "  # type: ignore[index]
+        f"swept 1 leftover process(es)" in result.stderr
+    )
+    assert wait_dead([stray], timeout=5) == []
+    run = _run(dm)
+    assert run is not None and run["ended"] == "swept"
+    if containment == "cgroup":
+        assert not Path(run["cgroup"]).exists()
+    again = dm.run("down")  # swept once: a second down says there is no daemon
+    assert again.returncode != 0 and "swept" not in again.stderr
+    assert "no dynamod daemon is running" in again.stderr
+
+
+def test_up_sweeps_a_dead_run_first_and_says_how_many(
+    dm: Dynamod, stack_file: Any, tmp_path: Path, containment: str, strays: list[int]
+) -> None:
+    pidfile = tmp_path / "stray.pid"
+    stack = _stack(stack_file, pidfile)
+    dm.run("up", str(stack), "--detach", check=True)
+    status = dm.status()
+    stray = _stray(pidfile, strays)
+    _wait_orphan_census(dm, containment)
+    old_run = _run(dm)
+    assert old_run is not None
+    os.kill(status["daemon_pid"], signal.SIGSTOP)
+    os.kill(status["guardian"]["pid"], signal.SIGKILL)
+    assert wait_dead([status["guardian"]["pid"]], timeout=5) == []
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    assert wait_dead([u["pid"] for u in status["units"]], timeout=10) == []
+    assert pid_alive(stray)
+    result = dm.run("up", str(stack), "--detach", check=True)
+    assert f"run {old_run['run_id']}) died without `down`; swept 1 leftover" in result.stderr
+    assert wait_dead([stray], timeout=5) == []
+    _stray(pidfile, strays)  # the new run's own escaper
+    assert _run(dm)["run_id"] != old_run["run_id"]  # type: ignore[index]
+    if containment == "cgroup":
+        assert not Path(old_run["cgroup"]).exists()
