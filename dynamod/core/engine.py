@@ -402,6 +402,7 @@ class Engine:
             unit=unit.name,
             cgroup=self.containment.unit(unit.name),
             reaper=self.reaper,
+            since=child.start_ticks,
         )
 
     async def _reap_leftovers(self, unit: Unit) -> None:

@@ -31,10 +31,13 @@ from dynamod.core import cgroups
 from dynamod.core.proctable import (
     MARK_RUN,
     MARK_UNIT,
+    ProcInfo,
     children_of,
     group_pids,
     is_zombie,
     marked_pids,
+    snapshot,
+    start_time,
 )
 from dynamod.core.restart import Exit
 
@@ -81,16 +84,12 @@ class Reaper:
         """Live children of this process that nobody waits for (claimed or not)."""
         return [pid for pid in children_of(os.getpid()) if pid not in self._waiters]
 
-    def claim_orphans(self) -> list[int]:
-        """Live children of this process that nobody waits for and no other stop has
-        claimed: descendants of a unit re-parented to the subreaper, the fallback's only
-        way to find leftovers that dropped the marker. Which unit they came from is not
-        known; the unit being stopped takes them."""
-        found = [
-            pid
-            for pid in children_of(os.getpid())
-            if pid not in self._waiters and pid not in self._claimed
-        ]
+    def claim_orphans(self, children: Iterable[int]) -> list[int]:
+        """Of `children` (live children of this process), those nobody waits for and no
+        other stop has claimed: descendants of a unit re-parented to the subreaper, the
+        fallback's only way to find leftovers that dropped the marker. Which unit they came
+        from is not known; the unit being stopped takes them."""
+        found = [pid for pid in children if pid not in self._waiters and pid not in self._claimed]
         self._claimed.update(found)
         return found
 
@@ -129,6 +128,7 @@ class Child:
     pid: int
     exited: asyncio.Future[Exit]
     started_at: float = field(default_factory=time.monotonic)
+    start_ticks: int | None = None  # kernel start time: its descendants cannot be older
 
     @property
     def alive(self) -> bool:
@@ -187,7 +187,7 @@ def spawn(
         if cgroup_fd is not None:
             os.close(cgroup_fd)
     proc.returncode = 0  # the Reaper owns waiting; stop Popen from ever calling waitpid
-    return Child(pid=proc.pid, exited=reaper.watch(proc.pid))
+    return Child(pid=proc.pid, exited=reaper.watch(proc.pid), start_ticks=start_time(proc.pid))
 
 
 # --------------------------------------------------------------------------- ending
@@ -250,6 +250,7 @@ class Tree:
     unit: str
     cgroup: Path | None = None
     reaper: Reaper | None = None
+    since: int | None = None  # the unit's start (clock ticks): older processes are not its
 
 
 @dataclass(frozen=True)
@@ -308,28 +309,37 @@ async def _stop_cgroup(
     )
 
 
-def _strays(tree: Tree) -> list[int]:
-    """Processes of this unit outside its process group: marked ones, and (the subreaper's
-    catch) children of dynamod that nobody waits for."""
-    group = set(group_pids(tree.pgid))
-    found = set(marked_pids(tree.run_id, tree.unit))
+def _members(tree: Tree) -> tuple[set[int], list[int]]:
+    """The unit's process group, and its processes outside it: marked ones, and (the
+    subreaper's catch) children of dynamod that nobody waits for. One /proc pass; only
+    processes younger than the unit are read for the marker."""
+    snap = snapshot()
+    group = {pid for pid, info in snap.items() if info.pgid == tree.pgid}
+    young = [pid for pid, info in snap.items() if _younger(info, tree.since) and pid not in group]
+    found = set(marked_pids(tree.run_id, tree.unit, among=young))
     if tree.reaper is not None:
-        found |= set(tree.reaper.claim_orphans())
-    return sorted(found - group - {tree.pgid})
+        me = os.getpid()
+        found |= set(tree.reaper.claim_orphans(p for p in young if snap[p].ppid == me))
+    return group, sorted(found - group - {tree.pgid})
+
+
+def _younger(info: ProcInfo, since: int | None) -> bool:
+    return since is None or info.started >= since
 
 
 async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float) -> TreeStopped:
     pgid = tree.pgid
     _signal_group(pgid, sig)
-    strays = _strays(tree)
+    group, strays = _members(tree)
     for pid in strays:
         _signal_pid(pid, sig)
-    targets = set(group_pids(pgid)) | set(strays) | {pgid}
+    targets = group | set(strays) | {pgid}
     left = await wait_gone(targets, timeout)
     escalated = False
     killed: list[int] = []
     # Re-scan: a process may have forked while we waited.
-    left = sorted(set(left) | set(group_pids(pgid)) | set(_strays(tree)))
+    group, more = _members(tree)
+    left = sorted(set(left) | group | set(more))
     if left:
         escalated = sig != signal.SIGKILL
         killed = left

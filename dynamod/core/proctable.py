@@ -4,7 +4,8 @@ the guardian can import it without the daemon's dependencies."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 MARK_RUN = "DYNAMOD_RUN_ID"
 MARK_UNIT = "DYNAMOD_UNIT"
@@ -33,13 +34,16 @@ def is_zombie(pid: int) -> bool:
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
 
-def marked_pids(run_id: str, unit: str | None = None) -> list[int]:
-    """Live processes carrying this run's marker (and this unit's, if given)."""
+def marked_pids(
+    run_id: str, unit: str | None = None, among: Iterable[int] | None = None
+) -> list[int]:
+    """Live processes carrying this run's marker (and this unit's, if given); only those
+    in `among` are read, if given (reading a process's environ is the costly part)."""
     run_mark = f"{MARK_RUN}={run_id}".encode()
     unit_mark = f"{MARK_UNIT}={unit}".encode() if unit is not None else None
     me = os.getpid()
     found = []
-    for pid in _proc_pids():
+    for pid in among if among is not None else _proc_pids():
         if pid == me:
             continue
         env = _environ(pid)
@@ -90,3 +94,27 @@ def start_time(pid: int) -> int | None:
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()
     return int(fields[19]) if len(fields) > 19 else None
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    ppid: int
+    pgid: int
+    started: int  # clock ticks since boot
+
+
+def snapshot() -> dict[int, ProcInfo]:
+    """Every live (non-zombie) process with its parent, group and start time: one read of
+    /proc/PID/stat each, so one pass answers "in this group", "children of" and "younger
+    than" together."""
+    found: dict[int, ProcInfo] = {}
+    for pid in _proc_pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 19 and fields[0] not in (b"Z", b"X"):
+            found[pid] = ProcInfo(ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
+    return found
