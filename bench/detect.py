@@ -1,13 +1,19 @@
-"""Benchmark 1 - failure detection: SIGKILL a unit, how long until the supervisor notices.
+"""Benchmark 1 - failure detection: SIGKILL a unit, how long until the supervisor notices;
+and how long stopping one unit takes.
 
     python -m bench.detect [--quick] [--json]
 
-- dynamod: a stack of `sleep infinity` units (restart always). For each kill, time.time()
-  just before os.kill is compared with the timestamp of the daemon's own `unit.state`
-  ready -> backoff line in daemon.log (structlog, microseconds, same clock). Extra kills
-  with a tight status loop over the control socket measure when `status` shows the exit.
-- supervisord: the same stack exported with `dynamod export supervisord`; its log line
-  "exited: NAME (terminated by SIGKILL ...)" carries a millisecond timestamp.
+- dynamod: a stack of `sleep infinity` units (restart always), once with cgroup v2
+  containment and once with the fallback (DYNAMOD_CONTAINMENT=pgroup), each with the stack
+  alone and with CROWD extra idle processes on the host (started and ended by this
+  benchmark, by pid / own process group). For each kill, time.time() just before os.kill
+  is compared with the timestamp of the daemon's own `unit.state` ready -> backoff line in
+  daemon.log (structlog, microseconds, same clock). Extra kills with a tight status loop
+  over the control socket measure when `status` shows the exit. One unit's stop: `restart
+  UNIT` over the socket, timed from the unit's ready -> stopping to stopping -> stopped.
+- supervisord: the same stack exported with `dynamod export supervisord`, alone and with
+  the crowd; its log line "exited: NAME (terminated by SIGKILL ...)" carries a millisecond
+  timestamp; one program's stop is the `stopProcess` XML-RPC round trip.
 - 5 s poller: bench/poll_watch.py, today's watchdog (waitpid every 5 s), kills spread
   uniformly over its polling window.
 """
@@ -24,6 +30,8 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +55,8 @@ from bench.runners import (
 )
 
 UNITS = 4
-CROWD = 252  # idle units added in the full run: how detection scales with the process table
+CROWD = 1000  # extra idle processes on the host: detection must not scale with the process table
+CONTAINMENT_ENV = "DYNAMOD_CONTAINMENT"
 
 STACK = textwrap.dedent(
     """\
@@ -77,19 +86,45 @@ STACK = textwrap.dedent(
 )
 
 
-IDLE = textwrap.dedent(
-    """
-    [units.idle]
-    replicas = {idle}
-    command = ["sleep", "infinity"]
-    """
-)
-
-
-def write_stack(state: Path, n: int, idle: int = 0) -> Path:
+def write_stack(state: Path, n: int) -> Path:
     path = state / "bench-detect.toml"
-    path.write_text(STACK.format(n=n) + (IDLE.format(idle=idle) if idle else ""))
+    path.write_text(STACK.format(n=n))
     return path
+
+
+@contextmanager
+def crowd(n: int) -> Iterator[list[int]]:
+    """n idle `sleep infinity` processes in one process group of our own; ended by that
+    group and waited for by pid."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(
+                subprocess.Popen(
+                    ["sleep", "infinity"],
+                    stdin=subprocess.DEVNULL,
+                    process_group=procs[0].pid if procs else 0,
+                )
+            )
+        yield [p.pid for p in procs]
+    finally:
+        if procs:
+            os.killpg(procs[0].pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
+
+
+@contextmanager
+def containment(mode: str) -> Iterator[None]:
+    old = os.environ.get(CONTAINMENT_ENV)
+    os.environ[CONTAINMENT_ENV] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(CONTAINMENT_ENV, None)
+        else:
+            os.environ[CONTAINMENT_ENV] = old
 
 
 def host_processes() -> int:
@@ -103,11 +138,12 @@ def _ready_pid(dm: Dynamod, name: str, old: int | None) -> int | None:
     return None
 
 
-def run_dynamod(kills: int, polled: int, idle: int = 0) -> dict[str, Any]:
-    with state_dir("det") as state:
+def run_dynamod(kills: int, polled: int, stops: int, mode: str) -> dict[str, Any]:
+    with state_dir("det") as state, containment(mode):
         dm = Dynamod(state)
         try:
-            dm.up(write_stack(state, UNITS, idle), timeout=120)
+            dm.up(write_stack(state, UNITS), timeout=120)
+            in_force = dm.status()["containment"]["summary"]
             processes = host_processes()
             last: dict[str, int | None] = {f"victim@{i}": None for i in range(UNITS)}
             plan: list[tuple[str, float, bool]] = []  # unit, t_kill, status-polled
@@ -140,6 +176,14 @@ def run_dynamod(kills: int, polled: int, idle: int = 0) -> dict[str, Any]:
                     status_exit_ms.append(((exit_seen or float("nan")) - t_kill) * 1000)
                     status_state_ms.append(((state_seen or float("nan")) - t_kill) * 1000)
             wait_until(lambda: all(_ready_pid(dm, n, None) for n in last), 10, 0.02)
+            stop_rtt_ms: list[float] = []
+            for k in range(stops):
+                name = f"victim@{k % UNITS}"
+                old = wait_until(lambda name=name: _ready_pid(dm, name, None), 10, 0.01)
+                started = time.monotonic()
+                dm.client.restart(name)
+                stop_rtt_ms.append((time.monotonic() - started) * 1000)
+                wait_until(lambda name=name, old=old: _ready_pid(dm, name, old), 10, 0.01)
             transitions = dm.transitions()
         finally:
             dm.close()
@@ -159,20 +203,29 @@ def run_dynamod(kills: int, polled: int, idle: int = 0) -> dict[str, Any]:
         )
         value = ((seen if seen is not None else float("nan")) - t_kill) * 1000
         (polled_log_ms if poll else log_ms).append(value)
+    stop_ms: list[float] = []
+    began: dict[str, float] = {}
+    for e in transitions:
+        if e["new"] == "stopping":
+            began[e["unit"]] = e["t"]
+        elif e["new"] == "stopped" and e["unit"] in began:
+            stop_ms.append((e["t"] - began.pop(e["unit"])) * 1000)
     return {
         "log_ms": log_ms,
         "polled_log_ms": polled_log_ms,
         "status_exit_ms": status_exit_ms,
         "status_state_ms": status_state_ms,
+        "stop_ms": stop_ms[:stops],  # the restarts' stops, not the final down's
+        "stop_rtt_ms": stop_rtt_ms,
         "host_processes": processes,
-        "idle_units": idle,
+        "containment": in_force,
     }
 
 
 EXITED = re.compile(r"exited: (\S+) \(terminated by SIGKILL")
 
 
-def run_supervisord(kills: int) -> dict[str, Any]:
+def run_supervisord(kills: int, stops: int = 0) -> dict[str, Any]:
     with state_dir("sdet") as state:
         sd = Supervisord(state, write_stack(state, UNITS))
         try:
@@ -205,6 +258,15 @@ def run_supervisord(kills: int) -> dict[str, Any]:
                 0.05,
                 "every kill in supervisord.log",
             )
+            processes = host_processes()
+            stop_rtt_ms: list[float] = []
+            for k in range(stops):
+                program = programs[k % UNITS]
+                wait_until(lambda p=program: running(p), 15, 0.01, f"{program} RUNNING")
+                started = time.monotonic()
+                sd.rpc.supervisor.stopProcess(program)
+                stop_rtt_ms.append((time.monotonic() - started) * 1000)
+                sd.rpc.supervisor.startProcess(program, False)
         finally:
             sd.close()
     ms = []
@@ -219,7 +281,7 @@ def run_supervisord(kills: int) -> dict[str, Any]:
         )
         # The stamp is truncated to the millisecond: +0.5 ms is its expected value.
         ms.append(((seen + 0.0005 if seen is not None else float("nan")) - t_kill) * 1000)
-    return {"log_ms": ms}
+    return {"log_ms": ms, "stop_rtt_ms": stop_rtt_ms, "host_processes": processes}
 
 
 def run_poller(kills: int, window: float, interval: float = 5.0) -> dict[str, Any]:
@@ -273,114 +335,141 @@ def run_poller(kills: int, window: float, interval: float = 5.0) -> dict[str, An
     return {"log_ms": [(seen.get(pid, float("nan")) - t) * 1000 for pid, t in killed.items()]}
 
 
+def _row(label: str, values: list[float], base: float) -> list[Any]:
+    x = summary(values)
+    return [label, x["n"], x["median"], x["p95"], x["p99"], x["max"], ratio(x["median"], base)]
+
+
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
-    kills, polled = (12, 6) if args.quick else (60, 30)
+    kills, polled, stops = (12, 6, 6) if args.quick else (60, 30, 30)
     window = 5.0 if args.quick else 25.0
+    crowd_size = 200 if args.quick else CROWD
     report = Report("detect", "1. Failure detection (SIGKILL -> noticed)", args.quick)
     poll: dict[str, Any] = {}
+    runs: dict[str, dict[str, Any]] = {}
     # The poller sleeps 5 s at a time: it runs beside the others without disturbing them.
     poller = threading.Thread(target=lambda: poll.update(run_poller(kills, window)))
     try:
         poller.start()
-        dyn = run_dynamod(kills, polled)
-        crowded = None if args.quick else run_dynamod(kills // 2, 0, idle=CROWD)
-        sup = run_supervisord(kills)
+        for load in ("alone", "crowd"):
+            with crowd(crowd_size if load == "crowd" else 0):
+                for mode in ("cgroup", "pgroup"):
+                    runs[f"{mode}/{load}"] = run_dynamod(kills, polled, stops, mode)
+                runs[f"supervisord/{load}"] = run_supervisord(kills, stops)
         poller.join()
     finally:
         sweep()
     if not poll:
         raise RuntimeError("the 5 s poller run failed")
-    d, s, p = summary(dyn["log_ms"]), summary(sup["log_ms"]), summary(poll["log_ms"])
-    table = Table(
-        "Kill -> noticed, ms",
-        ["supervisor (how measured)", "kills", "median", "p95", "p99", "max", "median vs dynamod"],
+    d = summary(runs["cgroup/alone"]["log_ms"])
+    s, p = summary(runs["supervisord/alone"]["log_ms"]), summary(poll["log_ms"])
+    headers = [
+        "supervisor (how measured)",
+        "kills",
+        "median",
+        "p95",
+        "p99",
+        "max",
+        "median vs dynamod",
+    ]
+    table = Table("Kill -> noticed, ms", headers, digits=2)
+    base = d["median"]
+    for load in ("alone", "crowd"):
+        for mode in ("cgroup", "pgroup"):
+            run = runs[f"{mode}/{load}"]
+            where = f"{run['host_processes']} processes on the host"
+            table.rows.append(
+                _row(
+                    f"dynamod, {run['containment']} ({where}; daemon.log ready->backoff)",
+                    run["log_ms"],
+                    base,
+                )
+            )
+            if load == "alone" and mode == "cgroup":
+                for label, key in (
+                    ("status over socket: pid gone", "status_exit_ms"),
+                    ("status over socket: state left ready", "status_state_ms"),
+                    ("daemon.log, kills with status loop running", "polled_log_ms"),
+                ):
+                    table.rows.append(_row(f"dynamod, cgroup v2 ({label})", run[key], base))
+        sup = runs[f"supervisord/{load}"]
+        table.rows.append(
+            _row(
+                f"supervisord ({sup['host_processes']} processes on the host; "
+                "supervisord.log 'exited:', ms stamps)",
+                sup["log_ms"],
+                base,
+            )
+        )
+    table.rows.append(_row("5 s polling loop (waitpid every 5 s)", poll["log_ms"], base))
+    report.tables.append(table)
+
+    stop_table = Table(
+        "One unit's stop (SIGTERM, sleep exits at once), ms",
+        ["supervisor (how measured)", "stops", "median", "p95", "p99", "max", "median vs dynamod"],
         digits=2,
     )
-    table.rows.append(
-        [
-            f"dynamod (daemon.log unit.state ready->backoff; "
-            f"{dyn['host_processes']} processes on the host)",
-            d["n"],
-            d["median"],
-            d["p95"],
-            d["p99"],
-            d["max"],
-            1.0,
-        ]
-    )
-    for label, values in (
-        ("dynamod (status over socket: pid gone)", dyn["status_exit_ms"]),
-        ("dynamod (status over socket: state left ready)", dyn["status_state_ms"]),
-        ("dynamod (daemon.log, kills with status loop running)", dyn["polled_log_ms"]),
-    ):
-        x = summary(values)
-        table.rows.append(
-            [
-                label,
-                x["n"],
-                x["median"],
-                x["p95"],
-                x["p99"],
-                x["max"],
-                ratio(x["median"], d["median"]),
-            ]
+    stop_base = summary(runs["cgroup/alone"]["stop_ms"])["median"]
+    for load in ("alone", "crowd"):
+        for mode in ("cgroup", "pgroup"):
+            run = runs[f"{mode}/{load}"]
+            where = f"{run['host_processes']} processes on the host"
+            stop_table.rows.append(
+                _row(
+                    f"dynamod, {mode} ({where}; daemon.log stopping->stopped)",
+                    run["stop_ms"],
+                    stop_base,
+                )
+            )
+            stop_table.rows.append(
+                _row(
+                    f"dynamod, {mode} ({where}; `restart` round trip over the socket)",
+                    run["stop_rtt_ms"],
+                    stop_base,
+                )
+            )
+        sup = runs[f"supervisord/{load}"]
+        stop_table.rows.append(
+            _row(
+                f"supervisord ({sup['host_processes']} processes on the host; stopProcess "
+                "XML-RPC round trip)",
+                sup["stop_rtt_ms"],
+                stop_base,
+            )
         )
-    if crowded is not None:
-        x = summary(crowded["log_ms"])
-        table.rows.append(
-            [
-                f"dynamod, {UNITS + CROWD}-unit stack ({crowded['host_processes']} "
-                "processes on the host; daemon.log)",
-                x["n"],
-                x["median"],
-                x["p95"],
-                x["p99"],
-                x["max"],
-                ratio(x["median"], d["median"]),
-            ]
-        )
-    table.rows.append(
-        [
-            "supervisord (supervisord.log 'exited:', ms stamps)",
-            s["n"],
-            s["median"],
-            s["p95"],
-            s["p99"],
-            s["max"],
-            ratio(s["median"], d["median"]),
-        ]
-    )
-    table.rows.append(
-        [
-            "5 s polling loop (waitpid every 5 s)",
-            p["n"],
-            p["median"],
-            p["p95"],
-            p["p99"],
-            p["max"],
-            ratio(p["median"], d["median"]),
-        ]
-    )
-    report.tables.append(table)
-    report.target("dynamod detection median", d["median"], 5.0, "ms")
-    report.target("dynamod detection p99", d["p99"], 20.0, "ms")
+    report.tables.append(stop_table)
+
+    for load in ("alone", "crowd"):
+        x = summary(runs[f"cgroup/{load}"]["log_ms"])
+        what = "the stack alone" if load == "alone" else f"+{crowd_size} idle processes"
+        report.target(f"dynamod (cgroup v2) detection median, {what}", x["median"], 1.0, "ms")
+        report.target(f"dynamod (cgroup v2) detection p99, {what}", x["p99"], 5.0, "ms")
+    for load in ("alone", "crowd"):
+        x = summary(runs[f"pgroup/{load}"]["log_ms"])
+        what = "the stack alone" if load == "alone" else f"+{crowd_size} idle processes"
+        report.target(f"dynamod (fallback) detection median, {what}", x["median"], 1.0, "ms")
+        report.target(f"dynamod (fallback) detection p99, {what}", x["p99"], 5.0, "ms")
     report.data = {
-        "dynamod": dyn,
-        "dynamod_crowded": crowded,
-        "supervisord": sup,
+        "dynamod": runs["cgroup/alone"],
+        "runs": runs,
         "poller": poll,
         "summary": {"dynamod": d, "supervisord": s, "poller": p},
         "units": UNITS,
+        "crowd": crowd_size,
     }
     report.notes += [
         f"{UNITS} `sleep infinity` units, restart always (backoff 0.05 s); kills rotate over "
         "them, each after the unit is running again plus a random 20-80 ms.",
+        f"'crowd': {crowd_size} extra idle `sleep infinity` processes on the host, started by "
+        "the benchmark in one process group of its own and ended by it.",
         "supervisord's log stamps are truncated to the millisecond; 0.5 ms (the expected "
         "truncation) is added to each of its values.",
         f"the poller's kills are spread uniformly over {window:g} s; its detection is "
         "uniform in [0, 5 s] by construction.",
+        "one unit's stop: `restart UNIT` (dynamod) / `stopProcess` (supervisord) on a "
+        "`sleep infinity` unit, which exits at once on SIGTERM.",
     ]
     emit(report, args.json)
 
