@@ -24,7 +24,7 @@ from dynamod.core import cgroups, graph, process
 from dynamod.core.errors import UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, make_prober
-from dynamod.core.restart import Exit, RestartTracker
+from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
 from dynamod.core.state import UnitState, check_transition
 
@@ -61,6 +61,8 @@ class Unit:
     starts: int = 0
     task: asyncio.Task[None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
+    # (child, decision, when) as recorded at reap time for that child's exit
+    recorded: tuple[Process | None, Decision, float] | None = None
 
     @property
     def name(self) -> str:
@@ -152,6 +154,8 @@ class Engine:
 
     def hold(self, unit: Unit, reason: str) -> None:
         """Keep a running unit out of service (e.g. a shard catching up to the policy)."""
+        if not unit.state.running:  # it exited meanwhile; the exit is what counts
+            return
         unit.hold_reason = reason
         self.transition(unit, UnitState.HELD, reason)
 
@@ -227,27 +231,12 @@ class Engine:
             exit, premature = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
-            # Record the exit and its state change first; hooks and the sweep come after.
-            exited_at = time.monotonic()
-            unit.last_exit = exit
-            unit.hold_reason = None
-            uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
-            decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
-            what = exit.describe()
-            hint = unit.extra.get("failure_hint")
-            if hint:
-                what += f" ({hint})"
-            if not decision.restart:
-                if exit.clean and not premature:
-                    self.transition(unit, UnitState.COMPLETED, what)
-                else:
-                    self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
-            else:
-                self.transition(
-                    unit,
-                    UnitState.BACKOFF,
-                    f"{what}; {decision.reason} (restart {unit.tracker.total})",
-                )
+            # The Reaper recorded the exit and its state change when it reaped the process
+            # (`_exited`); hooks and the sweep come after.
+            recorded = unit.recorded
+            if recorded is None or recorded[0] is not unit.child:
+                recorded = (unit.child, *self._record(unit, exit, premature))
+            _, decision, exited_at = recorded
             for hook in self.hooks:
                 await hook.on_exit(unit, exit)
             await self._reap_leftovers(unit)
@@ -256,9 +245,44 @@ class Engine:
                 return
             await asyncio.sleep(max(0.0, decision.delay - (time.monotonic() - exited_at)))
 
+    def _exited(self, unit: Unit, child: Process, exit: Exit) -> None:
+        """Called by the Reaper in the same step that reaps `child`: record the exit and
+        the state it leads to before anything else runs (probes, hooks, /proc sweeps)."""
+        if unit.child is not child or self.stopping or not unit.state.running:
+            return  # being stopped: stop_unit records it
+        premature = unit.spec.type != "oneshot" and unit.ready_at is None
+        if premature and unit.spec.ready is not None and "failure_hint" not in unit.extra:
+            unit.extra["failure_hint"] = f"exited before it was ready; last probe: {unit.detail}"
+        unit.recorded = (child, *self._record(unit, exit, premature))
+
+    def _record(self, unit: Unit, exit: Exit, premature: bool) -> tuple[Decision, float]:
+        """The restart decision for this exit, and the transition it makes."""
+        exited_at = time.monotonic()
+        unit.last_exit = exit
+        unit.hold_reason = None
+        uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
+        decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
+        what = exit.describe()
+        hint = unit.extra.get("failure_hint")
+        if hint:
+            what += f" ({hint})"
+        if not decision.restart:
+            if exit.clean and not premature:
+                self.transition(unit, UnitState.COMPLETED, what)
+            else:
+                self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
+        else:
+            self.transition(
+                unit,
+                UnitState.BACKOFF,
+                f"{what}; {decision.reason} (restart {unit.tracker.total})",
+            )
+        return decision, exited_at
+
     async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
         """Spawn, wait for readiness, watch. Returns (exit, premature)."""
         unit.extra.pop("failure_hint", None)
+        unit.recorded = None
         if not self._spawn(unit):
             return None, True
         child = unit.child
@@ -280,6 +304,8 @@ class Engine:
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
                 return await child.wait(), True
+        if not child.alive:  # exited as the last probe or hook finished: already recorded
+            return await child.wait(), True
         unit.ready_at = time.monotonic()
         if unit.hold_reason is not None:
             self.admit(unit, None)
@@ -304,6 +330,7 @@ class Engine:
                 cwd=Path(spec.cwd) if spec.cwd else None,
                 stdout_fd=write_fd,
                 cgroup=cgroup,
+                on_exit=lambda c, exit: self._exited(unit, c, exit),
             )
         except (OSError, cgroups.CgroupError) as exc:
             os.close(read_fd)
@@ -340,7 +367,7 @@ class Engine:
         try:
             while child.alive:
                 result = await _race(prober.check(), child.exited)
-                if result is _EXITED:
+                if result is _EXITED or not child.alive:
                     break
                 self._probed(unit, "ready", result)
                 self.transition(unit, unit.state, result.detail)
@@ -371,7 +398,7 @@ class Engine:
                 if not child.alive:
                     return await child.wait()
                 result = await _race(prober.check(), child.exited)
-                if result is _EXITED:
+                if result is _EXITED or not child.alive:
                     return await child.wait()
                 self._probed(unit, "live", result)
                 if result.ok:

@@ -21,7 +21,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +72,7 @@ class Reaper:
         self._waiters: dict[int, asyncio.Future[Exit]] = {}
         self._unclaimed: dict[int, Exit] = {}
         self._claimed: set[int] = set()  # orphans a stop is ending
+        self._on_exit: dict[int, Callable[[Exit], None]] = {}
         self.orphans_reaped = 0
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -93,13 +94,29 @@ class Reaper:
         self._claimed.update(found)
         return found
 
-    def watch(self, pid: int) -> asyncio.Future[Exit]:
+    def watch(
+        self, pid: int, on_exit: Callable[[Exit], None] | None = None
+    ) -> asyncio.Future[Exit]:
+        """A future for pid's exit; `on_exit` (if given) is called in the very step that
+        reaps it, before the future's waiters wake (the engine records exits there)."""
         future: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
+        if on_exit is not None:
+            self._on_exit[pid] = on_exit
         if pid in self._unclaimed:
-            future.set_result(self._unclaimed.pop(pid))
+            self._resolve(pid, future, self._unclaimed.pop(pid))
         else:
             self._waiters[pid] = future
         return future
+
+    def _resolve(self, pid: int, future: asyncio.Future[Exit], result: Exit) -> None:
+        callback = self._on_exit.pop(pid, None)
+        if callback is not None:
+            try:
+                callback(result)
+            except Exception:  # a broken callback must not stop reaping
+                log.exception("reaper.on_exit_failed", pid=pid)
+        if not future.done():
+            future.set_result(result)
 
     def reap(self) -> None:
         while True:
@@ -117,8 +134,8 @@ class Reaper:
                 self._unclaimed[pid] = result
                 if len(self._unclaimed) > 1000:  # orphans nobody will ask about
                     self._unclaimed.pop(next(iter(self._unclaimed)))
-            elif not future.done():
-                future.set_result(result)
+            else:
+                self._resolve(pid, future, result)
 
 
 @dataclass
@@ -155,6 +172,7 @@ def spawn(
     cwd: Path | None = None,
     stdout_fd: int | None = None,
     cgroup: Path | None = None,
+    on_exit: Callable[[Child, Exit], None] | None = None,
 ) -> Child:
     """Start argv in a new session with PDEATHSIG (inside `cgroup` if given); returns at
     once with an exit future.
@@ -187,7 +205,11 @@ def spawn(
         if cgroup_fd is not None:
             os.close(cgroup_fd)
     proc.returncode = 0  # the Reaper owns waiting; stop Popen from ever calling waitpid
-    return Child(pid=proc.pid, exited=reaper.watch(proc.pid), start_ticks=start_time(proc.pid))
+    child = Child(pid=proc.pid, exited=asyncio.get_running_loop().create_future())
+    child.start_ticks = start_time(proc.pid)
+    callback = (lambda exit: on_exit(child, exit)) if on_exit is not None else None
+    child.exited = reaper.watch(proc.pid, callback)
+    return child
 
 
 # --------------------------------------------------------------------------- ending
