@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from dynamod.core.process import Reaper
-from dynamod.core.proctable import start_time
+from dynamod.core.proctable import ProcInfo, snapshot
 from dynamod.core.restart import Exit
 
 log = structlog.get_logger("dynamod.core.guardianship")
@@ -101,14 +101,11 @@ class Guardianship:
         except OSError as exc:  # the guardian is dying; its successor will be told
             log.warning("guardian.tell_failed", error=str(exc))
 
-    def census(self) -> None:
-        """Tell the guardian about orphans adopted since the last census; forget dead ones."""
-        new: dict[int, int] = {}
-        alive = set(self.reaper.orphans()) - {self.pid}
-        for pid in alive - set(self.orphans):
-            started = start_time(pid)
-            if started is not None:
-                new[pid] = started
+    def census(self, children: dict[int, ProcInfo]) -> None:
+        """Tell the guardian about orphans adopted since the last census; forget dead ones.
+        `children`: our live children with their start times (from a /proc pass)."""
+        alive = set(self.reaper.orphans(children)) - {self.pid}
+        new = {pid: children[pid].started for pid in alive - set(self.orphans)}
         known = {p: t for p, t in self.orphans.items() if p in alive} | new
         changed = known != self.orphans
         self.orphans = known
@@ -118,8 +115,10 @@ class Guardianship:
 
     async def watch_orphans(self, interval: float = 1.0) -> None:
         """The fallback's census loop (not needed with cgroups: the cgroup holds them)."""
+        me = os.getpid()
         while not self._closing:
-            self.census()
+            snap = await asyncio.to_thread(snapshot)  # a /proc pass, off the event loop
+            self.census({pid: info for pid, info in snap.items() if info.ppid == me})
             await asyncio.sleep(interval)
 
     def close(self) -> None:

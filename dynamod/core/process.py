@@ -33,7 +33,6 @@ from dynamod.core.proctable import (
     MARK_UNIT,
     ProcInfo,
     children_of,
-    group_pids,
     is_zombie,
     marked_pids,
     snapshot,
@@ -81,9 +80,9 @@ class Reaper:
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.remove_signal_handler(signal.SIGCHLD)
 
-    def orphans(self) -> list[int]:
-        """Live children of this process that nobody waits for (claimed or not)."""
-        return [pid for pid in children_of(os.getpid()) if pid not in self._waiters]
+    def orphans(self, children: Iterable[int]) -> list[int]:
+        """Of `children` (live children of this process), those nobody waits for."""
+        return [pid for pid in children if pid not in self._waiters]
 
     def claim_orphans(self, children: Iterable[int]) -> list[int]:
         """Of `children` (live children of this process), those nobody waits for and no
@@ -306,10 +305,9 @@ async def _stop_cgroup(
     outside = 0
     if timeout > 0 and sig != signal.SIGKILL:
         members = cgroups.procs(path)
-        group = set(group_pids(pgid)) if len(members) > 1 else {pgid}
         for pid in members:
             _signal_pid(pid, sig)
-        outside = len(set(members) - group)
+        outside = sum(1 for pid in members if _pgid(pid) not in (pgid, None))
         deadline = time.monotonic() + timeout
         while cgroups.populated(path) and (left := deadline - time.monotonic()) > 0:
             await wait_gone(cgroups.procs(path), left)
@@ -331,18 +329,32 @@ async def _stop_cgroup(
     )
 
 
-def _members(tree: Tree) -> tuple[set[int], list[int]]:
-    """The unit's process group, and its processes outside it: marked ones, and (the
-    subreaper's catch) children of dynamod that nobody waits for. One /proc pass; only
-    processes younger than the unit are read for the marker."""
+def _scan(tree: Tree) -> tuple[set[int], set[int], list[int]]:
+    """One /proc pass: the unit's process group, the marked processes of the unit outside
+    it, and our children outside it; only processes younger than the unit are looked at
+    outside the group. Blocking: runs in a worker thread, so exits keep being recorded."""
     snap = snapshot()
     group = {pid for pid, info in snap.items() if info.pgid == tree.pgid}
     young = [pid for pid, info in snap.items() if _younger(info, tree.since) and pid not in group]
-    found = set(marked_pids(tree.run_id, tree.unit, among=young))
+    marked = set(marked_pids(tree.run_id, tree.unit, among=young))
+    me = os.getpid()
+    return group, marked, [p for p in young if snap[p].ppid == me]
+
+
+async def _members(tree: Tree) -> tuple[set[int], list[int]]:
+    """The unit's process group, and its processes outside it: marked ones, and (the
+    subreaper's catch) children of dynamod that nobody waits for."""
+    group, found, children = await asyncio.to_thread(_scan, tree)
     if tree.reaper is not None:
-        me = os.getpid()
-        found |= set(tree.reaper.claim_orphans(p for p in young if snap[p].ppid == me))
+        found |= set(tree.reaper.claim_orphans(children))
     return group, sorted(found - group - {tree.pgid})
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _younger(info: ProcInfo, since: int | None) -> bool:
@@ -352,7 +364,7 @@ def _younger(info: ProcInfo, since: int | None) -> bool:
 async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float) -> TreeStopped:
     pgid = tree.pgid
     _signal_group(pgid, sig)
-    group, strays = _members(tree)
+    group, strays = await _members(tree)
     for pid in strays:
         _signal_pid(pid, sig)
     targets = group | set(strays) | {pgid}
@@ -360,7 +372,7 @@ async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float)
     escalated = False
     killed: list[int] = []
     # Re-scan: a process may have forked while we waited.
-    group, more = _members(tree)
+    group, more = await _members(tree)
     left = sorted(set(left) | group | set(more))
     if left:
         escalated = sig != signal.SIGKILL
@@ -399,9 +411,9 @@ async def sweep(
         killed |= set(cgroups.procs(cgroup))
         cgroups.kill(cgroup)
     for _ in range(5):  # a dying parent may still fork once
-        targets = set(marked_pids(run_id))
+        targets = set(await asyncio.to_thread(marked_pids, run_id))
         if reaper is not None:
-            targets |= set(children_of(os.getpid()))
+            targets |= set(await asyncio.to_thread(children_of, os.getpid()))
         targets -= keep
         if cgroup is not None and cgroups.populated(cgroup):
             targets |= set(cgroups.procs(cgroup))

@@ -59,17 +59,6 @@ def marked_pids(
     return found
 
 
-def group_pids(pgid: int) -> list[int]:
-    found = []
-    for pid in _proc_pids():
-        try:
-            if os.getpgid(pid) == pgid and not is_zombie(pid):
-                found.append(pid)
-        except ProcessLookupError:
-            continue
-    return found
-
-
 def children_of(parent: int) -> list[int]:
     """Live (non-zombie) processes whose parent is `parent`: one /proc scan."""
     found = []
