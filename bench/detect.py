@@ -335,6 +335,12 @@ def run_poller(kills: int, window: float, interval: float = 5.0) -> dict[str, An
     return {"log_ms": [(seen.get(pid, float("nan")) - t) * 1000 for pid, t in killed.items()]}
 
 
+def _kind(run: dict[str, Any]) -> str:
+    """The containment in force, without the run's cgroup path (it differs every run)."""
+    text: str = run["containment"]
+    return "cgroup v2" if text.startswith("cgroup v2") else text
+
+
 def _row(label: str, values: list[float], base: float) -> list[Any]:
     x = summary(values)
     return [label, x["n"], x["median"], x["p95"], x["p99"], x["max"], ratio(x["median"], base)]
@@ -382,7 +388,7 @@ def main() -> None:
             where = f"{run['host_processes']} processes on the host"
             table.rows.append(
                 _row(
-                    f"dynamod, {run['containment']} ({where}; daemon.log ready->backoff)",
+                    f"dynamod, {_kind(run)} ({where}; daemon.log ready->backoff)",
                     run["log_ms"],
                     base,
                 )
