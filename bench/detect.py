@@ -349,7 +349,7 @@ def _row(label: str, values: list[float], base: float) -> list[Any]:
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
-    kills, polled, stops = (8, 4, 4) if args.quick else (60, 30, 30)
+    kills, polled, stops = (10, 4, 4) if args.quick else (60, 30, 30)
     window = 5.0 if args.quick else 25.0
     crowd_size = 200 if args.quick else CROWD
     report = Report("detect", "1. Failure detection (SIGKILL -> noticed)", args.quick)
