@@ -72,10 +72,19 @@ def status_table(status: Mapping[str, Any]) -> str:
     ]
     if status.get("error"):
         out.append(f"error: {status['error']}")
+    if status.get("logs"):
+        out.append(
+            f"logs: {_megabytes(status['logs']['dropped_bytes'])} dropped, "
+            f"{status['logs']['reason']}"
+        )
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
     return "\n".join(out)
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
 
 
 def _detail(unit: Row) -> str:

@@ -27,6 +27,7 @@ import aiohttp
 import structlog
 
 from dynamod.core import api, paths, process
+from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine
 from dynamod.core.errors import DaemonError, DynamodError, UnitFailed
 from dynamod.core.extensions import Extension
@@ -67,7 +68,7 @@ class StateDir:
                 "stop it with `dynamod down` or use another --state-dir"
             ) from None
         self._lock = lock
-        (self.path / "dynamod.pid").write_text(f"{os.getpid()}\n")
+        write_atomic(self.path / "dynamod.pid", f"{os.getpid()}\n".encode())
 
     def read_pid(self) -> int | None:
         try:
@@ -76,9 +77,8 @@ class StateDir:
             return None
 
     def write_json(self, name: str, data: Any) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(self.path / name)
+        """Replace NAME atomically; raises StateWriteError (old version kept) if it cannot."""
+        write_atomic(self.path / name, json.dumps(data, indent=2).encode())
 
     def release(self) -> None:
         for name in ("dynamod.sock", "dynamod.pid"):
@@ -139,6 +139,13 @@ class Daemon:
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "units": self.engine.snapshot() if self.engine else [],
         }
+        dropped = sum(u["log_dropped_bytes"] for u in status["units"])
+        if dropped:
+            reasons = {u["log_drop_reason"] for u in status["units"]} - {None}
+            status["logs"] = {
+                "dropped_bytes": dropped,
+                "reason": ", ".join(sorted(reasons)) if reasons else "writing again",
+            }
         if self.engine is not None:
             for extension in self.extensions:
                 status.update(extension.status())
@@ -260,13 +267,20 @@ class Daemon:
             survivors = await self.engine.stop()
         survivors = sorted(set(survivors) | set(await process.sweep(self.run_id)))
         result = {
+            "run_id": self.run_id,
+            "daemon_pid": os.getpid(),
+            "stack": self.stack.name,
             "ok": not survivors,
             "seconds": round(time.monotonic() - started, 3),
             "survivors": survivors,
             "units": self.engine.snapshot() if self.engine else [],
             "error": self.error,
         }
-        self.state.write_json("last-down.json", result)
+        try:
+            self.state.write_json("last-down.json", result)
+        except StateWriteError as exc:  # `down` still answers, and says what it could not keep
+            result["warning"] = str(exc)
+            log.error("state.write_failed", error=str(exc))
         log.info("stack.down", seconds=result["seconds"], survivors=survivors)
         if not self._down_result.done():
             self._down_result.set_result(result)
