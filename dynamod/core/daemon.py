@@ -62,13 +62,28 @@ class StateDir:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            pid = self.read_pid()
             raise DaemonError(
-                f"a dynamod daemon (pid {pid}) already runs with state dir {self.path}; "
+                f"{self._holder()} already runs with state dir {self.path}; "
                 "stop it with `dynamod down` or use another --state-dir"
             ) from None
         self._lock = lock
         write_atomic(self.path / "dynamod.pid", f"{os.getpid()}\n".encode())
+
+    def _holder(self) -> str:
+        """The daemon holding the lock, by pid and stack. A winner that has just taken the
+        lock may not have written run.json yet: wait for it a moment."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                run = json.loads((self.path / "run.json").read_text())
+                pid, stack = int(run["pid"]), run.get("stack_name") or Path(run["stack"]).stem
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, stack = None, None
+            if pid is not None and pid != os.getpid() and _alive(pid):
+                return f"a dynamod daemon (pid {pid}, stack {stack}, run {run['run_id']})"
+            if time.monotonic() >= deadline:
+                return f"a dynamod daemon (pid {self.read_pid()})"
+            time.sleep(0.05)
 
     def read_pid(self) -> int | None:
         try:
@@ -86,6 +101,16 @@ class StateDir:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def start_guardian(run_id: str) -> tuple[subprocess.Popen[bytes], int]:
@@ -187,6 +212,7 @@ class Daemon:
                 "run_id": self.run_id,
                 "pid": os.getpid(),
                 "stack": str(self.stack.path),
+                "stack_name": self.stack.name,
                 "guardian_pid": guardian.pid,
             },
         )

@@ -21,7 +21,7 @@ import aiohttp
 import structlog
 
 from dynamod.core import graph, process
-from dynamod.core.errors import UnitFailed
+from dynamod.core.errors import DynamodError, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Exit, RestartTracker
@@ -528,6 +528,8 @@ class Engine:
         """Operator restart: stop this unit alone, forget its backoff, start it again."""
         unit = self.units[name]
         await self.stop_unit(unit)
+        if self.stopping:  # a `down` began meanwhile: starting it again would outlive it
+            raise DynamodError(f"{name} was stopped, not started again: the stack is stopping")
         unit.tracker.reset()
         unit.task = asyncio.get_running_loop().create_task(
             self._supervise(unit), name=f"unit:{unit.name}"
