@@ -360,17 +360,19 @@ class Engine:
         assert spec is not None
         prober = make_prober(spec, self._probe_context(unit))
         deadline = child.started_at + spec.deadline
+        last: str | None = None
         try:
             while child.alive:
                 result = await self._attempt(unit, prober, child, deadline)
                 if result is _EXITED:
                     break
                 if result is _DEADLINE:
-                    return False, (
-                        f"not ready within {spec.deadline:g}s: the probe attempt in flight "
-                        f"({describe(spec)}, timeout {spec.timeout:g}s) was cut at the deadline "
-                        "after no answer"
+                    cut = (
+                        f"not ready within {spec.deadline:g}s: the attempt in flight "
+                        f"({describe(spec)}, timeout {spec.timeout:g}s) was cut at the deadline"
                     )
+                    return False, f"{cut}; last probe: {last}" if last else cut
+                last = result.detail
                 self._probed(unit, "ready", result)
                 self.transition(unit, unit.state, result.detail)
                 if result.ok:
