@@ -365,6 +365,8 @@ def down(ctx: click.Context, as_json: bool) -> None:
     else:
         for unit in result["units"]:
             click.echo(f"  {unit['name']:<16} {unit['state']}  {unit['detail']}")
+        if result.get("warning"):
+            click.echo(f"warning: {result['warning']}", err=True)
         verdict = "nothing left running" if result["ok"] else f"SURVIVORS {result['survivors']}"
         click.echo(f"stack down in {result['seconds']:.2f}s: {verdict}")
     sys.exit(0 if result["ok"] else 1)

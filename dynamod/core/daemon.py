@@ -169,7 +169,7 @@ class Daemon:
             reasons = {u["log_drop_reason"] for u in status["units"]} - {None}
             status["logs"] = {
                 "dropped_bytes": dropped,
-                "reason": ", ".join(sorted(reasons)) if reasons else "writing again",
+                "reason": ", ".join(sorted(reasons)) if reasons else "earlier; writing again",
             }
         if self.engine is not None:
             for extension in self.extensions:
