@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -192,9 +193,9 @@ def _up_detached(
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        _become_daemon(log_path)
         code = 1
         try:
+            _become_daemon(log_path)
             code = _run_daemon(
                 resolved, state_dir, progress=False, metrics_addr=metrics_addr, run_id=run_id
             )
@@ -204,9 +205,10 @@ def _up_detached(
             import traceback
 
             traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+        finally:  # never return into the parent's code, even if the log cannot be written
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(code)
     sdnotify.notify(f"MAINPID={pid}")
     client = Client(state_dir)
