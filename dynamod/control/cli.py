@@ -411,7 +411,13 @@ def restart(ctx: click.Context, unit: str) -> None:
 @main.command()
 @click.argument("unit")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", default=50, show_default=True, help="Lines of history.")
+@click.option(
+    "-n",
+    "--lines",
+    default=50,
+    show_default=True,
+    help="Lines of history (after the header of the spawn they belong to).",
+)
 @click.pass_context
 def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
     """Print UNIT's log (works after the daemon has gone too)."""
