@@ -4,6 +4,7 @@ Needs root to mount; skips with the reason where mounting fails. Always unmounts
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,7 +18,9 @@ from typing import Any
 
 import pytest
 
+from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.proctable import marked_pids
+from dynamod.rollout.ledger import FileLedger, PolicyVersion
 from tests.conftest import ROOT, Dynamod, pid_alive, unit_by_name, wait_dead
 
 pytestmark = pytest.mark.slow
@@ -127,3 +130,26 @@ def test_etcd_without_space_fails_showing_the_enospc_line(
     cause = err.split("earlier lines that say what went wrong:")[1].split("last lines:")[0]
     assert "no space left on device" in cause
     assert "main.main()" in err.split("last lines:")[1]  # the stack trace still follows
+
+
+def test_state_that_must_survive_keeps_its_old_version_on_a_full_disk(
+    small_dm: Dynamod,
+) -> None:
+    state = small_dm.state_dir
+    run = state / "run.json"
+    write_atomic(run, b'{"v": 1}')
+    ledger = FileLedger(state / "ledger.json")
+    first = PolicyVersion(1, "/ckpt/1", "d1", 0.0, "push")
+    asyncio.run(ledger.advance(first, keep=3))
+    fill(state)
+
+    with pytest.raises(StateWriteError) as info:
+        write_atomic(run, b'{"v": 2}' * 1000)
+    assert str(info.value) == f"cannot write {run}: disk full; the previous version is kept"
+    assert run.read_bytes() == b'{"v": 1}'
+
+    second = PolicyVersion(2, "/ckpt/2", "d2", 0.0, "push")
+    with pytest.raises(StateWriteError, match=r"ledger\.json: disk full"):
+        asyncio.run(ledger.advance(second, keep=3))
+    assert asyncio.run(ledger.current()) == first
+    assert sorted(p.name for p in state.iterdir()) == ["filler", "ledger.json", "run.json"]
