@@ -23,7 +23,16 @@ from bench.report import (
     render_json,
 )
 
-BENCHMARKS = ["overhead", "detect", "down", "cold_up", "recovery", "policy_push", "load_kill"]
+BENCHMARKS = [
+    "overhead",
+    "output",
+    "detect",
+    "down",
+    "cold_up",
+    "recovery",
+    "policy_push",
+    "load_kill",
+]
 
 
 def main() -> None:

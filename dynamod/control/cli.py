@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,17 +99,32 @@ def up(
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
     state_dir = state_dir_of(ctx)
-    if Client(state_dir).running():
+    try:
+        other = Client(state_dir).status()
+    except DaemonError:
+        other = None
+    if other is not None:
         fail(
-            f"a dynamod daemon already runs with state dir {state_dir}; "
+            f"{_daemon_named(other)} already runs with state dir {state_dir}; "
             "`dynamod status` shows it, `dynamod down` stops it"
         )
     resolved = load_stack(stack, state_dir, variables)
     _check_containment_setting()
     _sweep_previous(state_dir)
+    # The daemon we start carries this id; we only ever report on a daemon that has it.
+    run_id = uuid.uuid4().hex[:16]
     if detach:
-        sys.exit(_up_detached(resolved, state_dir, timeout, metrics_addr))
-    sys.exit(_run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr))
+        sys.exit(_up_detached(resolved, state_dir, timeout, metrics_addr, run_id))
+    sys.exit(
+        _run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr, run_id=run_id)
+    )
+
+
+def _daemon_named(status: dict[str, Any]) -> str:
+    return (
+        f"a dynamod daemon (pid {status.get('daemon_pid')}, stack {status.get('stack')}, "
+        f"run {status.get('run_id')})"
+    )
 
 
 def _check_containment_setting() -> None:
@@ -130,7 +147,12 @@ def _sweep_previous(state_dir: Path) -> Leftovers | None:
 
 
 def _run_daemon(
-    resolved: Any, state_dir: Path, *, progress: bool, metrics_addr: str | None = None
+    resolved: Any,
+    state_dir: Path,
+    *,
+    progress: bool,
+    run_id: str,
+    metrics_addr: str | None = None,
 ) -> int:
     from dynamod.control.compose import default_extensions
     from dynamod.core import logsetup
@@ -143,6 +165,7 @@ def _run_daemon(
             stack=resolved,
             state=StateDir(state_dir),
             extensions=default_extensions(resolved, metrics_addr=metrics_addr),
+            run_id=run_id,
         )
         printer = asyncio.ensure_future(_print_progress(daemon)) if progress else None
         try:
@@ -178,32 +201,38 @@ async def _print_progress(daemon: Any) -> None:
 
 
 def _up_detached(
-    resolved: Any, state_dir: Path, timeout: float | None, metrics_addr: str | None
+    resolved: Any, state_dir: Path, timeout: float | None, metrics_addr: str | None, run_id: str
 ) -> int:
     """Fork the daemon off this process (it keeps the validated stack and the imports, so
-    nothing is loaded twice), then follow its progress over the socket."""
+    nothing is loaded twice), then follow its progress over the socket. Only a daemon
+    answering with our run id is ours: another one there means we lost a race for the
+    state dir, and ours will fail its lock and exit."""
     from dynamod.ops import sdnotify
 
     state_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(state_dir, 0o700)
     log_path = state_dir / "daemon.log"
+    log_start = log_path.stat().st_size if log_path.exists() else 0
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        _become_daemon(log_path)
         code = 1
         try:
-            code = _run_daemon(resolved, state_dir, progress=False, metrics_addr=metrics_addr)
+            _become_daemon(log_path)
+            code = _run_daemon(
+                resolved, state_dir, progress=False, metrics_addr=metrics_addr, run_id=run_id
+            )
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
             import traceback
 
             traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+        finally:  # never return into the parent's code, even if the log cannot be written
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(code)
     sdnotify.notify(f"MAINPID={pid}")
     client = Client(state_dir)
@@ -218,13 +247,18 @@ def _up_detached(
     def wait() -> int:
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
+    ours = _Ours(client, state_dir, log_path, log_start, pid, run_id)
     while True:
         exit_code = exited()
         if exit_code is not None:
-            return _explain_daemon_exit(client, state_dir, log_path, exit_code)
+            return ours.explain_exit(exit_code)
         try:
             status = client.status()
         except DaemonError:
+            time.sleep(0.02)
+            continue
+        if status.get("run_id") != run_id:  # another daemon's socket: not ours to report
+            ours.other = status
             time.sleep(0.02)
             continue
         for line in progress.update(status, time.monotonic()):
@@ -236,7 +270,7 @@ def _up_detached(
             )
             return 0
         if status["phase"] in {"failed", "stopping", "stopped"}:
-            return _explain_daemon_exit(client, state_dir, log_path, wait())
+            return ours.explain_exit(wait())
         if timeout is not None and time.monotonic() - started > timeout:
             click.echo(f"dynamod: stack not ready after {timeout:g}s; tearing it down", err=True)
             waiting = [u for u in status["units"] if u["state"] not in {"ready", "completed"}]
@@ -249,10 +283,14 @@ def _up_detached(
 
 
 def _become_daemon(log_path: Path) -> None:
-    """In the forked child: own session, no terminal, output to the daemon log. The child
-    becomes systemd's main pid (MAINPID=), so WATCHDOG_PID, naming the parent, goes."""
+    """In the forked child: own session, no terminal, output to the daemon log, no other
+    inherited descriptor. The child becomes systemd's main pid (MAINPID=), so
+    WATCHDOG_PID, naming the parent, goes."""
     os.setsid()
     os.environ.pop("WATCHDOG_PID", None)
+    # Whatever else the caller left open (a wrapper's pipe) would keep it waiting for EOF
+    # for as long as the daemon lives; the daemon needs none of it.
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null_fd, 0)
@@ -262,25 +300,72 @@ def _become_daemon(log_path: Path) -> None:
     os.close(log_fd)
 
 
-def _explain_daemon_exit(client: Client, state_dir: Path, log_path: Path, code: int) -> int:
-    last = state_dir / "last-down.json"
-    error = None
-    if last.exists():
+class _Ours:
+    """What `up --detach` knows about the daemon it forked, to explain why it exited."""
+
+    def __init__(
+        self, client: Client, state_dir: Path, log: Path, log_start: int, pid: int, run_id: str
+    ) -> None:
+        self.client, self.state_dir, self.log, self.log_start = client, state_dir, log, log_start
+        self.pid, self.run_id = pid, run_id
+        self.other: dict[str, Any] | None = None  # another daemon seen on the socket
+
+    def explain_exit(self, code: int) -> int:
         try:
-            error = json.loads(last.read_text()).get("error")
-        except ValueError:
-            error = None
-    if error:
-        click.echo(f"dynamod: the stack did not come up: {error}", err=True)
-    else:
-        tail = log_path.read_text(errors="replace").splitlines()[-15:]
-        click.echo(
-            f"dynamod: the daemon exited with status {code}; last lines of {log_path}:", err=True
-        )
-        for line in tail:
-            click.echo(f"  | {line}", err=True)
-    click.echo("nothing was left running.", err=True)
-    return code or 1
+            now = self.client.status()
+        except DaemonError:
+            now = None
+        other = now if now is not None and now.get("run_id") != self.run_id else self.other
+        other = other or self._winner_from_run_file()
+        if other is not None:
+            click.echo(
+                f"dynamod: {_daemon_named(other)} holds state dir {self.state_dir}; "
+                f"the daemon this command started (pid {self.pid}) exited with status {code} "
+                "without starting anything",
+                err=True,
+            )
+            return code or 1
+        error = self._own_last_down_error()
+        if error:
+            click.echo(f"dynamod: the stack did not come up: {error}", err=True)
+        else:
+            click.echo(
+                f"dynamod: the daemon exited with status {code}; its lines in {self.log}:",
+                err=True,
+            )
+            for line in self._own_log_lines()[-15:]:
+                click.echo(f"  | {line}", err=True)
+        click.echo("nothing was left running.", err=True)
+        return code or 1
+
+    def _winner_from_run_file(self) -> dict[str, Any] | None:
+        """Another live daemon named in run.json (it may not serve its socket yet)."""
+        try:
+            run = json.loads((self.state_dir / "run.json").read_text())
+            pid = int(run["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if run.get("run_id") == self.run_id or not Path(f"/proc/{pid}").exists():
+            return None
+        return {"daemon_pid": pid, "stack": run.get("stack_name"), "run_id": run.get("run_id")}
+
+    def _own_last_down_error(self) -> str | None:
+        try:
+            last = json.loads((self.state_dir / "last-down.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(last, dict) or last.get("run_id") != self.run_id:
+            return None  # a previous run's, or another daemon's
+        error = last.get("error")
+        return str(error) if error else None
+
+    def _own_log_lines(self) -> list[str]:
+        try:
+            with self.log.open("rb") as fh:
+                fh.seek(self.log_start)
+                return fh.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return []
 
 
 @main.command()
@@ -291,19 +376,26 @@ def down(ctx: click.Context, as_json: bool) -> None:
     state_dir = state_dir_of(ctx)
     client = Client(state_dir)
     try:
-        pid = client.status()["daemon_pid"]
+        asked = client.status()
         result = client.down()
     except DaemonError as exc:
         swept = _sweep_previous(state_dir)  # no daemon answers: did the last one die?
         if swept is not None:
             sys.exit(1 if swept.survivors else 0)
         fail(str(exc))
-    _wait_pid_gone(int(pid), 30)
+    if result.get("run_id") != asked["run_id"]:  # the daemon changed between the two calls
+        fail(
+            f"{_daemon_named(asked)} was asked to stop, but {_daemon_named(result)} answered "
+            f"and stopped; check `dynamod status`"
+        )
+    _wait_pid_gone(int(asked["daemon_pid"]), 30)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
         for unit in result["units"]:
             click.echo(f"  {unit['name']:<16} {unit['state']}  {unit['detail']}")
+        if result.get("warning"):
+            click.echo(f"warning: {result['warning']}", err=True)
         for line in render.down_report(result):
             click.echo(line)
     sys.exit(0 if result["ok"] else 1)
@@ -346,7 +438,13 @@ def restart(ctx: click.Context, unit: str) -> None:
 @main.command()
 @click.argument("unit")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", default=50, show_default=True, help="Lines of history.")
+@click.option(
+    "-n",
+    "--lines",
+    default=50,
+    show_default=True,
+    help="Lines of history (after the header of the spawn they belong to).",
+)
 @click.pass_context
 def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
     """Print UNIT's log (works after the daemon has gone too)."""

@@ -1,7 +1,9 @@
-"""`dynamod logs`: read (and follow) a unit's log file, across rotations."""
+"""`dynamod logs`: a unit's log across its rotated files, with the header of the spawn the
+shown lines belong to; `--follow` keeps reading across further rotations."""
 
 from __future__ import annotations
 
+import glob
 import time
 from collections import deque
 from collections.abc import Callable
@@ -23,6 +25,45 @@ def log_path(state_dir: Path, unit: str) -> Path:
     raise DynamodError(f"no log for unit {unit!r} in {logs}{hint}")
 
 
+HEADER = "--- dynamod: start #"
+MAX_LINE = 65536  # a longer line in the file is read (and shown) in pieces of this size
+
+
+def rotated(path: Path) -> list[Path]:
+    """NAME.log.N .. NAME.log.1, NAME.log: oldest first."""
+    numbered = []
+    for older in path.parent.glob(f"{glob.escape(path.name)}.*"):
+        suffix = older.name[len(path.name) + 1 :]
+        if suffix.isdigit():
+            numbered.append((int(suffix), older))
+    return [p for _, p in sorted(numbered, reverse=True)] + [path]
+
+
+def history(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines across the rotated files. If they begin inside a spawn, the
+    spawn's header line (`--- dynamod: start #N pid ...`) comes first, wherever it is."""
+    window: deque[tuple[str, str | None]] = deque(maxlen=lines)
+    header: str | None = None
+    for part in rotated(path):
+        try:
+            fh = part.open("rb")
+        except FileNotFoundError:  # rotated away while we read
+            continue
+        with fh:
+            while raw := fh.readline(MAX_LINE):
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                if line.startswith(HEADER):
+                    header = line
+                window.append((line, header))
+    if not window:
+        return []
+    first, its_header = window[0]
+    shown = [line for line, _ in window]
+    if its_header is not None and first != its_header:
+        shown.insert(0, its_header)
+    return shown
+
+
 def show(
     state_dir: Path,
     unit: str,
@@ -33,13 +74,12 @@ def show(
     poll: float = 0.2,
 ) -> None:
     path = log_path(state_dir, unit)
-    with path.open("rb") as fh:
-        for line in deque(fh, maxlen=lines):
-            out(line.decode("utf-8", "replace").rstrip("\n"))
-        position = fh.tell()
+    for line in history(path, lines):
+        out(line)
     if not follow:
         return
-    inode = path.stat().st_ino
+    stat = path.stat()
+    inode, position = stat.st_ino, stat.st_size
     while True:
         try:
             stat = path.stat()
@@ -51,7 +91,7 @@ def show(
         if stat.st_size > position:
             with path.open("rb") as fh:
                 fh.seek(position)
-                for raw in fh:
+                while raw := fh.readline(MAX_LINE):
                     out(raw.decode("utf-8", "replace").rstrip("\n"))
                 position = fh.tell()
         time.sleep(poll)

@@ -80,6 +80,11 @@ def status_table(status: Mapping[str, Any]) -> str:
         )
     if status.get("error"):
         out.append(f"error: {status['error']}")
+    if status.get("logs"):
+        out.append(
+            f"logs: {_megabytes(status['logs']['dropped_bytes'])} dropped, "
+            f"{status['logs']['reason']}"
+        )
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
@@ -103,6 +108,10 @@ def down_report(result: Mapping[str, Any]) -> list[str]:
     verdict = "nothing left running" if result["ok"] else f"SURVIVORS {result['survivors']}"
     lines.append(f"stack down in {result['seconds']:.2f}s: {verdict}")
     return lines
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
 
 
 def _detail(unit: Row) -> str:

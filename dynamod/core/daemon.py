@@ -27,6 +27,7 @@ import aiohttp
 import structlog
 
 from dynamod.core import api, cgroups, leftovers, paths, process
+from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine
 from dynamod.core.errors import DaemonError, DynamodError, UnitFailed
 from dynamod.core.extensions import Extension
@@ -62,13 +63,28 @@ class StateDir:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            pid = self.read_pid()
             raise DaemonError(
-                f"a dynamod daemon (pid {pid}) already runs with state dir {self.path}; "
+                f"{self._holder()} already runs with state dir {self.path}; "
                 "stop it with `dynamod down` or use another --state-dir"
             ) from None
         self._lock = lock
-        (self.path / "dynamod.pid").write_text(f"{os.getpid()}\n")
+        write_atomic(self.path / "dynamod.pid", f"{os.getpid()}\n".encode())
+
+    def _holder(self) -> str:
+        """The daemon holding the lock, by pid and stack. A winner that has just taken the
+        lock may not have written run.json yet: wait for it a moment."""
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                run = json.loads((self.path / "run.json").read_text())
+                pid, stack = int(run["pid"]), run.get("stack_name") or Path(run["stack"]).stem
+            except (OSError, ValueError, KeyError, TypeError):
+                pid, stack = None, None
+            if pid is not None and pid != os.getpid() and _alive(pid):
+                return f"a dynamod daemon (pid {pid}, stack {stack}, run {run['run_id']})"
+            if time.monotonic() >= deadline:
+                return f"a dynamod daemon (pid {self.read_pid()})"
+            time.sleep(0.05)
 
     def read_pid(self) -> int | None:
         try:
@@ -77,9 +93,8 @@ class StateDir:
             return None
 
     def write_json(self, name: str, data: Any) -> None:
-        tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(data, indent=2))
-        tmp.replace(self.path / name)
+        """Replace NAME atomically; raises StateWriteError (old version kept) if it cannot."""
+        write_atomic(self.path / name, json.dumps(data, indent=2).encode())
 
     def release(self) -> None:
         for name in ("dynamod.sock", "dynamod.pid"):
@@ -87,6 +102,16 @@ class StateDir:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass
@@ -129,6 +154,13 @@ class Daemon:
             "guardian": self.guardian.as_dict() if self.guardian else None,
             "swept_previous": self.swept.as_dict() if self.swept else None,
         }
+        dropped = sum(u["log_dropped_bytes"] for u in status["units"])
+        if dropped:
+            reasons = {u["log_drop_reason"] for u in status["units"]} - {None}
+            status["logs"] = {
+                "dropped_bytes": dropped,
+                "reason": ", ".join(sorted(reasons)) if reasons else "earlier; writing again",
+            }
         if self.engine is not None:
             for extension in self.extensions:
                 status.update(extension.status())
@@ -230,6 +262,7 @@ class Daemon:
                 "run_id": self.run_id,
                 "pid": os.getpid(),
                 "stack": str(self.stack.path),
+                "stack_name": self.stack.name,
                 "guardian_pid": guardian_pid,
                 "containment": str(self.containment.kind),
                 "cgroup": str(root) if root else None,
@@ -286,6 +319,9 @@ class Daemon:
         if swept.killed:
             killed["(final sweep)"] = swept.killed
         result = {
+            "run_id": self.run_id,
+            "daemon_pid": os.getpid(),
+            "stack": self.stack.name,
             "ok": not survivors,
             "seconds": round(time.monotonic() - started, 3),
             "killed": killed,  # who needed SIGKILL / cgroup.kill: unit -> pids
@@ -294,7 +330,11 @@ class Daemon:
             "units": self.engine.snapshot() if self.engine else [],
             "error": self.error,
         }
-        self.state.write_json("last-down.json", result)
+        try:
+            self.state.write_json("last-down.json", result)
+        except StateWriteError as exc:  # `down` still answers, and says what it could not keep
+            result["warning"] = str(exc)
+            log.error("state.write_failed", error=str(exc))
         leftovers.mark_ended(self.state.path, "down")
         log.info("stack.down", seconds=result["seconds"], killed=killed, survivors=survivors)
         if not self._down_result.done():

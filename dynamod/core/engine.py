@@ -21,12 +21,12 @@ import aiohttp
 import structlog
 
 from dynamod.core import cgroups, graph, process
-from dynamod.core.errors import UnitFailed
+from dynamod.core.errors import DynamodError, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
-from dynamod.core.probes import ProbeContext, Prober, ProbeResult, make_prober
+from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
-from dynamod.core.state import UnitState, check_transition
+from dynamod.core.state import ALLOWED, UnitState, check_transition
 
 log = structlog.get_logger("dynamod.engine")
 
@@ -60,6 +60,8 @@ class Unit:
     ready_at: float | None = None
     starts: int = 0
     task: asyncio.Task[None] | None = None
+    attempt_since: float | None = None  # a probe attempt is in flight since then
+    attempt_what: str = ""  # that attempt, in words
     extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
@@ -180,7 +182,7 @@ class Engine:
     def start(self) -> None:
         for unit in self.units.values():
             unit.task = asyncio.get_running_loop().create_task(
-                self._lifecycle(unit), name=f"unit:{unit.name}"
+                self._supervise(unit), name=f"unit:{unit.name}"
             )
 
     async def wait_up(self) -> None:
@@ -198,7 +200,10 @@ class Engine:
 
     def explain(self, unit: Unit) -> str:
         lines = [unit.detail, f"log: {unit.log_path}"]
-        tail = unit.sink.last(12)
+        earlier, tail = unit.sink.telling(12)
+        if earlier:
+            lines.append("earlier lines that say what went wrong:")
+            lines += [f"  | {line}" for line in earlier]
         if tail:
             lines.append("last lines:")
             lines += [f"  | {line}" for line in tail]
@@ -221,6 +226,33 @@ class Engine:
                 return None
             self.transition(unit, unit.state, f"waiting for {', '.join(waiting)}")
             await self.changed()
+
+    async def _supervise(self, unit: Unit) -> None:
+        """Run the unit's lifecycle. An unexpected error inside it (a bug, an OS error) is
+        logged and the unit is supervised again after a pause, never silently dropped."""
+        while True:
+            try:
+                await self._lifecycle(unit)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # supervision must outlive any one error
+                log.exception("unit.supervision_error", unit=unit.name)
+                await self._recover(unit, exc)
+
+    async def _recover(self, unit: Unit, exc: Exception) -> None:
+        unit.attempt_since = None
+        child = unit.child
+        if child is not None and child.alive:
+            process.kill_group_now(child.pid)
+            unit.last_exit = await child.wait()
+            await self._reap_leftovers(unit)
+        detail = f"supervision error: {exc.__class__.__name__}: {exc}; starting again in 1s"
+        if UnitState.BACKOFF in ALLOWED[unit.state]:
+            self.transition(unit, UnitState.BACKOFF, detail)
+        else:
+            self.transition(unit, unit.state, detail)
+        await asyncio.sleep(1.0)
 
     async def _lifecycle(self, unit: Unit) -> None:
         blocked = await self._wait_for_dependencies(unit)
@@ -364,23 +396,54 @@ class Engine:
         assert spec is not None
         prober = make_prober(spec, self._probe_context(unit))
         deadline = child.started_at + spec.deadline
+        last: str | None = None
         try:
             while child.alive:
-                result = await _race(prober.check(), child.exited)
+                result = await self._attempt(unit, prober, child, deadline)
                 if result is _EXITED or not child.alive:
                     break
+                if result is _DEADLINE:
+                    cut = (
+                        f"not ready within {spec.deadline:g}s: the attempt in flight "
+                        f"({describe(spec)}, timeout {spec.timeout:g}s) was cut at the deadline"
+                    )
+                    return False, f"{cut}; last probe: {last}" if last else cut
+                last = result.detail
                 self._probed(unit, "ready", result)
                 self.transition(unit, unit.state, result.detail)
                 if result.ok:
                     return True, result.detail
+                pause = min(spec.interval, deadline - time.monotonic())
+                if pause > 0:
+                    await asyncio.wait([child.exited], timeout=pause)
                 if time.monotonic() >= deadline:
                     return False, (
                         f"not ready within {spec.deadline:g}s; last probe: {result.detail}"
                     )
-                await asyncio.wait([child.exited], timeout=spec.interval)
             return False, unit.detail
         finally:
             prober.close()
+
+    async def _attempt(
+        self, unit: Unit, prober: Prober, child: Process, deadline: float | None
+    ) -> Any:
+        """One probe attempt, raced against the process's exit and (for readiness) the
+        deadline: a result, _EXITED or _DEADLINE. The attempt in flight shows in status."""
+        spec = unit.spec.ready if deadline is not None else unit.spec.live
+        unit.attempt_since = time.monotonic()
+        unit.attempt_what = describe(spec) if spec is not None else "probe"
+        try:
+            work = prober.check()
+            if deadline is None:
+                return await _race(work, child.exited)
+            try:
+                return await asyncio.wait_for(
+                    _race(work, child.exited), max(deadline - time.monotonic(), 0.0)
+                )
+            except TimeoutError:
+                return _DEADLINE
+        finally:
+            unit.attempt_since = None
 
     def _probed(self, unit: Unit, kind: str, result: ProbeResult) -> None:
         for listener in self.probe_listeners:
@@ -397,7 +460,7 @@ class Engine:
                 await asyncio.wait([child.exited], timeout=spec.interval)
                 if not child.alive:
                     return await child.wait()
-                result = await _race(prober.check(), child.exited)
+                result = await self._attempt(unit, prober, child, None)
                 if result is _EXITED or not child.alive:
                     return await child.wait()
                 self._probed(unit, "live", result)
@@ -518,9 +581,11 @@ class Engine:
         """Operator restart: stop this unit alone, forget its backoff, start it again."""
         unit = self.units[name]
         await self.stop_unit(unit)
+        if self.stopping:  # a `down` began meanwhile: starting it again would outlive it
+            raise DynamodError(f"{name} was stopped, not started again: the stack is stopping")
         unit.tracker.reset()
         unit.task = asyncio.get_running_loop().create_task(
-            self._lifecycle(unit), name=f"unit:{unit.name}"
+            self._supervise(unit), name=f"unit:{unit.name}"
         )
 
     # ------------------------------------------------------------------ views
@@ -543,7 +608,9 @@ class Engine:
                     "restarts": unit.tracker.total,
                     "starts": unit.starts,
                     "last_exit": unit.last_exit.describe() if unit.last_exit else None,
-                    "detail": unit.detail,
+                    "detail": self._current_detail(unit, now),
+                    "log_dropped_bytes": unit.sink.logfile.dropped_bytes,
+                    "log_drop_reason": unit.sink.logfile.drop_reason,
                     "ports": dict(unit.spec.ports),
                     "depends_on": {k: str(v) for k, v in unit.spec.depends_on.items()},
                     "log": str(unit.log_path),
@@ -553,8 +620,18 @@ class Engine:
             )
         return rows
 
+    @staticmethod
+    def _current_detail(unit: Unit, now: float) -> str:
+        """The last answer, or, while an attempt has been waiting a while, that wait."""
+        since = unit.attempt_since
+        if since is None or now - since < 1.0:
+            return unit.detail
+        waiting = f"waiting {now - since:.1f} s for an answer ({unit.attempt_what})"
+        return f"{waiting}; before: {unit.detail}" if unit.detail else waiting
+
 
 _EXITED = object()
+_DEADLINE = object()
 
 
 async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
@@ -563,8 +640,10 @@ async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
     task = asyncio.ensure_future(work)
     try:
         await asyncio.wait([task, exited], return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError:  # e.g. a deadline: end the attempt (and its process)
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
         raise
     if task.done():
         return task.result()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.core import cgroups
+from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.proctable import marked_pids, start_time
 
 RUN_FILE = "run.json"
@@ -86,9 +87,9 @@ def mark_ended(state_dir: Path, how: str) -> None:
     if run is None:
         return
     run["ended"] = how
-    tmp = state_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(run, indent=2))
-    tmp.replace(state_dir / RUN_FILE)
+    # A full disk keeps the old run.json: the next up/down then finds nothing alive to sweep.
+    with contextlib.suppress(StateWriteError):
+        write_atomic(state_dir / RUN_FILE, json.dumps(run, indent=2).encode())
 
 
 def sweep_previous(state_dir: Path) -> Leftovers | None:

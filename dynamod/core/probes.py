@@ -111,7 +111,9 @@ class HttpProber:
         spec = self.spec
         what = f"{spec.method} {spec.url}"
         try:
-            async with self.session.request(spec.method, spec.url) as resp:
+            # per request: the daemon's shared session has its own (shorter) total timeout
+            timeout = aiohttp.ClientTimeout(total=spec.timeout)
+            async with self.session.request(spec.method, spec.url, timeout=timeout) as resp:
                 body = await resp.text()
                 status = resp.status
         except aiohttp.ClientConnectorError as exc:
@@ -159,15 +161,15 @@ class ExecProber:
         try:
             result = await asyncio.wait_for(asyncio.shield(child.exited), self.spec.timeout)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signal.SIGKILL)
-            await child.wait()
-            os.close(read_fd)
+            await _end(child, read_fd)
             return ProbeResult(
                 False,
                 f"exec {self.spec.command[0]}: no exit within {self.spec.timeout:g}s",
                 time.monotonic() - start,
             )
+        except asyncio.CancelledError:  # the attempt was cut (a deadline): end its process
+            await _end(child, read_fd)
+            raise
         output = _drain(read_fd)
         detail = f"exec {' '.join(self.spec.command)}: {result.describe()}"
         if output:
@@ -176,6 +178,13 @@ class ExecProber:
 
     def close(self) -> None:
         pass
+
+
+async def _end(child: process.Child, read_fd: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    await asyncio.shield(child.wait())
+    os.close(read_fd)
 
 
 def _drain(fd: int) -> str:
@@ -212,6 +221,19 @@ class LogProber:
 
     def close(self) -> None:
         self._unwatch()
+
+
+def describe(spec: Probe) -> str:
+    """A probe in a few words, for progress lines and deadline messages."""
+    if isinstance(spec, TcpProbe):
+        return f"tcp {spec.host}:{spec.port}"
+    if isinstance(spec, HttpProbe):
+        return f"{spec.method} {spec.url}"
+    if isinstance(spec, ExecProbe):
+        return f"exec {' '.join(spec.command)}"
+    if isinstance(spec, LogProbe):
+        return f"log /{spec.pattern}/"
+    return f"{spec.kind} probe"
 
 
 class ProbeKindError(DynamodError):

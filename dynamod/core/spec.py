@@ -291,6 +291,8 @@ def _load_file(
             raise SpecError("must be a table", file=path, unit=name)
         if name in stack.units:
             other = stack.units[name].source
+            if other == path:  # one file reached through two includes: one copy of it
+                continue
             raise SpecError(f"unit is also defined in {other}", file=path, unit=name)
         stack.units[name] = RawUnit(name=name, source=path, table=table)
 

@@ -11,12 +11,12 @@ without etcd, in a JSON file in the state dir. Keys (etcd):
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from dynamod.core.atomicfile import write_atomic
 from dynamod.rollout.etcd import EtcdClient
 
 
@@ -126,9 +126,7 @@ class FileLedger:
         return data
 
     def _save(self, data: dict[str, Any]) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data, indent=2).encode())
 
     async def current(self) -> PolicyVersion | None:
         current = self._load()["current"]

@@ -20,7 +20,8 @@ def test_logs_of_a_running_and_a_stopped_stack(dm: Dynamod) -> None:
     assert lines[0].endswith("--log-level warn")
     assert any('"level":"warn"' in line for line in lines[1:])  # etcd's own output
 
-    assert len(dm.run("logs", "nats", "-n", "2", check=True).stdout.splitlines()) == 2
+    two = dm.run("logs", "nats", "-n", "2", check=True).stdout.splitlines()
+    assert len(two) == 3 and two[0].startswith("--- dynamod: start #1 pid ")  # + its header
 
     missing = dm.run("logs", "frontend")
     assert missing.returncode == 1

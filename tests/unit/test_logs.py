@@ -18,7 +18,7 @@ import structlog
 from dynamod.control import logview
 from dynamod.core import logsetup
 from dynamod.core.errors import DynamodError
-from dynamod.core.logs import LogFile
+from dynamod.core.logs import CUT_MARK, LogFile, OutputSink
 
 
 def files(log: Path) -> dict[str, bytes]:
@@ -152,3 +152,109 @@ def test_human_lines_on_a_terminal(restore_structlog: None) -> None:
     os.close(leader)
     assert "unit.state" in line and "unit=etcd" in line
     assert not line.lstrip().startswith("{")
+
+
+def test_logs_read_across_rotated_files_from_the_spawn_header(tmp_path: Path) -> None:
+    path = tmp_path / "logs" / "worker@0.log"
+    log = LogFile(path, max_bytes=60, keep=3)
+    log.write(b"--- dynamod: start #1 pid 10: worker\n")
+    log.write(b"old output\n")
+    log.write(b"--- dynamod: start #2 pid 11: worker\n")  # rotates: #1 goes to .1
+    for i in range(6):
+        log.write(f"line {i} of spawn 2\n".encode())  # rotates once more
+    log.close()
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "worker@0.log", "worker@0.log.1", "worker@0.log.2", "worker@0.log.3"]
+    out: list[str] = []
+    logview.show(tmp_path, "worker@0", lines=4, follow=False, out=out.append)
+    assert out == ["--- dynamod: start #2 pid 11: worker",  # from an older file
+                   "line 2 of spawn 2", "line 3 of spawn 2", "line 4 of spawn 2",
+                   "line 5 of spawn 2"]
+    everything: list[str] = []
+    logview.show(tmp_path, "worker@0", lines=100, follow=False, out=everything.append)
+    assert everything[:3] == ["--- dynamod: start #1 pid 10: worker", "old output",
+                              "--- dynamod: start #2 pid 11: worker"]
+    assert len(everything) == 9
+
+
+# ------------------------------------------------------------------------- unit output
+
+
+def test_a_huge_line_is_cut_into_marked_pieces_and_memory_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "big.log"
+    sink = OutputSink(LogFile(path), tail_lines=10, max_line=1000)
+    seen: list[str] = []
+    sink.watch(seen.append)
+    for _ in range(250):  # 1 MB in one line, fed as a pipe would
+        sink.feed(b"x" * 4000)
+        assert len(sink._partial) <= 1000  # never more than one piece pending
+    sink.feed(b"tail of it\nnext line\n")
+    mark = CUT_MARK.format(n=1000)
+    assert len(seen) == 1000 + 2
+    assert all(line == "x" * 1000 + mark for line in seen[:1000])
+    assert seen[1000:] == ["tail of it", "next line"]
+    assert len(sink.tail) == 10 and sum(map(len, sink.tail)) < 10 * (1000 + len(mark))
+    sink.close()
+    assert path.read_bytes() == b"x" * 1_000_000 + b"tail of it\nnext line\n"  # the file as-is
+
+
+def test_lines_split_across_chunks_are_joined(tmp_path: Path) -> None:
+    sink = OutputSink(LogFile(tmp_path / "a.log"), max_line=8)
+    for chunk in (b"ab", b"c\nde", b"f\r\n", b"12345678", b"\n"):
+        sink.feed(chunk)
+    sink.close()
+    assert list(sink.tail) == ["abc", "def", "12345678"]  # exactly max_line: not cut
+
+
+def test_output_that_cannot_be_written_is_dropped_and_counted(tmp_path: Path) -> None:
+    full = Path("/dev/full")  # every write fails with ENOSPC
+    log = LogFile(full)
+    sink = OutputSink(log)
+    sink.feed(b"lost line\n")
+    sink.header("start #2 pid 1: x")
+    assert log.dropped_bytes == len(b"lost line\n") + len(b"--- dynamod: start #2 pid 1: x\n")
+    assert log.drop_reason == "disk full"
+    assert sink.last() == ["lost line"]  # still in memory, for failure messages
+    sink.close()
+
+
+def test_writing_resumes_and_says_what_was_lost(tmp_path: Path) -> None:
+    path = tmp_path / "w.log"
+    log = LogFile(path)
+    real_fd = log._fd
+    log._fd = os.open("/dev/full", os.O_WRONLY)  # the disk fills up
+    log.write(b"gone\n")
+    assert log.dropped_bytes == 5 and log.drop_reason == "disk full"
+    os.close(log._fd)
+    log._fd = real_fd  # space is back
+    log.write(b"back\n")
+    log.close()
+    assert path.read_bytes() == b"--- dynamod: 5 bytes of output dropped (disk full)\nback\n"
+    assert log.dropped_bytes == 5 and log.drop_reason is None
+
+
+def test_failure_lines_from_further_back_are_picked(tmp_path: Path) -> None:
+    sink = OutputSink(LogFile(tmp_path / "etcd.log"))
+    sink.feed(b'{"level":"info","msg":"starting"}\n')
+    fatal = '{"level":"fatal","msg":"failed to write","error":"no space left on device"}'
+    sink.feed(fatal.encode() + b"\n")
+    sink.feed(b"panic: boom\n")
+    sink.feed(b"".join(f"goroutine frame {i}\n".encode() for i in range(20)))
+    earlier, last = sink.telling(12)
+    assert earlier == [fatal]
+    assert last[-1] == "goroutine frame 19" and len(last) == 12
+    sink.feed(b"Error: no space left on device\n")  # the cause is in the last lines already
+    assert sink.telling(12)[0] == []
+    sink.close()
+
+
+def test_daemon_log_lines_that_cannot_be_written_do_not_raise(
+    restore_structlog: None,
+) -> None:
+    with open("/dev/full", "w") as full:
+        stream = logsetup.configure(full, json_output=True)
+        structlog.get_logger().info("unit.state", unit="etcd")  # must not raise
+        structlog.get_logger().info("unit.state", unit="nats")
+    assert stream.dropped_lines == 2 and "No space left" in (stream.last_error or "")

@@ -186,6 +186,20 @@ def test_includes_and_duplicate_units(tmp_path: Path) -> None:
     assert "also defined in" in str(info.value) and "etcd.toml" in str(info.value)
 
 
+def test_a_file_included_twice_counts_once(tmp_path: Path) -> None:
+    (tmp_path / "c.toml").write_text('[units.c]\ncommand = ["c"]\n')
+    (tmp_path / "a.toml").write_text('[stack]\ninclude = ["c.toml"]\n[units.a]\ncommand = ["a"]\n')
+    (tmp_path / "b.toml").write_text('[stack]\ninclude = ["c.toml"]\n[units.b]\ncommand = ["b"]\n')
+    stack = load(tmp_path, '[stack]\ninclude = ["a.toml", "b.toml"]\n')
+    assert sorted(stack.units) == ["a", "b", "c"]
+    # a second file defining the same unit is still refused, naming both files
+    (tmp_path / "b.toml").write_text('[units.c]\ncommand = ["other"]\n')
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, '[stack]\ninclude = ["a.toml", "b.toml"]\n')
+    assert str(info.value).startswith(f"{tmp_path / 'b.toml'}, unit 'c'")
+    assert f"also defined in {tmp_path / 'c.toml'}" in str(info.value)
+
+
 def test_missing_include_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as info:
         load(tmp_path, '[stack]\ninclude = ["nope.toml"]\n')
