@@ -26,9 +26,9 @@ from typing import IO, Any
 import aiohttp
 import structlog
 
-from dynamod.core import api, paths, process
+from dynamod.core import api, paths, process, statedir
 from dynamod.core.engine import Engine
-from dynamod.core.errors import DaemonError, DynamodError, UnitFailed
+from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 
@@ -51,12 +51,11 @@ class StateDir:
         self._lock: IO[bytes] | None = None
 
     def acquire(self) -> None:
-        problem = paths.check_socket_path(self.path)
-        if problem:
-            raise DaemonError(problem)
-        self.path.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
-        lock = (self.path / "dynamod.lock").open("a+b")
+        statedir.create(self.path)
+        try:
+            lock = (self.path / "dynamod.lock").open("a+b")
+        except OSError as exc:
+            raise StateDirError(self.path, f"cannot write its lock file: {exc.strerror}") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

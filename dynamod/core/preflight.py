@@ -37,5 +37,7 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
                     "on 127.0.0.1 (another process listens there; stop it or pick another "
                     "port, 0 allocates a free one)"
                 )
+    if len(problems) == 1:
+        raise PreflightError(f"cannot start the stack: {problems[0]}")
     if problems:
         raise PreflightError("cannot start the stack:\n" + "\n".join(f"  - {p}" for p in problems))
