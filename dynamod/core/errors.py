@@ -11,11 +11,18 @@ _PART_MAX = 200  # characters of one file name, unit name or field shown in a me
 _MESSAGE_MAX = 1000
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal would act on (newline, escape, bidi
+    override, lone surrogate) written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def shown(text: str) -> str:
-    """`text` fit for one line of a terminal: non-printable characters escaped, long
-    text cut. File, unit and field names come from hostile input too."""
-    if not text.isprintable():
-        text = text.encode("unicode_escape", "backslashreplace").decode("ascii")
+    """A file, unit or field name fit for one line: printable, long names cut. They come
+    from hostile input too."""
+    text = printable(text)
     return text if len(text) <= _PART_MAX else text[: _PART_MAX - 3] + "..."
 
 
@@ -49,7 +56,7 @@ class SpecError(DynamodError):
         if self.field:
             where.append(f"field {shown(self.field)!r}")
         prefix = ", ".join(where) if where else "spec"
-        message = " ".join(self.message.splitlines())
+        message = printable(" ".join(self.message.splitlines()))
         if len(message) > _MESSAGE_MAX:
             message = message[: _MESSAGE_MAX - 3] + "..."
         return f"{prefix}: {message}"

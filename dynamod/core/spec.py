@@ -272,7 +272,7 @@ def _load_file(
             file=chain[-1] if chain else path,
             field="stack.include",
         )
-    data = tomlfile.read(path)
+    data = tomlfile.read(path, included_from=chain[-1] if chain else None)
     for key in data:
         if key not in _STACK_KEYS:
             raise SpecError(

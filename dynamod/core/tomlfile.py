@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.core import limits
-from dynamod.core.errors import SpecError
+from dynamod.core.errors import SpecError, shown
 
 _KINDS = {
     stat.S_IFCHR: "a character device",
@@ -39,9 +39,20 @@ def resolve(path: Path, *, referenced_from: Path | None = None, field: str | Non
         raise SpecError(message, file=where, field=field) from None
 
 
-def read(path: Path) -> dict[str, Any]:
-    """The file's tables. Raises SpecError naming the file."""
-    data = _decode(path, _read_bytes(path))
+def read(path: Path, *, included_from: Path | None = None) -> dict[str, Any]:
+    """The file's tables. Raises SpecError naming the file; when it cannot be read at all
+    and another file includes it, naming the including file's `stack.include`."""
+    try:
+        raw = _read_bytes(path)
+    except SpecError as exc:
+        if included_from is None:
+            raise
+        raise SpecError(
+            f"include {shown(str(path))}: {exc.message}",
+            file=included_from,
+            field="stack.include",
+        ) from None
+    data = _decode(path, raw)
     try:
         tables = tomllib.loads(data)
     except tomllib.TOMLDecodeError as exc:
