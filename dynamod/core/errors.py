@@ -52,9 +52,9 @@ class SpecError(DynamodError):
         if self.file:
             where.append(shown(self.file))
         if self.unit:
-            where.append(f"unit {shown(self.unit)!r}")
+            where.append(f"unit '{shown(self.unit)}'")
         if self.field:
-            where.append(f"field {shown(self.field)!r}")
+            where.append(f"field '{shown(self.field)}'")
         prefix = ", ".join(where) if where else "spec"
         message = printable(" ".join(self.message.splitlines()))
         if len(message) > _MESSAGE_MAX:
