@@ -51,8 +51,15 @@ def load_stack(stack: str | None, state_dir: Path, variables: tuple[str, ...]) -
     """Read, render and validate STACK, then preflight it; exit 2 with the problems."""
     from dynamod.core import ports, preflight, spec
 
+    path = paths.resolve_stack_path(stack)
+    if stack is not None and path.parent == paths.units_dir() / "stacks" and not path.exists():
+        stock = sorted(p.stem for p in path.parent.glob("*.toml"))
+        fail(
+            f"no stock stack {stack!r} (stock stacks: {', '.join(stock)}); "
+            "or give the path of a stack file",
+            BAD_INPUT,
+        )
     try:
-        path = paths.resolve_stack_path(stack)
         overrides = dict(spec.parse_var(v) for v in variables)
         allocator = ports.PortAllocator()
         resolved = spec.load(
