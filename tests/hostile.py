@@ -154,7 +154,7 @@ hostile_unit = st.fixed_dictionaries(
 hostile_stack_tables = st.fixed_dictionaries(
     # bad unit names are refused first: invalid_stack covers them; here names are valid
     {"units": st.dictionaries(
-        valid_unit_name | st.sampled_from(["a", "b", "etcd"]), hostile_unit, min_size=1, max_size=3
+        valid_unit_name | st.sampled_from(["a", "b", "etcd"]), hostile_unit, min_size=1, max_size=2
     )},
     optional={
         "vars": st.dictionaries(hostile_text, hostile_value, max_size=3),

@@ -29,6 +29,10 @@ from dynamod.control.commands import register_commands
 from dynamod.core import paths
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError
 
+_NoArgsIsHelp: type[click.UsageError] = getattr(
+    click.exceptions, "NoArgsIsHelpError", click.exceptions.UsageError
+)
+
 
 class _Cli(click.Group):
     """The `dynamod` group, with click's three-line usage errors turned into one line:
@@ -38,6 +42,9 @@ class _Cli(click.Group):
         kwargs["standalone_mode"] = False
         try:
             result = super().main(*args, **kwargs)
+        except _NoArgsIsHelp as exc:  # a bare group: its help, as click prints it
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.message, err=True)
+            sys.exit(BAD_INPUT)
         except click.ClickException as exc:
             click.echo(_one_line(exc), err=True)
             sys.exit(BAD_INPUT)
@@ -376,6 +383,8 @@ def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
         logview.show(state_dir_of(ctx), unit, lines=lines, follow=follow, out=click.echo)
     except DynamodError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot read the log of {unit}: {exc.strerror or exc} ({exc.filename})")
     except KeyboardInterrupt:
         pass
 

@@ -54,11 +54,8 @@ def load_stack(stack: str | None, state_dir: Path, variables: tuple[str, ...]) -
     path = paths.resolve_stack_path(stack)
     if stack is not None and path.parent == paths.units_dir() / "stacks" and not path.exists():
         stock = sorted(p.stem for p in path.parent.glob("*.toml"))
-        fail(
-            f"no stock stack {stack!r} (stock stacks: {', '.join(stock)}); "
-            "or give the path of a stack file",
-            BAD_INPUT,
-        )
+        known = f"stock stacks: {', '.join(stock)}" if stock else f"none in {path.parent}"
+        fail(f"no stock stack {stack!r} ({known}); or give the path of a stack file", BAD_INPUT)
     try:
         overrides = dict(spec.parse_var(v) for v in variables)
         allocator = ports.PortAllocator()

@@ -22,7 +22,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dynamod.core import graph, limits, paths, tomlfile
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
@@ -59,6 +59,24 @@ def _count(default: int, *, minimum: int, maximum: int = limits.MAX_COUNT) -> An
     return Field(default, ge=minimum, le=maximum)
 
 
+def _http_url(value: str) -> str:
+    """An http(s) URL with a host (and a valid port, if any): what probes and clients
+    will connect to, refused here rather than at the first connection attempt."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL: {exc}") from None
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+
+
 class _ProbeBase(_Model):
     interval: float = _seconds(0.2, positive=True, description="seconds between attempts")
     timeout: float = _seconds(2.0, positive=True, description="seconds one attempt may take")
@@ -78,7 +96,7 @@ class TcpProbe(_ProbeBase):
 
 class HttpProbe(_ProbeBase):
     kind: Literal["http"]
-    url: str
+    url: HttpUrl
     method: Literal["GET", "POST"] = "GET"
     expect_status: int = Field(200, ge=100, le=599)
     expect_json: dict[str, Any] | None = Field(
@@ -111,7 +129,7 @@ class DynamoFrontendProbe(_ProbeBase):
     """Ready = enough `generate` instances registered and the model listed in /v1/models."""
 
     kind: Literal["dynamo_frontend"]
-    url: str
+    url: HttpUrl
     namespace: str
     model: str
     min_instances: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
@@ -165,16 +183,16 @@ class StopSpec(_Model):
 class DynamoWorkerSpec(_Model):
     """Marks a unit as a Dynamo worker: on death its etcd registration is revoked at once."""
 
-    etcd: str
+    etcd: HttpUrl
     namespace: str
-    system_url: str
+    system_url: HttpUrl
 
 
 class PolicySpec(_Model):
     """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
 
     store: Literal["etcd", "file"] = "etcd"
-    etcd: str | None = Field(None, description="etcd endpoint when store = 'etcd'")
+    etcd: HttpUrl | None = Field(None, description="etcd endpoint when store = 'etcd'")
     shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
     keep: int = _count(3, minimum=1, maximum=1000)
     min_ready_shards: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
@@ -514,6 +532,8 @@ def _pydantic_errors(exc: ValidationError, raw: RawUnit, instance: str) -> list[
             message = "unknown key"
         elif err["type"] == "missing":
             message = "required but missing"
+        elif err["type"] == "value_error":  # our own validators; they quote the value
+            message = str(err.get("ctx", {}).get("error", err["msg"]))
         else:
             message = err["msg"]
             if "input" in err and not isinstance(err["input"], dict | list):

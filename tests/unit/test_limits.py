@@ -257,3 +257,13 @@ def test_state_dir_create_reports_the_os_refusal(tmp_path: Path) -> None:
 def test_tomlfile_resolve_refuses_nul(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="NUL"):
         tomlfile.resolve(Path("a\0b"))
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:80/health", "ftp://h/", "http://", "http://h:99999/",
+                                 "http://h:port/"])
+def test_probe_urls_are_http_urls(tmp_path: Path, url: str) -> None:
+    text = f'[units.a]\ncommand = ["t"]\n[units.a.ready]\nkind = "http"\nurl = "{url}"\n'
+    err = refusal(write(tmp_path, text))
+    assert err.field == "ready.url" and "URL" in err.message and "Value error" not in err.message
+    text = text.replace(url, "https://127.0.0.1:8443/health")
+    assert load(write(tmp_path, text)).units["a"].ready is not None
