@@ -154,6 +154,20 @@ def test_bad_cli_arguments_exit_2_with_one_line(data: st.DataObject) -> None:
         assert hostile.tree(box.root) == before
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    key=st.sampled_from(["workers", "router_mode", "model_dir", "trainer_steps", "namespace"]),
+    value=hostile.hostile_text | hostile.hostile_number.map(str),
+)
+def test_hostile_vars_on_the_stock_stack(key: str, value: str) -> None:
+    with sandbox() as box:
+        result = cli_inprocess.run(
+            ["--state-dir", str(box.state_dir), "check", "local", "--var", f"{key}={value}"]
+        )
+        if result.code != 0:
+            hostile.assert_refused(result.code, result.stderr, result.stdout)
+
+
 COMMANDS = [
     ["check", "local"],
     ["up", "local", "--detach"],
