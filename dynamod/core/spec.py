@@ -55,8 +55,10 @@ def _seconds(default: float, *, positive: bool, description: str | None = None) 
     )
 
 
-def _count(default: int, *, minimum: int, maximum: int = limits.MAX_COUNT) -> Any:
-    return Field(default, ge=minimum, le=maximum)
+def _count(
+    default: int, *, minimum: int, maximum: int = limits.MAX_COUNT, description: str | None = None
+) -> Any:
+    return Field(default, ge=minimum, le=maximum, description=description)
 
 
 def _http_url(value: str) -> str:
@@ -85,7 +87,9 @@ class _ProbeBase(_Model):
         positive=True,
         description="readiness: seconds from spawn until the unit must be ready",
     )
-    failure_threshold: int = _count(3, minimum=1)
+    failure_threshold: int = _count(
+        3, minimum=1, description="liveness: consecutive failures before the unit is restarted"
+    )
 
 
 class TcpProbe(_ProbeBase):
@@ -152,7 +156,7 @@ class RestartSpec(_Model):
     backoff_max: float = _seconds(30.0, positive=False)
     backoff_factor: float = Field(2.0, ge=1, le=100, allow_inf_nan=False)
     jitter: float = Field(0.2, ge=0, le=1, description="+/- fraction of each delay")
-    limit_burst: int = _count(5, minimum=1)
+    limit_burst: int = _count(5, minimum=1, description="restarts allowed within limit_interval")
     limit_interval: float = _seconds(60.0, positive=True)
     reset_after: float = _seconds(
         30.0, positive=False, description="seconds of uptime after which backoff starts over"
@@ -194,7 +198,9 @@ class PolicySpec(_Model):
     store: Literal["etcd", "file"] = "etcd"
     etcd: HttpUrl | None = Field(None, description="etcd endpoint when store = 'etcd'")
     shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
-    keep: int = _count(3, minimum=1, maximum=1000)
+    keep: int = _count(
+        3, minimum=1, maximum=1000, description="policy versions kept in the ledger's history"
+    )
     min_ready_shards: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
     initial_version: int = Field(
         0, ge=0, le=2**63 - 1, description="version of the weights shards boot with"
