@@ -112,6 +112,9 @@ bad_unit_name = st.one_of(
     st.sampled_from(["a/b", "..", "../x", "a.b", "é", "a b", "a\x00", "a@0", "x" * 65]),
 )
 
+# what `logs UNIT` / `restart UNIT` must refuse ("a@0" is a bad file name, a good instance)
+bad_instance_name = bad_unit_name.filter(lambda n: not limits.is_instance_name(n))
+
 _PROBE_KINDS = ["tcp", "http", "exec", "log", "dynamo_frontend"]
 _PROBE_FIELDS = ["interval", "timeout", "deadline", "failure_threshold", "port", "url", "host",
                  "command", "pattern", "expect_status", "expect_json", "namespace", "model",

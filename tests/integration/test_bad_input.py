@@ -231,7 +231,7 @@ def test_hostile_stacks_through_the_real_cli(box: Sandbox, data: st.DataObject) 
     hostile.bad_var.map(lambda v: ["up", "local", "--var", v]),
     hostile.bad_seconds_arg.map(lambda v: ["up", "local", "--detach", "--timeout", v]),
     hostile.bad_metrics_addr.map(lambda v: ["up", "local", "--metrics-addr", v]),
-    hostile.bad_unit_name.map(lambda n: ["restart", n]),
+    hostile.bad_instance_name.map(lambda n: ["restart", n]),
 ))
 def test_hostile_arguments_through_the_real_cli(box: Sandbox, args: list[str]) -> None:
     assume(not any("\0" in a for a in args))  # argv cannot carry a NUL; in-process tests can

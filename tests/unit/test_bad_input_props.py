@@ -136,8 +136,8 @@ def test_bad_cli_arguments_exit_2_with_one_line(data: st.DataObject) -> None:
                 hostile.bad_var.map(lambda v: ["up", stack, "--var", v]),
                 hostile.bad_seconds_arg.map(lambda v: ["up", stack, "--detach", "--timeout", v]),
                 hostile.bad_metrics_addr.map(lambda v: ["up", stack, "--metrics-addr", v]),
-                hostile.bad_unit_name.map(lambda n: ["logs", n]),
-                hostile.bad_unit_name.map(lambda n: ["restart", n]),
+                hostile.bad_instance_name.map(lambda n: ["logs", n]),
+                hostile.bad_instance_name.map(lambda n: ["restart", n]),
                 hostile.bad_count_arg.map(lambda n: ["logs", "a", "-n", n]),
                 hostile.bad_count_arg.map(lambda n: ["policy", "push", "--step", n, "--path", "x"]),
                 hostile.bad_count_arg.map(
