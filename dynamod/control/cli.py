@@ -16,19 +16,72 @@ import click
 
 from dynamod.control import render
 from dynamod.control.client import Client
-from dynamod.control.cliutil import fail, load_stack, state_dir_of
+from dynamod.control.cliutil import (
+    BAD_INPUT,
+    Seconds,
+    check_metrics_addr,
+    check_unit_name,
+    create_state_dir,
+    fail,
+    load_stack,
+    state_dir_of,
+    var_option,
+)
 from dynamod.control.commands import register_commands
 from dynamod.core import paths
-from dynamod.core.errors import DaemonError, DynamodError
+from dynamod.core.errors import DaemonError, DynamodError, StateDirError
+
+_NoArgsIsHelp: type[click.UsageError] = getattr(
+    click.exceptions, "NoArgsIsHelpError", click.exceptions.UsageError
+)
 
 if TYPE_CHECKING:
     from dynamod.core.leftovers import Leftovers
 
 
-@click.group()
+class _Cli(click.Group):
+    """The `dynamod` group, with click's three-line usage errors turned into one line:
+    `dynamod up: --timeout expects ..., got '-1' (see dynamod up --help)`, exit 2."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            result = super().main(*args, **kwargs)
+        except _NoArgsIsHelp as exc:  # a bare group: its help, as click prints it
+            click.echo(exc.ctx.get_help() if exc.ctx else exc.message, err=True)
+            sys.exit(BAD_INPUT)
+        except click.ClickException as exc:
+            click.echo(_one_line(exc), err=True)
+            sys.exit(BAD_INPUT)
+        except click.Abort:
+            click.echo("dynamod: aborted", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
+
+
+def _one_line(exc: click.ClickException) -> str:
+    ctx = getattr(exc, "ctx", None)
+    words = ctx.command_path.split()[1:] if ctx is not None else []
+    where = " ".join(["dynamod", *[w for w in words if w != "-m" and w != "dynamod"]])
+    param = getattr(exc, "param", None)
+    message = exc.message
+    if type(exc) is click.BadParameter and param is not None:
+        name = (
+            max(param.opts, key=len)
+            if isinstance(param, click.Option)
+            else param.human_readable_name
+        )
+        message = f"{name} {message}" if message.startswith("expects") else f"{name}: {message}"
+    else:
+        message = exc.format_message()
+    hint = f" (see {where} --help)" if isinstance(exc, click.UsageError) else ""
+    return f"{where}: {' '.join(message.splitlines())}{hint}"
+
+
+@click.group(cls=_Cli)
 @click.option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     envvar=paths.STATE_DIR_ENV,
     default=None,
     help=f"Where the daemon keeps its socket, logs and state (env {paths.STATE_DIR_ENV}).",
@@ -45,25 +98,18 @@ _metrics_option = click.option(
     "--metrics-addr",
     default=None,
     metavar="HOST:PORT",
+    callback=check_metrics_addr,
     help="Serve Prometheus metrics on this address (off by default).",
-)
-
-_var_option = click.option(
-    "--var",
-    "variables",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="Override a stack variable, e.g. --var workers=4.",
 )
 
 
 @main.command()
 @click.argument("stack", required=False)
-@_var_option
+@var_option
 @click.pass_context
 def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
-    resolved = load_stack(stack, state_dir_of(ctx), variables)
+    resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables)
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
     from dynamod.core import graph
 
@@ -74,7 +120,7 @@ def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> 
 
 @main.command()
 @click.argument("stack", required=False)
-@_var_option
+@var_option
 @click.option(
     "--detach",
     is_flag=True,
@@ -83,7 +129,7 @@ def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> 
 )
 @click.option(
     "--timeout",
-    type=float,
+    type=Seconds(),
     default=None,
     help="With --detach: give up (and tear down) after this many seconds.",
 )
@@ -98,7 +144,7 @@ def up(
     timeout: float | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
-    state_dir = state_dir_of(ctx)
+    state_dir = state_dir_of(ctx, will_create=True)
     try:
         other = Client(state_dir).status()
     except DaemonError:
@@ -110,6 +156,7 @@ def up(
         )
     resolved = load_stack(stack, state_dir, variables)
     _check_containment_setting()
+    create_state_dir(state_dir)
     _sweep_previous(state_dir)
     # The daemon we start carries this id; we only ever report on a daemon that has it.
     run_id = uuid.uuid4().hex[:16]
@@ -179,6 +226,8 @@ def _run_daemon(
 
     try:
         return asyncio.run(main())
+    except StateDirError as exc:
+        fail(str(exc), BAD_INPUT)
     except DynamodError as exc:
         fail(str(exc))
 
@@ -209,8 +258,6 @@ def _up_detached(
     state dir, and ours will fail its lock and exit."""
     from dynamod.ops import sdnotify
 
-    state_dir.mkdir(parents=True, exist_ok=True)
-    os.chmod(state_dir, 0o700)
     log_path = state_dir / "daemon.log"
     log_start = log_path.stat().st_size if log_path.exists() else 0
     sys.stdout.flush()
@@ -424,7 +471,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
 
 
 @main.command()
-@click.argument("unit")
+@click.argument("unit", callback=check_unit_name)
 @click.pass_context
 def restart(ctx: click.Context, unit: str) -> None:
     """Stop UNIT, reset its backoff and start it again."""
@@ -436,11 +483,12 @@ def restart(ctx: click.Context, unit: str) -> None:
 
 
 @main.command()
-@click.argument("unit")
+@click.argument("unit", callback=check_unit_name)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option(
     "-n",
     "--lines",
+    type=click.IntRange(0, 1_000_000),
     default=50,
     show_default=True,
     help="Lines of history (after the header of the spawn they belong to).",
@@ -454,6 +502,8 @@ def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
         logview.show(state_dir_of(ctx), unit, lines=lines, follow=follow, out=click.echo)
     except DynamodError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot read the log of {unit}: {exc.strerror or exc} ({exc.filename})")
     except KeyboardInterrupt:
         pass
 

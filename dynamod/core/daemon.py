@@ -26,10 +26,10 @@ from typing import IO, Any
 import aiohttp
 import structlog
 
-from dynamod.core import api, cgroups, leftovers, paths, process
+from dynamod.core import api, cgroups, leftovers, paths, process, statedir
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine
-from dynamod.core.errors import DaemonError, DynamodError, UnitFailed
+from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
 from dynamod.core.extensions import Extension
 from dynamod.core.guardianship import Guardianship
 from dynamod.core.spec import Stack
@@ -53,12 +53,11 @@ class StateDir:
         self._lock: IO[bytes] | None = None
 
     def acquire(self) -> None:
-        problem = paths.check_socket_path(self.path)
-        if problem:
-            raise DaemonError(problem)
-        self.path.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.path, 0o700)
-        lock = (self.path / "dynamod.lock").open("a+b")
+        statedir.create(self.path)
+        try:
+            lock = (self.path / "dynamod.lock").open("a+b")
+        except OSError as exc:
+            raise StateDirError(self.path, f"cannot write its lock file: {exc.strerror}") from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

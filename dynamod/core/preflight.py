@@ -13,14 +13,15 @@ from dynamod.core.spec import Stack
 
 
 def check(stack: Stack, allocated: Iterable[int]) -> None:
-    """Every command is installed; every fixed port is free. Raises with all problems."""
+    """Every command is installed, every cwd exists, every fixed port is free. Raises
+    with all problems."""
     problems: list[str] = []
     given = set(allocated)
     for spec in stack.units.values():
         env = process.base_environment("preflight", spec.name, spec.env)
         exe = spec.command[0]
         found = (
-            os.access(exe, os.X_OK)
+            os.path.isfile(exe) and os.access(exe, os.X_OK)
             if os.sep in exe
             else shutil.which(exe, path=env.get("PATH")) is not None
         )
@@ -30,6 +31,11 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
                 f"{spec.source}: unit {spec.name!r}: command {exe!r} is not installed "
                 f"(not found on PATH){hint}"
             )
+        if spec.cwd is not None and not os.path.isdir(spec.cwd):
+            problems.append(
+                f"{spec.source}: unit {spec.name!r}: cwd {spec.cwd!r} is not an existing "
+                "directory"
+            )
         for name, port in spec.ports.items():
             if port not in given and portlib.in_use(port):
                 problems.append(
@@ -37,5 +43,7 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
                     "on 127.0.0.1 (another process listens there; stop it or pick another "
                     "port, 0 allocates a free one)"
                 )
+    if len(problems) == 1:
+        raise PreflightError(f"cannot start the stack: {problems[0]}")
     if problems:
         raise PreflightError("cannot start the stack:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -8,23 +8,23 @@ Resolution order, all before anything starts:
   raw tables -> replicas expanded to `NAME@i` -> ports fixed or allocated -> every string
   rendered (`{ports.x}`, `{units.other.ports.y}`, `{vars.v}`, `{index}`, ...) -> pydantic
   validation (unknown keys are errors) -> dependency references checked -> graph checked.
-Every error names the file, the unit and the field.
+Every error names the file, the unit and the field. Sizes, counts and durations are
+bounded (`core/limits.py`): going past a bound is a SpecError, never a memory exhaustion.
 """
 
 from __future__ import annotations
 
 import signal as _signal
 import sys
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dynamod.core import graph, paths
+from dynamod.core import graph, limits, paths, tomlfile
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
 from dynamod.core.template import TemplateError, render
 
@@ -43,28 +43,66 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _ProbeBase(_Model):
-    interval: float = Field(0.2, gt=0, description="seconds between attempts")
-    timeout: float = Field(2.0, gt=0, description="seconds one attempt may take")
-    deadline: float = Field(
-        120.0, gt=0, description="readiness: seconds from spawn until the unit must be ready"
+def _seconds(default: float, *, positive: bool, description: str | None = None) -> Any:
+    """A duration: finite, at most a day; zero allowed unless `positive`."""
+    return Field(
+        default,
+        gt=0 if positive else None,
+        ge=None if positive else 0,
+        le=limits.MAX_SECONDS,
+        allow_inf_nan=False,
+        description=description,
     )
-    failure_threshold: int = Field(
-        3, ge=1, description="liveness: consecutive failures before the unit is restarted"
+
+
+def _count(
+    default: int, *, minimum: int, maximum: int = limits.MAX_COUNT, description: str | None = None
+) -> Any:
+    return Field(default, ge=minimum, le=maximum, description=description)
+
+
+def _http_url(value: str) -> str:
+    """An http(s) URL with a host (and a valid port, if any): what probes and clients
+    will connect to, refused here rather than at the first connection attempt."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL: {exc}") from None
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+
+
+class _ProbeBase(_Model):
+    interval: float = _seconds(0.2, positive=True, description="seconds between attempts")
+    timeout: float = _seconds(2.0, positive=True, description="seconds one attempt may take")
+    deadline: float = _seconds(
+        120.0,
+        positive=True,
+        description="readiness: seconds from spawn until the unit must be ready",
+    )
+    failure_threshold: int = _count(
+        3, minimum=1, description="liveness: consecutive failures before the unit is restarted"
     )
 
 
 class TcpProbe(_ProbeBase):
     kind: Literal["tcp"]
     host: str = "127.0.0.1"
-    port: int = Field(ge=1, le=65535)
+    port: int = Field(ge=1, le=limits.MAX_PORT)
 
 
 class HttpProbe(_ProbeBase):
     kind: Literal["http"]
-    url: str
+    url: HttpUrl
     method: Literal["GET", "POST"] = "GET"
-    expect_status: int = 200
+    expect_status: int = Field(200, ge=100, le=599)
     expect_json: dict[str, Any] | None = Field(
         None, description="every key given must be present with this value (recursive)"
     )
@@ -95,10 +133,10 @@ class DynamoFrontendProbe(_ProbeBase):
     """Ready = enough `generate` instances registered and the model listed in /v1/models."""
 
     kind: Literal["dynamo_frontend"]
-    url: str
+    url: HttpUrl
     namespace: str
     model: str
-    min_instances: int = Field(1, ge=0)
+    min_instances: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
 
 
 Probe = Annotated[
@@ -109,23 +147,27 @@ Probe = Annotated[
 
 class RestartSpec(_Model):
     policy: Literal["never", "on-failure", "always"] = "on-failure"
-    first_delay: float = Field(
-        0.0, ge=0, description="delay of the first restart after the unit ran well"
+    first_delay: float = _seconds(
+        0.0, positive=False, description="delay of the first restart after the unit ran well"
     )
-    backoff_initial: float = Field(0.1, ge=0, description="delay of the second restart in a row")
-    backoff_max: float = Field(30.0, ge=0)
-    backoff_factor: float = Field(2.0, ge=1)
+    backoff_initial: float = _seconds(
+        0.1, positive=False, description="delay of the second restart in a row"
+    )
+    backoff_max: float = _seconds(30.0, positive=False)
+    backoff_factor: float = Field(2.0, ge=1, le=100, allow_inf_nan=False)
     jitter: float = Field(0.2, ge=0, le=1, description="+/- fraction of each delay")
-    limit_burst: int = Field(5, ge=1, description="restarts allowed within limit_interval")
-    limit_interval: float = Field(60.0, gt=0)
-    reset_after: float = Field(
-        30.0, ge=0, description="seconds of uptime after which backoff starts over"
+    limit_burst: int = _count(5, minimum=1, description="restarts allowed within limit_interval")
+    limit_interval: float = _seconds(60.0, positive=True)
+    reset_after: float = _seconds(
+        30.0, positive=False, description="seconds of uptime after which backoff starts over"
     )
 
 
 class StopSpec(_Model):
     signal: str = "SIGTERM"
-    timeout: float = Field(10.0, ge=0, description="seconds before SIGKILL to the group")
+    timeout: float = _seconds(
+        10.0, positive=False, description="seconds before SIGKILL to the group"
+    )
 
     @field_validator("signal")
     @classmethod
@@ -145,24 +187,30 @@ class StopSpec(_Model):
 class DynamoWorkerSpec(_Model):
     """Marks a unit as a Dynamo worker: on death its etcd registration is revoked at once."""
 
-    etcd: str
+    etcd: HttpUrl
     namespace: str
-    system_url: str
+    system_url: HttpUrl
 
 
 class PolicySpec(_Model):
     """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
 
     store: Literal["etcd", "file"] = "etcd"
-    etcd: str | None = Field(None, description="etcd endpoint when store = 'etcd'")
+    etcd: HttpUrl | None = Field(None, description="etcd endpoint when store = 'etcd'")
     shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
-    keep: int = Field(3, ge=1, description="policy versions kept in the ledger's history")
-    min_ready_shards: int = Field(1, ge=0)
-    initial_version: int = Field(0, ge=0, description="version of the weights shards boot with")
+    keep: int = _count(
+        3, minimum=1, maximum=1000, description="policy versions kept in the ledger's history"
+    )
+    min_ready_shards: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
+    initial_version: int = Field(
+        0, ge=0, le=2**63 - 1, description="version of the weights shards boot with"
+    )
     taint_prefix: str = "dynamod.policy/"
-    replay_backoff_initial: float = Field(0.5, gt=0)
-    replay_backoff_max: float = Field(10.0, gt=0)
-    call_timeout: float = Field(300.0, gt=0, description="seconds one engine admin call may take")
+    replay_backoff_initial: float = _seconds(0.5, positive=True)
+    replay_backoff_max: float = _seconds(10.0, positive=True)
+    call_timeout: float = _seconds(
+        300.0, positive=True, description="seconds one engine admin call may take"
+    )
 
 
 class UnitSpec(_Model):
@@ -186,6 +234,14 @@ class UnitSpec(_Model):
     install_hint: str | None = None
     dynamo: DynamoWorkerSpec | None = None
 
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not key or "=" in key:
+                raise ValueError(f"environment variable name {key!r} is empty or has '='")
+        return value
+
 
 # --------------------------------------------------------------------------- raw files
 
@@ -204,26 +260,16 @@ class RawStack:
     units: dict[str, RawUnit] = field(default_factory=dict)
     vars: dict[str, Any] = field(default_factory=dict)
     policy: dict[str, Any] | None = None
+    files_read: int = 0
 
 
 _STACK_KEYS = {"stack", "vars", "units", "policy"}
 _STACK_TABLE_KEYS = {"name", "include", "description"}
-_UNIT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise SpecError("file not found", file=path) from None
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError(f"not valid TOML: {exc}", file=path) from None
 
 
 def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> RawStack:
     """Read a stack file and everything it includes. No rendering, no validation yet."""
-    path = path.resolve()
+    path = tomlfile.resolve(path)
     stack = RawStack(path=path, name=path.stem)
     included_vars: dict[str, Any] = {}
     _load_file(path, stack, included_vars, chain=[])
@@ -237,7 +283,20 @@ def _load_file(
     if path in chain:
         cycle = " -> ".join(str(p) for p in [*chain, path])
         raise SpecError(f"include cycle: {cycle}", file=chain[-1], field="stack.include")
-    data = _read_toml(path)
+    if len(chain) > limits.MAX_INCLUDE_DEPTH:
+        raise SpecError(
+            f"includes nest more than {limits.MAX_INCLUDE_DEPTH} levels deep",
+            file=chain[-1],
+            field="stack.include",
+        )
+    stack.files_read += 1
+    if stack.files_read > limits.MAX_FILES:
+        raise SpecError(
+            f"the stack reads more than {limits.MAX_FILES} files (with its includes)",
+            file=chain[-1] if chain else path,
+            field="stack.include",
+        )
+    data = tomlfile.read(path, included_from=chain[-1] if chain else None)
     for key in data:
         if key not in _STACK_KEYS:
             raise SpecError(
@@ -253,7 +312,7 @@ def _load_file(
         if key not in _STACK_TABLE_KEYS:
             raise SpecError(f"unknown key {key!r}", file=path, field=f"stack.{key}")
     if is_root and "name" in header:
-        stack.name = str(header["name"])
+        stack.name = _stack_name(header["name"], path)
 
     file_vars = data.get("vars", {})
     if not isinstance(file_vars, dict):
@@ -277,15 +336,24 @@ def _load_file(
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
         raise SpecError("must be a list of file paths", file=path, field="stack.include")
     for include in includes:
-        _load_file((path.parent / include).resolve(), stack, included_vars, [*chain, path])
+        target = tomlfile.resolve(
+            path.parent / include, referenced_from=path, field="stack.include"
+        )
+        _load_file(target, stack, included_vars, [*chain, path])
 
     units = data.get("units", {})
     if not isinstance(units, dict):
         raise SpecError("must be a table of units", file=path, field="units")
     for name, table in units.items():
-        if not name or not set(name) <= _UNIT_NAME_CHARS:
+        if not name or not set(name) <= limits.UNIT_NAME_CHARS:
             raise SpecError(
                 "unit names may use letters, digits, '_' and '-' only", file=path, unit=name
+            )
+        if len(name) > limits.MAX_NAME_LENGTH:
+            raise SpecError(
+                f"unit names may be at most {limits.MAX_NAME_LENGTH} characters long",
+                file=path,
+                unit=name,
             )
         if not isinstance(table, dict):
             raise SpecError("must be a table", file=path, unit=name)
@@ -295,6 +363,27 @@ def _load_file(
                 continue
             raise SpecError(f"unit is also defined in {other}", file=path, unit=name)
         stack.units[name] = RawUnit(name=name, source=path, table=table)
+        if len(stack.units) > limits.MAX_INSTANCES:
+            raise SpecError(
+                f"more than {limits.MAX_INSTANCES} units in the stack", file=path, unit=name
+            )
+
+
+def _stack_name(value: Any, path: Path) -> str:
+    """It names systemd services and supervisord groups: the unit-name alphabet plus '.'."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > limits.MAX_NAME_LENGTH
+        or not set(value) <= limits.UNIT_NAME_CHARS | {"."}
+    ):
+        raise SpecError(
+            f"must be a name of at most {limits.MAX_NAME_LENGTH} letters, digits, '_', '-' "
+            f"or '.', got {value!r}",
+            file=path,
+            field="stack.name",
+        )
+    return value
 
 
 # --------------------------------------------------------------------------- resolution
@@ -320,37 +409,77 @@ class Stack:
         return [n for n in self.order if self.units[n].unit in self.policy.shards]
 
 
-def _render_field(value: Any, context: Mapping[str, Any], raw: RawUnit, where: str) -> Any:
-    """Render strings in `value`, turning template errors into SpecErrors at `where`."""
-    if isinstance(value, str):
+class _Renderer:
+    """Renders the strings of unit fields within the stack's output budget: every string
+    at most MAX_RENDERED_CHARS, everything rendered for the stack (replicas repeat their
+    unit) at most MAX_RENDERED_TOTAL, so no stack renders itself into memory exhaustion."""
+
+    _PER_VALUE = 8
+
+    def __init__(self) -> None:
+        self.left = limits.MAX_RENDERED_TOTAL
+
+    def field(self, value: Any, context: Mapping[str, Any], raw: RawUnit, where: str) -> Any:
+        """Render strings in `value`, turning template errors into SpecErrors at `where`."""
+        if isinstance(value, str):
+            try:
+                out = render(value, context, limits.MAX_RENDERED_CHARS)
+            except TemplateError as exc:
+                raise SpecError(str(exc), file=raw.source, unit=raw.name, field=where) from None
+            self._spend(len(out) + self._PER_VALUE, raw, where)
+            return out
+        self._spend(self._PER_VALUE, raw, where)
+        if isinstance(value, dict):
+            return {
+                k: self.field(v, context, raw, f"{where}.{k}" if where else k)
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [self.field(v, context, raw, f"{where}[{i}]") for i, v in enumerate(value)]
+        return value
+
+    def _spend(self, amount: int, raw: RawUnit, where: str) -> None:
+        self.left -= amount
+        if self.left < 0:
+            raise SpecError(
+                f"the stack renders to more than {limits.MAX_RENDERED_TOTAL} characters "
+                "(every replica repeats its unit's fields); make it smaller",
+                file=raw.source,
+                unit=raw.name,
+                field=where or None,
+            )
+
+
+def _as_int(value: Any, raw: RawUnit, where: str, minimum: int, maximum: int) -> int:
+    """An integer from TOML or a rendered template; floats and booleans are not integers."""
+    number: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
         try:
-            return render(value, context)
-        except TemplateError as exc:
-            raise SpecError(str(exc), file=raw.source, unit=raw.name, field=where) from None
-    if isinstance(value, dict):
-        return {
-            k: _render_field(v, context, raw, f"{where}.{k}" if where else k)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [_render_field(v, context, raw, f"{where}[{i}]") for i, v in enumerate(value)]
-    return value
-
-
-def _as_int(value: Any, raw: RawUnit, where: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        value = str(value)
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
+            number = int(value.strip())
+        except ValueError:
+            number = None
+    if number is None:
         raise SpecError(
-            f"must be an integer, got {value!r}", file=raw.source, unit=raw.name, field=where
-        ) from None
-    if number < minimum:
+            f"must be an integer, got {_short_repr(value)}",
+            file=raw.source,
+            unit=raw.name,
+            field=where,
+        )
+    if not minimum <= number <= maximum:
         raise SpecError(
-            f"must be >= {minimum}, got {number}", file=raw.source, unit=raw.name, field=where
+            f"must be between {minimum} and {maximum}, got {number}",
+            file=raw.source,
+            unit=raw.name,
+            field=where,
         )
     return number
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _dependencies(raw: RawUnit) -> dict[str, Condition]:
@@ -364,13 +493,20 @@ def _dependencies(raw: RawUnit) -> dict[str, Condition]:
             unit=raw.name,
             field="depends_on",
         )
+    if len(value) > limits.MAX_INSTANCES:
+        raise SpecError(
+            f"{len(value)} dependencies; a stack has at most {limits.MAX_INSTANCES} units",
+            file=raw.source,
+            unit=raw.name,
+            field="depends_on",
+        )
     deps: dict[str, Condition] = {}
     for name, cond in value.items():
         try:
             deps[name] = Condition(cond)
         except ValueError:
             raise SpecError(
-                f"unknown condition {cond!r} (expected started, ready or completed)",
+                f"unknown condition {_short_repr(cond)} (expected started, ready or completed)",
                 file=raw.source,
                 unit=raw.name,
                 field=f"depends_on.{name}",
@@ -378,18 +514,38 @@ def _dependencies(raw: RawUnit) -> dict[str, Condition]:
     return deps
 
 
+def _allocate(
+    allocate_port: PortAllocator, allocated: int, raw: RawUnit, instance: str, where: str
+) -> int:
+    if allocated > limits.MAX_ALLOCATED_PORTS:
+        raise SpecError(
+            f"more than {limits.MAX_ALLOCATED_PORTS} ports to allocate (port = 0) in the stack",
+            file=raw.source,
+            unit=instance,
+            field=where,
+        )
+    try:
+        return allocate_port()
+    except OSError as exc:
+        raise SpecError(
+            f"cannot allocate a free port: {exc}", file=raw.source, unit=instance, field=where
+        ) from None
+
+
 def _pydantic_errors(exc: ValidationError, raw: RawUnit, instance: str) -> list[SpecError]:
     errors = []
-    for err in exc.errors():
+    for err in exc.errors(include_url=False)[: limits.MAX_REPORTED_ERRORS]:
         loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
         if err["type"] == "extra_forbidden":
             message = "unknown key"
         elif err["type"] == "missing":
             message = "required but missing"
+        elif err["type"] == "value_error":  # our own validators; they quote the value
+            message = str(err.get("ctx", {}).get("error", err["msg"]))
         else:
             message = err["msg"]
             if "input" in err and not isinstance(err["input"], dict | list):
-                message += f" (got {err['input']!r})"
+                message += f" (got {_short_repr(err['input'])})"
         errors.append(SpecError(message, file=raw.source, unit=instance, field=loc or None))
     return errors
 
@@ -413,6 +569,7 @@ def resolve_stack(
 ) -> Stack:
     """Expand, allocate, render and validate. Raises SpecErrors listing every problem."""
     errors: list[SpecError] = []
+    renderer = _Renderer()
     python = python or sys.executable
     base_context: dict[str, Any] = {
         "vars": raw.vars,
@@ -424,7 +581,7 @@ def resolve_stack(
     # Vars may be templates themselves (model_dir = "{cache_dir}/models/{vars.model_name}").
     holder = RawUnit(name="[vars]", source=raw.path, table={})
     base_context["vars"] = {
-        key: _render_field(value, base_context, holder, f"vars.{key}")
+        key: renderer.field(value, base_context, holder, f"vars.{key}")
         for key, value in raw.vars.items()
     }
 
@@ -432,16 +589,26 @@ def resolve_stack(
     instances: dict[str, tuple[RawUnit, int | None]] = {}
     ports: dict[str, dict[str, int]] = {}
     replicated: dict[str, list[str]] = {}
+    allocated = 0
     for raw_unit in raw.units.values():
         try:
-            replicas_value = _render_field(
+            replicas_value = renderer.field(
                 raw_unit.table.get("replicas"), base_context, raw_unit, "replicas"
             )
             names: list[tuple[str, int | None]]
             if replicas_value is None:
                 names = [(raw_unit.name, None)]
             else:
-                count = _as_int(replicas_value, raw_unit, "replicas", minimum=0)
+                room = limits.MAX_INSTANCES - len(instances)
+                count = _as_int(replicas_value, raw_unit, "replicas", 0, limits.MAX_INSTANCES)
+                if count > room:
+                    raise SpecError(
+                        f"{count} replicas would make the stack more than "
+                        f"{limits.MAX_INSTANCES} unit instances",
+                        file=raw_unit.source,
+                        unit=raw_unit.name,
+                        field="replicas",
+                    )
                 names = [(f"{raw_unit.name}@{i}", i) for i in range(count)]
                 replicated[raw_unit.name] = [n for n, _ in names]
             port_table = raw_unit.table.get("ports", {})
@@ -452,28 +619,44 @@ def resolve_stack(
                     unit=raw_unit.name,
                     field="ports",
                 )
+            if len(port_table) > limits.MAX_PORTS_PER_UNIT:
+                raise SpecError(
+                    f"{len(port_table)} ports; a unit may have at most {limits.MAX_PORTS_PER_UNIT}",
+                    file=raw_unit.source,
+                    unit=raw_unit.name,
+                    field="ports",
+                )
             for instance, index in names:
+                if len(instances) >= limits.MAX_INSTANCES:
+                    raise SpecError(
+                        f"more than {limits.MAX_INSTANCES} unit instances in the stack",
+                        file=raw_unit.source,
+                        unit=instance,
+                    )
                 instances[instance] = (raw_unit, index)
                 context = {**base_context, "index": index if index is not None else 0}
                 ports[instance] = {}
                 for port_name, port_value in port_table.items():
                     where = f"ports.{port_name}"
-                    rendered = _render_field(port_value, context, raw_unit, where)
-                    number = _as_int(rendered, raw_unit, where, minimum=0)
-                    if number > 65535:
-                        raise SpecError(
-                            f"port {number} is out of range",
-                            file=raw_unit.source,
-                            unit=instance,
-                            field=where,
-                        )
+                    rendered = renderer.field(port_value, context, raw_unit, where)
+                    number = _as_int(rendered, raw_unit, where, 0, limits.MAX_PORT)
                     if number == 0:
-                        number = allocate_port()
+                        allocated += 1
+                        number = _allocate(allocate_port, allocated, raw_unit, instance, where)
                     elif index is not None and isinstance(port_value, int):
                         number += index  # a fixed base port: instance i listens on base + i
+                        if number > limits.MAX_PORT:
+                            raise SpecError(
+                                f"base port {port_value} + replica index {index} = {number} "
+                                f"is above {limits.MAX_PORT}",
+                                file=raw_unit.source,
+                                unit=instance,
+                                field=where,
+                            )
                     ports[instance][port_name] = number
         except SpecError as exc:
             errors.append(exc)
+            _check_error_count(errors)
     if errors:
         raise SpecErrors(errors)
 
@@ -484,6 +667,7 @@ def resolve_stack(
     # 2. render and validate every instance.
     specs: dict[str, UnitSpec] = {}
     for instance, (raw_unit, index) in instances.items():
+        _check_error_count(errors)
         context = {
             **base_context,
             "name": instance,
@@ -500,7 +684,7 @@ def resolve_stack(
                 for k, v in raw_unit.table.items()
                 if k not in {"replicas", "ports", "depends_on"}
             }
-            rendered = _render_field(table, context, raw_unit, "")
+            rendered = renderer.field(table, context, raw_unit, "")
         except SpecError as exc:
             errors.append(exc)
             continue
@@ -554,7 +738,8 @@ def resolve_stack(
         first = specs[exc.cycle[0]]
         raise SpecErrors([CycleError(exc.cycle, file=first.source)]) from None
     _check_completed_deps(specs, errors)
-    policy = _resolve_policy(raw, {**base_context, "units": units_context}, specs, errors)
+    policy_context = {**base_context, "units": units_context}
+    policy = _resolve_policy(raw, policy_context, specs, errors, renderer)
     if errors:
         raise SpecErrors(errors)
     return Stack(name=raw.name, path=raw.path, units=specs, order=order, policy=policy)
@@ -565,12 +750,13 @@ def _resolve_policy(
     context: Mapping[str, Any],
     specs: Mapping[str, UnitSpec],
     errors: list[SpecError],
+    renderer: _Renderer,
 ) -> PolicySpec | None:
     if raw.policy is None:
         return None
     holder = RawUnit(name="[policy]", source=raw.path, table=raw.policy)
     try:
-        rendered = _render_field(raw.policy, context, holder, "policy")
+        rendered = renderer.field(raw.policy, context, holder, "policy")
         policy = PolicySpec.model_validate(rendered)
     except SpecError as exc:
         errors.append(exc)
@@ -625,8 +811,15 @@ def _check_completed_deps(specs: Mapping[str, UnitSpec], errors: list[SpecError]
                 )
 
 
-def _known_hint(names: list[str]) -> str:
-    return f" (units in this stack: {', '.join(names)})" if names else ""
+def _known_hint(names: list[str], shown: int = 20) -> str:
+    listed = names[:shown] + ([f"... {len(names) - shown} more"] if len(names) > shown else [])
+    return f" (units in this stack: {', '.join(listed)})" if names else ""
+
+
+def _check_error_count(errors: list[SpecError]) -> None:
+    """Stop early once enough is wrong: a hostile stack must not cost a problem per byte."""
+    if len(errors) >= limits.MAX_COLLECTED_ERRORS:
+        raise SpecErrors(errors[: limits.MAX_COLLECTED_ERRORS], more=True)
 
 
 def load(

@@ -2,7 +2,9 @@
 
 A reference names a value in a nested mapping: `{ports.client}`, `{units.etcd.ports.client}`,
 `{vars.workers}`, `{index}`. `{{` and `}}` stand for literal braces. An unknown reference is
-an error that names the reference, so a typo never reaches a command line.
+an error that names the reference, so a typo never reaches a command line. Output is
+bounded: a string whose rendering would pass `max_length` characters is an error, found
+before the long string is built.
 """
 
 from __future__ import annotations
@@ -14,12 +16,28 @@ from typing import Any
 _REF = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_@\-]*(?:\.[A-Za-z0-9_@\-]+)*)\}")
 
 
+_HINT_NAMES = 20
+
+
 class TemplateError(Exception):
+    """An unknown reference; names it and what is known at that level."""
+
     def __init__(self, reference: str, known: list[str]) -> None:
         self.reference = reference
         self.known = known
-        hint = f" (known here: {', '.join(known)})" if known else ""
+        shown = known[:_HINT_NAMES] + (["..."] if len(known) > _HINT_NAMES else [])
+        hint = f" (known here: {', '.join(shown)})" if known else ""
         super().__init__(f"unknown reference {{{reference}}}{hint}")
+
+
+class TemplateTooLong(TemplateError):
+    """Rendering would produce more than `limit` characters."""
+
+    def __init__(self, limit: int) -> None:
+        self.reference = ""
+        self.known = []
+        self.limit = limit
+        Exception.__init__(self, f"renders to more than {limit} characters")
 
 
 def lookup(context: Mapping[str, Any], reference: str) -> Any:
@@ -36,16 +54,24 @@ def lookup(context: Mapping[str, Any], reference: str) -> Any:
     return node
 
 
-def render(text: str, context: Mapping[str, Any]) -> str:
+def render(text: str, context: Mapping[str, Any], max_length: int | None = None) -> str:
+    # The output is at most the template's own length plus what substitutions add.
+    grown = len(text)
+
     def substitute(match: re.Match[str]) -> str:
+        nonlocal grown
         token = match.group(0)
         if token == "{{":
             return "{"
         if token == "}}":
             return "}"
         value = lookup(context, match.group(1))
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        return str(value)
+        out = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        grown += len(out) - len(token)
+        if max_length is not None and grown > max_length:
+            raise TemplateTooLong(max_length)
+        return out
 
+    if max_length is not None and len(text) > max_length:
+        raise TemplateTooLong(max_length)
     return _REF.sub(substitute, text)

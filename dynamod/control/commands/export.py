@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
+from dynamod.control.cliutil import var_option
 from dynamod.core.errors import DynamodError
 
 
@@ -23,9 +23,7 @@ def export_group() -> None:
     default=None,
     help="File to write (default: standard output).",
 )
-@click.option(
-    "--var", "variables", multiple=True, metavar="KEY=VALUE", help="Override a stack variable."
-)
+@var_option
 @click.pass_context
 def supervisord(
     ctx: click.Context, stack: str | None, out: Path | None, variables: tuple[str, ...]
@@ -34,21 +32,28 @@ def supervisord(
     environment, restart and stop settings, priorities in dependency order, and its logs in
     STATE_DIR/logs (where `dynamod logs` reads them). Ports are allocated now and fixed in
     the file. What supervisord cannot do is printed to stderr."""
-    from dynamod.control.cliutil import fail, load_stack, state_dir_of
+    from dynamod.control.cliutil import BAD_INPUT, create_state_dir, fail, load_stack, state_dir_of
     from dynamod.ops import supervisord as export
 
-    state_dir = state_dir_of(ctx)
+    state_dir = state_dir_of(ctx, will_create=True)
     resolved = load_stack(stack, state_dir, variables)
     try:
         text = export.supervisord_config(resolved, state_dir=state_dir)
     except DynamodError as exc:
-        fail(str(exc), 2)
-    (state_dir / "logs").mkdir(parents=True, exist_ok=True)  # supervisord will not create it
-    os.chmod(state_dir, 0o700)
+        fail(str(exc), BAD_INPUT)
+    if out is not None:
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            fail(f"cannot write {out}: {exc.strerror or exc}", BAD_INPUT)
+    create_state_dir(state_dir)
+    try:
+        (state_dir / "logs").mkdir(exist_ok=True)  # supervisord will not create it
+    except OSError as exc:
+        fail(f"cannot create {state_dir / 'logs'}: {exc.strerror or exc}", BAD_INPUT)
     if out is None:
         click.echo(text, nl=False)
     else:
-        out.write_text(text)
         click.echo(f"wrote {out}", err=True)
     click.echo(
         f"supervisord runs the {resolved.name} stack's processes, but NOT what dynamod adds:",

@@ -10,12 +10,12 @@ from typing import Any
 import click
 
 from dynamod.control.client import Client
+from dynamod.control.cliutil import state_dir_of
 from dynamod.core.errors import DaemonError
 
 
 def _client(ctx: click.Context) -> Client:
-    state_dir: Path = ctx.obj["state_dir"]
-    return Client(state_dir)
+    return Client(state_dir_of(ctx))
 
 
 def _report(result: dict[str, Any], as_json: bool) -> None:
@@ -42,7 +42,12 @@ def _update_command(name: str, path_help: str, doc: str) -> None:
     """`push` and `publish` take the same arguments and report the same way."""
 
     @policy_group.command(name, help=doc)
-    @click.option("--step", type=int, required=True, help="Policy version (trainer step).")
+    @click.option(
+        "--step",
+        type=click.IntRange(0, 2**63 - 1),
+        required=True,
+        help="Policy version (trainer step).",
+    )
     @click.option("--path", "path", type=click.Path(path_type=Path), required=True, help=path_help)
     @click.option("--json", "as_json", is_flag=True)
     @click.pass_context

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from dynamod.control.cliutil import var_option
 from dynamod.core.errors import DynamodError
 
 if TYPE_CHECKING:  # the CLI imports this module on every run: keep its imports light
@@ -49,7 +50,7 @@ def _generate(
 
 
 def _write(files: Sequence[UnitFile], directory: Path) -> None:
-    from dynamod.control.cliutil import fail
+    from dynamod.control.cliutil import BAD_INPUT, fail
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -58,7 +59,7 @@ def _write(files: Sequence[UnitFile], directory: Path) -> None:
             path.write_text(unit_file.text)
             click.echo(f"wrote {path}")
     except OSError as exc:
-        fail(f"cannot write unit files to {directory}: {exc.strerror or exc}")
+        fail(f"cannot write unit files to {directory}: {exc.strerror or exc}", BAD_INPUT)
 
 
 _stack_argument = click.argument("stack", required=False)
@@ -67,12 +68,9 @@ _per_unit_option = click.option(
     is_flag=True,
     help="One systemd service per unit (plus a target) instead of one dynamod service.",
 )
-_var_option = click.option(
-    "--var", "variables", multiple=True, metavar="KEY=VALUE", help="Override a stack variable."
-)
 _watchdog_option = click.option(
     "--watchdog-sec",
-    type=click.IntRange(min=1),
+    type=click.IntRange(1, 86400),
     default=30,
     show_default=True,
     help="WatchdogSec of dynamod@.service (dynamod pets it every half of that).",
@@ -94,7 +92,7 @@ def systemd_group() -> None:
     help="Directory to write the unit files to.",
 )
 @_per_unit_option
-@_var_option
+@var_option
 @_watchdog_option
 @click.pass_context
 def generate(
@@ -121,7 +119,7 @@ def generate(
     help="Where systemd looks for unit files.",
 )
 @_per_unit_option
-@_var_option
+@var_option
 @_watchdog_option
 @click.pass_context
 def install(
@@ -154,7 +152,13 @@ def wait_ready(probe_json: str) -> None:
     try:
         probe: Probe = TypeAdapter(Probe).validate_json(probe_json)
     except ValidationError as exc:
-        click.echo(f"dynamod: not a readiness probe: {exc}", err=True)
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(p) for p in first["loc"]) or "probe"
+        click.echo(
+            f"dynamod: not a readiness probe: {where}: {first['msg']} "
+            f"({exc.error_count()} problem(s))",
+            err=True,
+        )
         sys.exit(2)
     ok, detail = asyncio.run(_wait_ready(probe))
     click.echo(detail, err=not ok)
