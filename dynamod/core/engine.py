@@ -197,30 +197,45 @@ class Engine:
             lines += [f"  | {line}" for line in tail]
         return "\n".join(lines)
 
+    def _away(self, unit: Unit) -> list[str]:
+        """Dependencies that do not meet their condition now, as 'name (condition)'."""
+        return [
+            f"{dep} ({condition})"
+            for dep, condition in unit.spec.depends_on.items()
+            if not _satisfied(self.units[dep].state, condition)
+        ]
+
     async def _wait_for_dependencies(self, unit: Unit) -> str | None:
-        """Block until every dependency meets its condition; return a reason if one never will."""
+        """Block until every dependency meets its condition; return a reason if one never
+        will. A unit that already ran waits in `waiting`, naming what it waits for."""
         while True:
-            waiting = []
             for dep, condition in unit.spec.depends_on.items():
                 other = self.units[dep]
                 if _satisfied(other.state, condition):
                     continue
-                if other.state in _DEAD_END or (
-                    condition is Condition.COMPLETED and other.state is UnitState.COMPLETED
+                if (
+                    other.state is UnitState.FAILED
+                    or (other.state in _DEAD_END and self.stopping)
+                    or (condition is Condition.COMPLETED and other.state is UnitState.COMPLETED)
                 ):
                     return f"dependency {dep} is {other.state}: {other.detail}"
-                waiting.append(f"{dep} ({condition})")
+            waiting = self._away(unit)
             if not waiting:
                 return None
-            self.transition(unit, unit.state, f"waiting for {', '.join(waiting)}")
+            ran = unit.state in {UnitState.BACKOFF, UnitState.WAITING}
+            self.transition(
+                unit,
+                UnitState.WAITING if ran else unit.state,
+                f"waiting for {', '.join(waiting)}",
+            )
             await self.changed()
 
     async def _lifecycle(self, unit: Unit) -> None:
-        blocked = await self._wait_for_dependencies(unit)
-        if blocked is not None:
-            self.transition(unit, UnitState.FAILED, blocked)
-            return
         while True:
+            blocked = await self._wait_for_dependencies(unit)
+            if blocked is not None:
+                self.transition(unit, UnitState.FAILED, blocked)
+                return
             exit, premature = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
@@ -231,13 +246,23 @@ class Engine:
             await self._reap_leftovers(unit)
             await unit.sink.drain(timeout=0.5)
             uptime = time.monotonic() - (unit.child.started_at if unit.child else time.monotonic())
-            decision = unit.tracker.decide(
-                exit, now=time.monotonic(), uptime=uptime, premature=premature
-            )
             what = exit.describe()
             hint = unit.extra.get("failure_hint")
             if hint:
                 what += f" ({hint})"
+            away = self._away(unit)
+            if away and unit.tracker.should_restart(exit, premature=premature):
+                # It exited because what it needs is gone (e.g. Dynamo's lease with etcd):
+                # not its own failure, so it does not count against its restart limit.
+                self.transition(
+                    unit,
+                    UnitState.WAITING,
+                    f"{what}; waiting for {', '.join(away)} (not counted as a restart)",
+                )
+                continue
+            decision = unit.tracker.decide(
+                exit, now=time.monotonic(), uptime=uptime, premature=premature
+            )
             if not decision.restart:
                 if exit.clean and not premature:
                     self.transition(unit, UnitState.COMPLETED, what)
@@ -270,8 +295,14 @@ class Engine:
                     return await child.wait(), True
                 unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
                 return await child.wait(), True
-        elif not child.alive:
-            return await child.wait(), True
+        else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
+            await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
+            if not child.alive:
+                unit.extra["failure_hint"] = (
+                    f"exited within min_uptime {spec.restart.min_uptime:g}s,"
+                    " before it counted as ready"
+                )
+                return await child.wait(), True
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
                 return await child.wait(), True
@@ -279,10 +310,16 @@ class Engine:
         if unit.hold_reason is not None:
             self.admit(unit, None)
         elif spec.ready is None:
-            self.transition(unit, UnitState.READY, "running (no readiness probe)")
+            self.transition(
+                unit,
+                UnitState.READY,
+                f"running (no readiness probe; up {spec.restart.min_uptime:g}s)",
+            )
         else:
             self.transition(unit, UnitState.READY)
-        return await self._watch(unit, child), False
+        # A service that exits after it was ready has failed, whatever its status, unless
+        # its spec says a clean exit is final.
+        return await self._watch(unit, child), not spec.restart.clean_exit_final
 
     def _spawn(self, unit: Unit) -> bool:
         spec = unit.spec

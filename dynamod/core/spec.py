@@ -121,6 +121,19 @@ class RestartSpec(_Model):
     reset_after: float = Field(
         30.0, ge=0, description="seconds of uptime after which backoff starts over"
     )
+    clean_exit_final: bool = Field(
+        False,
+        description="a service that exits 0 after it was ready is done (completed), not failed",
+    )
+    give_up: bool = Field(
+        True,
+        description="past the restart limit the unit fails; false: it retries every backoff_max",
+    )
+    min_uptime: float = Field(
+        1.0,
+        ge=0,
+        description="a unit without a readiness probe counts ready after this long up",
+    )
 
 
 class StopSpec(_Model):
