@@ -72,6 +72,9 @@ def status_table(status: Mapping[str, Any]) -> str:
     ]
     if status.get("error"):
         out.append(f"error: {status['error']}")
+    degraded = status.get("degraded") or {}
+    if degraded:
+        out.append("degraded: " + "; ".join(f"{name} {why}" for name, why in degraded.items()))
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())

@@ -8,11 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import Dynamod, unit_by_name
+from tests.integration.test_metrics import free_port, scrape
+from tests.integration.test_sdnotify import NotifySocket
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +55,9 @@ def test_a_service_that_exits_0_after_it_was_ready_has_failed(
     assert dm.unit("done")["restarts"] == 0
 
 
-def test_a_unit_whose_dependency_is_away_waits_naming_it(dm: Dynamod, stack_file: Any) -> None:
+def test_a_unit_whose_dependency_is_away_waits_naming_it_and_the_stack_says_degraded(
+    dm: Dynamod, stack_file: Any, tmp_path: Path
+) -> None:
     stack = stack_file(f"""
         [units.db]
         command = [{SERVE}]
@@ -66,20 +71,44 @@ def test_a_unit_whose_dependency_is_away_waits_naming_it(dm: Dynamod, stack_file
         {READY}
         restart = {{ limit_burst = 1 }}
     """)
-    dm.run("up", str(stack), "--detach", check=True)
+    notify = NotifySocket(tmp_path / "notify")
+    metrics_port = free_port()
+    dm.run("up", str(stack), "--detach", "--metrics-addr", f"127.0.0.1:{metrics_port}",
+           check=True, env={"NOTIFY_SOCKET": str(notify.path)})
     db, app = dm.unit("db"), dm.unit("app")
+    assert dm.status()["phase"] == "up" and dm.status()["degraded"] == {}
+    notify.drain(0.3)
     os.kill(db["pid"], signal.SIGKILL)
     dm.wait_for(lambda s: unit_by_name(s, "db")["state"] == "backoff", timeout=5,
                 what="db in backoff")
     os.kill(app["pid"], signal.SIGKILL)
-    waiting = dm.wait_for(
-        lambda s: (u := unit_by_name(s, "app"))["state"] == "waiting" and u, timeout=5,
+    status = dm.wait_for(
+        lambda s: unit_by_name(s, "app")["state"] == "waiting" and s, timeout=5,
         what="app waiting for db")
+    waiting = unit_by_name(status, "app")
     assert "waiting for db (ready)" in waiting["detail"], waiting["detail"]
     assert waiting["restarts"] == 0  # the dependency's outage is not the unit's failure
+    # degraded, naming the units and why: in status, sd_notify STATUS= and the metrics
+    assert status["phase"] == "degraded"
+    assert status["degraded"]["app"].startswith("waiting: ")
+    assert "waiting for db (ready)" in status["degraded"]["app"]
+    assert status["degraded"]["db"].startswith("backoff: ")
+    assert "degraded: " in dm.run("status", check=True).stdout
+    lines = [m.get("STATUS", "") for m in notify.collect(0.5)]
+    assert any("stack" in line and "degraded" in line and "app waiting (" in line
+               for line in lines), lines
+    samples, _ = scrape(metrics_port)
+    degraded = {dict(labels)["unit"]: dict(labels) for (name, labels), value in samples.items()
+                if name == "dynamod_stack_degraded_unit" and value == 1}
+    assert degraded["app"]["state"] == "waiting", degraded
+    assert samples[("dynamod_stack_phase",
+                    frozenset({("stack", "stack"), ("phase", "degraded")}))] == 1
     back = dm.wait_ready_again("app", app["pid"], timeout=15)
     assert back["restarts"] == 0
-    assert dm.status()["phase"] == "up"
+    assert dm.wait_for(lambda s: s["phase"] == "up" and s["degraded"] == {}, timeout=5,
+                       what="up again")
+    samples, _ = scrape(metrics_port)
+    assert not [k for k, v in samples.items() if k[0] == "dynamod_stack_degraded_unit" and v]
     # the same kill with db ready counts against app's limit (limit_burst = 1): restarted
     os.kill(back["pid"], signal.SIGKILL)
     again = dm.wait_ready_again("app", back["pid"], timeout=10)
