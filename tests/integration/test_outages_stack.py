@@ -1,0 +1,194 @@
+"""Outages on the real stack (etcd, NATS, Dynamo frontend, CPU workers) with load running.
+
+etcd sits behind a TCP proxy unit (tests/fixtures/tcpproxy.py) named `etcd`, so the test
+can make etcd's client port unreachable for everyone (Dynamo and dynamod alike) for 45 s,
+past Dynamo's 30 s lease, while the etcd process itself stays alive."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.conftest import FIXTURES, ROOT, Dynamod, unit_by_name
+from tests.integration.test_local_stack import complete, etcd_keys, frontend_url
+
+pytestmark = pytest.mark.slow
+
+CUT_S = 45.0
+
+
+def outage_stack(path: Path, cut_file: Path) -> Path:
+    units = ROOT / "units"
+    path.write_text(f"""
+[stack]
+name = "outage"
+include = ["{units}/nats.toml", "{units}/worker-cpu.toml", "{units}/frontend.toml"]
+
+[vars]
+workers = 2
+
+[units.etcd-server]
+command = ["etcd", "--name", "dynamod", "--data-dir", "{{state_dir}}/etcd",
+  "--listen-client-urls", "http://127.0.0.1:{{ports.client}}",
+  "--advertise-client-urls", "http://127.0.0.1:{{ports.client}}",
+  "--listen-peer-urls", "http://127.0.0.1:{{ports.peer}}",
+  "--initial-advertise-peer-urls", "http://127.0.0.1:{{ports.peer}}",
+  "--initial-cluster", "dynamod=http://127.0.0.1:{{ports.peer}}", "--log-level", "warn"]
+ports = {{ client = 0, peer = 0 }}
+restart = {{ policy = "always", give_up = false, backoff_max = 2 }}
+[units.etcd-server.ready]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+expect_json = {{ health = "true" }}
+interval = 0.05
+
+[units.etcd]
+description = "etcd's client port as everyone sees it (a proxy the test can cut)"
+command = ["{{python}}", "{FIXTURES / 'tcpproxy.py'}", "{{ports.client}}",
+  "{{units.etcd-server.ports.client}}", "--cut-file", "{cut_file}"]
+ports = {{ client = 0 }}
+depends_on = {{ etcd-server = "ready" }}
+restart = {{ policy = "always", give_up = false, backoff_max = 1 }}
+[units.etcd.ready]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+expect_json = {{ health = "true" }}
+interval = 0.05
+[units.etcd.live]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+interval = 1
+timeout = 1
+failure_threshold = 2
+
+[policy]
+store = "etcd"
+etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
+shards = ["worker"]
+keep = 3
+min_ready_shards = 1
+""")
+    return path
+
+
+class Load:
+    """Steady completions in a thread until stopped: (start, HTTP status or -1)."""
+
+    def __init__(self, url: str, rate: float = 4) -> None:
+        self.url, self.rate = url, rate
+        self.events: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def one(i: int) -> None:
+                started = time.monotonic()
+                try:
+                    code, _ = await complete(session, self.url, f"request {i}")
+                except (aiohttp.ClientError, TimeoutError):
+                    code = -1
+                self.events.append((started, code))
+
+            tasks = []
+            i = 0
+            while not self._stop.is_set():
+                tasks.append(asyncio.create_task(one(i)))
+                i += 1
+                await asyncio.sleep(1 / self.rate)
+            await asyncio.gather(*tasks)
+
+    def full_service_since(self, after: float) -> float | None:
+        """Start of the first request after `after` from which every later one succeeded."""
+        later = sorted(e for e in self.events if e[0] >= after)
+        since = None
+        for started, code in later:
+            if code != 200:
+                since = None
+            elif since is None:
+                since = started
+        return since
+
+
+def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    cut = tmp_path / "cut"
+    stack = outage_stack(tmp_path / "outage.toml", cut)
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    url = frontend_url(status)
+    etcd_port = unit_by_name(status, "etcd-server")["ports"]["client"]
+    before = {u["name"]: u for u in status["units"]}
+    old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    assert len(old_ids) == 2
+
+    seen_states: dict[str, set[str]] = {}
+    with Load(url) as load:
+        time.sleep(3)
+        cut.touch()
+        cut_at = time.monotonic()
+        while time.monotonic() - cut_at < CUT_S:
+            try:
+                snap = dm.status()
+            except AssertionError:
+                continue
+            for unit in snap["units"]:
+                seen_states.setdefault(unit["name"], set()).add(unit["state"])
+            seen_states.setdefault("phase", set()).add(snap["phase"])
+            time.sleep(1)
+        cut.unlink()
+        healed_at = time.monotonic()
+        up = dm.wait_for(lambda s: s["phase"] == "up" and s, timeout=90, what="stack up again")
+        up_after = time.monotonic() - healed_at
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            since = load.full_service_since(healed_at)
+            if since is not None and time.monotonic() - since > 5:
+                break
+            time.sleep(0.5)
+    since = load.full_service_since(healed_at)
+    failed_after = [e for e in load.events if e[0] >= healed_at and e[1] != 200]
+    print(f"\ncut {CUT_S:.0f}s; states seen during the cut: {seen_states}")
+    print(f"phase up {up_after:.1f}s after the cut ended; full service "
+          f"{(since - healed_at) if since else float('nan'):.1f}s after it; "
+          f"{len(failed_after)} requests failed after the cut ended")
+
+    # Dynamo lost its lease: the workers and the frontend exited (status 0) and waited for
+    # etcd instead of completing or burning their restart limit; the stack said degraded.
+    assert "degraded" in seen_states["phase"]
+    assert "waiting" in seen_states["worker@0"] | seen_states["worker@1"], seen_states
+    units = {u["name"]: u for u in up["units"]}
+    not_serving = {n: u["state"] for n, u in units.items()
+                   if u["state"] not in {"ready", "completed"}}
+    assert not_serving == {}
+    assert all(units[w]["pid"] != before[w]["pid"] for w in ("worker@0", "worker@1"))
+    assert since is not None, "completions never all succeeded again after the cut"
+
+    async def five() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            return [(await complete(session, url, f"after {i}"))[0] for i in range(5)]
+
+    assert asyncio.run(five()) == [200] * 5
+    # No registration of a dead process is left: only the live workers' instances.
+    live = {i for u in units.values() if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    assert len(live) == 2 and not live & old_ids
+    registered = {int(k.rsplit("/", 1)[1], 16)
+                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+    assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
+    assert live <= registered
