@@ -387,6 +387,8 @@ class PolicyManager(Extension):
                     f"step {step} is older than the current policy version "
                     f"{current.version}; pushes must move forward"
                 )
+            if current is not None and step == current.version:
+                return await self._already_committed(current, str(checkpoint), started)
             shards = self.admitted_shards()
             if not shards or len(shards) < self.spec.min_ready_shards:
                 raise PolicyError(
@@ -444,6 +446,38 @@ class PolicyManager(Extension):
             seconds=answer["seconds"],
             acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
         )
+        return answer
+
+    async def _already_committed(
+        self, current: PolicyVersion, path: str, started: float
+    ) -> dict[str, Any]:
+        """A push of the committed step again (its reply was lost, e.g. the daemon died
+        after committing): a no-op that answers what was committed. Step directories are
+        immutable, so the same step from the same path is the same weights; the same step
+        from elsewhere is refused rather than silently ignored."""
+        if current.path != path:
+            raise PolicyError(
+                f"step {current.version} is already committed from {current.path}"
+                f" (digest {current.digest}); a push of the same step must carry the same"
+                f" weights, not {path}; push step {current.version + 1} for new ones"
+            )
+        records = await self.ledger().shards()
+        acks = {
+            name: {"ok": True, "already": True, "version": rec.applied_version}
+            for name, rec in records.items()
+            if rec.applied_version == current.version
+        }
+        answer = {
+            "ok": True,
+            "already_committed": True,
+            "version": current.version,
+            "path": current.path,
+            "digest": current.digest,
+            "acks": acks,
+            "stale": sorted(n for n in self.engine.stack.shards() if n not in acks),
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        log.info("policy.push_already_committed", version=current.version, path=path)
         return answer
 
     async def _resume_after_failed_push(self, shards: list[Unit]) -> None:

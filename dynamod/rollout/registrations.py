@@ -26,7 +26,7 @@ from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
 from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
-from dynamod.rollout import dynamo
+from dynamod.rollout import dynamo, frontend_probe
 from dynamod.rollout.etcd import EtcdClient, EtcdError
 
 if TYPE_CHECKING:
@@ -59,8 +59,23 @@ class DynamoRegistrations(Extension):
         daemon.engine.hooks.append(self)
         if any(u.spec.dynamo for u in daemon.engine.units.values()):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_routed())
+            frontend_probe.count_only(self.live_instances)
+
+    def live_instances(self, namespace: str) -> set[int]:
+        """Instance ids of this stack's running Dynamo workers in `namespace`."""
+        assert self.daemon is not None and self.daemon.engine is not None
+        return {
+            instance
+            for unit in self.daemon.engine.units.values()
+            if unit.spec.dynamo is not None
+            and unit.spec.dynamo.namespace == namespace
+            and unit.state.running
+            and unit.pid is not None
+            for instance in unit.extra.get("dynamo", {}).get("instance_ids", [])
+        }
 
     async def stop(self) -> None:
+        frontend_probe.count_only(None)
         for task in (self._refresher, self._retrier):
             if task is not None:
                 task.cancel()

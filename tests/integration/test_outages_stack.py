@@ -7,15 +7,22 @@ past Dynamo's 30 s lease, while the etcd process itself stays alive."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.conftest import FIXTURES, ROOT, Dynamod, unit_by_name
+from tests.conftest import FIXTURES, ROOT, Dynamod, unit_by_name, wait_dead
 from tests.integration.test_local_stack import complete, etcd_keys, frontend_url
+from tests.integration.test_policy import checkpoint, model_dir, push
 
 pytestmark = pytest.mark.slow
 
@@ -192,3 +199,58 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
                   for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
     assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
     assert live <= registered
+
+
+def _events(dm: Dynamod, since_line: int) -> list[dict[str, Any]]:
+    events = []
+    for line in dm.daemon_log().splitlines()[since_line:]:
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    return events
+
+
+def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_no_op(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "never-cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    step1 = checkpoint(model_dir(status), tmp_path / "step-1", 1.01)
+    first = push(dm, 1, step1)
+    old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    pids = [u["pid"] for u in status["units"] if u["pid"]]
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    assert wait_dead(pids, timeout=15) == []
+    log_from = len(dm.daemon_log().splitlines())
+
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    again = dm.status()
+    events = _events(dm, log_from)
+    # The previous run's registrations were revoked before any new worker started ...
+    stale = [e for e in events if e.get("event") == "dynamo.stale_revoked"]
+    assert stale and {int(x, 16) for x in stale[0]["leases"]} >= old_ids, stale
+    # ... and the frontend turned ready only after both new workers were up, counting them.
+    def first_at(unit: str, states: set[str]) -> float:
+        return next(datetime.fromisoformat(e["timestamp"]).timestamp() for e in events
+                    if e.get("event") == "unit.state" and e["unit"] == unit
+                    and e["new"] in states)
+    frontend_ready = first_at("frontend", {"ready"})
+    for worker in ("worker@0", "worker@1"):
+        assert first_at(worker, {"held", "ready"}) < frontend_ready
+    detail = unit_by_name(again, "frontend")["detail"]
+    assert "2/2 generate instances" in detail and "of the stack's live workers" in detail
+    etcd_port = unit_by_name(again, "etcd-server")["ports"]["client"]
+    registered = {int(k.rsplit("/", 1)[1], 16)
+                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+    assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
+
+    # The push's reply was "lost": pushing the same step with the same weights is a no-op.
+    result = dm.run("policy", "push", "--step", "1", "--path", str(step1), check=True)
+    assert "was already committed" in result.stdout and "nothing pushed again" in result.stdout
+    repeat = push(dm, 1, step1)
+    assert repeat["already_committed"] is True and repeat["digest"] == first["digest"]
+    other = checkpoint(model_dir(again), tmp_path / "step-1b", 1.05)
+    refused = dm.run("policy", "push", "--step", "1", "--path", str(other))
+    assert refused.returncode == 1 and "already committed from" in refused.stderr
+    assert dm.status()["policy"]["current"] == 1
