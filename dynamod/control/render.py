@@ -95,6 +95,8 @@ def _detail(unit: Row) -> str:
     policy = unit.get("policy")
     if isinstance(policy, Mapping) and "version" in policy:
         parts.append(f"policy v{policy['version']} (current {policy.get('current')})")
+        if policy.get("routed_version") is not None:  # a canary proved the router routes it
+            parts.append(f"router-verified v{policy['routed_version']}")
     detail = unit.get("detail") or ""
     if detail:
         parts.append(detail.splitlines()[0][:120])

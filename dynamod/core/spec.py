@@ -176,6 +176,9 @@ class PolicySpec(_Model):
     replay_backoff_initial: float = Field(0.5, gt=0)
     replay_backoff_max: float = Field(10.0, gt=0)
     call_timeout: float = Field(300.0, gt=0, description="seconds one engine admin call may take")
+    route_timeout: float = Field(
+        60.0, gt=0, description="seconds a shard may wait for the router to route its new version"
+    )
 
 
 class UnitSpec(_Model):

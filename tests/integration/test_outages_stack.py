@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import FIXTURES, ROOT, Dynamod, unit_by_name, wait_dead
 from tests.integration.test_local_stack import complete, etcd_keys, frontend_url
-from tests.integration.test_policy import checkpoint, model_dir, push
+from tests.integration.test_policy import History, checkpoint, model_dir, push
 
 pytestmark = pytest.mark.slow
 
@@ -254,3 +254,43 @@ def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_
     refused = dm.run("policy", "push", "--step", "1", "--path", str(other))
     assert refused.returncode == 1 and "already committed from" in refused.stderr
     assert dm.status()["policy"]["current"] == 1
+
+
+def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "never-cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    step1 = checkpoint(model_dir(status), tmp_path / "step-1", 1.01)
+    required = [0]
+    history = History(frontend_url(status))
+    history.run(lambda: required[0], rate=8)
+    try:
+        time.sleep(3)
+        etcd = unit_by_name(status, "etcd-server")
+        os.kill(etcd["pid"], signal.SIGKILL)
+        dm.wait_ready_again("etcd-server", etcd["pid"], timeout=30)
+        dm.wait_for(lambda s: unit_by_name(s, "etcd")["state"] == "ready", timeout=30,
+                    what="etcd link ready")
+        pushed_at = time.monotonic()
+        result = push(dm, 1, step1)
+        pushed_took = time.monotonic() - pushed_at
+        required[0] = 1
+        done_at = time.monotonic()
+        time.sleep(6)
+    finally:
+        history.stop()
+    routes = {name: ack["ms"].get("route") for name, ack in result["acks"].items()}
+    after = [r for r in history.rows if r["sent"] >= done_at]
+    failed_after = [r for r in after if r["status"] != 200]
+    during = [r for r in history.rows if pushed_at <= r["sent"] < done_at]
+    print(f"\npush took {pushed_took:.2f}s after etcd was back (route checks ms: {routes}); "
+          f"{len(after)} requests for v1 after it, {len(failed_after)} failed; "
+          f"{sum(r['status'] != 200 for r in during)} of {len(during)} failed during the push")
+    assert result["stale"] == [] and all(v is not None for v in routes.values()), result
+    assert len(after) > 20
+    assert failed_after == [], failed_after[:3]
+    served = [r for r in history.rows if r["status"] == 200]
+    assert all(r["version"] >= r["required"] for r in served)  # nothing served stale
+    assert {r["version"] for r in after} == {1}
