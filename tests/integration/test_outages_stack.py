@@ -294,3 +294,57 @@ def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
     served = [r for r in history.rows if r["status"] == 200]
     assert all(r["version"] >= r["required"] for r in served)  # nothing served stale
     assert {r["version"] for r in after} == {1}
+
+
+def _transitions(dm: Dynamod, unit: str, since_line: int = 0) -> list[tuple[float, str, str]]:
+    return [(datetime.fromisoformat(e["timestamp"]).timestamp(), e["new"], e.get("detail", ""))
+            for e in _events(dm, since_line)
+            if e.get("event") == "unit.state" and e.get("unit") == unit]
+
+
+def test_a_sigstopped_frontend_is_replaced_and_a_saturated_one_is_not(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "never-cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    url = frontend_url(status)
+    frontend = unit_by_name(status, "frontend")
+
+    # Saturating load (64 in flight, no pause): the frontend is busy, not hung.
+    async def saturate(seconds: float) -> list[int]:
+        codes: list[int] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async def worker() -> None:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    try:
+                        codes.append((await complete(session, url, "busy busy"))[0])
+                    except (aiohttp.ClientError, TimeoutError):
+                        codes.append(-1)
+            await asyncio.gather(*(worker() for _ in range(64)))
+        return codes
+
+    codes = asyncio.run(saturate(15))
+    busy = dm.unit("frontend")
+    print(f"\nsaturated for 15 s: {len(codes)} requests ({codes.count(200)} ok); "
+          f"frontend restarts {busy['restarts']}")
+    assert busy["pid"] == frontend["pid"] and busy["restarts"] == 0, busy
+
+    log_from = len(dm.daemon_log().splitlines())
+    with Load(url, rate=8) as load:
+        time.sleep(2)
+        stopped_wall, stopped_at = time.time(), time.monotonic()
+        os.kill(frontend["pid"], signal.SIGSTOP)
+        back = dm.wait_ready_again("frontend", frontend["pid"], timeout=60)
+        time.sleep(3)
+    killed = next(t for t, new, detail in _transitions(dm, "frontend", log_from)
+                  if new in {"backoff", "waiting"})
+    since = load.full_service_since(stopped_at)
+    failed = [e for e in load.events if e[0] >= stopped_at and e[1] != 200]
+    print(f"hang detected and killed after {killed - stopped_wall:.2f}s; serving back "
+          f"{(since - stopped_at) if since else float('nan'):.2f}s after the hang began; "
+          f"{len(failed)} requests failed")
+    assert "liveness failed 2 times in a row" in (back["last_exit"] + dm.daemon_log())
+    assert killed - stopped_wall <= 2.0
+    assert since is not None
