@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
 
-from dynamod.core import graph, process
+from dynamod.core import graph, ports, process, proctable
 from dynamod.core.errors import UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, make_prober
@@ -371,6 +372,8 @@ class Engine:
                 if result is _EXITED:
                     break
                 self._probed(unit, "ready", result)
+                if result.ok and (impostor := self._answered_by_other(unit, child)):
+                    result = ProbeResult(False, impostor)
                 self.transition(unit, unit.state, result.detail)
                 if result.ok:
                     return True, result.detail
@@ -382,6 +385,32 @@ class Engine:
             return False, unit.detail
         finally:
             prober.close()
+
+    def _answered_by_other(self, unit: Unit, child: Process) -> str | None:
+        """A probe passed; if a port it targets is listened on by a process outside the
+        unit's process tree (group or run/unit marker), say whose the answer was."""
+        probe = unit.spec.ready
+        url = urlsplit(str(getattr(probe, "url", "") or ""))
+        targets = {getattr(probe, "port", None)}
+        with contextlib.suppress(ValueError):
+            targets.add(url.port)
+        for name, port in unit.spec.ports.items():
+            if port not in targets:
+                continue
+            owners = ports.listener_pids(port)
+            if not owners:
+                continue
+            tree = set(proctable.group_pids(child.pid)) | set(
+                proctable.marked_pids(self.run_id, unit.name)
+            ) | {child.pid}
+            if owners & tree:
+                continue
+            who = ", ".join(f"pid {pid} ({_comm(pid)})" for pid in sorted(owners))
+            return (
+                f"port {name}={port} is answered by {who}, not by {unit.name}'s processes"
+                f" (group {child.pid}): another process holds the port"
+            )
+        return None
 
     def _probed(self, unit: Unit, kind: str, result: ProbeResult) -> None:
         for listener in self.probe_listeners:
@@ -541,6 +570,13 @@ class Engine:
 
 
 _EXITED = object()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
+    except OSError:
+        return "?"
 
 
 async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
