@@ -35,7 +35,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.procs import bench_mark, state_dir, wait_until
+from bench.procs import bench_mark, reap_zombies, state_dir, wait_until
 from bench.report import Report, Table, emit, options
 from bench.runners import Dynamod
 from bench.stack import prebuilt_model
@@ -165,6 +165,21 @@ class Load:
         return sum(1 for r in self.rows if r[0] >= after and r[1] != 200)
 
 
+def stop(dm: Dynamod) -> None:
+    if dm.running():
+        dm.down()
+
+
+def guarded(name: str, report: Report, run: Any, *args: Any) -> dict[str, Any] | None:
+    """One scenario; a crash is a note in the report, not the end of the benchmark."""
+    try:
+        result: dict[str, Any] = run(*args)
+        return result
+    except Exception as exc:
+        report.notes.append(f"{name} did not complete: {type(exc).__name__}: {exc}"[:600])
+        return None
+
+
 def frontend_url(dm: Dynamod) -> str:
     return f"http://127.0.0.1:{dm.unit('frontend')['ports']['http']}"
 
@@ -197,7 +212,7 @@ def etcd_cut(recipe: bool) -> dict[str, Any]:
             return {"full_service_s": full, "failed_after": load.failed_after(healed),
                     "states_after": states}
         finally:
-            dm.down()
+            stop(dm)
 
 
 def kill9_push() -> dict[str, Any]:
@@ -231,7 +246,7 @@ def kill9_push() -> dict[str, Any]:
                     "stale": sum(1 for r in load.rows if r[1] == 200 and r[2] is not None
                                  and r[3] is not None and r[3] < r[2])}
         finally:
-            dm.down()
+            stop(dm)
 
 
 def frontend_hang(old: bool, saturate_s: float | None) -> dict[str, Any]:
@@ -258,7 +273,7 @@ def frontend_hang(old: bool, saturate_s: float | None) -> dict[str, Any]:
                           failed=load.failed_after(stopped))
             return result
         finally:
-            dm.down()
+            stop(dm)
 
 
 def saturation(dm: Dynamod, url: str, seconds: float) -> dict[str, Any]:
@@ -308,15 +323,16 @@ def daemon_kill() -> dict[str, Any]:
             left = asyncio.run(_instances(etcd_port)) & old
             return {"up_again_s": took, "dead_instances_left": len(left)}
         finally:
-            dm.down()
+            stop(dm)
 
 
 def _alive(pid: int) -> bool:
+    reap_zombies()  # units of the killed daemon are re-parented to us (a subreaper)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
-    return True
 
 
 async def _instances(port: int) -> set[int]:
@@ -334,18 +350,29 @@ def main() -> None:
     report = Report("outages", "8. Outages: fault end -> full service", args.quick)
     data = report.data
     if not args.quick:
-        data["etcd_cut"] = {"dynamod": etcd_cut(False), "recipe": etcd_cut(True)}
-    data["kill9_push"] = kill9_push()
-    data["frontend_hang"] = {"dynamod": frontend_hang(False, 15 if args.quick else 30)}
+        data["etcd_cut"] = {
+            variant: r for variant, recipe in (("dynamod", False), ("recipe", True))
+            if (r := guarded(f"etcd_cut {variant}", report, etcd_cut, recipe)) is not None
+        }
+    kill = guarded("kill9_push", report, kill9_push)
+    if kill is not None:
+        data["kill9_push"] = kill
+    data["frontend_hang"] = {}
+    if (hang := guarded("frontend_hang", report, frontend_hang, False,
+                        15 if args.quick else 30)) is not None:
+        data["frontend_hang"]["dynamod"] = hang
     if not args.quick:
-        data["frontend_hang"]["recipe"] = frontend_hang(True, None)
-        data["daemon_kill"] = daemon_kill()
+        if (old := guarded("frontend_hang recipe", report, frontend_hang, True, None)):
+            data["frontend_hang"]["recipe"] = old
+        if (killed := guarded("daemon_kill", report, daemon_kill)) is not None:
+            data["daemon_kill"] = killed
     table = Table("Fault end -> full service", ["fault", "variant", "full service s",
                                                   "failed requests", "other"], digits=2)
     for variant, r in data.get("etcd_cut", {}).items():
         table.rows.append([f"etcd port cut {CUT_S:.0f} s", variant, r["full_service_s"],
                            r["failed_after"], "after the cut ended"])
-    k = data["kill9_push"]
+    k = data.get("kill9_push", {"push_s": None, "failed_after": float("nan"), "stale": 0,
+                                 "route_wait_ms": float("nan"), "requests_after": 0})
     table.rows.append(["etcd kill -9, then push", "dynamod", k["push_s"], k["failed_after"],
                        f"route wait {k['route_wait_ms']:.0f} ms; {k['stale']} stale; "
                        f"{k['requests_after']} requests for v1 after"])
@@ -357,13 +384,15 @@ def main() -> None:
         table.rows.append(["dynamod SIGKILL, up again", "dynamod", d["up_again_s"], "-",
                            f"{d['dead_instances_left']} dead instances left"])
     report.tables.append(table)
-    s = data["frontend_hang"]["dynamod"]
+    s = data["frontend_hang"].get("dynamod") or {
+        "saturation_requests": 0, "saturation_ok": 0, "saturation_rps": float("nan"),
+        "liveness_miss_events": None, "false_restarts": float("nan"), "serving_back_s": None}
     report.tables.append(Table(
         "Saturating load on the frontend (64 in flight)",
         ["requests", "ok", "req/s", "liveness misses", "restarts (false positives)"],
         [[s["saturation_requests"], s["saturation_ok"], s["saturation_rps"],
           s["liveness_miss_events"], s["false_restarts"]]]))
-    if "etcd_cut" in data:
+    if "dynamod" in data.get("etcd_cut", {}):
         full = data["etcd_cut"]["dynamod"]["full_service_s"]
         report.target("full service after etcd returns", full if full is not None
                       else float("nan"), 5, "s")
