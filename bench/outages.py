@@ -53,8 +53,9 @@ def write_stack(root: Path, cut_file: Path, *, recipe_exits: bool = False,
     copies = {}
     for name in ("worker-cpu.toml", "frontend.toml"):
         text = (units / name).read_text()
-        if recipe_exits:
+        if recipe_exits:  # Dynamo's exit 0 on lease loss is final, as `completed` was
             text = re.sub(r"(\[units\.\w+\.restart\]\n)", r"\1clean_exit_final = true\n", text)
+            text = text.replace('policy = "always"', 'policy = "on-failure"')
         if old_liveness and name == "frontend.toml":
             text = re.sub(r"interval = 0\.25\ntimeout = 0\.5\nfailure_threshold = 2",
                           OLD_LIVENESS, text)
