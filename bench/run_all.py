@@ -32,6 +32,7 @@ BENCHMARKS = [
     "recovery",
     "policy_push",
     "load_kill",
+    "outages",
 ]
 
 

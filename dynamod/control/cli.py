@@ -310,7 +310,7 @@ def _up_detached(
             continue
         for line in progress.update(status, time.monotonic()):
             click.echo(line)
-        if status["phase"] == "up":
+        if status["phase"] in {"up", "degraded"}:  # degraded: it was up, then a unit left
             click.echo(
                 f"stack {status['stack']} ready in {time.monotonic() - started:.1f}s "
                 f"({len(status['units'])} units)"

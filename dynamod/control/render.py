@@ -85,6 +85,9 @@ def status_table(status: Mapping[str, Any]) -> str:
             f"logs: {_megabytes(status['logs']['dropped_bytes'])} dropped, "
             f"{status['logs']['reason']}"
         )
+    degraded = status.get("degraded") or {}
+    if degraded:
+        out.append("degraded: " + "; ".join(f"{name} {why}" for name, why in degraded.items()))
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
@@ -128,6 +131,8 @@ def _detail(unit: Row) -> str:
     policy = unit.get("policy")
     if isinstance(policy, Mapping) and "version" in policy:
         parts.append(f"policy v{policy['version']} (current {policy.get('current')})")
+        if policy.get("routed_version") is not None:  # a canary proved the router routes it
+            parts.append(f"router-verified v{policy['routed_version']}")
     detail = unit.get("detail") or ""
     if detail:
         parts.append(detail.splitlines()[0][:120])

@@ -4,7 +4,8 @@ Lifecycle: lock state dir -> sweep what a dead previous run left -> containment 
 stack's cgroup, or the fallback) -> subreaper + SIGCHLD -> guardian (restarted if it dies)
 -> control socket -> engine.start -> wait until every unit is ready (or fail, tear down,
 exit 1) -> serve until `down`, SIGTERM or SIGINT -> stop units in reverse order -> sweep the
-stack's cgroup, marked processes and every child but the guardian.
+stack's cgroup, marked processes and every child but the guardian. Once up, the phase is
+`degraded` whenever a unit is not ready (or completed), naming which and why.
 """
 
 from __future__ import annotations
@@ -28,18 +29,22 @@ import structlog
 
 from dynamod.core import api, cgroups, leftovers, paths, process, statedir
 from dynamod.core.atomicfile import StateWriteError, write_atomic
-from dynamod.core.engine import Engine
+from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
 from dynamod.core.extensions import Extension
 from dynamod.core.guardianship import Guardianship
 from dynamod.core.spec import Stack
+from dynamod.core.state import UnitState
 
 log = structlog.get_logger("dynamod.core.daemon")
+
+_SERVING = {UnitState.READY, UnitState.COMPLETED}
 
 
 class Phase(StrEnum):
     STARTING = "starting"
     UP = "up"
+    DEGRADED = "degraded"  # was up; a unit is not ready now (see Daemon.degraded_units)
     FAILED = "failed"  # bring-up failed; tearing down
     STOPPING = "stopping"
     STOPPED = "stopped"
@@ -132,9 +137,31 @@ class Daemon:
 
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
-        log.info("stack.phase", stack=self.stack.name, phase=str(phase))
+        log.info(
+            "stack.phase",
+            stack=self.stack.name,
+            phase=str(phase),
+            degraded=self.degraded_units() or None,
+        )
         for callback in self.on_phase:
             callback(phase)
+
+    def degraded_units(self) -> dict[str, str]:
+        """Once the stack was up: unit -> why it is not serving (its state and detail)."""
+        if self.engine is None or self.phase not in {Phase.UP, Phase.DEGRADED}:
+            return {}
+        return {
+            unit.name: f"{unit.state}: {unit.detail.splitlines()[0] if unit.detail else ''}"
+            for unit in self.engine.units.values()
+            if unit.state not in _SERVING
+        }
+
+    def _on_unit_change(self, unit: Unit, old: UnitState, new: UnitState) -> None:
+        if self.phase not in {Phase.UP, Phase.DEGRADED}:
+            return
+        wanted = Phase.DEGRADED if self.degraded_units() else Phase.UP
+        if wanted is not self.phase:
+            self.set_phase(wanted)
 
     # -------------------------------------------------------------- control API
 
@@ -147,6 +174,7 @@ class Daemon:
             "run_id": self.run_id,
             "phase": str(self.phase),
             "error": self.error,
+            "degraded": self.degraded_units(),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
             "units": self.engine.snapshot() if self.engine else [],
             "containment": self.containment.as_dict() if self.containment else None,
@@ -167,7 +195,7 @@ class Daemon:
 
     def require_running(self, what: str) -> None:
         """Raise unless the stack is starting or up (for commands that change it)."""
-        if self.phase not in {Phase.STARTING, Phase.UP}:
+        if self.phase not in {Phase.STARTING, Phase.UP, Phase.DEGRADED}:
             raise DynamodError(f"stack is {self.phase}; {what} needs a running stack")
 
     async def down(self) -> dict[str, Any]:
@@ -180,7 +208,7 @@ class Daemon:
         if unit not in self.engine.units:
             known = ", ".join(self.engine.units)
             raise DynamodError(f"no unit {unit!r} in stack {self.stack.name} (units: {known})")
-        if self.phase is not Phase.UP:
+        if self.phase not in {Phase.UP, Phase.DEGRADED}:
             raise DynamodError(f"stack is {self.phase}; restart needs a running stack")
         await self.engine.restart_unit(unit)
         return {"ok": True, "unit": unit}
@@ -289,6 +317,7 @@ class Daemon:
             return 1
         took = time.monotonic() - self.started_at
         self.set_phase(Phase.UP)
+        self.engine.listeners.append(self._on_unit_change)
         log.info(
             "stack.ready",
             stack=self.stack.name,

@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, graph, process
+from dynamod.core import cgroups, graph, ports, process, proctable
 from dynamod.core.errors import DynamodError, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
@@ -209,22 +210,37 @@ class Engine:
             lines += [f"  | {line}" for line in tail]
         return "\n".join(lines)
 
+    def _away(self, unit: Unit) -> list[str]:
+        """Dependencies that do not meet their condition now, as 'name (condition)'."""
+        return [
+            f"{dep} ({condition})"
+            for dep, condition in unit.spec.depends_on.items()
+            if not _satisfied(self.units[dep].state, condition)
+        ]
+
     async def _wait_for_dependencies(self, unit: Unit) -> str | None:
-        """Block until every dependency meets its condition; return a reason if one never will."""
+        """Block until every dependency meets its condition; return a reason if one never
+        will. A unit that already ran waits in `waiting`, naming what it waits for."""
         while True:
-            waiting = []
             for dep, condition in unit.spec.depends_on.items():
                 other = self.units[dep]
                 if _satisfied(other.state, condition):
                     continue
-                if other.state in _DEAD_END or (
-                    condition is Condition.COMPLETED and other.state is UnitState.COMPLETED
+                if (
+                    other.state is UnitState.FAILED
+                    or (other.state in _DEAD_END and self.stopping)
+                    or (condition is Condition.COMPLETED and other.state is UnitState.COMPLETED)
                 ):
                     return f"dependency {dep} is {other.state}: {other.detail}"
-                waiting.append(f"{dep} ({condition})")
+            waiting = self._away(unit)
             if not waiting:
                 return None
-            self.transition(unit, unit.state, f"waiting for {', '.join(waiting)}")
+            ran = unit.state in {UnitState.BACKOFF, UnitState.WAITING}
+            self.transition(
+                unit,
+                UnitState.WAITING if ran else unit.state,
+                f"waiting for {', '.join(waiting)}",
+            )
             await self.changed()
 
     async def _supervise(self, unit: Unit) -> None:
@@ -255,11 +271,11 @@ class Engine:
         await asyncio.sleep(1.0)
 
     async def _lifecycle(self, unit: Unit) -> None:
-        blocked = await self._wait_for_dependencies(unit)
-        if blocked is not None:
-            self.transition(unit, UnitState.FAILED, blocked)
-            return
         while True:
+            blocked = await self._wait_for_dependencies(unit)
+            if blocked is not None:
+                self.transition(unit, UnitState.FAILED, blocked)
+                return
             exit, premature = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
@@ -282,7 +298,11 @@ class Engine:
         the state it leads to before anything else runs (probes, hooks, /proc sweeps)."""
         if unit.child is not child or self.stopping or not unit.state.running:
             return  # being stopped: stop_unit records it
-        premature = unit.spec.type != "oneshot" and unit.ready_at is None
+        # A service that exits after it was ready has failed, whatever its status, unless
+        # its spec says a clean exit is final.
+        premature = unit.spec.type != "oneshot" and (
+            unit.ready_at is None or not unit.spec.restart.clean_exit_final
+        )
         if premature and unit.spec.ready is not None and "failure_hint" not in unit.extra:
             unit.extra["failure_hint"] = f"exited before it was ready; last probe: {unit.detail}"
         unit.recorded = (child, *self._record(unit, exit, premature))
@@ -293,11 +313,22 @@ class Engine:
         unit.last_exit = exit
         unit.hold_reason = None
         uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
-        decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
         what = exit.describe()
         hint = unit.extra.get("failure_hint")
         if hint:
             what += f" ({hint})"
+        away = self._away(unit)
+        if away and unit.tracker.should_restart(exit, premature=premature):
+            # It exited because what it needs is gone (e.g. Dynamo's lease with etcd): not
+            # its own failure, so it does not count against its restart limit; the
+            # lifecycle waits for the dependency before it starts it again.
+            self.transition(
+                unit,
+                UnitState.WAITING,
+                f"{what}; waiting for {', '.join(away)} (not counted as a restart)",
+            )
+            return Decision(restart=True, reason="dependency away"), exited_at
+        decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
         if not decision.restart:
             if exit.clean and not premature:
                 self.transition(unit, UnitState.COMPLETED, what)
@@ -331,8 +362,14 @@ class Engine:
                     return await child.wait(), True
                 unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
                 return await child.wait(), True
-        elif not child.alive:
-            return await child.wait(), True
+        else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
+            await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
+            if not child.alive:
+                unit.extra["failure_hint"] = (
+                    f"exited within min_uptime {spec.restart.min_uptime:g}s,"
+                    " before it counted as ready"
+                )
+                return await child.wait(), True
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
                 return await child.wait(), True
@@ -342,10 +379,16 @@ class Engine:
         if unit.hold_reason is not None:
             self.admit(unit, None)
         elif spec.ready is None:
-            self.transition(unit, UnitState.READY, "running (no readiness probe)")
+            self.transition(
+                unit,
+                UnitState.READY,
+                f"running (no readiness probe; up {spec.restart.min_uptime:g}s)",
+            )
         else:
             self.transition(unit, UnitState.READY)
-        return await self._watch(unit, child), False
+        # A service that exits after it was ready has failed, whatever its status, unless
+        # its spec says a clean exit is final.
+        return await self._watch(unit, child), not spec.restart.clean_exit_final
 
     def _spawn(self, unit: Unit) -> bool:
         spec = unit.spec
@@ -410,6 +453,8 @@ class Engine:
                     return False, f"{cut}; last probe: {last}" if last else cut
                 last = result.detail
                 self._probed(unit, "ready", result)
+                if result.ok and (impostor := self._answered_by_other(unit, child)):
+                    result = ProbeResult(False, impostor)
                 self.transition(unit, unit.state, result.detail)
                 if result.ok:
                     return True, result.detail
@@ -444,6 +489,38 @@ class Engine:
                 return _DEADLINE
         finally:
             unit.attempt_since = None
+
+    def _unit_pids(self, unit: Unit, child: Process) -> set[int]:
+        """The unit's processes: its cgroup's, or (fallback) its group's and marked ones."""
+        cgroup = self.containment.unit(unit.name)
+        if cgroup is not None:
+            return set(cgroups.procs(cgroup)) | {child.pid}
+        in_group = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
+        return in_group | set(proctable.marked_pids(self.run_id, unit.name)) | {child.pid}
+
+    def _answered_by_other(self, unit: Unit, child: Process) -> str | None:
+        """A probe passed; if a port it targets is listened on by a process outside the
+        unit's process tree (group or run/unit marker), say whose the answer was."""
+        probe = unit.spec.ready
+        url = urlsplit(str(getattr(probe, "url", "") or ""))
+        targets = {getattr(probe, "port", None)}
+        with contextlib.suppress(ValueError):
+            targets.add(url.port)
+        for name, port in unit.spec.ports.items():
+            if port not in targets:
+                continue
+            owners = ports.listener_pids(port)
+            if not owners:
+                continue
+            tree = self._unit_pids(unit, child)
+            if owners & tree:
+                continue
+            who = ", ".join(f"pid {pid} ({_comm(pid)})" for pid in sorted(owners))
+            return (
+                f"port {name}={port} is answered by {who}, not by {unit.name}'s processes"
+                f" (group {child.pid}): another process holds the port"
+            )
+        return None
 
     def _probed(self, unit: Unit, kind: str, result: ProbeResult) -> None:
         for listener in self.probe_listeners:
@@ -632,6 +709,13 @@ class Engine:
 
 _EXITED = object()
 _DEADLINE = object()
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
+    except OSError:
+        return "?"
 
 
 async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:

@@ -1,9 +1,24 @@
-"""Loopback port allocation and in-use checks."""
+"""Loopback port allocation (machine-wide, so stacks side by side never share a port),
+in-use checks, and who owns a listening socket.
+
+Every allocation goes through the machine's port registry (`DYNAMOD_PORT_REGISTRY`,
+default /tmp/dynamod-ports): under one exclusive lock, a process's claimed ports are
+appended to its own claim file, which it keeps locked for its whole life (the daemon, and
+a forked daemon shares the CLI's lock). A claim whose file is no longer locked belongs to
+a process that is gone and is dropped.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import random
 import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+_CLAIMS: list[int] = []  # open claim-file descriptors: held (and locked) until exit
 
 
 class PortAllocator:
@@ -20,20 +35,75 @@ class PortAllocator:
         low: int = 20000,
         high: int = 32767,
         rng: random.Random | None = None,
+        registry: Path | None = None,
     ) -> None:
         self.host = host
         self.low, self.high = low, high
         self.rng = rng or random.Random()
         self.given: set[int] = set()
+        self.registry = registry  # None: the machine's (registry_dir())
+        self._claim_fd: int | None = None
 
     def __call__(self) -> int:
-        for _ in range(500):
-            port = self.rng.randint(self.low, self.high)
-            if port in self.given or in_use(port, self.host):
-                continue
-            self.given.add(port)
-            return port
+        with _registry_lock(self.registry or registry_dir()) as root:
+            taken = _claimed_ports(root, own=self._claim_fd)
+            for _ in range(500):
+                port = self.rng.randint(self.low, self.high)
+                if port in self.given or port in taken or in_use(port, self.host):
+                    continue
+                self._claim(root, port)
+                self.given.add(port)
+                return port
         raise OSError(f"no free loopback port in {self.low}-{self.high} after 500 tries")
+
+    def _claim(self, root: Path, port: int) -> None:
+        if self._claim_fd is None:
+            path = root / f"claim-{os.getpid()}-{id(self):x}"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._claim_fd = fd
+            _CLAIMS.append(fd)
+        os.write(self._claim_fd, f"{port}\n".encode())
+
+
+def registry_dir() -> Path:
+    return Path(os.environ.get("DYNAMOD_PORT_REGISTRY", "/tmp/dynamod-ports"))
+
+
+@contextlib.contextmanager
+def _registry_lock(root: Path) -> Iterator[Path]:
+    root.mkdir(parents=True, exist_ok=True, mode=0o1777)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield root
+    finally:
+        os.close(fd)
+
+
+def _claimed_ports(root: Path, own: int | None) -> set[int]:
+    """Ports in every live claim (its file still locked by its owner); stale claims go."""
+    own_inode = os.fstat(own).st_ino if own is not None else None
+    taken: set[int] = set()
+    for path in root.glob("claim-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_ino != own_inode:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass  # held: a live process's claim
+                else:
+                    path.unlink(missing_ok=True)  # its owner is gone
+                    continue
+            with os.fdopen(os.dup(fd)) as fh:
+                taken |= {int(line) for line in fh.read().split() if line.isdigit()}
+        finally:
+            os.close(fd)
+    return taken
 
 
 def in_use(port: int, host: str = "127.0.0.1") -> bool:
@@ -54,3 +124,32 @@ def listening(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:
             return True
     except OSError:
         return False
+
+
+def listener_pids(port: int, host: str = "127.0.0.1") -> set[int]:
+    """Pids holding a TCP socket listening on host:port (or on any address), from
+    /proc/net/tcp and each process's fds; empty if none can be seen."""
+    wanted = {f"{_hex_addr(host)}:{port:04X}", f"00000000:{port:04X}"}
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[1] in wanted and fields[3] == "0A":  # 0A = LISTEN
+                inodes.add(fields[9])
+    if not inodes:
+        return set()
+    owners: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    owners.add(int(entry.name))
+                    break
+    return owners
+
+
+def _hex_addr(host: str) -> str:
+    return socket.inet_aton(host)[::-1].hex().upper()

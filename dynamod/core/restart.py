@@ -92,13 +92,17 @@ class RestartTracker:
         while self.history and self.history[0] < window_start:
             self.history.popleft()
         if len(self.history) >= self.spec.limit_burst:
-            return Decision(
-                False,
-                reason=(
-                    f"restart limit reached: {len(self.history)} restarts within"
-                    f" {self.spec.limit_interval:g}s (limit_burst={self.spec.limit_burst})"
-                ),
+            limit = (
+                f"restart limit reached: {len(self.history)} restarts within"
+                f" {self.spec.limit_interval:g}s (limit_burst={self.spec.limit_burst})"
             )
+            if self.spec.give_up:
+                return Decision(False, reason=limit)
+            # An outage that ends must not leave the unit given up on: retry, slowly.
+            self.history.append(now)
+            self._total += 1
+            delay = self.spec.backoff_max
+            return Decision(True, delay=delay, reason=f"{limit}; retrying in {delay:.2f}s")
         delay = self.delay()
         self.attempt += 1
         self.history.append(now)

@@ -161,6 +161,19 @@ class RestartSpec(_Model):
     reset_after: float = _seconds(
         30.0, positive=False, description="seconds of uptime after which backoff starts over"
     )
+    clean_exit_final: bool = Field(
+        False,
+        description="a service that exits 0 after it was ready is done (completed), not failed",
+    )
+    give_up: bool = Field(
+        True,
+        description="past the restart limit the unit fails; false: it retries every backoff_max",
+    )
+    min_uptime: float = Field(
+        1.0,
+        ge=0,
+        description="a unit without a readiness probe counts ready after this long up",
+    )
 
 
 class StopSpec(_Model):
@@ -210,6 +223,11 @@ class PolicySpec(_Model):
     replay_backoff_max: float = _seconds(10.0, positive=True)
     call_timeout: float = _seconds(
         300.0, positive=True, description="seconds one engine admin call may take"
+    )
+    route_timeout: float = _seconds(
+        60.0,
+        positive=True,
+        description="seconds a shard may wait for the router to route its new version",
     )
 
 

@@ -6,7 +6,9 @@
                             v                   v
                          backoff <---exit--- (any running state)
                             |                   |
-                            +--limit hit--> failed
+                            |                   +--exit while a dependency is away--> waiting
+                            |                                                            |
+                            +--limit hit--> failed    waiting --dependency back--> starting
     oneshot exit 0 -> completed;  any state --down--> stopping -> stopped
 """
 
@@ -22,6 +24,7 @@ class UnitState(StrEnum):
     HELD = "held"  # running but kept out of routing (rollout shard catching up)
     DEGRADED = "degraded"  # liveness probe failing, below the restart threshold
     BACKOFF = "backoff"  # exited; waiting before the next start
+    WAITING = "waiting"  # exited while a dependency was away; starts again once it is back
     FAILED = "failed"  # gave up: restart limit, policy 'never', or cannot start
     COMPLETED = "completed"  # exited 0 and is not to be restarted
     STOPPING = "stopping"
@@ -39,7 +42,13 @@ class UnitState(StrEnum):
 
 _RUNNING = {UnitState.STARTING, UnitState.READY, UnitState.HELD, UnitState.DEGRADED}
 
-_ANY_RUNNING_EXIT = {UnitState.BACKOFF, UnitState.FAILED, UnitState.COMPLETED, UnitState.STOPPING}
+_ANY_RUNNING_EXIT = {
+    UnitState.BACKOFF,
+    UnitState.WAITING,
+    UnitState.FAILED,
+    UnitState.COMPLETED,
+    UnitState.STOPPING,
+}
 
 ALLOWED: dict[UnitState, frozenset[UnitState]] = {
     UnitState.INACTIVE: frozenset({UnitState.STARTING, UnitState.FAILED, UnitState.STOPPED}),
@@ -47,7 +56,10 @@ ALLOWED: dict[UnitState, frozenset[UnitState]] = {
     UnitState.READY: frozenset({UnitState.DEGRADED, UnitState.HELD, *_ANY_RUNNING_EXIT}),
     UnitState.HELD: frozenset({UnitState.READY, UnitState.DEGRADED, *_ANY_RUNNING_EXIT}),
     UnitState.DEGRADED: frozenset({UnitState.READY, UnitState.HELD, *_ANY_RUNNING_EXIT}),
-    UnitState.BACKOFF: frozenset({UnitState.STARTING, UnitState.FAILED, UnitState.STOPPED}),
+    UnitState.BACKOFF: frozenset(
+        {UnitState.STARTING, UnitState.WAITING, UnitState.FAILED, UnitState.STOPPED}
+    ),
+    UnitState.WAITING: frozenset({UnitState.STARTING, UnitState.FAILED, UnitState.STOPPED}),
     UnitState.FAILED: frozenset({UnitState.STARTING, UnitState.STOPPED}),
     UnitState.COMPLETED: frozenset({UnitState.STARTING, UnitState.STOPPED}),
     UnitState.STOPPING: frozenset({UnitState.STOPPED}),

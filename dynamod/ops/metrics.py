@@ -8,6 +8,7 @@ and is served by aiohttp on the daemon's own event loop, so scrapes read engine 
 from the loop's thread.
 
   dynamod_stack_phase{stack,phase}              1 for the daemon's current phase
+  dynamod_stack_degraded_unit{stack,unit,state,reason}   1 per unit keeping it degraded
   dynamod_unit_state{unit,state}                1 for the unit's current state, else 0
   dynamod_unit_restarts_total{unit}             restarts decided by the restart policy
   dynamod_unit_last_recovery_seconds{unit}      last failure/exit -> ready again
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dynamod.ops.metrics")
 
-_DOWN = {UnitState.BACKOFF, UnitState.FAILED, UnitState.DEGRADED}
+_DOWN = {UnitState.BACKOFF, UnitState.WAITING, UnitState.FAILED, UnitState.DEGRADED}
 _PROBE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -113,6 +114,15 @@ class StackCollector(Collector):
                 [daemon.stack.name, each_phase], 1.0 if daemon.phase is each_phase else 0.0
             )
         yield phase
+        degraded = GaugeMetricFamily(
+            "dynamod_stack_degraded_unit",
+            "1 for each unit that keeps a stack that was up degraded, with its state and why",
+            labels=["stack", "unit", "state", "reason"],
+        )
+        for name, why in daemon.degraded_units().items():
+            state_name, _, reason = why.partition(": ")
+            degraded.add_metric([daemon.stack.name, name, state_name, reason[:100]], 1.0)
+        yield degraded
 
         units = list(daemon.engine.units.values()) if daemon.engine else []
         state = GaugeMetricFamily(

@@ -63,17 +63,32 @@ def watchdog_interval(environ: Mapping[str, str], pid: int) -> float | None:
     return usec / 2 / 1_000_000 if usec > 0 else None
 
 
-def status_line(stack: str, phase: Phase, units: Iterable[tuple[str, UnitState]]) -> str:
-    """One line for STATUS=: how many units are ready and what the others are doing."""
+def status_line(
+    stack: str,
+    phase: Phase,
+    units: Iterable[tuple[str, UnitState]],
+    why: Mapping[str, str] | None = None,
+) -> str:
+    """One line for STATUS=: how many units are ready and what the others are doing (and,
+    given `why`, the reason each is not ready)."""
     units = list(units)
     ready = sum(1 for _, state in units if state in _DONE)
     line = f"{ready}/{len(units)} units ready"
-    others = [f"{name} {state}" for name, state in units if state not in _DONE]
+    reasons = why or {}
+    others = [
+        f"{name} {state}" + (f" ({_short(reasons[name])})" if reasons.get(name) else "")
+        for name, state in units
+        if state not in _DONE
+    ]
     if others:
         shown = others[:_STATUS_MAX_UNITS]
         more = len(others) - len(shown)
         line += "; " + ", ".join(shown) + (f" (+{more} more)" if more else "")
     return line if phase is Phase.UP else f"stack {stack} {phase}: {line}"
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def engine_fault(engine: Engine) -> str | None:
@@ -144,6 +159,8 @@ class SystemdNotifier(Extension):
         elif phase in {Phase.STOPPING, Phase.FAILED} and not self._stopping_sent:
             self._stopping_sent = True
             self._send(f"STOPPING=1\nSTATUS={self._status_now()}")
+        elif phase is Phase.DEGRADED:
+            self._send_status(force=True)
 
     def _on_unit_change(self, unit: Unit, old: UnitState, new: UnitState) -> None:
         self._dirty.set()
@@ -176,7 +193,8 @@ class SystemdNotifier(Extension):
         daemon = self._daemon
         assert daemon is not None and daemon.engine is not None
         units = [(u.name, u.state) for u in daemon.engine.units.values()]
-        self._last_status = status_line(daemon.stack.name, daemon.phase, units)
+        why = {name: reason.split(": ", 1)[-1] for name, reason in daemon.degraded_units().items()}
+        self._last_status = status_line(daemon.stack.name, daemon.phase, units, why)
         return self._last_status
 
     def _send_status(self, *, force: bool = False) -> None:

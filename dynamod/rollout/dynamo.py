@@ -276,21 +276,29 @@ async def frontend_readiness(
     model: str,
     min_instances: int,
     timeout_s: float = DEFAULT_HTTP_TIMEOUT_S,
+    current: set[int] | None = None,
 ) -> ProbeOutcome:
     """Ready = the frontend's own discovery view holds at least `min_instances` `generate`
     instances in `namespace` AND lists `model` in `/v1/models`. (`GET /health` answers 200
     with no workers, so its status code alone means nothing.) The frontend's view, not etcd's,
-    is what its router picks from, so that is what is counted.
+    is what its router picks from, so that is what is counted. Given `current` (the instance
+    ids of the stack's live workers), only those count: a dead worker's registration that is
+    still in the view is not a ready instance.
     """
     try:
         routed = await frontend_routed_instances(
             session, frontend_url, namespace, timeout_s=timeout_s
         )
-        count = len(routed)
+        counted = routed if current is None else routed & current
+        count = len(counted)
         instance_part = (
             f"{count}/{min_instances} generate instances in namespace {namespace} "
             "in the frontend's view"
         )
+        if current is not None:
+            instance_part += " (of the stack's live workers"
+            others = len(routed - current)
+            instance_part += f"; {others} other(s) not counted)" if others else ")"
     except DynamoHTTPError as err:
         count = -1
         instance_part = f"cannot read the frontend's instances: {err}"
@@ -306,10 +314,14 @@ async def frontend_readiness(
     return ProbeOutcome(ok=ok, detail=f"{instance_part}; {model_part}")
 
 
-async def frontend_ready(session: aiohttp.ClientSession, spec: DynamoFrontendProbe) -> ProbeOutcome:
+async def frontend_ready(
+    session: aiohttp.ClientSession,
+    spec: DynamoFrontendProbe,
+    current: set[int] | None = None,
+) -> ProbeOutcome:
     """`frontend_readiness` for a `dynamo_frontend` probe spec (used by `probes.py`)."""
     return await frontend_readiness(
-        session, spec.url, spec.namespace, spec.model, spec.min_instances, spec.timeout
+        session, spec.url, spec.namespace, spec.model, spec.min_instances, spec.timeout, current
     )
 
 

@@ -1,14 +1,28 @@
 """The `dynamo_frontend` readiness probe: the frontend's own discovery view holds the
 expected `generate` instances and `/v1/models` lists the model (its `/health` is 200 with
-zero workers, so that alone means nothing). Registered with the core's probe registry."""
+zero workers, so that alone means nothing). Registered with the core's probe registry.
+While a daemon runs Dynamo workers, only the instances of its live workers count (the
+registrations extension provides them), so a dead worker's leftover registration never
+makes the frontend look ready."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import aiohttp
 
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, register_prober, timed
 from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.rollout import dynamo
+
+CurrentInstances = Callable[[str], set[int]]  # namespace -> live workers' instance ids
+_current: CurrentInstances | None = None
+
+
+def count_only(provider: CurrentInstances | None) -> None:
+    """Count only the instances `provider` names (None: every instance in the view)."""
+    global _current
+    _current = provider
 
 
 class DynamoFrontendProber:
@@ -17,7 +31,8 @@ class DynamoFrontendProber:
         self.session = session
 
     async def check(self) -> ProbeResult:
-        return await timed(self.spec, dynamo.frontend_ready(self.session, self.spec))
+        current = _current(self.spec.namespace) if _current is not None else None
+        return await timed(self.spec, dynamo.frontend_ready(self.session, self.spec, current))
 
     def close(self) -> None:
         pass

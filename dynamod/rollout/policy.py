@@ -34,7 +34,7 @@ from aiohttp import web
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
-from dynamod.core.spec import PolicySpec
+from dynamod.core.spec import DynamoFrontendProbe, PolicySpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdClient, EtcdError
@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dynamod.rollout.policy")
 
+
+_INSTANCE_TAINT = "dynamod.instance/"  # each shard's own taint, so a canary can target it
+_ROUTE_RETRY_S = 0.1
 
 class PolicyError(DynamodError):
     """A push, publish or replay could not be done; says where and why."""
@@ -327,11 +330,75 @@ class PolicyManager(Extension):
             raise ShardError(
                 unit.name, "verify", f"shard reports digest {seen['digest']}, ledger has {digest}"
             )
-        await step(
-            "taint", "update/model_taints", {"taints": [f"{self.spec.taint_prefix}{version}"]}
-        )
+        taint = f"{self.spec.taint_prefix}{version}"
+        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
+        own = [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
+        await step("taint", "update/model_taints", {"taints": [taint, *own]})
         await step("resume", "resume_generation", {})
+        started = time.monotonic()
+        await self._await_routed(unit, version, [taint, *own[:1]], set(instance_ids))
+        timings["route"] = (time.monotonic() - started) * 1000
         return ShardAck(unit.name, version, seen.get("digest"), timings)
+
+    def _frontend(self) -> tuple[str, str] | None:
+        """(url, model) of a ready Dynamo frontend of this stack, or None."""
+        for other in self.engine.units.values():
+            probe = other.spec.ready
+            if isinstance(probe, DynamoFrontendProbe) and other.state is UnitState.READY:
+                return probe.url, probe.model
+        return None
+
+    async def _await_routed(
+        self, unit: Unit, version: int, taints: list[str], instances: set[int]
+    ) -> None:
+        """Done only when the router routes this version's traffic to this shard: a canary
+        that requires the version's taint and the shard's own instance taint must be served
+        by that shard (`extra_fields` worker_id). After an etcd restart the frontend's view
+        lags the taints by seconds; until then the canary fails and `status` says so. No
+        ready frontend: nothing routes anything, so nothing to wait for."""
+        frontend = self._frontend()
+        if frontend is None or not instances:
+            unit.extra.setdefault("policy", {})["routed_version"] = None
+            return
+        url, model = frontend
+        body = {
+            "model": model,
+            "prompt": "dynamod route check",
+            "max_tokens": 1,
+            "nvext": {
+                "routing_constraints": {"required_taints": taints},
+                "extra_fields": ["worker_id"],
+            },
+        }
+        deadline = time.monotonic() + self.spec.route_timeout
+        waiting = f"waiting for the router to route policy v{version} to {unit.name}"
+        self.engine.transition(unit, unit.state, f"{waiting} ({taints[0]})")
+        last = "no canary answered yet"
+        while True:
+            try:
+                async with self.session.post(
+                    f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=5)
+                ) as resp:
+                    text = await resp.text()
+                if resp.status == 200:
+                    served = (json.loads(text).get("nvext") or {}).get("worker_id") or {}
+                    if served.get("decode_worker_id") in instances:
+                        unit.extra.setdefault("policy", {})["routed_version"] = version
+                        return
+                    last = f"served by {served} instead"
+                else:
+                    last = f"HTTP {resp.status}: {text[:160]}"
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise ShardError(
+                    unit.name,
+                    "route",
+                    f"the router did not route policy v{version} to it within"
+                    f" {self.spec.route_timeout:g}s (last canary: {last})",
+                )
+            self.engine.transition(unit, unit.state, f"{waiting}; last canary: {last}")
+            await asyncio.sleep(_ROUTE_RETRY_S)
 
     async def _record_ack(self, unit: Unit, ack: ShardAck) -> None:
         unit.extra["policy_version"] = ack.version
@@ -387,6 +454,8 @@ class PolicyManager(Extension):
                     f"step {step} is older than the current policy version "
                     f"{current.version}; pushes must move forward"
                 )
+            if current is not None and step == current.version:
+                return await self._already_committed(current, str(checkpoint), started)
             shards = self.admitted_shards()
             if not shards or len(shards) < self.spec.min_ready_shards:
                 raise PolicyError(
@@ -444,6 +513,38 @@ class PolicyManager(Extension):
             seconds=answer["seconds"],
             acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
         )
+        return answer
+
+    async def _already_committed(
+        self, current: PolicyVersion, path: str, started: float
+    ) -> dict[str, Any]:
+        """A push of the committed step again (its reply was lost, e.g. the daemon died
+        after committing): a no-op that answers what was committed. Step directories are
+        immutable, so the same step from the same path is the same weights; the same step
+        from elsewhere is refused rather than silently ignored."""
+        if current.path != path:
+            raise PolicyError(
+                f"step {current.version} is already committed from {current.path}"
+                f" (digest {current.digest}); a push of the same step must carry the same"
+                f" weights, not {path}; push step {current.version + 1} for new ones"
+            )
+        records = await self.ledger().shards()
+        acks = {
+            name: {"ok": True, "already": True, "version": rec.applied_version}
+            for name, rec in records.items()
+            if rec.applied_version == current.version
+        }
+        answer = {
+            "ok": True,
+            "already_committed": True,
+            "version": current.version,
+            "path": current.path,
+            "digest": current.digest,
+            "acks": acks,
+            "stale": sorted(n for n in self.engine.stack.shards() if n not in acks),
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        log.info("policy.push_already_committed", version=current.version, path=path)
         return answer
 
     async def _resume_after_failed_push(self, shards: list[Unit]) -> None:

@@ -4,6 +4,11 @@
 - The moment its process dies, revoke those leases, so the frontend's router (which
   watches etcd) drops it within milliseconds instead of after the ~30 s lease TTL. This
   runs before the restart decision, from the exit event itself.
+- A revocation that fails (etcd away) is kept and retried until etcd answers again, so an
+  outage never leaves a dead worker's registration behind for the rest of its lease.
+- Before the stack's first worker starts, revoke every registration left in the stack's
+  namespaces (a previous daemon's workers, e.g. after it was SIGKILLed): none of them
+  belongs to a live unit, and a frontend must not count them as ready instances.
 - While running, report per worker whether the frontend currently routes to it, from the
   frontend's own discovery view.
 """
@@ -21,7 +26,7 @@ from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
 from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
-from dynamod.rollout import dynamo
+from dynamod.rollout import dynamo, frontend_probe
 from dynamod.rollout.etcd import EtcdClient, EtcdError
 
 if TYPE_CHECKING:
@@ -33,6 +38,8 @@ log = structlog.get_logger("dynamod.rollout.registrations")
 _ID_ATTEMPTS = 50  # /health can turn ready a moment before etcd holds the registration
 _ID_RETRY_S = 0.1
 _ROUTED_REFRESH_S = 1.0
+_PENDING_RETRY_S = 0.5
+_SWEEP_TIMEOUT_S = 2.0
 
 
 class DynamoRegistrations(Extension):
@@ -41,6 +48,10 @@ class DynamoRegistrations(Extension):
     def __init__(self) -> None:
         self.daemon: Daemon | None = None
         self._refresher: asyncio.Task[None] | None = None
+        self._retrier: asyncio.Task[None] | None = None
+        # unit name -> (etcd endpoint, instance ids) whose revocation failed; retried
+        self.pending: dict[str, tuple[str, list[int]]] = {}
+        self._swept = False
 
     async def start(self, daemon: Daemon) -> None:
         assert daemon.engine is not None
@@ -48,18 +59,71 @@ class DynamoRegistrations(Extension):
         daemon.engine.hooks.append(self)
         if any(u.spec.dynamo for u in daemon.engine.units.values()):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_routed())
+            frontend_probe.count_only(self.live_instances)
+
+    def live_instances(self, namespace: str) -> set[int]:
+        """Instance ids of this stack's running Dynamo workers in `namespace`."""
+        assert self.daemon is not None and self.daemon.engine is not None
+        return {
+            instance
+            for unit in self.daemon.engine.units.values()
+            if unit.spec.dynamo is not None
+            and unit.spec.dynamo.namespace == namespace
+            and unit.state.running
+            and unit.pid is not None
+            for instance in unit.extra.get("dynamo", {}).get("instance_ids", [])
+        }
 
     async def stop(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        frontend_probe.count_only(None)
+        for task in (self._refresher, self._retrier):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self._revoke_pending()  # one last try: leave no registration behind
+
+    async def _sweep_stale(self) -> None:
+        """Once, before any Dynamo worker unit has started: revoke every registration in the
+        stacks' namespaces. Skipped (and tried at the next unit's readiness) while etcd does
+        not answer."""
+        assert self.daemon is not None and self.daemon.engine is not None
+        engine = self.daemon.engine
+        workers = [u for u in engine.units.values() if u.spec.dynamo is not None]
+        if self._swept or not workers:
+            return
+        if any(u.starts > 0 for u in workers):
+            self._swept = True  # too late to tell stale from live: a worker may be booting
+            return
+        targets = {(u.spec.dynamo.etcd, u.spec.dynamo.namespace) for u in workers if u.spec.dynamo}
+        for endpoint, namespace in sorted(targets):
+            try:
+                async with EtcdClient(
+                    endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S
+                ) as etcd:
+                    stale = await dynamo.list_instances(etcd, namespace)
+                    leases = sorted({inst.lease_id or inst.instance_id for inst in stale})
+                    for lease in leases:
+                        await dynamo.revoke_instance(etcd, lease)
+            except (TimeoutError, EtcdError):
+                return
+            if leases:
+                log.warning(
+                    "dynamo.stale_revoked",
+                    namespace=namespace,
+                    leases=[f"{lease:x}" for lease in leases],
+                    why="registered by no live unit (left by an earlier run)",
+                )
+        self._swept = True
 
     # ------------------------------------------------------------------ hooks
 
     async def on_ready(self, unit: Unit) -> None:
+        if self.daemon is None or self.daemon.engine is None:
+            return
+        await self._sweep_stale()
         spec = unit.spec.dynamo
-        if spec is None or self.daemon is None or self.daemon.engine is None:
+        if spec is None:
             return
         session = self.daemon.engine.session
         ids: list[int] = []
@@ -97,30 +161,46 @@ class DynamoRegistrations(Extension):
         if spec is None or not info or not info.get("instance_ids") or self.daemon is None:
             return
         assert self.daemon.engine is not None
+        ids = list(info["instance_ids"])
+        info.update(instance_ids=[], routed=False)
+        if not await self._revoke(unit.name, spec.etcd, ids, why=exit.describe()):
+            self.pending[unit.name + f"#{ids[0]:x}"] = (spec.etcd, ids)
+            self._ensure_retrier()
+
+    async def _revoke(self, name: str, endpoint: str, ids: list[int], *, why: str) -> bool:
+        assert self.daemon is not None and self.daemon.engine is not None
         started = time.monotonic()
         revoked: dict[str, Any] = {}
         try:
-            async with EtcdClient(spec.etcd, session=self.daemon.engine.session) as etcd:
-                for instance_id in info["instance_ids"]:
+            async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
+                for instance_id in ids:
                     keys = await dynamo.revoke_instance(etcd, instance_id)
                     revoked[f"{instance_id:x}"] = len(keys)
-        except EtcdError as exc:
+        except (TimeoutError, EtcdError) as exc:
             log.error(
                 "dynamo.revoke_failed",
-                unit=unit.name,
+                unit=name,
                 error=str(exc),
-                consequence="the router may keep routing to it until its lease expires",
+                consequence="retried until etcd answers; until then the router may route to it",
             )
-            return
+            return False
         took_ms = (time.monotonic() - started) * 1000
-        info.update(instance_ids=[], routed=False, last_revoked=revoked)
-        log.info(
-            "dynamo.revoked",
-            unit=unit.name,
-            exit=exit.describe(),
-            keys=revoked,
-            ms=round(took_ms, 1),
-        )
+        log.info("dynamo.revoked", unit=name, exit=why, keys=revoked, ms=round(took_ms, 1))
+        return True
+
+    def _ensure_retrier(self) -> None:
+        if self._retrier is None or self._retrier.done():
+            self._retrier = asyncio.get_running_loop().create_task(self._retry_pending())
+
+    async def _retry_pending(self) -> None:
+        while self.pending:
+            await asyncio.sleep(_PENDING_RETRY_S)
+            await self._revoke_pending()
+
+    async def _revoke_pending(self) -> None:
+        for key, (endpoint, ids) in list(self.pending.items()):
+            if await self._revoke(key, endpoint, ids, why="revocation pending since etcd was away"):
+                self.pending.pop(key, None)
 
     # ------------------------------------------------------------------ routed view
 

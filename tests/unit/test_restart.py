@@ -68,6 +68,20 @@ def test_policies() -> None:
     assert tracker(policy="always").decide(CLEAN, now=0, uptime=0, premature=False).restart
 
 
+def test_past_the_limit_a_unit_that_never_gives_up_retries_every_backoff_max() -> None:
+    t = tracker(limit_burst=2, limit_interval=100, backoff_max=7, give_up=False)
+    decisions = [t.decide(CRASH, now=float(i), uptime=0.1, premature=False) for i in range(4)]
+    assert [d.restart for d in decisions] == [True, True, True, True]
+    assert [d.delay for d in decisions[2:]] == [7, 7]
+    assert "restart limit reached" in decisions[2].reason
+    assert "retrying in 7.00s" in decisions[2].reason
+    assert t.total == 4
+    # the default still gives up
+    default = tracker(limit_burst=1)
+    assert default.decide(CRASH, now=0, uptime=0, premature=False).restart
+    assert not default.decide(CRASH, now=1, uptime=0, premature=False).restart
+
+
 def test_manual_reset_forgets_the_burst() -> None:
     t = tracker(limit_burst=1)
     assert t.decide(CRASH, now=0, uptime=0, premature=False).restart

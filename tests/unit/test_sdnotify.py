@@ -28,6 +28,14 @@ def test_status_line_counts_ready_units_and_names_the_others() -> None:
     )
 
 
+def test_a_degraded_status_line_says_why_each_unit_is_not_ready() -> None:
+    units = [("etcd", UnitState.READY), ("worker@0", UnitState.WAITING)]
+    line = sdnotify.status_line("rollout", Phase.DEGRADED, units,
+                                {"worker@0": "waiting for etcd (ready)"})
+    assert line == ("stack rollout degraded: 1/2 units ready;"
+                    " worker@0 waiting (waiting for etcd (ready))")
+
+
 def test_status_line_stays_one_short_line_for_big_stacks() -> None:
     units = [(f"worker@{i}", UnitState.STARTING) for i in range(64)]
     line = sdnotify.status_line("big", Phase.STARTING, units)

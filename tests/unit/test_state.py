@@ -24,6 +24,10 @@ def test_every_state_has_a_transition_row() -> None:
         ("stopped", "starting"),
         ("failed", "starting"),
         ("starting", "completed"),
+        ("ready", "waiting"),  # exited while a dependency was away
+        ("backoff", "waiting"),
+        ("waiting", "starting"),
+        ("waiting", "stopped"),
     ],
 )
 def test_allowed(old: str, new: str) -> None:
@@ -39,6 +43,8 @@ def test_allowed(old: str, new: str) -> None:
         ("stopping", "starting"),  # a stop always finishes
         ("failed", "ready"),
         ("completed", "backoff"),
+        ("waiting", "ready"),  # waiting means no process: it must start again first
+        ("inactive", "waiting"),  # a unit that never ran is inactive while it waits
     ],
 )
 def test_refused(old: str, new: str) -> None:

@@ -22,9 +22,17 @@ def _report(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
-    click.echo(f"policy version {result['version']} in {result['seconds']:.2f}s")
+    if result.get("already_committed"):
+        click.echo(
+            f"policy version {result['version']} was already committed from {result['path']}"
+            f" (digest {result['digest']}): nothing pushed again"
+        )
+    else:
+        click.echo(f"policy version {result['version']} in {result['seconds']:.2f}s")
     for shard, ack in sorted(result["acks"].items()):
-        if ack.get("ok"):
+        if ack.get("already"):
+            click.echo(f"  {shard:<12} at version {ack['version']} (committed before)")
+        elif ack.get("ok"):
             steps = ", ".join(f"{k} {v:.0f}ms" for k, v in ack.get("ms", {}).items())
             click.echo(f"  {shard:<12} ok    {ack.get('total_ms', 0):.0f} ms  ({steps})")
         else:

@@ -1,0 +1,410 @@
+"""Benchmark 8 - outages: time from a fault's end to full service, and failed requests.
+
+    python -m bench.outages [--quick] [--json]
+
+The serve-only stack (etcd behind a cuttable TCP proxy unit named `etcd`, NATS, 2 CPU
+workers, frontend, policy ledger in etcd) under steady load (8 req/s; "full service" = the
+first request from which every later one succeeded). Faults, each beside today's recipe
+behaviour where that comparison means something:
+
+  etcd_cut       etcd's client port cut for 45 s (past Dynamo's 30 s lease). Recipe: the
+                 units record Dynamo's exit 0 as final (clean_exit_final, as `completed`
+                 did before), so nothing restarts.
+  kill9_push     etcd kill -9, then a push as soon as etcd is ready: how long the push
+                 waited for the router, failed / stale requests for the new version after it.
+  frontend_hang  SIGSTOP of the frontend: detection, serving back, failed requests. Recipe:
+                 the previous liveness (2 s interval, 2 s timeout, 3 misses).
+  saturation     64 requests in flight for 30 s (15 s quick): frontend liveness misses and
+                 restarts (false positives).
+  daemon_kill    dynamod SIGKILLed, `up` again on the same state dir: time to ready,
+                 dead instances left in etcd.
+--quick runs kill9_push, frontend_hang and saturation once, without the recipe rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.procs import bench_mark, reap_zombies, state_dir, wait_until
+from bench.report import Report, Table, emit, options
+from bench.runners import Dynamod
+from bench.stack import prebuilt_model
+
+REPO = Path(__file__).resolve().parent.parent
+PROXY = REPO / "tests" / "fixtures" / "tcpproxy.py"
+CUT_S = 45.0
+MODEL = "tiny-cpu"
+OLD_LIVENESS = "interval = 2\ntimeout = 2\nfailure_threshold = 3"
+
+
+def write_stack(root: Path, cut_file: Path, *, recipe_exits: bool = False,
+                old_liveness: bool = False) -> Path:
+    units = REPO / "units"
+    copies = {}
+    for name in ("worker-cpu.toml", "frontend.toml"):
+        text = (units / name).read_text()
+        if recipe_exits:  # Dynamo's exit 0 on lease loss is final, as `completed` was
+            text = re.sub(r"(\[units\.\w+\.restart\]\n)", r"\1clean_exit_final = true\n", text)
+            text = text.replace('policy = "always"', 'policy = "on-failure"')
+        if old_liveness and name == "frontend.toml":
+            text = re.sub(r"interval = 0\.25\ntimeout = 0\.5\nfailure_threshold = 2",
+                          OLD_LIVENESS, text)
+        copies[name] = root / name
+        copies[name].write_text(text)
+    path = root / "outage.toml"
+    path.write_text(f"""
+[stack]
+name = "outage"
+include = ["{units / 'nats.toml'}", "{copies['worker-cpu.toml']}", "{copies['frontend.toml']}"]
+[vars]
+workers = 2
+[units.etcd-server]
+command = ["etcd", "--name", "dynamod", "--data-dir", "{{state_dir}}/etcd",
+  "--listen-client-urls", "http://127.0.0.1:{{ports.client}}",
+  "--advertise-client-urls", "http://127.0.0.1:{{ports.client}}",
+  "--listen-peer-urls", "http://127.0.0.1:{{ports.peer}}",
+  "--initial-advertise-peer-urls", "http://127.0.0.1:{{ports.peer}}",
+  "--initial-cluster", "dynamod=http://127.0.0.1:{{ports.peer}}", "--log-level", "warn"]
+ports = {{ client = 0, peer = 0 }}
+restart = {{ policy = "always", give_up = false, backoff_max = 2 }}
+[units.etcd-server.ready]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+expect_json = {{ health = "true" }}
+interval = 0.05
+[units.etcd]
+command = ["{{python}}", "{PROXY}", "{{ports.client}}", "{{units.etcd-server.ports.client}}",
+  "--cut-file", "{cut_file}"]
+ports = {{ client = 0 }}
+depends_on = {{ etcd-server = "ready" }}
+restart = {{ policy = "always", give_up = false, backoff_max = 1 }}
+[units.etcd.ready]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+expect_json = {{ health = "true" }}
+interval = 0.05
+[units.etcd.live]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+interval = 1
+timeout = 1
+failure_threshold = 2
+[policy]
+store = "etcd"
+etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
+shards = ["worker"]
+keep = 3
+min_ready_shards = 1
+""")
+    return path
+
+
+class Load:
+    """Completions at `rate`/s in a thread (each may require a taint): (sent, status, version)."""
+
+    def __init__(self, url: str, rate: float = 8, required: list[int | None] | None = None):
+        self.url, self.rate = url, rate
+        self.required = required if required is not None else [None]
+        self.rows: list[tuple[float, int, int | None, int | None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async def one(i: int) -> None:
+                need = self.required[0]
+                nvext: dict[str, Any] = {"extra_fields": ["engine_data"]}
+                if need is not None:
+                    nvext["routing_constraints"] = {"required_taints": [f"dynamod.policy/{need}"]}
+                body = {"model": MODEL, "prompt": f"r{i}", "max_tokens": 4, "nvext": nvext}
+                sent = time.monotonic()
+                version = None
+                try:
+                    async with session.post(f"{self.url}/v1/completions", json=body) as resp:
+                        code, text = resp.status, await resp.text()
+                    if code == 200:
+                        version = json.loads(text)["nvext"]["engine_data"]["weight_version"]
+                except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+                    code = -1
+                self.rows.append((sent, code, need, version))
+
+            tasks, i = [], 0
+            while not self._stop.is_set():
+                tasks.append(asyncio.create_task(one(i)))
+                i += 1
+                await asyncio.sleep(1 / self.rate)
+            await asyncio.gather(*tasks)
+
+    def full_service_since(self, after: float) -> float | None:
+        since = None
+        for sent, code, _, _ in sorted(r for r in self.rows if r[0] >= after):
+            if code != 200:
+                since = None
+            elif since is None:
+                since = sent
+        return since
+
+    def failed_after(self, after: float) -> int:
+        return sum(1 for r in self.rows if r[0] >= after and r[1] != 200)
+
+
+def stop(dm: Dynamod) -> None:
+    if dm.running():
+        dm.down()
+
+
+def guarded(name: str, report: Report, run: Any, *args: Any) -> dict[str, Any] | None:
+    """One scenario; a crash is a note in the report, not the end of the benchmark."""
+    try:
+        result: dict[str, Any] = run(*args)
+        return result
+    except Exception as exc:
+        report.notes.append(f"{name} did not complete: {type(exc).__name__}: {exc}"[:600])
+        return None
+
+
+def frontend_url(dm: Dynamod) -> str:
+    return f"http://127.0.0.1:{dm.unit('frontend')['ports']['http']}"
+
+
+def settle(load: Load, after: float, limit: float) -> float | None:
+    """Wait (up to `limit` s) until 5 s of full service; seconds from `after` to it."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        since = load.full_service_since(after)
+        if since is not None and time.monotonic() - since > 5:
+            return since - after
+        time.sleep(0.5)
+    return None
+
+
+def etcd_cut(recipe: bool) -> dict[str, Any]:
+    with state_dir("oc") as state:
+        cut = state / "cut"
+        dm = Dynamod(state)
+        try:
+            dm.up(write_stack(state, cut, recipe_exits=recipe))
+            with Load(frontend_url(dm)) as load:
+                time.sleep(3)
+                cut.touch()
+                time.sleep(CUT_S)
+                cut.unlink()
+                healed = time.monotonic()
+                full = settle(load, healed, 60)
+            states = {u["name"]: u["state"] for u in dm.status()["units"]}
+            return {"full_service_s": full, "failed_after": load.failed_after(healed),
+                    "states_after": states}
+        finally:
+            stop(dm)
+
+
+def kill9_push() -> dict[str, Any]:
+    from bench.policy_push import checkpoint
+
+    with state_dir("ok") as state:
+        dm = Dynamod(state)
+        try:
+            dm.up(write_stack(state, state / "never"))
+            path, _ = checkpoint(None)
+            required: list[int | None] = [0]
+            with Load(frontend_url(dm), required=required) as load:
+                time.sleep(3)
+                etcd = dm.unit("etcd-server")
+                os.kill(etcd["pid"], signal.SIGKILL)
+                wait_until(lambda: dm.unit("etcd-server")["state"] == "ready"
+                           and dm.unit("etcd-server")["pid"] != etcd["pid"]
+                           and dm.unit("etcd")["state"] == "ready", 60, 0.05, "etcd back")
+                started = time.monotonic()
+                out = dm.cli("policy", "push", "--step", "1", "--path", str(path), "--json")
+                took = time.monotonic() - started
+                required[0] = 1
+                done = time.monotonic()
+                time.sleep(8)
+            acks = json.loads(out.stdout)["acks"]
+            after = [r for r in load.rows if r[0] >= done]
+            return {"push_s": took,
+                    "route_wait_ms": max(a["ms"].get("route", 0) for a in acks.values()),
+                    "requests_after": len(after),
+                    "failed_after": sum(1 for r in after if r[1] != 200),
+                    "stale": sum(1 for r in load.rows if r[1] == 200 and r[2] is not None
+                                 and r[3] is not None and r[3] < r[2])}
+        finally:
+            stop(dm)
+
+
+def frontend_hang(old: bool, saturate_s: float | None) -> dict[str, Any]:
+    with state_dir("oh") as state:
+        dm = Dynamod(state)
+        try:
+            dm.up(write_stack(state, state / "never", old_liveness=old))
+            url = frontend_url(dm)
+            result: dict[str, Any] = {}
+            if saturate_s:
+                result.update(saturation(dm, url, saturate_s))
+            frontend = dm.unit("frontend")
+            with Load(url) as load:
+                time.sleep(2)
+                stopped_wall, stopped = time.time(), time.monotonic()
+                os.kill(frontend["pid"], signal.SIGSTOP)
+                wait_until(lambda: dm.unit("frontend")["state"] == "ready"
+                           and dm.unit("frontend")["pid"] != frontend["pid"], 90, 0.05,
+                           "frontend replaced")
+                back = settle(load, stopped, 30)
+            killed = next(e["t"] for e in dm.transitions("frontend")
+                          if e["t"] >= stopped_wall and e["new"] in {"backoff", "waiting"})
+            result.update(detect_s=killed - stopped_wall, serving_back_s=back,
+                          failed=load.failed_after(stopped))
+            return result
+        finally:
+            stop(dm)
+
+
+def saturation(dm: Dynamod, url: str, seconds: float) -> dict[str, Any]:
+    before = dm.unit("frontend")
+    started_wall = time.time()
+
+    async def run() -> list[int]:
+        codes: list[int] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async def worker() -> None:
+                end = time.monotonic() + seconds
+                body = {"model": MODEL, "prompt": "busy", "max_tokens": 8}
+                while time.monotonic() < end:
+                    try:
+                        async with session.post(f"{url}/v1/completions", json=body) as resp:
+                            await resp.read()
+                            codes.append(resp.status)
+                    except (aiohttp.ClientError, TimeoutError):
+                        codes.append(-1)
+            await asyncio.gather(*(worker() for _ in range(64)))
+        return codes
+
+    codes = asyncio.run(run())
+    after = dm.unit("frontend")
+    misses = sum(1 for e in dm.transitions("frontend")
+                 if e["t"] >= started_wall and e["new"] == "degraded")
+    return {"saturation_requests": len(codes), "saturation_ok": codes.count(200),
+            "saturation_rps": len(codes) / seconds,
+            "liveness_miss_events": misses,
+            "false_restarts": after["restarts"] - before["restarts"]}
+
+
+def daemon_kill() -> dict[str, Any]:
+    with state_dir("od") as state:
+        dm = Dynamod(state)
+        try:
+            stack = write_stack(state, state / "never")
+            dm.up(stack)
+            status = dm.status()
+            old = {i for u in status["units"] if u.get("dynamo")
+                   for i in u["dynamo"]["instance_ids"]}
+            os.kill(status["daemon_pid"], signal.SIGKILL)
+            wait_until(lambda: not any(_alive(u["pid"]) for u in status["units"] if u["pid"]),
+                       30, 0.05, "units gone")
+            took = dm.up(stack)
+            etcd_port = dm.unit("etcd-server")["ports"]["client"]
+            left = asyncio.run(_instances(etcd_port)) & old
+            return {"up_again_s": took, "dead_instances_left": len(left)}
+        finally:
+            stop(dm)
+
+
+def _alive(pid: int) -> bool:
+    reap_zombies()  # units of the killed daemon are re-parented to us (a subreaper)
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def _instances(port: int) -> set[int]:
+    from dynamod.rollout import dynamo
+    from dynamod.rollout.etcd import EtcdClient
+
+    async with EtcdClient(f"http://127.0.0.1:{port}") as etcd:
+        return {i.instance_id for i in await dynamo.list_instances(etcd, "dynamod")}
+
+
+def main() -> None:
+    args = options(__doc__.splitlines()[0]).parse_args()
+    bench_mark()
+    prebuilt_model()
+    report = Report("outages", "8. Outages: fault end -> full service", args.quick)
+    data = report.data
+    if not args.quick:
+        data["etcd_cut"] = {
+            variant: r for variant, recipe in (("dynamod", False), ("recipe", True))
+            if (r := guarded(f"etcd_cut {variant}", report, etcd_cut, recipe)) is not None
+        }
+    kill = guarded("kill9_push", report, kill9_push)
+    if kill is not None:
+        data["kill9_push"] = kill
+    data["frontend_hang"] = {}
+    if (hang := guarded("frontend_hang", report, frontend_hang, False,
+                        15 if args.quick else 30)) is not None:
+        data["frontend_hang"]["dynamod"] = hang
+    if not args.quick:
+        if (old := guarded("frontend_hang recipe", report, frontend_hang, True, None)):
+            data["frontend_hang"]["recipe"] = old
+        if (killed := guarded("daemon_kill", report, daemon_kill)) is not None:
+            data["daemon_kill"] = killed
+    table = Table("Fault end -> full service", ["fault", "variant", "full service s",
+                                                  "failed requests", "other"], digits=2)
+    for variant, r in data.get("etcd_cut", {}).items():
+        table.rows.append([f"etcd port cut {CUT_S:.0f} s", variant, r["full_service_s"],
+                           r["failed_after"], "after the cut ended"])
+    k = data.get("kill9_push", {"push_s": None, "failed_after": float("nan"), "stale": 0,
+                                 "route_wait_ms": float("nan"), "requests_after": 0})
+    table.rows.append(["etcd kill -9, then push", "dynamod", k["push_s"], k["failed_after"],
+                       f"route wait {k['route_wait_ms']:.0f} ms; {k['stale']} stale; "
+                       f"{k['requests_after']} requests for v1 after"])
+    for variant, r in data["frontend_hang"].items():
+        table.rows.append(["frontend SIGSTOP", variant, r["serving_back_s"], r["failed"],
+                           f"detected {r['detect_s']:.2f} s after the stop"])
+    if "daemon_kill" in data:
+        d = data["daemon_kill"]
+        table.rows.append(["dynamod SIGKILL, up again", "dynamod", d["up_again_s"], "-",
+                           f"{d['dead_instances_left']} dead instances left"])
+    report.tables.append(table)
+    s = data["frontend_hang"].get("dynamod") or {
+        "saturation_requests": 0, "saturation_ok": 0, "saturation_rps": float("nan"),
+        "liveness_miss_events": None, "false_restarts": float("nan"), "serving_back_s": None}
+    report.tables.append(Table(
+        "Saturating load on the frontend (64 in flight)",
+        ["requests", "ok", "req/s", "liveness misses", "restarts (false positives)"],
+        [[s["saturation_requests"], s["saturation_ok"], s["saturation_rps"],
+          s["liveness_miss_events"], s["false_restarts"]]]))
+    if "dynamod" in data.get("etcd_cut", {}):
+        full = data["etcd_cut"]["dynamod"]["full_service_s"]
+        report.target("full service after etcd returns", full if full is not None
+                      else float("nan"), 5, "s")
+    report.target("requests failed or stale around a push after etcd's return",
+                  k["failed_after"] + k["stale"], 0, "")
+    back = s["serving_back_s"]
+    report.target("serving back after a frontend hang begins",
+                  back if back is not None else float("nan"), 3, "s")
+    report.target("false restarts under saturating load", s["false_restarts"], 0, "")
+    emit(report, args.json)
+
+
+if __name__ == "__main__":
+    main()

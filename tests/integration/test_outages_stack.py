@@ -1,0 +1,350 @@
+"""Outages on the real stack (etcd, NATS, Dynamo frontend, CPU workers) with load running.
+
+etcd sits behind a TCP proxy unit (tests/fixtures/tcpproxy.py) named `etcd`, so the test
+can make etcd's client port unreachable for everyone (Dynamo and dynamod alike) for 45 s,
+past Dynamo's 30 s lease, while the etcd process itself stays alive."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import FIXTURES, ROOT, Dynamod, unit_by_name, wait_dead
+from tests.integration.test_local_stack import complete, etcd_keys, frontend_url
+from tests.integration.test_policy import History, checkpoint, model_dir, push
+
+pytestmark = pytest.mark.slow
+
+CUT_S = 45.0
+
+
+def outage_stack(path: Path, cut_file: Path) -> Path:
+    units = ROOT / "units"
+    path.write_text(f"""
+[stack]
+name = "outage"
+include = ["{units}/nats.toml", "{units}/worker-cpu.toml", "{units}/frontend.toml"]
+
+[vars]
+workers = 2
+
+[units.etcd-server]
+command = ["etcd", "--name", "dynamod", "--data-dir", "{{state_dir}}/etcd",
+  "--listen-client-urls", "http://127.0.0.1:{{ports.client}}",
+  "--advertise-client-urls", "http://127.0.0.1:{{ports.client}}",
+  "--listen-peer-urls", "http://127.0.0.1:{{ports.peer}}",
+  "--initial-advertise-peer-urls", "http://127.0.0.1:{{ports.peer}}",
+  "--initial-cluster", "dynamod=http://127.0.0.1:{{ports.peer}}", "--log-level", "warn"]
+ports = {{ client = 0, peer = 0 }}
+restart = {{ policy = "always", give_up = false, backoff_max = 2 }}
+[units.etcd-server.ready]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+expect_json = {{ health = "true" }}
+interval = 0.05
+
+[units.etcd]
+description = "etcd's client port as everyone sees it (a proxy the test can cut)"
+command = ["{{python}}", "{FIXTURES / 'tcpproxy.py'}", "{{ports.client}}",
+  "{{units.etcd-server.ports.client}}", "--cut-file", "{cut_file}"]
+ports = {{ client = 0 }}
+depends_on = {{ etcd-server = "ready" }}
+restart = {{ policy = "always", give_up = false, backoff_max = 1 }}
+[units.etcd.ready]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+expect_json = {{ health = "true" }}
+interval = 0.05
+[units.etcd.live]
+kind = "http"
+url = "http://127.0.0.1:{{ports.client}}/health"
+interval = 1
+timeout = 1
+failure_threshold = 2
+
+[policy]
+store = "etcd"
+etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
+shards = ["worker"]
+keep = 3
+min_ready_shards = 1
+""")
+    return path
+
+
+class Load:
+    """Steady completions in a thread until stopped: (start, HTTP status or -1)."""
+
+    def __init__(self, url: str, rate: float = 4) -> None:
+        self.url, self.rate = url, rate
+        self.events: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+
+            async def one(i: int) -> None:
+                started = time.monotonic()
+                try:
+                    code, _ = await complete(session, self.url, f"request {i}")
+                except (aiohttp.ClientError, TimeoutError):
+                    code = -1
+                self.events.append((started, code))
+
+            tasks = []
+            i = 0
+            while not self._stop.is_set():
+                tasks.append(asyncio.create_task(one(i)))
+                i += 1
+                await asyncio.sleep(1 / self.rate)
+            await asyncio.gather(*tasks)
+
+    def full_service_since(self, after: float) -> float | None:
+        """Start of the first request after `after` from which every later one succeeded."""
+        later = sorted(e for e in self.events if e[0] >= after)
+        since = None
+        for started, code in later:
+            if code != 200:
+                since = None
+            elif since is None:
+                since = started
+        return since
+
+
+def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    cut = tmp_path / "cut"
+    stack = outage_stack(tmp_path / "outage.toml", cut)
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    url = frontend_url(status)
+    etcd_port = unit_by_name(status, "etcd-server")["ports"]["client"]
+    before = {u["name"]: u for u in status["units"]}
+    old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    assert len(old_ids) == 2
+
+    seen_states: dict[str, set[str]] = {}
+    with Load(url) as load:
+        time.sleep(3)
+        cut.touch()
+        cut_at = time.monotonic()
+        while time.monotonic() - cut_at < CUT_S:
+            try:
+                snap = dm.status()
+            except AssertionError:
+                continue
+            for unit in snap["units"]:
+                seen_states.setdefault(unit["name"], set()).add(unit["state"])
+            seen_states.setdefault("phase", set()).add(snap["phase"])
+            time.sleep(1)
+        cut.unlink()
+        healed_at = time.monotonic()
+        up = dm.wait_for(lambda s: s["phase"] == "up" and s, timeout=90, what="stack up again")
+        up_after = time.monotonic() - healed_at
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            since = load.full_service_since(healed_at)
+            if since is not None and time.monotonic() - since > 5:
+                break
+            time.sleep(0.5)
+    since = load.full_service_since(healed_at)
+    failed_after = [e for e in load.events if e[0] >= healed_at and e[1] != 200]
+    print(f"\ncut {CUT_S:.0f}s; states seen during the cut: {seen_states}")
+    print(f"phase up {up_after:.1f}s after the cut ended; full service "
+          f"{(since - healed_at) if since else float('nan'):.1f}s after it; "
+          f"{len(failed_after)} requests failed after the cut ended")
+
+    # Dynamo lost its lease: the workers and the frontend exited (status 0) and waited for
+    # etcd instead of completing or burning their restart limit; the stack said degraded.
+    assert "degraded" in seen_states["phase"]
+    assert "waiting" in seen_states["worker@0"] | seen_states["worker@1"], seen_states
+    units = {u["name"]: u for u in up["units"]}
+    not_serving = {n: u["state"] for n, u in units.items()
+                   if u["state"] not in {"ready", "completed"}}
+    assert not_serving == {}
+    assert all(units[w]["pid"] != before[w]["pid"] for w in ("worker@0", "worker@1"))
+    assert since is not None, "completions never all succeeded again after the cut"
+
+    async def five() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            return [(await complete(session, url, f"after {i}"))[0] for i in range(5)]
+
+    assert asyncio.run(five()) == [200] * 5
+    # No registration of a dead process is left: only the live workers' instances.
+    live = {i for u in units.values() if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    assert len(live) == 2 and not live & old_ids
+    registered = {int(k.rsplit("/", 1)[1], 16)
+                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+    assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
+    assert live <= registered
+
+
+def _events(dm: Dynamod, since_line: int) -> list[dict[str, Any]]:
+    events = []
+    for line in dm.daemon_log().splitlines()[since_line:]:
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                events.append(json.loads(line))
+    return events
+
+
+def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_no_op(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "never-cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    step1 = checkpoint(model_dir(status), tmp_path / "step-1", 1.01)
+    first = push(dm, 1, step1)
+    old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    pids = [u["pid"] for u in status["units"] if u["pid"]]
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    assert wait_dead(pids, timeout=15) == []
+    log_from = len(dm.daemon_log().splitlines())
+
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    again = dm.status()
+    events = _events(dm, log_from)
+    # The previous run's registrations were revoked before any new worker started ...
+    stale = [e for e in events if e.get("event") == "dynamo.stale_revoked"]
+    assert stale and {int(x, 16) for x in stale[0]["leases"]} >= old_ids, stale
+    # ... and the frontend turned ready only after both new workers were up, counting them.
+    def first_at(unit: str, states: set[str]) -> float:
+        return next(datetime.fromisoformat(e["timestamp"]).timestamp() for e in events
+                    if e.get("event") == "unit.state" and e["unit"] == unit
+                    and e["new"] in states)
+    frontend_ready = first_at("frontend", {"ready"})
+    for worker in ("worker@0", "worker@1"):
+        assert first_at(worker, {"held", "ready"}) < frontend_ready
+    detail = unit_by_name(again, "frontend")["detail"]
+    assert "2/2 generate instances" in detail and "of the stack's live workers" in detail
+    etcd_port = unit_by_name(again, "etcd-server")["ports"]["client"]
+    registered = {int(k.rsplit("/", 1)[1], 16)
+                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+    assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
+
+    # The push's reply was "lost": pushing the same step with the same weights is a no-op.
+    result = dm.run("policy", "push", "--step", "1", "--path", str(step1), check=True)
+    assert "was already committed" in result.stdout and "nothing pushed again" in result.stdout
+    repeat = push(dm, 1, step1)
+    assert repeat["already_committed"] is True and repeat["digest"] == first["digest"]
+    other = checkpoint(model_dir(again), tmp_path / "step-1b", 1.05)
+    refused = dm.run("policy", "push", "--step", "1", "--path", str(other))
+    assert refused.returncode == 1 and "already committed from" in refused.stderr
+    assert dm.status()["policy"]["current"] == 1
+
+
+def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "never-cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    step1 = checkpoint(model_dir(status), tmp_path / "step-1", 1.01)
+    required = [0]
+    history = History(frontend_url(status))
+    history.run(lambda: required[0], rate=8)
+    try:
+        time.sleep(3)
+        etcd = unit_by_name(status, "etcd-server")
+        os.kill(etcd["pid"], signal.SIGKILL)
+        dm.wait_ready_again("etcd-server", etcd["pid"], timeout=30)
+        dm.wait_for(lambda s: unit_by_name(s, "etcd")["state"] == "ready", timeout=30,
+                    what="etcd link ready")
+        pushed_at = time.monotonic()
+        result = push(dm, 1, step1)
+        pushed_took = time.monotonic() - pushed_at
+        required[0] = 1
+        done_at = time.monotonic()
+        time.sleep(6)
+    finally:
+        history.stop()
+    routes = {name: ack["ms"].get("route") for name, ack in result["acks"].items()}
+    after = [r for r in history.rows if r["sent"] >= done_at]
+    failed_after = [r for r in after if r["status"] != 200]
+    during = [r for r in history.rows if pushed_at <= r["sent"] < done_at]
+    print(f"\npush took {pushed_took:.2f}s after etcd was back (route checks ms: {routes}); "
+          f"{len(after)} requests for v1 after it, {len(failed_after)} failed; "
+          f"{sum(r['status'] != 200 for r in during)} of {len(during)} failed during the push")
+    assert result["stale"] == [] and all(v is not None for v in routes.values()), result
+    assert len(after) > 20
+    assert failed_after == [], failed_after[:3]
+    served = [r for r in history.rows if r["status"] == 200]
+    assert all(r["version"] >= r["required"] for r in served)  # nothing served stale
+    assert {r["version"] for r in after} == {1}
+
+
+def _transitions(dm: Dynamod, unit: str, since_line: int = 0) -> list[tuple[float, str, str]]:
+    return [(datetime.fromisoformat(e["timestamp"]).timestamp(), e["new"], e.get("detail", ""))
+            for e in _events(dm, since_line)
+            if e.get("event") == "unit.state" and e.get("unit") == unit]
+
+
+def test_a_sigstopped_frontend_is_replaced_and_a_saturated_one_is_not(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "never-cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    url = frontend_url(status)
+    frontend = unit_by_name(status, "frontend")
+
+    # Saturating load (64 in flight, no pause): the frontend is busy, not hung.
+    async def saturate(seconds: float) -> list[int]:
+        codes: list[int] = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            async def worker() -> None:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    try:
+                        codes.append((await complete(session, url, "busy busy"))[0])
+                    except (aiohttp.ClientError, TimeoutError):
+                        codes.append(-1)
+            await asyncio.gather(*(worker() for _ in range(64)))
+        return codes
+
+    codes = asyncio.run(saturate(15))
+    busy = dm.unit("frontend")
+    print(f"\nsaturated for 15 s: {len(codes)} requests ({codes.count(200)} ok); "
+          f"frontend restarts {busy['restarts']}")
+    assert busy["pid"] == frontend["pid"] and busy["restarts"] == 0, busy
+
+    log_from = len(dm.daemon_log().splitlines())
+    with Load(url, rate=8) as load:
+        time.sleep(2)
+        stopped_wall, stopped_at = time.time(), time.monotonic()
+        os.kill(frontend["pid"], signal.SIGSTOP)
+        back = dm.wait_ready_again("frontend", frontend["pid"], timeout=60)
+        time.sleep(3)
+    killed = next(t for t, new, detail in _transitions(dm, "frontend", log_from)
+                  if new in {"backoff", "waiting"})
+    since = load.full_service_since(stopped_at)
+    failed = [e for e in load.events if e[0] >= stopped_at and e[1] != 200]
+    print(f"hang detected and killed after {killed - stopped_wall:.2f}s; serving back "
+          f"{(since - stopped_at) if since else float('nan'):.2f}s after the hang began; "
+          f"{len(failed)} requests failed")
+    assert "liveness failed 2 times in a row" in (back["last_exit"] + dm.daemon_log())
+    assert killed - stopped_wall <= 2.0
+    assert since is not None

@@ -1,0 +1,51 @@
+"""The machine-wide port registry: allocators in different processes never hand out the
+same port while its claimer lives; a dead claimer's ports come back."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from dynamod.core.ports import PortAllocator, _claimed_ports
+
+LOW, HIGH = 28100, 28119  # 20 ports: random picks would collide without the registry
+
+
+def test_two_allocators_never_share_a_port(tmp_path: Path) -> None:
+    a = PortAllocator(low=LOW, high=HIGH, rng=random.Random(1), registry=tmp_path)
+    b = PortAllocator(low=LOW, high=HIGH, rng=random.Random(1), registry=tmp_path)
+    first = {a() for _ in range(10)}
+    second = {b() for _ in range(10)}
+    assert len(first) == len(second) == 10
+    assert not first & second
+
+
+def test_another_process_claim_holds_until_it_exits(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import random, sys
+        from pathlib import Path
+        from dynamod.core.ports import PortAllocator
+        a = PortAllocator(low={LOW}, high={HIGH}, rng=random.Random(2),
+                          registry=Path({str(tmp_path)!r}))
+        print(" ".join(str(a()) for _ in range(15)), flush=True)
+        sys.stdin.read()
+    """)
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        theirs = {int(p) for p in child.stdout.readline().split()}
+        assert len(theirs) == 15
+        mine = PortAllocator(low=LOW, high=HIGH, rng=random.Random(3), registry=tmp_path)
+        got = {mine() for _ in range(5)}
+        assert not got & theirs and len(got) == 5
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=10)
+    # its owner is gone: the claim is stale and dropped, its ports are free again
+    assert _claimed_ports(tmp_path, own=None) == got
+    assert not list(tmp_path.glob(f"claim-{child.pid}-*"))
