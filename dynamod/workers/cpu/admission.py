@@ -113,8 +113,10 @@ class CpuWorker:
         async with self._changed:
             # Health probes pass a pause: a paused worker is held, not unhealthy.
             await self._changed.wait_for(
-                lambda: self._closing
-                or (not self._swapping and (probe or not (self._paused or self._sleeping)))
+                lambda: (
+                    self._closing
+                    or (not self._swapping and (probe or not (self._paused or self._sleeping)))
+                )
             )
             if self._closing:
                 # Typed, so the frontend migrates the request to another worker.
