@@ -158,6 +158,9 @@ class PolicySpec(_Model):
     shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
     keep: int = Field(3, ge=1, description="policy versions kept in the ledger's history")
     min_ready_shards: int = Field(1, ge=0)
+    spares: int = Field(
+        0, ge=0, description="extra shard instances kept ready at the current version, unrouted"
+    )
     initial_version: int = Field(0, ge=0, description="version of the weights shards boot with")
     taint_prefix: str = "dynamod.policy/"
     replay_backoff_initial: float = Field(0.5, gt=0)
@@ -427,6 +430,10 @@ def resolve_stack(
     }
 
     # 1. replicas and ports, which other units' templates may reference.
+    try:
+        spares = _spare_replicas(raw, base_context)
+    except SpecError as exc:
+        raise SpecErrors([exc]) from None
     instances: dict[str, tuple[RawUnit, int | None]] = {}
     ports: dict[str, dict[str, int]] = {}
     replicated: dict[str, list[str]] = {}
@@ -440,6 +447,7 @@ def resolve_stack(
                 names = [(raw_unit.name, None)]
             else:
                 count = _as_int(replicas_value, raw_unit, "replicas", minimum=0)
+                count += spares.get(raw_unit.name, 0)
                 names = [(f"{raw_unit.name}@{i}", i) for i in range(count)]
                 replicated[raw_unit.name] = [n for n, _ in names]
             port_table = raw_unit.table.get("ports", {})
@@ -556,6 +564,40 @@ def resolve_stack(
     if errors:
         raise SpecErrors(errors)
     return Stack(name=raw.name, path=raw.path, units=specs, order=order, policy=policy)
+
+
+def _spare_replicas(raw: RawStack, context: Mapping[str, Any]) -> dict[str, int]:
+    """`[policy] spares = K` adds K instances to the shard unit's replicas: the spares
+    run beside the serving shards, which keep their own count."""
+    if raw.policy is None or "spares" not in raw.policy:
+        return {}
+    holder = RawUnit(name="[policy]", source=raw.path, table=raw.policy)
+    value = _render_field(raw.policy["spares"], context, holder, "policy.spares")
+    try:
+        count = int(str(value)) if not isinstance(value, bool) else -1
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise SpecError(
+            f"must be an integer >= 0, got {value!r}", file=raw.path, field="policy.spares"
+        )
+    shards = raw.policy.get("shards")
+    if count == 0 or not isinstance(shards, list):
+        return {}
+    if len(shards) != 1:
+        raise SpecError(
+            f"spares = {count} needs exactly one shard unit, got {shards!r}",
+            file=raw.path,
+            field="policy.spares",
+        )
+    unit = raw.units.get(str(shards[0]))
+    if unit is not None and "replicas" not in unit.table:
+        raise SpecError(
+            f"spares = {count} needs shard unit {shards[0]!r} to have replicas",
+            file=raw.path,
+            field="policy.spares",
+        )
+    return {str(shards[0]): count}
 
 
 def _resolve_policy(
