@@ -57,7 +57,7 @@ def status_table(status: Mapping[str, Any]) -> str:
         rows.append(
             [
                 label,
-                unit["state"],
+                _state(unit),
                 str(unit["pid"] or "-"),
                 duration(unit["uptime_s"]),
                 str(unit["restarts"]),
@@ -76,6 +76,14 @@ def status_table(status: Mapping[str, Any]) -> str:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
     return "\n".join(out)
+
+
+def _state(unit: Row) -> str:
+    """A hot spare is ready but not in service: its own role in the STATE column."""
+    spare = unit.get("spare")
+    if unit["state"] == "ready" and isinstance(spare, Mapping) and spare.get("role") == "spare":
+        return "spare (asleep)" if spare.get("sleeping") else "spare"
+    return str(unit["state"])
 
 
 def _detail(unit: Row) -> str:

@@ -124,6 +124,7 @@ class PolicyManager(Extension):
         self.daemon = daemon
         self.shard_names = set(daemon.stack.shards())
         daemon.engine.hooks.append(self)
+        daemon.engine.hooks.insert(0, self.spares)
         if self.spec.store == "etcd":
             assert self.spec.etcd
             self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
@@ -206,7 +207,6 @@ class PolicyManager(Extension):
             info = unit.extra.setdefault("policy", {})
             info.update(admitted=False, version=None)
             unit.extra["policy_version"] = None
-            self.spares.lost(unit, Reason.EXIT, exit.describe())
 
     # ------------------------------------------------------------------ rejoin
 
