@@ -240,6 +240,7 @@ class SparePool:
     ) -> None:
         manager = self.manager
         timings: dict[str, float] = {}
+        replay_ms = 0.0
 
         async def timed(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
             started = time.monotonic()
@@ -264,24 +265,42 @@ class SparePool:
                     if self._version(unit) != version:
                         started = time.monotonic()
                         ack = await manager.apply(unit, target)  # taints: it is promoting
-                        timings["replay"] = (time.monotonic() - started) * 1000
-                    else:
-                        # Verified when it was replayed, and only dynamod calls its admin
-                        # routes; a restarted process would be a new slot. So the taint is
-                        # the one call between a kill and the spare serving.
-                        await timed(
-                            "taint", "update/model_taints", {"taints": self.taints(unit, version)}
-                        )
-                        digest = unit.extra.get("policy", {}).get("digest")
-                        ack = _ack(unit.name, version, digest)
+                        replay_ms = (time.monotonic() - started) * 1000
+                    # Pushes and publishes move `current_version` under this lock, so under
+                    # it the cached version is the ledger's.
                     async with manager.lock:
-                        now = await manager.ledger().current()
-                        if (now.version if now else manager.spec.initial_version) == version:
-                            slot.role = Role.SERVING
-                            ack.timings_ms = {**timings, **ack.timings_ms}
-                            ack.timings_ms.pop("replay", None)
-                            await manager.record_ack(unit, ack)
-                            break
+                        if manager.current_version != version:
+                            continue  # a push overtook the replay: replay again
+                        if replay_ms == 0.0:
+                            # Verified when it was replayed, and only dynamod calls its admin
+                            # routes (a restarted process gets a new slot): the taint is the
+                            # one call between the loss and the spare serving.
+                            await timed(
+                                "taint",
+                                "update/model_taints",
+                                {"taints": self.taints(unit, version)},
+                            )
+                            digest = unit.extra.get("policy", {}).get("digest")
+                            ack = _ack(unit.name, version, digest)
+                        slot.role = Role.SERVING
+                        ack.timings_ms = {**timings, **ack.timings_ms}
+                        self._count_promotion(unit, reason)
+                        log.info(
+                            "spares.promoted",
+                            unit=unit.name,
+                            replaced=replaced,
+                            reason=str(reason),
+                            why=detail,
+                            version=version,
+                            was_version=was_version,
+                            was_asleep=was_asleep,
+                            waited_ms=round(waited, 1),
+                            replay_ms=round(replay_ms, 1),
+                            steps_ms={k: round(v, 1) for k, v in ack.timings_ms.items()},
+                            total_ms=round((time.monotonic() - since) * 1000, 1),
+                        )
+                        await manager.record_ack(unit, ack)
+                        break
         except (DynamodError, EtcdError) as exc:
             log.warning(
                 "spares.promotion_failed", unit=unit.name, replaced=replaced, error=str(exc)
@@ -290,24 +309,11 @@ class SparePool:
                 slot.role = Role.SPARE
                 self._keep_current(unit)
             self._promote_one(replaced, reason, detail, since, exclude={unit.name})
-            return
-        total = (time.monotonic() - since) * 1000
+
+    def _count_promotion(self, unit: Unit, reason: Reason) -> None:
         counts = unit.extra.setdefault("spare", {"promotions": {}}).setdefault("promotions", {})
         counts[str(reason)] = counts.get(str(reason), 0) + 1
         self._publish(unit)
-        log.info(
-            "spares.promoted",
-            unit=unit.name,
-            replaced=replaced,
-            reason=str(reason),
-            why=detail,
-            version=self._version(unit),
-            was_version=was_version,
-            was_asleep=was_asleep,
-            waited_ms=round(waited, 1),
-            steps_ms={k: round(v, 1) for k, v in timings.items()},
-            total_ms=round(total, 1),
-        )
 
     # ------------------------------------------------------------------ keeping current
 
