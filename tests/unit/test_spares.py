@@ -46,3 +46,15 @@ def test_no_spares_configured_every_shard_serves_as_today() -> None:
     assert {spares.assign(u) for u in units} == {Role.SERVING}
     assert all(spares.taints(u, 4) == ["dynamod.policy/4"] for u in units)
     assert spares.summary()["spares"] == [] and spares.summary()["wanted"] == 0
+
+
+def test_status_tree_shows_a_ready_spare_as_its_own_role() -> None:
+    from dynamod.control.render import _state
+
+    assert _state({"state": "ready", "spare": {"role": "spare", "sleeping": False}}) == "spare"
+    assert _state({"state": "ready", "spare": {"role": "spare", "sleeping": True}}) == (
+        "spare (asleep)"
+    )
+    assert _state({"state": "ready", "spare": {"role": "serving"}}) == "ready"
+    assert _state({"state": "held", "spare": {"role": "spare"}}) == "held"  # catching up
+    assert _state({"state": "ready"}) == "ready"

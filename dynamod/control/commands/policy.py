@@ -89,6 +89,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(f"  kept versions: {kept or '-'}")
     for shard in result["shards"]:
         mark = "admitted" if shard["admitted"] else "OUT"
+        if shard.get("role") == "spare":
+            mark = "spare (held out of trainer traffic)"
         error = f"  last error: {shard['last_error']}" if shard["last_error"] else ""
         click.echo(
             f"  {shard['name']:<12} {shard['state']:<9} version "
