@@ -196,9 +196,9 @@ class SparePool:
             slot = self.slots.pop(unit.name, None)
             if slot is not None and slot.keeper is not None:
                 slot.keeper.cancel()
+            unit.extra.setdefault("spare", {"promotions": {}})["role"] = None
         else:
             slot = self.slots.get(unit.name)
-        unit.extra.setdefault("spare", {"promotions": {}})["role"] = None
         if self.count == 0 or slot is None or slot.role is Role.SPARE:
             return
         if self.manager.engine.stopping:
@@ -207,6 +207,7 @@ class SparePool:
             if not self._available():
                 return
             slot.role = Role.SPARE  # it rejoins as a spare; the promoted one takes its place
+            self._publish(unit)
         self._promote_one(unit.name, reason, detail, time.monotonic(), exclude=set())
 
     def _available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Candidate]:
@@ -305,10 +306,11 @@ class SparePool:
             log.warning(
                 "spares.promotion_failed", unit=unit.name, replaced=replaced, error=str(exc)
             )
-            if self.slots.get(unit.name) is slot:
+            if self.slots.get(unit.name) is slot:  # alive: try the next spare instead
                 slot.role = Role.SPARE
                 self._keep_current(unit)
-            self._promote_one(replaced, reason, detail, since, exclude={unit.name})
+                self._promote_one(replaced, reason, detail, since, exclude={unit.name})
+            # (a spare that died while promoted was replaced by `lost`, as a serving one)
 
     def _count_promotion(self, unit: Unit, reason: Reason) -> None:
         counts = unit.extra.setdefault("spare", {"promotions": {}}).setdefault("promotions", {})
