@@ -162,8 +162,8 @@ def push(dm: Dynamod, state: Path, step: int) -> float:
     return time.monotonic() - started
 
 
-def kill_serving(dm: Dynamod, version: int) -> dict[str, Any]:
-    victim = roles(dm)["serving"][0]
+def kill_serving(dm: Dynamod, version: int, victim: dict[str, Any] | None = None) -> dict[str, Any]:
+    victim = victim or roles(dm)["serving"][0]
     t_kill = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     event = promoted_after(dm, t_kill)
@@ -200,12 +200,12 @@ def run_spares(state: Path, stack_file: Path, kills: int) -> dict[str, Any]:
                 settled(dm, step)
                 time.sleep(0.5)
                 step += 1
+                victim = roles(dm)["serving"][0]  # chosen first: the kill follows the push at once
                 load.pause()
-                t0 = time.time()
                 push(dm, state, step)
                 version[0] = step
                 load.hold.clear()
-                runs["behind"].append(kill_serving(dm, step))
+                runs["behind"].append(kill_serving(dm, step, victim))
             settled(dm, step)
             out["spans"]["behind"] = (started, time.time())
             for _ in range(
@@ -234,6 +234,12 @@ def run_spares(state: Path, stack_file: Path, kills: int) -> dict[str, Any]:
             for run in runs_of:
                 run["promote_s"] = run["event"]["t"] - run["t_kill"]
             out["failed"][name] = load.failures(*out["spans"][name])
+        out["restarts"] = {u["name"]: u["restarts"] for u in dm.status()["units"]}
+        out["frontend_events"] = [
+            {k: e.get(k) for k in ("t", "old", "new", "detail")}
+            for e in dm.events()
+            if e.get("event") == "unit.state" and e.get("unit") == "frontend"
+        ]
         out["requests"] = len(load.rows)
         out["failed_total"] = sum(1 for _, status in load.rows if status != 200)
         kill_times = sorted(r["t_kill"] for runs_of in runs.values() for r in runs_of)
