@@ -312,7 +312,7 @@ def main() -> None:
             finally:
                 dm.close()
         with state_dir("rec-spare") as state:
-            spares = run_spares(state, serve_stack(state), 4 if args.quick else 8)
+            spares = run_spares(state, serve_stack(state), 3 if args.quick else 8)
     finally:
         sweep()
     total = summary(r["total"] for r in records)
