@@ -208,7 +208,8 @@ class SparePool:
                 return
             slot.role = Role.SPARE  # it rejoins as a spare; the promoted one takes its place
             self._publish(unit)
-        self._promote_one(unit.name, reason, detail, time.monotonic(), exclude=set())
+        # (a shard swapped out is a spare now, but never its own replacement)
+        self._promote_one(unit.name, reason, detail, time.monotonic(), exclude={unit.name})
 
     def _available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Candidate]:
         units = self.manager.engine.units
