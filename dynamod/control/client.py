@@ -96,3 +96,10 @@ class Client:
     def policy_status(self) -> dict[str, Any]:
         result: dict[str, Any] = self.request("GET", "/policy", timeout=30)
         return result
+
+    def policy_spares(self, sleep: bool) -> dict[str, Any]:
+        """Put the spare shards to sleep (control/sleep level 1) or wake them."""
+        result: dict[str, Any] = self.request(
+            "POST", "/policy/spares", {"sleep": sleep}, timeout=60
+        )
+        return result

@@ -57,7 +57,7 @@ def status_table(status: Mapping[str, Any]) -> str:
         rows.append(
             [
                 label,
-                unit["state"],
+                _state(unit),
                 str(unit["pid"] or "-"),
                 duration(unit["uptime_s"]),
                 str(unit["restarts"]),
@@ -115,6 +115,14 @@ def down_report(result: Mapping[str, Any]) -> list[str]:
 
 def _megabytes(n: int) -> str:
     return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
+
+
+def _state(unit: Row) -> str:
+    """A hot spare is ready but not in service: its own role in the STATE column."""
+    spare = unit.get("spare")
+    if unit["state"] == "ready" and isinstance(spare, Mapping) and spare.get("role") == "spare":
+        return "spare (asleep)" if spare.get("sleeping") else "spare"
+    return str(unit["state"])
 
 
 def _detail(unit: Row) -> str:

@@ -215,6 +215,12 @@ class PolicySpec(_Model):
         3, minimum=1, maximum=1000, description="policy versions kept in the ledger's history"
     )
     min_ready_shards: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
+    spares: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_INSTANCES,
+        description="extra shard instances kept ready at the current version, unrouted",
+    )
     initial_version: int = Field(
         0, ge=0, le=2**63 - 1, description="version of the weights shards boot with"
     )
@@ -604,6 +610,10 @@ def resolve_stack(
     }
 
     # 1. replicas and ports, which other units' templates may reference.
+    try:
+        spares = _spare_replicas(raw, base_context, renderer)
+    except SpecError as exc:
+        raise SpecErrors([exc]) from None
     instances: dict[str, tuple[RawUnit, int | None]] = {}
     ports: dict[str, dict[str, int]] = {}
     replicated: dict[str, list[str]] = {}
@@ -619,6 +629,7 @@ def resolve_stack(
             else:
                 room = limits.MAX_INSTANCES - len(instances)
                 count = _as_int(replicas_value, raw_unit, "replicas", 0, limits.MAX_INSTANCES)
+                count += spares.get(raw_unit.name, 0)
                 if count > room:
                     raise SpecError(
                         f"{count} replicas would make the stack more than "
@@ -761,6 +772,44 @@ def resolve_stack(
     if errors:
         raise SpecErrors(errors)
     return Stack(name=raw.name, path=raw.path, units=specs, order=order, policy=policy)
+
+
+def _spare_replicas(
+    raw: RawStack, context: Mapping[str, Any], renderer: _Renderer
+) -> dict[str, int]:
+    """`[policy] spares = K` adds K instances to the shard unit's replicas: the spares
+    run beside the serving shards, which keep their own count."""
+    if raw.policy is None or "spares" not in raw.policy:
+        return {}
+    holder = RawUnit(name="[policy]", source=raw.path, table=raw.policy)
+    value = renderer.field(raw.policy["spares"], context, holder, "policy.spares")
+    try:
+        count = int(str(value)) if not isinstance(value, bool) else -1
+    except ValueError:
+        count = -1
+    if not 0 <= count <= limits.MAX_INSTANCES:
+        raise SpecError(
+            f"must be an integer between 0 and {limits.MAX_INSTANCES}, got {value!r}",
+            file=raw.path,
+            field="policy.spares",
+        )
+    shards = raw.policy.get("shards")
+    if count == 0 or not isinstance(shards, list):
+        return {}
+    if len(shards) != 1:
+        raise SpecError(
+            f"spares = {count} needs exactly one shard unit, got {shards!r}",
+            file=raw.path,
+            field="policy.spares",
+        )
+    unit = raw.units.get(str(shards[0]))
+    if unit is not None and "replicas" not in unit.table:
+        raise SpecError(
+            f"spares = {count} needs shard unit {shards[0]!r} to have replicas",
+            file=raw.path,
+            field="policy.spares",
+        )
+    return {str(shards[0]): count}
 
 
 def _resolve_policy(

@@ -15,6 +15,9 @@ from the loop's thread.
   dynamod_probe_duration_seconds{unit,probe,result}   readiness/liveness probe latency
   dynamod_shards_held                           rollout shards held out of routing
   dynamod_shard_policy_version_lag{unit}        ledger version - shard's applied version
+  dynamod_spares_available                      hot spares ready to be promoted
+  dynamod_spares_asleep                         hot spares sleeping (control/sleep)
+  dynamod_spare_promotions_total{reason}        spares taken into service (exit, verification, lost)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -97,6 +100,12 @@ class RecoveryClock:
             self.down_since.pop(unit.name, None)  # stopped on purpose: nothing to recover
 
 
+def spare_info(unit: Unit) -> dict[str, Any]:
+    """The rollout layer's view of a hot spare (`spare` in status), or {}."""
+    info = unit.extra.get("spare")
+    return info if isinstance(info, dict) else {}
+
+
 class StackCollector(Collector):
     """Reads the daemon and its engine at scrape time."""
 
@@ -145,8 +154,15 @@ class StackCollector(Collector):
             "Policy versions a rollout shard is behind the ledger",
             labels=["unit"],
         )
-        held = 0
+        held = available = asleep = 0
+        promotions: dict[str, int] = {}
         for unit in units:
+            spare = spare_info(unit)
+            if spare.get("role") == "spare" and unit.state is UnitState.READY:
+                available += 1
+                asleep += bool(spare.get("sleeping"))
+            for reason, count in (spare.get("promotions") or {}).items():
+                promotions[reason] = promotions.get(reason, 0) + int(count)
             for each_state in UnitState:
                 state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
             restarts.add_metric([unit.name], unit.tracker.total)
@@ -162,6 +178,20 @@ class StackCollector(Collector):
         yield GaugeMetricFamily(
             "dynamod_shards_held", "Rollout shards held out of routing (catching up)", value=held
         )
+        yield GaugeMetricFamily(
+            "dynamod_spares_available", "Hot spare shards ready to be promoted", value=available
+        )
+        yield GaugeMetricFamily(
+            "dynamod_spares_asleep", "Hot spare shards sleeping (control/sleep)", value=asleep
+        )
+        promoted = CounterMetricFamily(
+            "dynamod_spare_promotions",
+            "Hot spares taken into service, by why the shard they replaced left",
+            labels=["reason"],
+        )
+        for reason in ("exit", "verification", "lost"):
+            promoted.add_metric([reason], promotions.get(reason, 0))
+        yield promoted
 
 
 class MetricsServer(Extension):

@@ -39,6 +39,7 @@ from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdClient, EtcdError
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
+from dynamod.rollout.spares import Reason, Role, SparePool
 
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
@@ -105,6 +106,7 @@ class PolicyManager(Extension):
       GET  /policy           the policy ledger and every shard's applied version
       POST /policy/push      {"step": N, "path": DIR}: load into every admitted shard
       POST /policy/publish   {"step": N, "path": DIR}: the trainer loaded it; verify shards
+      POST /policy/spares    {"sleep": true|false}: spares sleep (control/sleep) or wake
     """
 
     def __init__(self, spec: PolicySpec) -> None:
@@ -116,6 +118,7 @@ class PolicyManager(Extension):
         self._etcd: EtcdClient | None = None
         self._file: FileLedger | None = None
         self.shard_names: set[str] = set()
+        self.spares = SparePool(self, spec.spares)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,6 +127,7 @@ class PolicyManager(Extension):
         self.daemon = daemon
         self.shard_names = set(daemon.stack.shards())
         daemon.engine.hooks.append(self)
+        daemon.engine.hooks.insert(0, self.spares)
         if self.spec.store == "etcd":
             assert self.spec.etcd
             self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
@@ -131,6 +135,7 @@ class PolicyManager(Extension):
             self._file = FileLedger(daemon.state.path / "policy.json")
 
     async def stop(self) -> None:
+        await self.spares.stop()
         for task in list(self._rejoins.values()):
             task.cancel()
         for task in list(self._rejoins.values()):
@@ -164,6 +169,7 @@ class PolicyManager(Extension):
             web.get("/policy", status),
             web.post("/policy/push", push),
             web.post("/policy/publish", publish),
+            *self.spares.routes(),
         ]
 
     def status(self) -> dict[str, Any]:
@@ -190,8 +196,11 @@ class PolicyManager(Extension):
         """A shard passed its readiness probe: hold it until it holds the current policy."""
         if unit.name not in self.shard_names:
             return
+        role = self.spares.assign(unit)
         self.engine.hold(unit, "held: waiting to replay the current policy")
         await self._catch_up(unit)
+        if role is Role.SPARE:
+            self.spares.after_ready(unit)
 
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
         task = self._rejoins.pop(unit.name, None)
@@ -330,14 +339,15 @@ class PolicyManager(Extension):
             raise ShardError(
                 unit.name, "verify", f"shard reports digest {seen['digest']}, ledger has {digest}"
             )
-        taint = f"{self.spec.taint_prefix}{version}"
+        taints = self.spares.taints(unit, version)  # none for a spare: no trainer traffic
         instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
         own = [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
-        await step("taint", "update/model_taints", {"taints": [taint, *own]})
+        await step("taint", "update/model_taints", {"taints": [*taints, *own]})
         await step("resume", "resume_generation", {})
-        started = time.monotonic()
-        await self._await_routed(unit, version, [taint, *own[:1]], set(instance_ids))
-        timings["route"] = (time.monotonic() - started) * 1000
+        if taints:  # a spare holds no version taint, so no version traffic is routed to it
+            started = time.monotonic()
+            await self._await_routed(unit, version, [*taints, *own[:1]], set(instance_ids))
+            timings["route"] = (time.monotonic() - started) * 1000
         return ShardAck(unit.name, version, seen.get("digest"), timings)
 
     def _frontend(self) -> tuple[str, str] | None:
@@ -401,6 +411,9 @@ class PolicyManager(Extension):
             await asyncio.sleep(_ROUTE_RETRY_S)
 
     async def _record_ack(self, unit: Unit, ack: ShardAck) -> None:
+        if self.spares.is_spare(unit):
+            self.spares.record(unit, ack)
+            return
         unit.extra["policy_version"] = ack.version
         unit.extra["policy"] = {
             "version": ack.version,
@@ -439,7 +452,9 @@ class PolicyManager(Extension):
         return [
             unit
             for unit in (self.engine.units[n] for n in self.engine.stack.shards())
-            if unit.state in {UnitState.READY, UnitState.DEGRADED} and unit.hold_reason is None
+            if unit.state in {UnitState.READY, UnitState.DEGRADED}
+            and unit.hold_reason is None
+            and self.spares.is_serving(unit)
         ]
 
     async def push(self, step: int, path: str) -> dict[str, Any]:
@@ -497,7 +512,9 @@ class PolicyManager(Extension):
         for name, error in bad.items():
             unit = self.engine.units[name]
             await self._record_failure(unit, error)
+            self.spares.lost(unit, Reason.VERIFICATION, error)
             self._start_rejoin(unit, f"stale after failed push of step {step}: {error}")
+        self.spares.refresh()
         answer = {
             "ok": True,
             "version": step,
@@ -581,9 +598,11 @@ class PolicyManager(Extension):
                 acks[unit.name] = ack.as_dict()
                 await self._record_ack(unit, ack)
         for name, error in stale.items():
+            self.spares.lost(self.engine.units[name], Reason.VERIFICATION, error)
             self._start_rejoin(
                 self.engine.units[name], f"stale after publish of step {step}: {error}"
             )
+        self.spares.refresh()
         return {
             "ok": True,
             "version": step,
@@ -608,6 +627,7 @@ class PolicyManager(Extension):
                     "state": str(unit.state),
                     "policy_version": unit.extra.get("policy_version"),
                     "admitted": name in admitted,
+                    "role": str(self.spares.role(unit)),
                     "last_ack": record.acked_at if record else None,
                     "last_error": record.last_error if record else None,
                 }
@@ -632,4 +652,24 @@ class PolicyManager(Extension):
             "min_ready_shards": self.spec.min_ready_shards,
             "serving": admitted >= max(1, self.spec.min_ready_shards),
             "held": [n for n in shards if self.engine.units[n].hold_reason is not None],
+            "spares": self.spares.summary(),
         }
+
+    # ------------------------------------------------------------------ for the spare pool
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held by pushes, publishes and admissions: one policy operation at a time."""
+        return self._lock
+
+    def note_current(self, current: PolicyVersion | None) -> None:
+        self._note_current(current)
+
+    async def call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(unit, route, payload)
+
+    async def apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
+        return await self._apply(unit, target)
+
+    async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
+        await self._record_ack(unit, ack)

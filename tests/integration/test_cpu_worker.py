@@ -407,6 +407,45 @@ def test_pause_abort_ends_in_flight_requests(stack: RawStack, resumed: Worker) -
     assert len(chunks) < 2000
 
 
+def test_sleep_frees_the_cache_holds_requests_and_wake_up_serves_again(
+    stack: RawStack, resumed: Worker, model_dir: Path
+) -> None:
+    worker = resumed
+    complete(stack)
+    assert worker.engine("control/sleep", {"level": 3})[1] == {
+        "status": "error",
+        "message": "Invalid level 3; expected 1 or 2",
+    }
+    generation = worker.engine("liveness_probe")[1]["engine_generation"]
+    assert worker.engine("control/sleep", {"level": 1})[1] == {
+        "status": "ok",
+        "message": "Engine slept (level=1)",
+    }
+    live = worker.engine("liveness_probe")[1]
+    assert live["sleeping"] is True and live["alive"] is True
+    assert live["engine_generation"] > generation, "sleep did not free the KV cache"
+    assert worker.engine("control/sleep")[1]["message"] == "Engine already sleeping"
+    assert worker.engine("pause_generation")[1]["status"] == "ok"
+    refused = worker.engine("update_weights_from_disk", {"model_path": str(model_dir)})[1]
+    assert refused == {
+        "status": "error",
+        "message": "Engine is sleeping; call control/wake_up before updating weights",
+    }
+    assert worker.engine("resume_generation")[1]["status"] == "ok"
+
+    replies: list[dict[str, Any]] = []
+    request = threading.Thread(target=lambda: replies.append(complete(stack)))
+    request.start()
+    request.join(2.0)
+    assert request.is_alive() and not replies, "a sleeping worker served a request"
+    assert worker.health()[0] == 200, "a sleeping worker is held, not unhealthy"
+
+    assert worker.engine("control/wake_up")[1] == {"status": "ok", "message": "Engine woke"}
+    assert worker.engine("control/wake_up")[1]["message"] == "Engine already awake"
+    request.join(30)
+    assert not request.is_alive() and replies[0]["usage"]["completion_tokens"] == 4
+
+
 # ------------------------------------------------------------------------- failures
 
 

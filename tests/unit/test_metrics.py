@@ -73,3 +73,40 @@ def test_policy_lag_and_shards() -> None:
     assert policy_lag(unit()) == 0
     assert is_shard(unit(policy={"version": 1, "current": 1}))
     assert not is_shard(unit("etcd"))
+
+
+def test_spare_gauges_and_promotions_read_from_the_units() -> None:
+    from dynamod.core.daemon import Phase
+    from dynamod.ops.metrics import StackCollector
+
+    def shard(name: str, state: S, **spare: Any) -> Any:
+        return SimpleNamespace(
+            name=name,
+            state=state,
+            extra={"spare": spare},
+            spec=SimpleNamespace(dynamo=object()),
+            tracker=SimpleNamespace(total=0),
+            hold_reason=None,
+        )
+
+    units = [
+        shard("worker@0", S.READY, role="serving", promotions={"exit": 2}),
+        shard("worker@1", S.READY, role="spare", sleeping=True, promotions={"verification": 1}),
+        shard("worker@2", S.HELD, role="spare", sleeping=False, promotions={}),  # catching up
+        shard("worker@3", S.READY, role="spare", sleeping=False, promotions={"exit": 1}),
+    ]
+    daemon = SimpleNamespace(
+        stack=SimpleNamespace(name="s"),
+        phase=Phase.UP,
+        engine=SimpleNamespace(units={u.name: u for u in units}),
+    )
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in StackCollector(daemon, RecoveryClock()).collect()  # type: ignore[arg-type]
+        for s in family.samples
+    }
+    assert samples[("dynamod_spares_available", ())] == 2
+    assert samples[("dynamod_spares_asleep", ())] == 1
+    assert samples[("dynamod_spare_promotions_total", (("reason", "exit"),))] == 3
+    assert samples[("dynamod_spare_promotions_total", (("reason", "verification"),))] == 1
+    assert samples[("dynamod_spare_promotions_total", (("reason", "lost"),))] == 0

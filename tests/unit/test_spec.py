@@ -236,3 +236,42 @@ def test_stock_stacks_validate() -> None:
     for path in sorted(root.glob("*.toml")):
         stack = spec.load(path, state_dir=Path("/tmp/x"), allocate_port=lambda: next(counter))
         assert stack.units, path
+
+
+SPARES_STACK = """
+    [vars]
+    workers = 2
+    spares = 1
+    [units.worker]
+    replicas = "{vars.workers}"
+    command = ["w"]
+    dynamo = { system_url = "http://127.0.0.1:1", etcd = "http://127.0.0.1:2", namespace = "t" }
+    [policy]
+    store = "file"
+    shards = ["worker"]
+    spares = "{vars.spares}"
+"""
+
+
+def test_spares_add_instances_beside_the_serving_shards(tmp_path: Path) -> None:
+    stack = load(tmp_path, SPARES_STACK)
+    assert stack.policy is not None and stack.policy.spares == 1
+    assert stack.shards() == ["worker@0", "worker@1", "worker@2"]
+    assert load(tmp_path, SPARES_STACK, spares=0).shards() == ["worker@0", "worker@1"]
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "true"])
+def test_bad_spares_names_the_policy_field(tmp_path: Path, value: str) -> None:
+    with pytest.raises(SpecErrors) as info:
+        load(tmp_path, SPARES_STACK, spares=value)
+    (error,) = info.value.errors
+    assert error.field == "policy.spares" and "must be an integer >= 0" in error.message
+
+
+def test_spares_need_one_shard_unit_with_replicas(tmp_path: Path) -> None:
+    two = SPARES_STACK.replace('shards = ["worker"]', 'shards = ["worker", "other"]')
+    (error,) = errors_of(tmp_path, two)
+    assert error.field == "policy.spares" and "exactly one shard unit" in error.message
+    single = SPARES_STACK.replace('replicas = "{vars.workers}"', "")
+    (error,) = errors_of(tmp_path, single)
+    assert "to have replicas" in error.message

@@ -1,4 +1,4 @@
-"""`dynamod policy push|publish|status`: policy updates through the daemon."""
+"""`dynamod policy push|publish|status|spares`: policy updates and spares via the daemon."""
 
 from __future__ import annotations
 
@@ -102,8 +102,30 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo(f"  kept versions: {kept or '-'}")
     for shard in result["shards"]:
         mark = "admitted" if shard["admitted"] else "OUT"
+        if shard.get("role") == "spare":
+            mark = "spare (held out of trainer traffic)"
         error = f"  last error: {shard['last_error']}" if shard["last_error"] else ""
         click.echo(
             f"  {shard['name']:<12} {shard['state']:<9} version "
             f"{shard['policy_version']}  {mark}{error}"
         )
+
+
+@policy_group.command("spares")
+@click.option("--sleep/--wake", "asleep", required=True, help="Spares sleep, or wake up.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def spares(ctx: click.Context, asleep: bool, as_json: bool) -> None:
+    """Hot spares sleep (weights to host memory, KV cache freed) or stay awake.
+
+    A sleeping spare is woken, then replayed if behind, when it is promoted."""
+    try:
+        result = _client(ctx).policy_spares(asleep)
+    except DaemonError as exc:
+        click.echo(f"dynamod: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    names = ", ".join(result["spares"]) or "none"
+    click.echo(f"spares ({names}) will {'sleep' if asleep else 'stay awake'}")

@@ -21,6 +21,8 @@ PAUSE_REQUIRED = (
     "Call pause_generation() first, then update, then resume_generation()."
 )
 NOT_AN_OBJECT = {"status": "error", "message": "request body must be a JSON object"}
+SLEEP_LEVELS = (1, 2)
+ASLEEP = "Engine is sleeping; call control/wake_up before updating weights"
 
 RouteHandler = Callable[[Any], Awaitable[dict[str, Any]]]
 
@@ -71,6 +73,7 @@ class CpuWorker:
         self._holding = False  # in-flight output is held back (pause mode "keep")
         self._swapping = False  # the engine is being replaced; nothing enters it
         self._closing = False  # shutting down: nothing waits any more
+        self._sleeping = False  # control/sleep: KV cache freed, nothing admitted until wake_up
         self._flights: set[_Flight] = set()
         self._pumping = 0  # requests still inside the engine
 
@@ -110,7 +113,10 @@ class CpuWorker:
         async with self._changed:
             # Health probes pass a pause: a paused worker is held, not unhealthy.
             await self._changed.wait_for(
-                lambda: self._closing or (not self._swapping and (probe or not self._paused))
+                lambda: (
+                    self._closing
+                    or (not self._swapping and (probe or not (self._paused or self._sleeping)))
+                )
             )
             if self._closing:
                 # Typed, so the frontend migrates the request to another worker.
@@ -221,6 +227,8 @@ class CpuWorker:
             "update_weights_from_disk": self.update_weights_from_disk,
             "get_weight_version": self.get_weight_version,
             "set_weight_version": self.set_weight_version,
+            "control/sleep": self.sleep,
+            "control/wake_up": self.wake_up,
         }
 
     async def liveness_probe(self, body: Any) -> dict[str, Any]:
@@ -233,6 +241,7 @@ class CpuWorker:
             "alive": True,
             "instance_id": self.instance_id,
             "paused": self._paused,
+            "sleeping": self._sleeping,
             "engine_generation": self.engine.generation,
         }
 
@@ -300,6 +309,8 @@ class CpuWorker:
         async with self._lock:
             if not self._paused:
                 return {"status": "error", "message": PAUSE_REQUIRED}
+            if self._sleeping:
+                return {"status": "error", "message": ASLEEP}
             path = body.get("model_path")
             if not path:
                 return {"status": "error", "message": "Missing 'model_path' in body"}
@@ -353,3 +364,40 @@ class CpuWorker:
         self.version, self.version_declared = body["weight_version"], True
         log.info("[RL] Weight version declared: %s", self.version)
         return {"status": "ok", "version": self.version}
+
+    async def sleep(self, body: Any) -> dict[str, Any]:
+        """dynamo.vllm's `control/sleep`: stop admitting, abort what is in flight, free the
+        KV cache. Level 1 moves a GPU engine's weights to host memory; a CPU worker's
+        weights already are there, so both levels keep them and differ in nothing here."""
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        level = body.get("level", 1)
+        if level not in SLEEP_LEVELS:
+            return {"status": "error", "message": f"Invalid level {level!r}; expected 1 or 2"}
+        async with self._lock:
+            if self._sleeping:
+                return {"status": "ok", "message": "Engine already sleeping"}
+            async with self._changed:
+                self._sleeping = True
+                self._changed.notify_all()
+            await self._abort_in_flight()
+            try:
+                await self._reset_engine()
+            except WorkerError as exc:
+                return {"status": "error", "message": str(exc)}
+            log.info("[Sleep] Engine slept (level=%s)", level)
+            return {"status": "ok", "message": f"Engine slept (level={level})"}
+
+    async def wake_up(self, body: Any) -> dict[str, Any]:
+        """dynamo.vllm's `control/wake_up`: admit requests again (after any pause ends)."""
+        if body is not None and not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        async with self._lock:
+            if not self._sleeping:
+                return {"status": "ok", "message": "Engine already awake"}
+            async with self._changed:
+                self._sleeping = False
+                self._changed.notify_all()
+            log.info("[Wake] Engine woke")
+            return {"status": "ok", "message": "Engine woke"}

@@ -1,0 +1,434 @@
+"""Hot spare shards: K extra shard instances that run, are ready and hold the ledger's
+version, but carry no policy taint (so no trainer traffic reaches them) and do not count
+as admitted. When a serving shard dies or fails verification, a spare is promoted at once
+(woken if asleep, replayed if behind, verified, tainted), and the instance it replaces
+becomes a spare once it is back. After every push or publish the spares are replayed in
+the background, off the trainer's critical path. Spares may sleep (`control/sleep` level 1)
+and are woken on promotion. Roles are assigned when a shard turns ready: the first
+instances fill the serving count, the rest are spares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from dynamod.core.errors import DynamodError
+from dynamod.core.restart import Exit
+from dynamod.rollout.etcd import EtcdError
+
+if TYPE_CHECKING:
+    from dynamod.core.engine import Unit
+    from dynamod.rollout.policy import PolicyManager, ShardAck
+
+log = structlog.get_logger("dynamod.rollout.spares")
+
+
+class Role(StrEnum):
+    SERVING = "serving"  # taken into service: tainted with the current version, admitted
+    SPARE = "spare"  # ready at (or catching up to) the current version, untainted
+    PROMOTING = "promoting"  # a spare being taken into service (wake, replay, taint)
+
+
+class Reason(StrEnum):
+    """Why a spare was promoted (the `reason` label of the promotions metric)."""
+
+    EXIT = "exit"  # the serving shard's process exited
+    VERIFICATION = "verification"  # the serving shard failed a push or publish
+    LOST = "lost"  # the serving shard was declared lost
+
+
+@dataclass
+class Slot:
+    """One running shard instance's role. `lock` serialises its replays and promotion."""
+
+    role: Role
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    asleep: bool = False
+    keeper: asyncio.Task[None] | None = None
+    dirty: bool = False  # the ledger or the sleep wish changed since the keeper last looked
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    version: int | None
+    asleep: bool
+
+
+def choose(candidates: Iterable[Candidate], current: int | None) -> str | None:
+    """The spare to promote: awake and current first, then awake and behind, then asleep
+    (a wake costs seconds on a GPU, a replay of a small delta often less). Pure logic."""
+
+    def cost(c: Candidate) -> tuple[bool, bool, str]:
+        return (c.asleep, c.version != current, c.name)
+
+    ranked = sorted(candidates, key=cost)
+    return ranked[0].name if ranked else None
+
+
+class SparePool:
+    """The spares of one shard group. The policy manager calls it at a few points:
+    `assign` when a shard turns ready, `lost` when a serving shard exits or goes stale,
+    `refresh` after a push or publish, and asks `is_serving` / `taints` / `record`."""
+
+    def __init__(self, manager: PolicyManager, count: int) -> None:
+        self.manager = manager
+        self.count = count
+        self.slots: dict[str, Slot] = {}
+        self.sleep_wanted = False
+        self._promotions: set[asyncio.Task[None]] = set()
+        self._pushed_at: float | None = None
+
+    # ------------------------------------------------------------------ roles
+
+    def assign(self, unit: Unit) -> Role:
+        """A shard turned ready: it serves if the serving count is short, else it is a spare."""
+        serving = sum(1 for s in self.slots.values() if s.role is not Role.SPARE)
+        wanted = len(self.manager.shard_names) - self.count
+        role = Role.SERVING if self.count == 0 or serving < wanted else Role.SPARE
+        self.slots[unit.name] = Slot(role)
+        self._publish(unit)
+        return role
+
+    def role(self, unit: Unit) -> Role:
+        slot = self.slots.get(unit.name)
+        return slot.role if slot else Role.SERVING
+
+    def is_serving(self, unit: Unit) -> bool:
+        return self.role(unit) is Role.SERVING
+
+    def is_spare(self, unit: Unit) -> bool:
+        return self.role(unit) is Role.SPARE
+
+    def taints(self, unit: Unit, version: int) -> list[str]:
+        """A spare carries no policy taint, so trainer traffic never reaches it."""
+        if self.is_spare(unit):
+            return []
+        return [f"{self.manager.spec.taint_prefix}{version}"]
+
+    def record(self, unit: Unit, ack: ShardAck) -> None:
+        """A spare holds `ack.version` (replayed, KV reset, verified, untainted)."""
+        unit.extra["policy_version"] = ack.version
+        unit.extra["policy"] = {
+            "version": ack.version,
+            "current": self.manager.current_version,
+            "admitted": False,
+            "digest": ack.digest,
+            "last_ack_ms": ack.as_dict()["ms"],
+            "last_error": None,
+        }
+        self._publish(unit)
+        current = self.manager.current_version
+        if ack.version == current and self._pushed_at is not None:  # noqa: SIM102
+            if all(self._version(u) == current for u in self.spare_units()):
+                log.info(
+                    "spares.current",
+                    version=ack.version,
+                    since_push_ms=round((time.monotonic() - self._pushed_at) * 1000, 1),
+                )
+                self._pushed_at = None
+
+    def after_ready(self, unit: Unit) -> None:
+        """A spare finished catching up: keep it current, or promote it at once if the
+        serving count fell short meanwhile (a serving shard died while no spare was up)."""
+        slot = self.slots.get(unit.name)
+        if slot is None or slot.role is not Role.SPARE:
+            return
+        serving = sum(1 for s in self.slots.values() if s.role is not Role.SPARE)
+        if serving < len(self.manager.shard_names) - self.count:
+            slot.role = Role.PROMOTING
+            task = asyncio.get_running_loop().create_task(
+                self._promote(unit, slot, "-", Reason.EXIT, "serving count short", time.monotonic())
+            )
+            self._promotions.add(task)
+            task.add_done_callback(self._promotions.discard)
+            return
+        self._keep_current(unit)
+
+    def spare_units(self) -> list[Unit]:
+        units = self.manager.engine.units
+        return [units[n] for n, s in self.slots.items() if s.role is Role.SPARE]
+
+    def _version(self, unit: Unit) -> int | None:
+        version = unit.extra.get("policy_version")
+        return version if isinstance(version, int) else None
+
+    def _publish(self, unit: Unit) -> None:
+        """The spare's view in `status --json` (the `spare` key) and the status detail."""
+        slot = self.slots.get(unit.name)
+        info = unit.extra.setdefault("spare", {"promotions": {}})
+        info["role"] = str(slot.role) if slot else None
+        info["sleeping"] = bool(slot and slot.asleep)
+        if slot is None or slot.role is not Role.SPARE:
+            return
+        version, current = self._version(unit), self.manager.current_version
+        behind = current - version if version is not None and current is not None else None
+        info.update(version=version, behind=behind)
+        state = "asleep" if slot.asleep else "awake"
+        lag = "current" if behind == 0 else f"{behind} behind" if behind else "catching up"
+        self.manager.engine.transition(
+            unit, unit.state, f"spare at policy version {version} ({lag}, {state})"
+        )
+
+    # ------------------------------------------------------------------ promotion
+
+    async def on_ready(self, unit: Unit) -> None:
+        """Engine hook: roles are assigned by the policy manager's own on_ready."""
+
+    async def on_exit(self, unit: Unit, exit: Exit) -> None:
+        """Engine hook, first in line: the promotion starts before the dead shard's lease
+        is revoked (that runs in parallel, in the next hook), not after."""
+        if unit.name in self.manager.shard_names:
+            self.lost(unit, Reason.EXIT, exit.describe())
+
+    def lost(self, unit: Unit, reason: Reason, detail: str) -> None:
+        """A shard left service. A serving one is replaced by a spare, if one is there."""
+        if reason is Reason.EXIT:
+            slot = self.slots.pop(unit.name, None)
+            if slot is not None and slot.keeper is not None:
+                slot.keeper.cancel()
+            unit.extra.setdefault("spare", {"promotions": {}})["role"] = None
+        else:
+            slot = self.slots.get(unit.name)
+        if self.count == 0 or slot is None or slot.role is Role.SPARE:
+            return
+        if self.manager.engine.stopping:
+            return
+        if reason is not Reason.EXIT:
+            if not self._available():
+                return
+            slot.role = Role.SPARE  # it rejoins as a spare; the promoted one takes its place
+            self._publish(unit)
+        # (a shard swapped out is a spare now, but never its own replacement)
+        self._promote_one(unit.name, reason, detail, time.monotonic(), exclude={unit.name})
+
+    def _available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Candidate]:
+        units = self.manager.engine.units
+        return [
+            Candidate(name, self._version(units[name]), slot.asleep)
+            for name, slot in self.slots.items()
+            if slot.role is Role.SPARE
+            and name not in exclude
+            and units[name].state.running
+            and units[name].hold_reason is None
+        ]
+
+    def _promote_one(
+        self, replaced: str, reason: Reason, detail: str, since: float, exclude: set[str]
+    ) -> None:
+        name = choose(self._available(exclude), self.manager.current_version)
+        if name is None:
+            log.warning("spares.none_available", replaced=replaced, reason=str(reason))
+            return
+        slot = self.slots[name]
+        slot.role = Role.PROMOTING
+        task = asyncio.get_running_loop().create_task(
+            self._promote(self.manager.engine.units[name], slot, replaced, reason, detail, since)
+        )
+        self._promotions.add(task)
+        task.add_done_callback(self._promotions.discard)
+
+    async def _promote(
+        self, unit: Unit, slot: Slot, replaced: str, reason: Reason, detail: str, since: float
+    ) -> None:
+        manager = self.manager
+        timings: dict[str, float] = {}
+        replay_ms = 0.0
+
+        async def timed(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+            started = time.monotonic()
+            reply = await manager.call(unit, route, payload)
+            timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
+            return reply
+
+        was_version, was_asleep = self._version(unit), slot.asleep
+        try:
+            async with slot.lock:
+                waited = (time.monotonic() - since) * 1000
+                if slot.asleep:
+                    await timed("wake", "control/wake_up", {})
+                    slot.asleep = False
+                while True:
+                    version = manager.current_version
+                    if version is None or self._version(unit) != version:
+                        # behind (or the ledger not read yet): the replay needs its path
+                        target = await manager.ledger().current()
+                        manager.note_current(target)
+                        version = target.version if target else manager.spec.initial_version
+                    if self._version(unit) != version:
+                        started = time.monotonic()
+                        ack = await manager.apply(unit, target)  # taints: it is promoting
+                        replay_ms = (time.monotonic() - started) * 1000
+                    # Pushes and publishes move `current_version` under this lock, so under
+                    # it the cached version is the ledger's.
+                    async with manager.lock:
+                        if manager.current_version != version:
+                            continue  # a push overtook the replay: replay again
+                        if replay_ms == 0.0:
+                            # Verified when it was replayed, and only dynamod calls its admin
+                            # routes (a restarted process gets a new slot): the taint is the
+                            # one call between the loss and the spare serving.
+                            await timed(
+                                "taint",
+                                "update/model_taints",
+                                {"taints": self.taints(unit, version)},
+                            )
+                            digest = unit.extra.get("policy", {}).get("digest")
+                            ack = _ack(unit.name, version, digest)
+                        slot.role = Role.SERVING
+                        ack.timings_ms = {**timings, **ack.timings_ms}
+                        self._count_promotion(unit, reason)
+                        log.info(
+                            "spares.promoted",
+                            unit=unit.name,
+                            replaced=replaced,
+                            reason=str(reason),
+                            why=detail,
+                            version=version,
+                            was_version=was_version,
+                            was_asleep=was_asleep,
+                            waited_ms=round(waited, 1),
+                            replay_ms=round(replay_ms, 1),
+                            steps_ms={k: round(v, 1) for k, v in ack.timings_ms.items()},
+                            total_ms=round((time.monotonic() - since) * 1000, 1),
+                        )
+                        await manager.record_ack(unit, ack)
+                        break
+        except (DynamodError, EtcdError) as exc:
+            log.warning(
+                "spares.promotion_failed", unit=unit.name, replaced=replaced, error=str(exc)
+            )
+            if self.slots.get(unit.name) is slot:  # alive: try the next spare instead
+                slot.role = Role.SPARE
+                self._keep_current(unit)
+                self._promote_one(replaced, reason, detail, since, exclude={unit.name})
+            # (a spare that died while promoted was replaced by `lost`, as a serving one)
+
+    def _count_promotion(self, unit: Unit, reason: Reason) -> None:
+        counts = unit.extra.setdefault("spare", {"promotions": {}}).setdefault("promotions", {})
+        counts[str(reason)] = counts.get(str(reason), 0) + 1
+        self._publish(unit)
+
+    # ------------------------------------------------------------------ keeping current
+
+    def refresh(self) -> None:
+        """The ledger moved on (push, publish): replay it into every spare, in the background."""
+        if self.count == 0:
+            return
+        self._pushed_at = time.monotonic()
+        for unit in self.spare_units():
+            self._keep_current(unit)
+
+    def _keep_current(self, unit: Unit) -> None:
+        slot = self.slots.get(unit.name)
+        if slot is None:
+            return
+        slot.dirty = True
+        if slot.keeper is not None and not slot.keeper.done():
+            return
+        slot.keeper = asyncio.get_running_loop().create_task(self._keeper(unit, slot))
+
+    async def _keeper(self, unit: Unit, slot: Slot) -> None:
+        """Until the spare holds the current version (and sleeps if asked), or stops being one."""
+        manager = self.manager
+        delay = manager.spec.replay_backoff_initial
+        while self.slots.get(unit.name) is slot and slot.role is Role.SPARE:
+            error = None
+            async with slot.lock:
+                if slot.role is not Role.SPARE:
+                    return
+                slot.dirty = False
+                try:
+                    target = await manager.ledger().current()
+                    manager.note_current(target)
+                    version = target.version if target else manager.spec.initial_version
+                    if self._version(unit) == version or slot.asleep:
+                        # a sleeping spare cannot load weights: it is replayed when woken
+                        if self.sleep_wanted != slot.asleep:
+                            route = "control/sleep" if self.sleep_wanted else "control/wake_up"
+                            await manager.call(
+                                unit, route, {"level": 1} if self.sleep_wanted else {}
+                            )
+                            slot.asleep = self.sleep_wanted
+                            self._publish(unit)
+                            log.info(
+                                "spares.slept" if slot.asleep else "spares.woke", unit=unit.name
+                            )
+                            continue
+                        self._publish(unit)
+                        if slot.dirty:
+                            continue
+                        return
+                    ack = await manager.apply(unit, target)
+                    async with manager.lock:
+                        now = await manager.ledger().current()
+                        if (now.version if now else manager.spec.initial_version) == ack.version:
+                            await manager.record_ack(unit, ack)
+                    continue
+                except (DynamodError, EtcdError) as exc:
+                    error = str(exc)
+            log.warning("spares.replay_failed", unit=unit.name, error=error, retry_s=delay)
+            unit.extra.setdefault("policy", {})["last_error"] = error
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, manager.spec.replay_backoff_max)
+
+    # ------------------------------------------------------------------ sleep, views
+
+    def set_sleep(self, asleep: bool) -> None:
+        self.sleep_wanted = asleep
+        for unit in self.spare_units():
+            self._keep_current(unit)
+
+    async def stop(self) -> None:
+        tasks = [*self._promotions, *(s.keeper for s in self.slots.values() if s.keeper)]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def summary(self) -> dict[str, Any]:
+        units = self.manager.engine.units
+        current = self.manager.current_version
+        spares = self.spare_units()
+        promotions = sum(
+            sum(units[n].extra.get("spare", {}).get("promotions", {}).values())
+            for n in self.manager.shard_names
+        )
+        return {
+            "wanted": self.count,
+            "spares": [u.name for u in spares],
+            "available": len(self._available()),
+            "current": sum(1 for u in spares if self._version(u) == current),
+            "sleep": self.sleep_wanted,
+            "promotions": promotions,
+        }
+
+    def routes(self) -> list[web.RouteDef]:
+        async def sleep(request: web.Request) -> web.Response:
+            try:
+                body = await request.json()
+                asleep = body["sleep"]
+                if not isinstance(asleep, bool):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                raise DynamodError('expected a JSON body {"sleep": true|false}') from None
+            self.set_sleep(asleep)
+            return web.json_response(self.summary())
+
+        return [web.post("/policy/spares", sleep)]
+
+
+def _ack(name: str, version: int, digest: str | None) -> ShardAck:
+    from dynamod.rollout.policy import ShardAck
+
+    return ShardAck(name, version, digest)
