@@ -139,7 +139,7 @@ def recovery_time(history: History, inv: Invariant) -> Verdict:
         if gap is None:
             failures.append(f"nothing served after {fault.name} healed")
         for key in ("unit_s", "serving_s"):
-            if isinstance(row.get(key), float):
+            if isinstance(row.get(key), int | float):
                 worst = max(worst, row[key])
         rows.append(row)
     measured = {"faults": rows, "worst_s": round(worst, 3)}

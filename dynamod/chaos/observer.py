@@ -4,6 +4,7 @@ pid it saw (for the leftover check). It survives the daemon's absence (a daemon 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -74,3 +75,26 @@ class Observer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+
+def states_from_log(path: Path, wall_origin: float) -> list[StateChange]:
+    """Every `unit.state` transition in the daemon's JSON log (exact, unlike a 10 Hz poll
+    that can miss a short `held`), as seconds since the run's origin."""
+    from datetime import datetime
+
+    changes: list[StateChange] = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return changes
+    for line in lines:
+        if '"unit.state"' not in line:
+            continue
+        try:
+            event = json.loads(line)
+            wall = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError):
+            continue
+        changes.append(StateChange(round(wall - wall_origin, 4), event["unit"], event["old"],
+                                   event["new"]))
+    return changes

@@ -18,7 +18,7 @@ from dynamod.chaos.history import History
 from dynamod.chaos.journal import Activity, Journal, RunStatus, timed
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Probe, Profile, Runbook, Step
-from dynamod.chaos.observer import Observer
+from dynamod.chaos.observer import Observer, states_from_log
 from dynamod.chaos.stack import Stack
 from dynamod.chaos.timeline import draw
 
@@ -149,8 +149,10 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
         load.stop()
     observer.sample()
     observer.stop()
+    wall_origin = time.time() - ctx.now()
+    logged = states_from_log(state_dir / "daemon.log", wall_origin)
     history = History(requests=list(load.requests) if load else [],
-                      states=observer.states, versions=observer.versions, faults=ctx.faults,
+                      states=logged or observer.states, versions=observer.versions, faults=ctx.faults,
                       final_status=observer.last)
     history.start_version = next((v.current for v in observer.versions
                                   if v.current is not None), None)
