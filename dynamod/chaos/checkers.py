@@ -35,8 +35,13 @@ def shards_current(history: History, inv: Invariant) -> Verdict:
     admitted = {n: u for n, u in shards.items() if (u.get("policy") or {}).get("admitted")}
     behind = {n: u.get("policy_version") for n, u in admitted.items()
               if u.get("policy_version") != current}
+    # Asked of the shard itself, where it answered: dynamod's claim is not enough.
+    engine = {n: u["engine"].get("version") for n, u in admitted.items()
+              if isinstance(u.get("engine"), dict) and "version" in u["engine"]}
+    behind |= {n: f"{v} (the shard says)" for n, v in engine.items() if v != current}
     measured = {"current": current, "shards": {n: u.get("policy_version") for n, u in
-                                               shards.items()}, "admitted": sorted(admitted)}
+                                               shards.items()}, "admitted": sorted(admitted),
+                "engine_versions": engine}
     if not admitted:
         return Verdict(inv.check, False, f"no shard is admitted (current {current})", measured)
     if behind:
@@ -74,7 +79,7 @@ def no_stale_serving(history: History, inv: Invariant) -> Verdict:
                 "boundaries": [[round(t, 3), v] for t, v in changes]}
     if unstamped:
         return Verdict(inv.check, False, f"{len(unstamped)} completions carry no weight "
-                       "version (engine_data missing)", measured)
+                       "version (engine_data missing, or the shard declared none)", measured)
     if stale:
         r, need = stale[0]
         return Verdict(inv.check, False, f"{len(stale)} of {len(served)} completions served by "
@@ -85,22 +90,27 @@ def no_stale_serving(history: History, inv: Invariant) -> Verdict:
 
 
 def client_errors(history: History, inv: Invariant) -> Verdict:
-    """Failed requests stay within `max_errors` and/or `max_error_rate`."""
-    total = len(history.requests)
-    failed = [r for r in history.requests if not r.ok]
+    """Failed requests stay within `max_errors` and/or `max_error_rate`, over all requests
+    or only the plain or the trainer-style (taint-constrained) ones."""
+    pick = {"all": lambda r: True, "plain": lambda r: r.required is None,
+            "trainer": lambda r: r.required is not None}[inv.traffic]
+    requests = [r for r in history.requests if pick(r)]
+    total = len(requests)
+    failed = [r for r in requests if not r.ok]
     rate = len(failed) / total if total else 0.0
     by_status: dict[str, int] = {}
     for r in failed:
         by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
-    measured = {"requests": total, "errors": len(failed), "rate": round(rate, 4),
-                "by_status": by_status}
+    measured = {"traffic": inv.traffic, "requests": total, "errors": len(failed),
+                "rate": round(rate, 4), "by_status": by_status}
     if total == 0:
-        return Verdict(inv.check, False, "no requests were recorded", measured)
+        return Verdict(inv.check, False, f"no {inv.traffic} requests were recorded", measured)
     bound_n = inv.max_errors if inv.max_errors is not None else total
     bound_r = inv.max_error_rate if inv.max_error_rate is not None else 1.0
     ok = len(failed) <= bound_n and rate <= bound_r
     first = f"; first: {failed[0].status} {failed[0].error or ''}"[:160] if failed else ""
-    return Verdict(inv.check, ok, f"{len(failed)} of {total} requests failed ({rate:.1%}; "
+    return Verdict(inv.check, ok, f"{len(failed)} of {total} {inv.traffic} requests failed "
+                   f"({rate:.1%}; "
                    f"bound {bound_n} and {bound_r:.1%}){first}", measured)
 
 

@@ -46,6 +46,7 @@ class RunContext:
     work_dir: Path
     faults: list[Fault] = field(default_factory=list)
     healers: dict[str, Callable[[], str]] = field(default_factory=dict)
+    hit_pids: dict[str, int] = field(default_factory=dict)  # unit -> pid its last fault hit
 
     def now(self) -> float:
         return time.monotonic() - self.origin
@@ -87,6 +88,7 @@ def _signal_same(pid: int, started: str | None, sig: signal.Signals) -> bool:
 def kill(ctx: RunContext, step: KillStep) -> dict[str, Any]:
     pid = ctx.stack.pid_of(step.unit)
     os.kill(pid, signal.Signals[step.signal])
+    ctx.hit_pids[step.unit] = pid
     ctx.mark(f"{step.signal} {step.unit}", step.unit)
     return {"unit": step.unit, "pid": pid, "signal": step.signal}
 
@@ -95,6 +97,7 @@ def _pause(ctx: RunContext, unit: str) -> tuple[int, str | None, int]:
     pid = ctx.stack.pid_of(unit)
     started = _start_time(pid)
     os.kill(pid, signal.SIGSTOP)
+    ctx.hit_pids[unit] = pid
     index = ctx.mark(f"SIGSTOP {unit}", unit)
 
     def heal() -> str:
@@ -128,7 +131,9 @@ def wait(ctx: RunContext, step: WaitStep) -> dict[str, Any]:
 
 
 def wait_state(ctx: RunContext, step: WaitStateStep) -> dict[str, Any]:
-    before = ctx.stack.unit(step.unit).get("pid")
+    # "new pid": not the process the last fault on this unit hit (it may already have
+    # been replaced before this step began), else not the one running now.
+    before = ctx.hit_pids.get(step.unit) or ctx.stack.unit(step.unit).get("pid")
     started = time.monotonic()
 
     def reached() -> dict[str, Any] | None:
@@ -189,6 +194,7 @@ def push(ctx: RunContext, step: PushStep) -> dict[str, Any]:
     if step.kill_unit:
         time.sleep(step.kill_after)
         os.kill(victim["pid"], signal.SIGKILL)
+        ctx.hit_pids[step.kill_unit] = victim["pid"]
         ctx.mark(f"SIGKILL {step.kill_unit} mid-push", step.kill_unit)
     sender.join(step.timeout + 5)
     after = ctx.stack.client.policy_status()["current"]

@@ -187,6 +187,8 @@ class Invariant(_Model):
         "trainer_progress",
         "cache_hit_recovers",
     ]
+    traffic: Literal["all", "plain", "trainer"] = Field(
+        "all", description="client_errors: which requests count (trainer = taint-constrained)")
     max_errors: int | None = Field(None, ge=0)
     max_error_rate: float | None = Field(None, ge=0, le=1)
     max_seconds: float | None = Field(None, gt=0)

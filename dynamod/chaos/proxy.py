@@ -102,7 +102,7 @@ class FaultProxy:
                 self.faults.update(await request.json())
             except ValueError as exc:
                 return web.json_response({"error": str(exc)}, status=400)
-            if self.faults.down or self.faults.reset_rate >= 1:
+            if self.faults.down or self.faults.reset_rate > 0:  # live ones must reconnect
                 self.cut_all()
             return await get(request)
 

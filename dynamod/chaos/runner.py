@@ -149,11 +149,16 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
         load.stop()
     observer.sample()
     observer.stop()
+    if observer.last is not None:
+        for name, answer in stack.ask_shards(observer.last).items():
+            for unit in observer.last["units"]:
+                if unit["name"] == name:
+                    unit["engine"] = answer
     wall_origin = time.time() - ctx.now()
     logged = states_from_log(state_dir / "daemon.log", wall_origin)
     history = History(requests=list(load.requests) if load else [],
-                      states=logged or observer.states, versions=observer.versions, faults=ctx.faults,
-                      final_status=observer.last)
+                      states=logged or observer.states, versions=observer.versions,
+                      faults=ctx.faults, final_status=observer.last)
     history.start_version = next((v.current for v in observer.versions
                                   if v.current is not None), None)
     history.end = ctx.now()

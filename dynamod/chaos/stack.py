@@ -119,6 +119,25 @@ class Stack:
         workers = [k for k in found if "/generate/" in k]
         return [k for k in workers if k.rsplit("/", 1)[-1] not in owned]
 
+    def ask_shards(self, status: dict[str, Any]) -> dict[str, Any]:
+        """Each running shard's own answer to `get_weight_version` (not dynamod's claim)."""
+        import json
+        import urllib.request
+
+        answers: dict[str, Any] = {}
+        for unit in status.get("units", []):
+            url = (unit.get("dynamo") or {}).get("system_url")
+            if "policy_version" not in unit or not url or not unit.get("pid"):
+                continue
+            request = urllib.request.Request(f"{url}/engine/get_weight_version", data=b"{}",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=5) as resp:
+                    answers[unit["name"]] = json.loads(resp.read())
+            except (OSError, ValueError) as exc:
+                answers[unit["name"]] = {"error": str(exc)}
+        return answers
+
     def teardown(self, pids: set[int]) -> Teardown:
         """`down`, then look for anything left: pids seen, the run's marker, ports."""
         td = Teardown()

@@ -46,6 +46,15 @@ def test_shards_current_passes_when_every_admitted_shard_is_current() -> None:
     assert v.ok and "not admitted: worker@1" in v.detail
 
 
+def test_shards_current_believes_the_shard_over_dynamods_status() -> None:
+    final = status(3, {"worker@0": (3, True)})
+    final["units"][0]["engine"] = {"status": "ok", "version": 0}
+    v = checkers.shards_current(History(final_status=final), inv("shards_current"))
+    assert not v.ok and "the shard says" in v.detail
+    final["units"][0]["engine"] = {"status": "ok", "version": 3}
+    assert checkers.shards_current(History(final_status=final), inv("shards_current")).ok
+
+
 @pytest.mark.parametrize("final", [
     status(3, {"worker@0": (3, True), "worker@1": (2, True)}),   # one admitted but stale
     status(3, {"worker@0": (None, False)}),                       # nothing admitted
@@ -91,6 +100,14 @@ def test_client_errors_within_bound_pass_and_above_fail() -> None:
     assert not checkers.client_errors(History(requests=reqs),
                                       inv("client_errors", max_error_rate=0.01)).ok
     assert not checkers.client_errors(History(), inv("client_errors")).ok
+
+
+def test_client_errors_counts_only_the_traffic_named() -> None:
+    reqs = [ok(i, 0) for i in range(10)] + [Request(1, 2, 500, required=0)]
+    h = History(requests=reqs)
+    assert checkers.client_errors(h, inv("client_errors", traffic="plain", max_errors=0)).ok
+    trainer = checkers.client_errors(h, inv("client_errors", traffic="trainer", max_errors=0))
+    assert not trainer.ok and trainer.measured["requests"] == 1
 
 
 # ---------------------------------------------------------------- recovery_time

@@ -33,14 +33,14 @@ def _load_all(folder: Path | None) -> list[object]:
 @chaos_group.command("list")
 @_dir_option
 def list_command(folder: Path | None) -> None:
-    """Each runbook in one line: name, quick/full durations, what it expects, what it does."""
+    """Each runbook in one line: name, quick/full time bounds, what it does, what it expects."""
     from dynamod.chaos.model import Runbook
 
     for runbook in _load_all(folder):
         assert isinstance(runbook, Runbook)
         expect = "" if runbook.expect == "pass" else f" [{runbook.expect}]"
-        click.echo(f"{runbook.name:<28} quick {runbook.quick.timeout:>4.0f}s  "
-                   f"full {runbook.full.timeout:>4.0f}s  {runbook.description}{expect}")
+        click.echo(f"{runbook.name:<28} quick <={runbook.quick.timeout:>4.0f}s  "
+                   f"full <={runbook.full.timeout:>4.0f}s  {runbook.description}{expect}")
 
 
 @chaos_group.command("run")
