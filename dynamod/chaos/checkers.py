@@ -92,9 +92,8 @@ def no_stale_serving(history: History, inv: Invariant) -> Verdict:
 def client_errors(history: History, inv: Invariant) -> Verdict:
     """Failed requests stay within `max_errors` and/or `max_error_rate`, over all requests
     or only the plain or the trainer-style (taint-constrained) ones."""
-    pick = {"all": lambda r: True, "plain": lambda r: r.required is None,
-            "trainer": lambda r: r.required is not None}[inv.traffic]
-    requests = [r for r in history.requests if pick(r)]
+    requests = [r for r in history.requests if inv.traffic == "all"
+                or (r.required is None) == (inv.traffic == "plain")]
     total = len(requests)
     failed = [r for r in requests if not r.ok]
     rate = len(failed) / total if total else 0.0

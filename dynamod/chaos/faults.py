@@ -151,7 +151,8 @@ def wait_state(ctx: RunContext, step: WaitStateStep) -> dict[str, Any]:
             "waited_s": round(time.monotonic() - started, 3)}
 
 
-def _checkpoint(ctx: RunContext, version: int, corrupt: str) -> Path:
+def _checkpoint(ctx: RunContext, version: int, corrupt: str, pad_mb: int = 0) -> Path:
+    import torch
     from safetensors.torch import load_file, save_file
 
     base = ctx.stack.model_dir()
@@ -159,8 +160,10 @@ def _checkpoint(ctx: RunContext, version: int, corrupt: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(base / "model.safetensors"))
     scale = 1.0 + 0.01 * version
-    save_file({k: (v.float() * scale).to(v.dtype) for k, v in tensors.items()},
-              str(out / "model.safetensors"))
+    tensors = {k: (v.float() * scale).to(v.dtype) for k, v in tensors.items()}
+    if pad_mb:
+        tensors["padding"] = torch.ones(pad_mb * 256 * 1024, dtype=torch.float32)
+    save_file(tensors, str(out / "model.safetensors"))
     target = out / "model.safetensors"
     if corrupt == "truncated":  # header intact, data cut short
         data = target.read_bytes()
@@ -173,7 +176,7 @@ def _checkpoint(ctx: RunContext, version: int, corrupt: str) -> Path:
 def push(ctx: RunContext, step: PushStep) -> dict[str, Any]:
     before = ctx.stack.client.policy_status()["current"] or 0
     version = int(before) + 1
-    path = _checkpoint(ctx, version, step.corrupt)
+    path = _checkpoint(ctx, version, step.corrupt, step.pad_mb)
     if step.corrupt != "none":
         ctx.mark(f"corrupt checkpoint ({step.corrupt})", None)
     answer: dict[str, Any] = {}
@@ -196,11 +199,21 @@ def push(ctx: RunContext, step: PushStep) -> dict[str, Any]:
         os.kill(victim["pid"], signal.SIGKILL)
         ctx.hit_pids[step.kill_unit] = victim["pid"]
         ctx.mark(f"SIGKILL {step.kill_unit} mid-push", step.kill_unit)
+    if step.kill_daemon_after is not None:
+        time.sleep(step.kill_daemon_after)
+        index = ctx.mark("SIGKILL dynamod daemon mid-push", None)
+        victim["daemon_pid"] = ctx.stack.kill_daemon()
+        sender.join(step.timeout + 5)
+        result = ctx.stack.up(timeout=step.timeout)
+        ctx.healed(index)
+        if result.returncode != 0:
+            raise StepFailed(f"dynamod up after the daemon was killed mid-push exited "
+                             f"{result.returncode}: {result.stderr.strip()[-400:]}")
     sender.join(step.timeout + 5)
     after = ctx.stack.client.policy_status()["current"]
     out = {"version": version, "path": str(path), "ledger_before": before, "ledger_after": after,
            "answer": {k: answer[k] for k in ("ok", "stale", "seconds") if k in answer},
-           "error": error[0] if error else None}
+           "error": error[0] if error else None, **victim}
     if step.expect == "ok" and (error or not answer.get("ok")):
         raise StepFailed(f"push of version {version} failed: {error[0] if error else answer}")
     if step.expect == "refused":

@@ -100,10 +100,13 @@ class PushStep(_Step):
     """Push a new policy version (current + 1), a checkpoint made from the boot weights."""
 
     action: Literal["push"]
-    expect: Literal["ok", "refused"] = "ok"
+    expect: Literal["ok", "refused", "any"] = "ok"
     corrupt: Literal["none", "truncated", "garbage"] = "none"
     kill_unit: str | None = Field(None, description="SIGKILL this shard while the push runs")
     kill_after: float = Field(0.5, ge=0, description="seconds into the push for kill_unit")
+    kill_daemon_after: float | None = Field(
+        None, ge=0, description="SIGKILL the daemon this many seconds into the push, then up")
+    pad_mb: int = Field(0, ge=0, description="pad the checkpoint so it loads slowly")
 
 
 class ProxyStep(_Step):
@@ -214,6 +217,7 @@ class Runbook(_Model):
     description: str
     stack: str = Field("local", description="stock stack name or path relative to the runbook")
     vars: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict, description="extra env for the daemon")
     expect: Literal["pass", "fail", "fails-until-issue-15"] = "pass"
     expect_note: str = ""
     steady_state: list[Probe] = Field(default_factory=list)

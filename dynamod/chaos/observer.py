@@ -1,6 +1,7 @@
 """Watches the daemon during a chaos run: polls `status` at ~10 Hz and records every unit
 state change, each shard's applied policy version, the ledger's current version, and every
-pid it saw (for the leftover check). It survives the daemon's absence (a daemon fault)."""
+pid it saw (for the leftover check); once a second it reads the kv router's prefix-cache
+hit rate from the frontend's metrics. It survives the daemon's absence (a daemon fault)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dynamod.chaos.history import StateChange, VersionSample
+from dynamod.chaos.history import CacheSample, StateChange, VersionSample
 from dynamod.control.client import Client
 from dynamod.core.errors import DaemonError
 
@@ -25,6 +26,10 @@ class Observer:
         self.pids: set[int] = set()
         self.last: dict[str, Any] | None = None
         self.daemon_seen_gone = False
+        self.cache: list[CacheSample] = []
+        self.metrics_url: str | None = None  # the frontend's /metrics, set once it is up
+        self._hits: tuple[float, float] | None = None  # last (sum, count) of the histogram
+        self._next_cache = 0.0
         self._state: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,9 +67,32 @@ class Observer:
         current = (status.get("policy") or {}).get("current")
         self.versions.append(VersionSample(at, current, shards, admitted))
 
+    def sample_cache(self) -> None:
+        """One interval's mean kv hit rate: the delta of the router's histogram sum/count."""
+        import urllib.request
+
+        if self.metrics_url is None:
+            return
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            self._hits = None  # a restarted frontend starts its counters over
+            return
+        totals = parse_hit_rate(text)
+        if totals is None:
+            return
+        last, self._hits = self._hits, totals
+        if last is not None and totals[1] > last[1]:
+            rate = (totals[0] - last[0]) / (totals[1] - last[1])
+            self.cache.append(CacheSample(time.monotonic() - self.origin, "frontend", rate))
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.sample()
+            if time.monotonic() >= self._next_cache:
+                self._next_cache = time.monotonic() + 1.0
+                self.sample_cache()
             self._stop.wait(self.interval)
 
     def start(self) -> None:
@@ -98,3 +126,16 @@ def states_from_log(path: Path, wall_origin: float) -> list[StateChange]:
         changes.append(StateChange(round(wall - wall_origin, 4), event["unit"], event["old"],
                                    event["new"]))
     return changes
+
+
+_HIT_RATE = "dynamo_component_router_kv_hit_rate"
+
+
+def parse_hit_rate(metrics: str) -> tuple[float, float] | None:
+    """(sum, count) of the kv router's per-request prefix hit-rate histogram."""
+    found: dict[str, float] = {}
+    for line in metrics.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"{_HIT_RATE}_{part}"):
+                found[part] = found.get(part, 0.0) + float(line.rsplit(" ", 1)[1])
+    return (found["sum"], found["count"]) if len(found) == 2 else None

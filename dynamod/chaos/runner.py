@@ -62,7 +62,7 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
     run_dir = report_dir / f"{stamp}-{runbook.name}"
     run_dir.mkdir(parents=True, exist_ok=True)
     state_dir = Path(tempfile.mkdtemp(prefix="dmc-", dir="/tmp"))
-    stack = Stack(runbook.stack_path(), state_dir, dict(runbook.vars))
+    stack = Stack(runbook.stack_path(), state_dir, dict(runbook.vars), dict(runbook.env))
     journal = Journal(runbook.model_dump(mode="json", exclude={"source"}), str(profile),
                       expect=runbook.expect)
     if runbook.expect_note:
@@ -94,6 +94,7 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
         journal.before = _probe_activities(stack, runbook)
         if not all(a.status == "succeeded" for a in journal.before):
             raise RuntimeError("the steady state did not hold before the method")
+        observer.metrics_url = f"{stack.frontend_url()}/metrics"
         if runbook.load:
             load = LoadGenerator(runbook.load, stack.frontend_url(), _model_name(stack), origin,
                                  observer.current_version)
@@ -158,7 +159,7 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
     logged = states_from_log(state_dir / "daemon.log", wall_origin)
     history = History(requests=list(load.requests) if load else [],
                       states=logged or observer.states, versions=observer.versions,
-                      faults=ctx.faults, final_status=observer.last)
+                      faults=ctx.faults, cache=observer.cache, final_status=observer.last)
     history.start_version = next((v.current for v in observer.versions
                                   if v.current is not None), None)
     history.end = ctx.now()

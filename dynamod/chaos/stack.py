@@ -35,8 +35,10 @@ def pid_alive(pid: int) -> bool:
 
 
 class Stack:
-    def __init__(self, stack: str, state_dir: Path, variables: dict[str, Any]) -> None:
+    def __init__(self, stack: str, state_dir: Path, variables: dict[str, Any],
+                 env: dict[str, str] | None = None) -> None:
         self.stack = stack
+        self.env = env or {}
         self.state_dir = state_dir
         self.variables = variables
         self.client = Client(state_dir, timeout=30)
@@ -45,7 +47,7 @@ class Stack:
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir), *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     def up(self, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]

@@ -193,3 +193,14 @@ def test_every_invariant_kind_has_a_checker() -> None:
 
     kinds = set(get_args(Invariant.model_fields["check"].annotation))
     assert kinds == set(checkers.CHECKERS)
+
+
+def test_hit_rate_is_read_from_the_routers_histogram() -> None:
+    from dynamod.chaos.observer import parse_hit_rate
+
+    text = ('# TYPE dynamo_component_router_kv_hit_rate histogram\n'
+            'dynamo_component_router_kv_hit_rate_bucket{le="0.5"} 3\n'
+            'dynamo_component_router_kv_hit_rate_sum{model="m"} 1.5\n'
+            'dynamo_component_router_kv_hit_rate_count{model="m"} 4\n')
+    assert parse_hit_rate(text) == (1.5, 4.0)
+    assert parse_hit_rate("dynamo_frontend_requests_total 3\n") is None
