@@ -224,6 +224,22 @@ def cache_hit_recovers(history: History, inv: Invariant) -> Verdict:
     return Verdict(inv.check, True, f"hit rate recovered after {len(rows)} updates", measured)
 
 
+def up_fails_naming(history: History, inv: Invariant) -> Verdict:
+    """`dynamod up` refused the stack (non-zero) with a diagnosis naming each of `names`."""
+    measured = {"up_returncode": history.up_returncode, "names": inv.names}
+    if history.up_returncode is None:
+        return Verdict(inv.check, False, "`dynamod up` was not run", measured)
+    if history.up_returncode == 0:
+        return Verdict(inv.check, False, "`dynamod up` succeeded; it was meant to fail",
+                       measured)
+    missing = [n for n in inv.names if n not in history.up_output]
+    if missing:
+        return Verdict(inv.check, False, f"`dynamod up` failed ({history.up_returncode}) "
+                       f"without naming {', '.join(missing)}", measured)
+    return Verdict(inv.check, True, f"`dynamod up` failed ({history.up_returncode}) naming "
+                   f"{', '.join(inv.names) or 'nothing asked'}", measured)
+
+
 CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "shards_current": shards_current,
     "no_stale_serving": no_stale_serving,
@@ -232,6 +248,7 @@ CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "no_leftovers": no_leftovers,
     "trainer_progress": trainer_progress,
     "cache_hit_recovers": cache_hit_recovers,
+    "up_fails_naming": up_fails_naming,
 }
 
 

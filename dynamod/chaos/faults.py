@@ -47,6 +47,8 @@ class RunContext:
     faults: list[Fault] = field(default_factory=list)
     healers: dict[str, Callable[[], str]] = field(default_factory=dict)
     hit_pids: dict[str, int] = field(default_factory=dict)  # unit -> pid its last fault hit
+    up_returncode: int | None = None
+    up_output: str = ""
 
     def now(self) -> float:
         return time.monotonic() - self.origin

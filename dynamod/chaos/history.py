@@ -85,6 +85,8 @@ class History:
     final_status: dict[str, Any] | None = None
     start_version: int | None = None
     end: float = 0.0
+    up_returncode: int | None = None
+    up_output: str = ""
 
     def ledger_changes(self) -> list[tuple[float, int]]:
         """(time first seen, version) each time the ledger's current version moved."""

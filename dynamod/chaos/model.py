@@ -189,6 +189,7 @@ class Invariant(_Model):
         "no_leftovers",
         "trainer_progress",
         "cache_hit_recovers",
+        "up_fails_naming",
     ]
     traffic: Literal["all", "plain", "trainer"] = Field(
         "all", description="client_errors: which requests count (trainer = taint-constrained)")
@@ -199,6 +200,7 @@ class Invariant(_Model):
     min_versions: int = Field(1, ge=0)
     warmup: float = Field(5.0, ge=0)
     min_fraction: float = Field(0.5, ge=0, le=1)
+    names: list[str] = Field(default_factory=list, description="up_fails_naming: must appear")
 
 
 class Abort(_Model):

@@ -1,5 +1,6 @@
 """A small asyncio TCP fault proxy, run as a unit in front of etcd, NATS or a worker:
-added latency (+ jitter), reset connections, a bandwidth limit, or a full outage, all set at
+added latency (+ jitter), resets (of new connections, and of live ones once a second, each
+with probability `reset_rate`), a bandwidth limit, or a full outage, all set at
 run time over its HTTP control port (`GET /faults`, `POST /faults` with a JSON object;
 zero values heal). Toxiproxy is not packaged here and netem is not in this kernel."""
 
@@ -87,6 +88,19 @@ class FaultProxy:
         finally:
             self.connections.difference_update((writer, up_writer))
 
+    async def flake(self) -> None:
+        """Once a second, each live connection is reset with probability `reset_rate`."""
+        while True:
+            await asyncio.sleep(1.0)
+            rate = self.faults.reset_rate
+            if not rate:
+                continue
+            for writer in list(self.connections):
+                if random.random() < rate:
+                    self.counts["reset"] += 1
+                    _reset(writer)
+                    self.connections.discard(writer)
+
     def cut_all(self) -> None:
         for writer in list(self.connections):
             _reset(writer)
@@ -102,7 +116,7 @@ class FaultProxy:
                 self.faults.update(await request.json())
             except ValueError as exc:
                 return web.json_response({"error": str(exc)}, status=400)
-            if self.faults.down or self.faults.reset_rate > 0:  # live ones must reconnect
+            if self.faults.down:
                 self.cut_all()
             return await get(request)
 
@@ -121,8 +135,10 @@ async def serve(listen: int, upstream: str, control: int) -> None:
     await web.TCPSite(runner, "127.0.0.1", control).start()
     print(f"fault proxy 127.0.0.1:{listen} -> {upstream}, control :{control}", flush=True)
     started = time.monotonic()
+    flaking = asyncio.get_running_loop().create_task(proxy.flake())
     async with server:
         await server.serve_forever()
+    flaking.cancel()
     print(f"fault proxy done after {time.monotonic() - started:.0f}s", flush=True)
 
 

@@ -27,11 +27,20 @@ class Aborted(Exception):
     """An abort condition of the runbook held."""
 
 
-def _up(stack: Stack, timeout: float) -> str:
+class _Done(Exception):
+    """Nothing more to run (the stack was meant not to come up)."""
+
+
+class UpRefused(Exception):
+    """`dynamod up` exited non-zero (what a runbook may expect)."""
+
+
+def _up(stack: Stack, timeout: float, seen: dict[str, object]) -> str:
     result = stack.up(timeout=timeout)
+    seen.update(returncode=result.returncode, output=result.stdout + result.stderr)
     if result.returncode != 0:
-        raise RuntimeError(f"dynamod up exited {result.returncode}: "
-                           f"{(result.stderr or result.stdout).strip()[-1500:]}")
+        raise UpRefused(f"dynamod up exited {result.returncode}: "
+                        f"{(result.stderr or result.stdout).strip()[-1500:]}")
     return result.stdout.strip()[-300:]
 
 
@@ -83,11 +92,19 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
         if load and load.recent_error_rate(5) > runbook.abort.max_error_rate:
             raise Aborted(f"error rate over the last 5 s above {runbook.abort.max_error_rate:.0%}")
 
+    up_seen: dict[str, object] = {}
+    up_must_fail = any(i.check == "up_fails_naming" for i in runbook.invariants)
     try:
         act = timed("action", "dynamod up", {"stack": runbook.stack, "vars": runbook.vars},
-                    lambda: _up(stack, spec.timeout))
+                    lambda: _up(stack, spec.timeout, up_seen))
         journal.run.append(act)
+        code = up_seen.get("returncode")
+        ctx.up_returncode = code if isinstance(code, int) else None
+        ctx.up_output = str(up_seen.get("output", ""))
         if act.status != "succeeded":
+            if up_must_fail:  # the experiment is the refusal itself; the checker judges it
+                act.status = "succeeded"
+                raise _Done()
             raise RuntimeError("the stack did not come up")
         stack_up = True
         observer.start()
@@ -117,6 +134,8 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
             while time.monotonic() < until:
                 check_abort()
                 time.sleep(0.2)
+    except _Done:
+        pass
     except Aborted as exc:
         journal.status = RunStatus.ABORTED
         journal.notes.append(f"aborted: {exc}")
@@ -163,6 +182,7 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
     history.start_version = next((v.current for v in observer.versions
                                   if v.current is not None), None)
     history.end = ctx.now()
+    history.up_returncode, history.up_output = ctx.up_returncode, ctx.up_output
     history.teardown = stack.teardown(observer.pids)
     verdicts = checkers.judge(history, runbook.invariants)
     journal.checks = [v.as_dict() for v in verdicts]

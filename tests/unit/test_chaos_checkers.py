@@ -204,3 +204,12 @@ def test_hit_rate_is_read_from_the_routers_histogram() -> None:
             'dynamo_component_router_kv_hit_rate_count{model="m"} 4\n')
     assert parse_hit_rate(text) == (1.5, 4.0)
     assert parse_hit_rate("dynamo_frontend_requests_total 3\n") is None
+
+
+def test_up_fails_naming() -> None:
+    check = inv("up_fails_naming", names=["frontend", "straggler"])
+    named = History(up_returncode=1, up_output="frontend not ready: straggler never registered")
+    assert checkers.up_fails_naming(named, check).ok
+    for h in (History(up_returncode=1, up_output="frontend not ready: 1/2 instances"),
+              History(up_returncode=0, up_output="frontend straggler"), History()):
+        assert not checkers.up_fails_naming(h, check).ok
