@@ -240,6 +240,28 @@ def up_fails_naming(history: History, inv: Invariant) -> Verdict:
                    f"{', '.join(inv.names) or 'nothing asked'}", measured)
 
 
+def token_alignment(history: History, inv: Invariant) -> Verdict:
+    """Every terminal completion carries as many logprobs as token ids, and as many as the
+    usage counts, so what a trainer consumes lines up with what the engine emitted.
+    Terminal (finished: stop/length) and cancelled or failed attempts are counted apart."""
+    terminal = [r for r in history.requests if r.ok and r.finish in ("stop", "length")]
+    cancelled = [r for r in history.requests if r not in terminal]
+    misaligned = [r for r in terminal if r.token_ids is None or r.logprobs is None
+                  or r.token_ids != r.logprobs or r.usage_tokens != r.token_ids]
+    measured = {"terminal": len(terminal), "cancelled_or_failed": len(cancelled),
+                "misaligned": len(misaligned),
+                "without_logprobs": sum(r.logprobs is None for r in terminal)}
+    if not terminal:
+        return Verdict(inv.check, False, "no terminal completion was recorded", measured)
+    if misaligned:
+        r = misaligned[0]
+        return Verdict(inv.check, False, f"{len(misaligned)} of {len(terminal)} terminal "
+                       f"completions misaligned; first: {r.token_ids} token ids, {r.logprobs} "
+                       f"logprobs, usage {r.usage_tokens}", measured)
+    return Verdict(inv.check, True, f"{len(terminal)} terminal completions aligned "
+                   f"({len(cancelled)} cancelled or failed counted apart)", measured)
+
+
 CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "shards_current": shards_current,
     "no_stale_serving": no_stale_serving,
@@ -249,6 +271,7 @@ CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "trainer_progress": trainer_progress,
     "cache_hit_recovers": cache_hit_recovers,
     "up_fails_naming": up_fails_naming,
+    "token_alignment": token_alignment,
 }
 
 

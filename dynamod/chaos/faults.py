@@ -5,6 +5,7 @@ Every fault is marked in the history and registers its healer, which the rollbac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 from dynamod.chaos.history import Fault
 from dynamod.chaos.model import (
     DaemonKillStep,
+    DiskFullStep,
     KillStep,
     PauseStep,
     ProxyStep,
@@ -283,6 +285,42 @@ def kill_daemon(ctx: RunContext, step: DaemonKillStep) -> dict[str, Any]:
     return out
 
 
+def disk_full(ctx: RunContext, step: DiskFullStep) -> dict[str, Any]:
+    import subprocess
+
+    target = (ctx.stack.state_dir / step.path).resolve()
+    if ctx.stack.state_dir.resolve() not in target.parents:
+        raise StepFailed(f"{step.path!r} is not inside the state dir")
+    target.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={step.size_kb}k", "tmpfs",
+                            str(target)], capture_output=True, text=True)
+    if mount.returncode != 0:
+        reason = f"skipped: cannot mount a tmpfs here ({mount.stderr.strip() or 'not root?'})"
+        print(f"  disk_full {reason}", flush=True)
+        return {"path": str(target), "skipped": reason}
+    index = ctx.mark(f"{'read-only' if step.readonly else 'full'} {step.path}", None)
+    filler = target / ".chaos-fill"
+    if step.readonly:
+        subprocess.run(["mount", "-o", "remount,ro", str(target)], check=False)
+    else:
+        with filler.open("wb") as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\0" * 65536)
+
+    def heal() -> str:
+        ctx.healed(index)
+        done = subprocess.run(["umount", "-l", str(target)], capture_output=True, text=True)
+        return f"umount {target}: " + ("ok" if done.returncode == 0 else done.stderr.strip())
+
+    ctx.healers[f"disk:{step.path}"] = heal
+    out: dict[str, Any] = {"path": str(target), "size_kb": step.size_kb,
+                           "readonly": step.readonly}
+    if step.seconds:
+        time.sleep(step.seconds)
+        out["healed"] = ctx.healers.pop(f"disk:{step.path}")()
+    return out
+
+
 def wait_version(ctx: RunContext, step: TrainerProgressStep) -> dict[str, Any]:
     def reached() -> int | None:
         current = ctx.observer.current_version()
@@ -301,6 +339,7 @@ ACTIONS: dict[str, Callable[[RunContext, Any], dict[str, Any]]] = {
     "proxy": proxy,
     "kill_daemon": kill_daemon,
     "wait_version": wait_version,
+    "disk_full": disk_full,
 }
 
 

@@ -19,6 +19,10 @@ class Request:
     version: int | None = None  # the weight version that served it (engine_data)
     instance: str | None = None
     error: str | None = None
+    finish: str | None = None  # finish_reason of the choice
+    token_ids: int | None = None  # len(nvext.completion_token_ids), when asked
+    logprobs: int | None = None  # len(choices[0].logprobs.token_logprobs), when asked
+    usage_tokens: int | None = None  # usage.completion_tokens
 
     @property
     def ok(self) -> bool:

@@ -130,6 +130,18 @@ class DaemonKillStep(_Step):
     down_for: float = Field(0.0, ge=0)
 
 
+class DiskFullStep(_Step):
+    """Mount a small tmpfs over a directory of the state dir and fill it (or remount it
+    read-only): ENOSPC or EROFS for whoever writes there. Root only; skipped with the reason
+    where the machine cannot mount. Unmounted by its healer."""
+
+    action: Literal["disk_full"]
+    path: str = Field(description="relative to the stack's state dir, e.g. checkpoints")
+    size_kb: int = Field(1024, ge=64)
+    readonly: bool = False
+    seconds: float = Field(0.0, ge=0, description="heal after this long (0: keep)")
+
+
 class TrainerProgressStep(_Step):
     """Wait until the ledger reaches `version` (the trainer pushes)."""
 
@@ -146,6 +158,7 @@ Step = Annotated[
     | PushStep
     | ProxyStep
     | DaemonKillStep
+    | DiskFullStep
     | TrainerProgressStep,
     Field(discriminator="action"),
 ]
@@ -175,6 +188,7 @@ class Load(_Model):
     max_tokens: int = Field(4, ge=1)
     prompts: list[str] = Field(default_factory=lambda: ["the policy says", "once upon a time"])
     request_timeout: float = Field(20.0, gt=0)
+    logprobs: bool = Field(False, description="ask for logprobs and completion token ids")
     settle: float = Field(3.0, ge=0, description="load keeps running this long after the method")
 
 
@@ -190,6 +204,7 @@ class Invariant(_Model):
         "trainer_progress",
         "cache_hit_recovers",
         "up_fails_naming",
+        "token_alignment",
     ]
     traffic: Literal["all", "plain", "trainer"] = Field(
         "all", description="client_errors: which requests count (trainer = taint-constrained)")

@@ -38,6 +38,14 @@ class Observer:
         last = self.last
         return (last.get("policy") or {}).get("current") if last else None
 
+    def frontend_url(self, fallback: str) -> str:
+        """The frontend's URL in the latest status (its port changes when the daemon is
+        started again), else `fallback`."""
+        for unit in (self.last or {}).get("units", []):
+            if unit["name"] == "frontend" and (unit.get("ports") or {}).get("http"):
+                return f"http://127.0.0.1:{unit['ports']['http']}"
+        return fallback
+
     def sample(self) -> dict[str, Any] | None:
         try:
             status = self.client.status()
@@ -74,7 +82,8 @@ class Observer:
         if self.metrics_url is None:
             return
         try:
-            with urllib.request.urlopen(self.metrics_url, timeout=2) as resp:
+            url = f"{self.frontend_url(self.metrics_url.removesuffix('/metrics'))}/metrics"
+            with urllib.request.urlopen(url, timeout=2) as resp:
                 text = resp.read().decode()
         except OSError:
             self._hits = None  # a restarted frontend starts its counters over

@@ -113,8 +113,9 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
             raise RuntimeError("the steady state did not hold before the method")
         observer.metrics_url = f"{stack.frontend_url()}/metrics"
         if runbook.load:
-            load = LoadGenerator(runbook.load, stack.frontend_url(), _model_name(stack), origin,
-                                 observer.current_version)
+            first_url = stack.frontend_url()
+            load = LoadGenerator(runbook.load, lambda: observer.frontend_url(first_url),
+                                 _model_name(stack), origin, observer.current_version)
             load.start()
         load_started = time.monotonic()
         for repeat in range(spec.repeat):

@@ -213,3 +213,20 @@ def test_up_fails_naming() -> None:
     for h in (History(up_returncode=1, up_output="frontend not ready: 1/2 instances"),
               History(up_returncode=0, up_output="frontend straggler"), History()):
         assert not checkers.up_fails_naming(h, check).ok
+
+
+def aligned(sent: float, n: int, logprobs: int | None = None) -> Request:
+    return Request(sent, sent + 0.1, 200, version=0, finish="length", token_ids=n,
+                   logprobs=n if logprobs is None else logprobs, usage_tokens=n)
+
+
+def test_token_alignment() -> None:
+    good = History(requests=[aligned(1, 4), aligned(2, 3), Request(3, 4, 500)])
+    v = checkers.token_alignment(good, inv("token_alignment"))
+    assert v.ok and v.measured["terminal"] == 2 and v.measured["cancelled_or_failed"] == 1
+    for bad in (aligned(1, 4, logprobs=3),
+                Request(1, 2, 200, version=0, finish="stop", token_ids=4, usage_tokens=4)):
+        assert not checkers.token_alignment(History(requests=[aligned(0, 2), bad]),
+                                            inv("token_alignment")).ok
+    assert not checkers.token_alignment(History(requests=[Request(1, 2, 500)]),
+                                        inv("token_alignment")).ok
