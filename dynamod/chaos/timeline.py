@@ -1,6 +1,6 @@
 """The timeline picture of a run (PNG): unit states as coloured bands, each shard's applied
-policy version against the ledger's, and every request's latency (errors in red), all on
-one time axis with the faults marked. What an operator would rather look at than read."""
+policy version against the ledger's (with the kv prefix-cache hit rate), and every
+request's latency (errors in red), all on one time axis with the faults marked. What an operator would rather look at than read."""
 
 from __future__ import annotations
 
@@ -69,6 +69,12 @@ def draw(history: History, title: str, path: Path) -> Path:
                    label=f"ok ({len(ok)})")
     ax_req.scatter([r.sent for r in bad], [r.latency for r in bad], s=14, color="#c62828",
                    marker="x", label=f"error ({len(bad)})")
+    if history.cache:
+        ax_hit = ax_ver.twinx()
+        ax_hit.plot([c.at for c in history.cache], [c.hit_rate for c in history.cache],
+                    color="#6a1b9a", linewidth=1, linestyle=":", label="kv hit rate")
+        ax_hit.set_ylim(-0.05, 1.05)
+        ax_hit.set_ylabel("kv hit rate", color="#6a1b9a")
     ax_req.set_ylabel("latency (s)")
     ax_req.set_xlabel("seconds since start")
     ax_req.legend(loc="upper left", fontsize=7)
