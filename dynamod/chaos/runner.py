@@ -44,11 +44,13 @@ def _up(stack: Stack, timeout: float, seen: dict[str, object]) -> str:
     return result.stdout.strip()[-300:]
 
 
-def _probe_activities(stack: Stack, runbook: Runbook) -> list[Activity]:
+def _probe_activities(stack: Stack, runbook: Runbook, until: float) -> list[Activity]:
+    """The steady-state probes, each retried up to its timeout but all within `until`."""
     acts = []
     for probe in runbook.steady_state:
         def one(p: Probe = probe) -> str:
-            ok, seen = steady.check(stack, p)
+            left = max(1.0, until - time.monotonic())
+            ok, seen = steady.check(stack, p.model_copy(update={"timeout": min(p.timeout, left)}))
             if not ok:
                 raise AssertionError(seen)
             return seen
@@ -108,7 +110,7 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
             raise RuntimeError("the stack did not come up")
         stack_up = True
         observer.start()
-        journal.before = _probe_activities(stack, runbook)
+        journal.before = _probe_activities(stack, runbook, deadline)
         if not all(a.status == "succeeded" for a in journal.before):
             raise RuntimeError("the steady state did not hold before the method")
         observer.metrics_url = f"{stack.frontend_url()}/metrics"
@@ -150,13 +152,14 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
         journal.status = RunStatus.FAILED
         journal.notes.append(str(exc))
     finally:
-        _finish(runbook, journal, ctx, stack, observer, load, stack_up, run_dir, state_dir, echo)
+        _finish(runbook, journal, ctx, stack, observer, load, stack_up, run_dir, state_dir,
+                deadline, echo)
     return journal
 
 
 def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: Stack,
             observer: Observer, load: LoadGenerator | None, stack_up: bool, run_dir: Path,
-            state_dir: Path, echo: Callable[[str], None]) -> None:
+            state_dir: Path, deadline: float, echo: Callable[[str], None]) -> None:
     """Everything that always runs: rollbacks, heal, steady state after, teardown, judge."""
     for i, step in enumerate(runbook.rollbacks):
         journal.rollbacks.append(timed("action", f"rollback {i + 1} {step.action}",
@@ -164,7 +167,8 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
     journal.rollbacks.append(timed("action", "heal every fault", {},
                                    lambda: faults.heal_all(ctx)))
     if stack_up and journal.before and all(a.status == "succeeded" for a in journal.before):
-        journal.after = _probe_activities(stack, runbook)
+        # the steady state gets what is left of the profile's bound, at least 15 s
+        journal.after = _probe_activities(stack, runbook, max(deadline, time.monotonic() + 15))
         journal.deviated = not all(a.status == "succeeded" for a in journal.after)
     if load:
         load.stop()

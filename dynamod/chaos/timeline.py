@@ -1,6 +1,7 @@
 """The timeline picture of a run (PNG): unit states as coloured bands, each shard's applied
 policy version against the ledger's (with the kv prefix-cache hit rate), and every
-request's latency (errors in red), all on one time axis with the faults marked. What an operator would rather look at than read."""
+request's latency (errors in red), all on one time axis with the faults marked. What an
+operator would rather look at than read."""
 
 from __future__ import annotations
 
