@@ -235,6 +235,7 @@ class Runbook(_Model):
     stack: str = Field("local", description="stock stack name or path relative to the runbook")
     vars: dict[str, str | int | float | bool] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="extra env for the daemon")
+    up_timeout: float = Field(300.0, gt=0, description="`up --timeout`: ready by then or torn down")
     expect: Literal["pass", "fail", "fails-until-issue-15"] = "pass"
     expect_note: str = ""
     steady_state: list[Probe] = Field(default_factory=list)

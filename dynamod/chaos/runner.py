@@ -98,7 +98,7 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
     up_must_fail = any(i.check == "up_fails_naming" for i in runbook.invariants)
     try:
         act = timed("action", "dynamod up", {"stack": runbook.stack, "vars": runbook.vars},
-                    lambda: _up(stack, spec.timeout, up_seen))
+                    lambda: _up(stack, min(runbook.up_timeout, spec.timeout), up_seen))
         journal.run.append(act)
         code = up_seen.get("returncode")
         ctx.up_returncode = code if isinstance(code, int) else None

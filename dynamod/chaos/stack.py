@@ -50,8 +50,10 @@ class Stack:
                               env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
 
     def up(self, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """`up --detach --timeout`: ready within `timeout`, or torn down with the reason."""
         var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]
-        result = self.cli("up", self.stack, "--detach", *var_args, timeout=timeout)
+        result = self.cli("up", self.stack, "--detach", "--timeout", str(timeout), *var_args,
+                          timeout=timeout + 120)
         self._note_run_id()
         return result
 

@@ -107,3 +107,21 @@ def test_name_must_match_file_and_unknown_tables_are_refused(tmp_path: Path) -> 
         model.load(write(tmp_path, "[runbook\n"))
     with pytest.raises(SpecErrors, match="field 'runbook': required but missing"):
         model.load(write(tmp_path, "[load]\nclients = 1\n"))
+
+
+def test_cli_lists_runbooks_and_refuses_a_bad_one_with_status_2(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from dynamod.control.cli import main
+
+    write(tmp_path, GOOD.format(name="good"), name="good")
+    cli = CliRunner()
+    listed = cli.invoke(main, ["chaos", "list", "--runbooks", str(tmp_path)])
+    assert listed.exit_code == 0 and listed.output.startswith("good ")
+    assert len(listed.output.splitlines()) == 1
+    write(tmp_path, GOOD.format(name="bad").replace("clients = 2", "clients = 0"), name="bad")
+    refused = cli.invoke(main, ["chaos", "run", "bad", "--runbooks", str(tmp_path)])
+    assert refused.exit_code == 2 and "Traceback" not in refused.output
+    assert "bad.toml, runbook 'bad', field 'load.clients'" in refused.output
+    nothing = cli.invoke(main, ["chaos", "run"])
+    assert nothing.exit_code == 2 and "--all" in nothing.output
