@@ -108,9 +108,10 @@ def client_errors(history: History, inv: Invariant) -> Verdict:
     bound_r = inv.max_error_rate if inv.max_error_rate is not None else 1.0
     ok = len(failed) <= bound_n and rate <= bound_r
     first = f"; first: {failed[0].status} {failed[0].error or ''}"[:160] if failed else ""
+    bounds = [f"at most {inv.max_errors}"] if inv.max_errors is not None else []
+    bounds += [f"at most {bound_r:.1%}"] if inv.max_error_rate is not None else []
     return Verdict(inv.check, ok, f"{len(failed)} of {total} {inv.traffic} requests failed "
-                   f"({rate:.1%}; "
-                   f"bound {bound_n} and {bound_r:.1%}){first}", measured)
+                   f"({rate:.1%}; bound {' and '.join(bounds) or 'none'}){first}", measured)
 
 
 def _serving_gap(history: History, after: float) -> float | None:
