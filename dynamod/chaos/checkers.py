@@ -78,8 +78,9 @@ def no_stale_serving(history: History, inv: Invariant) -> Verdict:
     measured = {"served": len(served), "stale": len(stale), "unstamped": len(unstamped),
                 "boundaries": [[round(t, 3), v] for t, v in changes]}
     if unstamped:
-        return Verdict(inv.check, False, f"{len(unstamped)} completions carry no weight "
-                       "version (engine_data missing, or the shard declared none)", measured)
+        return Verdict(inv.check, False, f"{len(unstamped)} of {len(served)} completions "
+                       "served by a stale shard: they carry no weight version (engine_data "
+                       "missing, or the shard declared none)", measured)
     if stale:
         r, need = stale[0]
         return Verdict(inv.check, False, f"{len(stale)} of {len(served)} completions served by "
