@@ -31,7 +31,8 @@ MUST_FAIL: dict[str, list[dict[str, Any]]] = {
     "worker-hang": [{"check": "recovery_time", "max_seconds": 2}],
 }
 
-# The CI set (each ~30-45 s on 2 cores); the rest run in `make chaos` (see the README).
+# The CI set (each 27-61 s with a light load on 2 cores, 48-130 s at load ~15); the rest
+# run in `make chaos` (see the README for every runbook's duration and verdict).
 CI_RUNBOOKS = ["worker-sigkill", "worker-hang", "shutdown-leaves-nothing", "stale-shard",
                "worker-dies-during-update", "frontend-crash", "nats-restart", "etcd-restart",
                "checkpoint-corrupt", "slow-etcd"]
