@@ -227,7 +227,8 @@ def cache_hit_recovers(history: History, inv: Invariant) -> Verdict:
 
 
 def up_fails_naming(history: History, inv: Invariant) -> Verdict:
-    """`dynamod up` refused the stack (non-zero) with a diagnosis naming each of `names`."""
+    """`dynamod up` refused the stack (non-zero) with a diagnosis (its stderr) naming each
+    of `names`."""
     measured = {"up_returncode": history.up_returncode, "names": inv.names}
     if history.up_returncode is None:
         return Verdict(inv.check, False, "`dynamod up` was not run", measured)
@@ -237,7 +238,8 @@ def up_fails_naming(history: History, inv: Invariant) -> Verdict:
     missing = [n for n in inv.names if n not in history.up_output]
     if missing:
         return Verdict(inv.check, False, f"`dynamod up` failed ({history.up_returncode}) "
-                       f"without naming {', '.join(missing)}", measured)
+                       f"without naming {', '.join(missing)}; it said: "
+                       f"{history.up_output.strip()[-300:]}", measured)
     return Verdict(inv.check, True, f"`dynamod up` failed ({history.up_returncode}) naming "
                    f"{', '.join(inv.names) or 'nothing asked'}", measured)
 

@@ -38,7 +38,8 @@ class UpRefused(Exception):
 
 def _up(stack: Stack, timeout: float, seen: dict[str, object]) -> str:
     result = stack.up(timeout=timeout)
-    seen.update(returncode=result.returncode, output=result.stdout + result.stderr)
+    # the diagnosis is what `up` says on stderr; its stdout is progress that names every unit
+    seen.update(returncode=result.returncode, output=result.stderr)
     if result.returncode != 0:
         raise UpRefused(f"dynamod up exited {result.returncode}: "
                         f"{(result.stderr or result.stdout).strip()[-1500:]}")
