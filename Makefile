@@ -4,7 +4,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test lint typecheck pytest bench bench-quick clean
+.PHONY: install up test lint typecheck pytest bench bench-quick chaos chaos-quick clean
 
 install:
 	./scripts/install.sh
@@ -29,6 +29,15 @@ bench: install
 # Every benchmark's smoke run (each under a minute); results are not comparable.
 bench-quick: install
 	$(BIN)/python -m bench.run_all --quick
+
+# Every runbook in runbooks/, full profile (the method repeated, longer load). Each run's
+# journal, history and timeline go to chaos-runs/, with chaos-runs/index.html over them.
+chaos: install
+	$(BIN)/dynamod chaos run --all --report chaos-runs
+
+# The same with the CI profile (one pass, at most ~60 s of load each).
+chaos-quick: install
+	$(BIN)/dynamod chaos run --all --quick --report chaos-runs
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

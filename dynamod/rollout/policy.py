@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import struct
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,11 @@ log = structlog.get_logger("dynamod.rollout.policy")
 
 _INSTANCE_TAINT = "dynamod.instance/"  # each shard's own taint, so a canary can target it
 _ROUTE_RETRY_S = 0.1
+# Test-only, for the chaos suite's broken variant (never set it in production): a shard
+# that rejoins is admitted without the current weights being replayed into it, so the
+# stale-serving checker has a real violation to catch. Read once, here only.
+ADMIT_WITHOUT_REPLAY = os.environ.get("DYNAMOD_TEST_ADMIT_WITHOUT_REPLAY") == "1"
+
 
 class PolicyError(DynamodError):
     """A push, publish or replay could not be done; says where and why."""
@@ -311,6 +317,12 @@ class PolicyManager(Extension):
             return reply
 
         await step("pause", "pause_generation", {})
+        if target is not None and ADMIT_WITHOUT_REPLAY and unit.extra.get("policy_version") is None:
+            log.warning("policy.admit_without_replay", unit=unit.name, version=target.version)
+            await step("taint", "update/model_taints",
+                       {"taints": [f"{self.spec.taint_prefix}{target.version}"]})
+            await step("resume", "resume_generation", {})
+            return ShardAck(unit.name, target.version, target.digest, timings)
         if target is None:
             version, digest = self.spec.initial_version, None
             await step("load", "set_weight_version", {"weight_version": version})

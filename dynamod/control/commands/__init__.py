@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dynamod.control.commands.chaos import chaos_group
 from dynamod.control.commands.export import export_group
 from dynamod.control.commands.policy import policy_group
 from dynamod.control.commands.systemd import systemd_group
@@ -14,3 +15,4 @@ def register_commands(main: click.Group) -> None:
     main.add_command(systemd_group)
     main.add_command(export_group)
     main.add_command(policy_group)
+    main.add_command(chaos_group)

@@ -1,0 +1,174 @@
+"""The stack a chaos run drives: brought up and down with the real `dynamod` CLI on its
+own state dir, asked through the control client, and its daemon killed and restarted.
+Every pid it hands out comes from the daemon's status, so faults only reach processes
+dynamod started."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from dynamod.chaos.history import Teardown
+from dynamod.control.client import Client
+from dynamod.core.errors import DaemonError, DynamodError
+from dynamod.core.proctable import marked_pids
+
+
+class StackError(DynamodError):
+    """A unit the runbook names is not in the stack, or the stack would not come up."""
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class Stack:
+    def __init__(self, stack: str, state_dir: Path, variables: dict[str, Any],
+                 env: dict[str, str] | None = None) -> None:
+        self.stack = stack
+        self.env = env or {}
+        self.state_dir = state_dir
+        self.variables = variables
+        self.client = Client(state_dir, timeout=30)
+        self.run_ids: set[str] = set()
+
+    def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+
+    def up(self, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """`up --detach --timeout`: ready within `timeout`, or torn down with the reason."""
+        var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]
+        result = self.cli("up", self.stack, "--detach", "--timeout", str(timeout), *var_args,
+                          timeout=timeout + 120)
+        self._note_run_id()
+        return result
+
+    def _note_run_id(self) -> None:
+        import json
+
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            self.run_ids.add(str(json.loads((self.state_dir / "run.json").read_text())["run_id"]))
+
+    def status(self) -> dict[str, Any]:
+        return self.client.status()
+
+    def unit(self, name: str) -> dict[str, Any]:
+        status = self.status()
+        for unit in status["units"]:
+            if unit["name"] == name:
+                return dict(unit)
+        names = ", ".join(u["name"] for u in status["units"])
+        raise StackError(f"unit {name!r} is not in stack {status.get('stack')!r} ({names})")
+
+    def pid_of(self, name: str) -> int:
+        unit = self.unit(name)
+        if not unit.get("pid"):
+            raise StackError(f"unit {name!r} has no running process (state {unit['state']})")
+        return int(unit["pid"])
+
+    def frontend_url(self) -> str:
+        return f"http://127.0.0.1:{self.unit('frontend')['ports']['http']}"
+
+    def model_dir(self) -> Path:
+        worker = next(u for u in self.status()["units"] if u["name"].startswith("worker@"))
+        return Path(worker["command"][worker["command"].index("--model-path") + 1])
+
+    def kill_daemon(self) -> int:
+        pid = int(self.status()["daemon_pid"])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return pid
+
+    def running(self) -> bool:
+        return self.client.running()
+
+    def stale_registrations(self, status: dict[str, Any]) -> list[str]:
+        """Worker instance keys in etcd that no running unit owns."""
+        from dynamod.rollout.etcd import EtcdClient
+
+        etcd = next((u for u in status["units"] if u["name"] == "etcd"), None)
+        if etcd is None or etcd["state"] != "ready":
+            return []
+        owned = {format(int(i), "x") if str(i).isdigit() else str(i)
+                 for u in status["units"] for i in (u.get("dynamo") or {}).get("instance_ids", [])
+                 if u.get("pid")}
+        owned |= {str(i) for u in status["units"]
+                  for i in (u.get("dynamo") or {}).get("instance_ids", []) if u.get("pid")}
+
+        async def keys() -> list[str]:
+            url = f"http://127.0.0.1:{etcd['ports']['client']}"
+            async with EtcdClient(url) as client:
+                return [kv.key for kv in await client.get_prefix("v1/instances/")]
+
+        try:
+            found = asyncio.run(keys())
+        except Exception as exc:
+            return [f"(could not list etcd registrations: {exc})"]
+        workers = [k for k in found if "/generate/" in k]
+        return [k for k in workers if k.rsplit("/", 1)[-1] not in owned]
+
+    def ask_shards(self, status: dict[str, Any]) -> dict[str, Any]:
+        """Each running shard's own answer to `get_weight_version` (not dynamod's claim)."""
+        import json
+        import urllib.request
+
+        answers: dict[str, Any] = {}
+        for unit in status.get("units", []):
+            url = (unit.get("dynamo") or {}).get("system_url")
+            if "policy_version" not in unit or not url or not unit.get("pid"):
+                continue
+            request = urllib.request.Request(f"{url}/engine/get_weight_version", data=b"{}",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=5) as resp:
+                    answers[unit["name"]] = json.loads(resp.read())
+            except (OSError, ValueError) as exc:
+                answers[unit["name"]] = {"error": str(exc)}
+        return answers
+
+    def teardown(self, pids: set[int]) -> Teardown:
+        """`down`, then look for anything left: pids seen, the run's marker, ports."""
+        td = Teardown()
+        ports: set[int] = set()
+        try:
+            status = self.status()
+            td.stale_registrations = self.stale_registrations(status)
+            ports = {int(p) for u in status["units"] for p in (u.get("ports") or {}).values()}
+        except DaemonError:
+            pass
+        if self.running():
+            result = self.cli("down", timeout=180)
+            td.down_ok = result.returncode == 0
+            td.down_output = result.stdout + result.stderr
+        left = {p for p in pids if pid_alive(p)}
+        for run_id in self.run_ids:
+            left |= set(marked_pids(run_id))
+        td.alive_pids = sorted(left)
+        td.bound_ports = sorted(p for p in ports if _listening(p))
+        for pid in td.alive_pids:  # leave nothing running, after recording it
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return td
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0

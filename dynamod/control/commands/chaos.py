@@ -1,0 +1,92 @@
+"""`dynamod chaos list|run|report`: runbook-driven fault injection (dynamod/chaos/)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from dynamod.control.cliutil import fail
+from dynamod.core.errors import SpecErrors
+
+
+@click.group("chaos")
+def chaos_group() -> None:
+    """Runbooks: real faults on a real stack, load, checkers over the recorded history."""
+
+
+_dir_option = click.option(
+    "--runbooks", "folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Folder of runbook files (default: the repository's runbooks/).")
+
+
+def _load_all(folder: Path | None) -> list[object]:
+    from dynamod.chaos import model
+
+    try:
+        return list(model.load_all(folder))
+    except SpecErrors as exc:
+        fail(f"invalid runbook, nothing was run.\n{exc}", 2)
+
+
+@chaos_group.command("list")
+@_dir_option
+def list_command(folder: Path | None) -> None:
+    """Each runbook in one line: name, quick/full time bounds, what it does, what it expects."""
+    from dynamod.chaos.model import Runbook
+
+    for runbook in _load_all(folder):
+        assert isinstance(runbook, Runbook)
+        expect = "" if runbook.expect == "pass" else f" [{runbook.expect}]"
+        click.echo(f"{runbook.name:<28} quick <={runbook.quick.timeout:>4.0f}s  "
+                   f"full <={runbook.full.timeout:>4.0f}s  {runbook.description}{expect}")
+
+
+@chaos_group.command("run")
+@click.argument("names", nargs=-1)
+@click.option("--all", "run_all", is_flag=True, help="Every runbook in the folder.")
+@click.option("--quick", is_flag=True, help="The CI profile (one pass, short load).")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("chaos-runs"), show_default=True,
+              help="Where each run's journal, history and timeline go; index.html is rewritten.")
+@_dir_option
+def run_command(names: tuple[str, ...], run_all: bool, quick: bool, report_dir: Path,
+                folder: Path | None) -> None:
+    """Run runbooks NAME... (or --all); exit 1 if any invariant fails or a run deviates."""
+    from dynamod.chaos import model, report, runner
+    from dynamod.chaos.journal import summary
+
+    if not names and not run_all:
+        fail("name one or more runbooks, or --all (see `dynamod chaos list`)", 2)
+    try:
+        if run_all:
+            runbooks = model.load_all(folder)
+        else:
+            runbooks = [model.load(model.find(n, folder)) for n in names]
+    except SpecErrors as exc:
+        fail(f"invalid runbook, nothing was run.\n{exc}", 2)
+    profile = model.Profile.QUICK if quick else model.Profile.FULL
+    report_dir = report_dir.absolute()
+    journals = []
+    for runbook in runbooks:
+        journal = runner.run(runbook, profile, report_dir, echo=click.echo)
+        journals.append(journal.as_dict())
+    index = report.write_index(report_dir)
+    click.echo("")
+    click.echo(summary(journals))
+    click.echo(f"\nreport: {index}")
+    sys.exit(0 if all(j["passed"] for j in journals) else 1)
+
+
+@chaos_group.command("report")
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--last", default=50, show_default=True, help="How many runs the page lists.")
+def report_command(folder: Path, last: int) -> None:
+    """Write FOLDER/index.html: the last runs with their verdicts and timelines."""
+    from dynamod.chaos import report
+
+    if not folder.is_dir():
+        fail(f"{folder}: no such folder of chaos runs", 2)
+    index = report.write_index(folder, last)
+    click.echo(f"{index}: {len(report.runs(folder, last))} runs")
