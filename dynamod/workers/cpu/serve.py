@@ -20,10 +20,12 @@ from dynamod.workers.cpu.args import (
     parse_args,
     parse_version,
 )
+from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
 from dynamod.workers.cpu.mocker import MockerEngine
 from dynamod.workers.cpu.routes import catching, upstream_taint_route
+from dynamod.workers.cpu.torch_engine import TorchEngine
 from dynamod.workers.model import ModelDirError, check_model_dir
 from dynamod.workers.weights import CheckpointError, load_checkpoint
 
@@ -65,12 +67,20 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
     runtime: Any = None
 
     def engine_died(error: BaseException | None) -> None:
-        fatal.append(f"mocker engine stopped serving: {error}")
+        fatal.append(f"{ours.engine} engine stopped serving: {error}")
         log.error("%s; shutting down", fatal[-1])
         if runtime is not None:
             runtime.shutdown()
 
-    engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
+    block_size, runtime_config = build_runtime_config(engine_args)
+    engine: Engine
+    if ours.engine == "mocker":
+        engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
+    else:
+        engine = TorchEngine(
+            model_dir, weights, block_size, ours.cache_blocks, engine_died, ours.torch_threads
+        )
+        runtime_config.total_kv_blocks = ours.cache_blocks
     await engine.start()
 
     runtime = DistributedRuntime(
@@ -88,6 +98,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         version=version,
         version_declared=ours.initial_version is not None,
         drain_timeout=ours.drain_timeout,
+        serve_previous_weights=ours.test_serve_previous_weights,
     )
     worker.instance_id = endpoint.connection_id()
     for name, handler in worker.routes().items():
@@ -97,9 +108,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         "update/model_taints", worker.serialised(upstream_taint_route(runtime, endpoint))
     )
 
-    block_size, runtime_config = build_runtime_config(engine_args)
-    engine.kv_events = KvEventBridge(endpoint, block_size)
-    engine.kv_events.attach(engine.events_port)
+    engine.bind_kv_events(KvEventBridge(endpoint, block_size))
     runtime_config.enable_local_indexer = True  # the bridge's publisher keeps one
     await register_model(
         ModelInput.Tokens,
