@@ -141,6 +141,9 @@ class MockerEngine:
         self.kv_events = bridge
         bridge.attach(self.events_port)
 
+    def halt(self) -> None:
+        """Nothing to do ahead of `close`: the mocker stops with its runtime."""
+
     def use_weights(self, weights: WeightSet) -> None:
         """The mocker's tokens do not depend on the weights: nothing to load."""
 

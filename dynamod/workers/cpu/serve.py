@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -127,6 +128,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
     def shutdown() -> None:
         log.info("shutdown signal: unregistering and stopping")
         closing.append(asyncio.ensure_future(worker.close()))
+        engine.halt()
         runtime.shutdown()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -174,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointError as exc:
             print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
             return 2
+        finally:
+            # torch and transformers leave a large object graph; collecting it at exit
+            # takes seconds on a busy machine and would stall a shutdown. Nothing in it
+            # needs finalising (the runtime and the engine are already closed).
+            gc.freeze()
 
 
 if __name__ == "__main__":

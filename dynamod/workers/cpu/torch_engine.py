@@ -139,11 +139,15 @@ class TorchEngine:
             },
         }
 
+    def halt(self) -> None:
+        """Tell the engine thread to end after its turn (safe from a signal handler)."""
+        self._inbox.put(None)
+
     async def stop(self) -> None:
         thread = self._thread
         if thread is None:
             return
-        self._inbox.put(None)
+        self.halt()
         await asyncio.to_thread(thread.join)
         self._thread = None
         self._model = None

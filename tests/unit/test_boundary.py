@@ -1,0 +1,75 @@
+"""Boundary 1 and the trainer's logprob computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynamod.trainer.boundary import LOGPROB_TOLERANCE, Scored, check
+from dynamod.trainer.scoring import completion_logprobs
+
+
+def test_matching_logprobs_pass_and_both_kinds_are_counted() -> None:
+    report = check(
+        [
+            Scored([5, 6], [-1.0, -2.0], [-1.0 + 1e-6, -2.0], cancelled=False),
+            Scored([7], [-0.5], [-0.5], cancelled=True),
+            Scored([], None, [], cancelled=True),  # aborted before its first token
+        ]
+    )
+    assert report.ok
+    assert (report.terminal, report.cancelled, report.tokens) == (1, 2, 3)
+    assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("scored", "says"),
+    [
+        (Scored([5, 6], [-1.0, -2.1], [-1.0, -2.0], False), "token 1 (id 6)"),
+        (Scored([5, 6], [-1.0], [-1.0, -2.0], False), "1 logprobs for 2 tokens"),
+        (Scored([5, 6], None, [-1.0, -2.0], True), "(cancelled): no logprobs"),
+        (Scored([5, 6], [-2.0, -1.0], [-1.0, -2.0], False), "token 0 (id 5)"),  # order
+    ],
+)
+def test_a_mismatch_is_reported_with_where_it_is(scored: Scored, says: str) -> None:
+    report = check([scored])
+    assert not report.ok
+    assert says in report.mismatches[0]
+
+
+def test_the_tolerance_is_the_boundary() -> None:
+    assert check([Scored([1], [-1.0], [-1.0 - LOGPROB_TOLERANCE / 2], False)]).ok
+    assert not check([Scored([1], [-1.0], [-1.0 - LOGPROB_TOLERANCE * 2], False)]).ok
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
+
+
+def test_completion_logprobs_equal_a_token_by_token_computation() -> None:
+    model = tiny_llama()
+    prompts, completions = [[1, 2, 3], [4]], [[5, 6], [7, 8, 9, 10]]
+    scored = completion_logprobs(model, prompts, completions, pad_id=0)
+    for prompt, completion, got in zip(prompts, completions, scored, strict=True):
+        assert len(got) == len(completion)
+        row = prompt + completion
+        for k, token in enumerate(completion):
+            context = torch.tensor([row[: len(prompt) + k]])
+            with torch.no_grad():
+                logits = model(input_ids=context).logits[0, -1]
+            want = float(torch.log_softmax(logits, dim=-1)[token])
+            assert got[k] == pytest.approx(want, abs=1e-5)
