@@ -128,8 +128,10 @@ def test_same_seed_and_weights_give_the_same_tokens_on_every_shard(
     assert all(o.token_ids == outputs[0].token_ids for o in outputs), [o.token_ids for o in outputs]
     for o in outputs:
         assert len(o.logprobs) == 12
-        assert max(abs(x - y) for x, y in zip(o.logprobs, outputs[0].logprobs)) < 1e-5
-    other_seed = sample_shard(stack.frontend_url, MODEL, instance_id(workers[0]), PROMPT, SEED + 1, 12)
+        diffs = [abs(x - y) for x, y in zip(o.logprobs, outputs[0].logprobs, strict=True)]
+        assert max(diffs) < 1e-5
+    first = instance_id(workers[0])
+    other_seed = sample_shard(stack.frontend_url, MODEL, first, PROMPT, SEED + 1, 12)
     assert other_seed.token_ids != outputs[0].token_ids, "the seed must matter"
 
 
@@ -176,7 +178,7 @@ def test_a_push_changes_outputs_to_the_new_weights_and_a_stale_shard_is_caught(
     step1 = tmp_path / "step-1"
     digest = perturbed_checkpoint(step1, model_dir, seed=1)
     push(workers, step1, version=1)
-    for name, worker in shards.items():  # every shard claims the new weights
+    for worker in workers:  # every shard claims the new weights
         reported = worker.engine("get_weight_version")[1]
         assert (reported["version"], reported["digest"]) == (1, digest)
 
@@ -201,6 +203,7 @@ def test_a_push_changes_outputs_to_the_new_weights_and_a_stale_shard_is_caught(
     step2 = tmp_path / "step-2"
     perturbed_checkpoint(step2, model_dir, seed=2)
     push(workers, step2, version=2)
-    assert not check_shard_outputs(stack.frontend_url, MODEL, ids["stale"], model_dir, step2).matches
-    assert check_shard_outputs(stack.frontend_url, MODEL, ids["stale"], model_dir, step1).matches
-    assert check_shard_outputs(stack.frontend_url, MODEL, ids["a"], model_dir, step2).matches
+    url = stack.frontend_url
+    assert not check_shard_outputs(url, MODEL, ids["stale"], model_dir, step2).matches
+    assert check_shard_outputs(url, MODEL, ids["stale"], model_dir, step1).matches
+    assert check_shard_outputs(url, MODEL, ids["a"], model_dir, step2).matches

@@ -72,7 +72,8 @@ def test_top_k_and_temperature_reshape_the_distribution() -> None:
 
 def test_banned_tokens_are_never_sampled() -> None:
     generator = torch.Generator().manual_seed(0)
-    picks = {sample(LOGITS, SamplingParams(temperature=0.0), generator, banned=[0]) for _ in range(5)}
+    greedy = SamplingParams(temperature=0.0)
+    picks = {sample(LOGITS, greedy, generator, banned=[0]) for _ in range(5)}
     assert picks == {1}
 
 
