@@ -23,7 +23,9 @@ from bench.report import (
     render_json,
 )
 
-BENCHMARKS = ["overhead", "detect", "down", "cold_up", "recovery", "policy_push", "load_kill"]
+BENCHMARKS = [
+    "overhead", "detect", "down", "cold_up", "recovery", "policy_push", "load_kill", "tokens"
+]
 
 
 def main() -> None:

@@ -19,6 +19,9 @@ class Learner:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        # One thread: the trainer shares the cores with the workers, and torch's spinning
+        # intra-op threads slow everyone down more than they speed up a model this small.
+        torch.set_num_threads(1)
         torch.manual_seed(seed)
         config = LlamaConfig.from_json_file(str(model_dir / "config.json"))
         self.model = LlamaForCausalLM(config)
