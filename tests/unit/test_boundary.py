@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from dynamod.trainer.boundary import LOGPROB_TOLERANCE, Scored, check
+from dynamod.trainer.loop import Trainer, TrainerError
+from dynamod.trainer.rollout import Completion
 from dynamod.trainer.scoring import completion_logprobs
 
 
@@ -73,3 +75,30 @@ def test_completion_logprobs_equal_a_token_by_token_computation() -> None:
                 logits = model(input_ids=context).logits[0, -1]
             want = float(torch.log_softmax(logits, dim=-1)[token])
             assert got[k] == pytest.approx(want, abs=1e-5)
+
+
+class _Scorer:
+    def __init__(self, shift: float) -> None:
+        self.shift = shift
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        return [[-1.0 + self.shift] * len(c) for c in completions]
+
+
+def _groups() -> list[list[Completion]]:
+    return [
+        [
+            Completion(0, 0, [1, 2], [5, 6], 0, "worker@0", 0.5, [-1.0, -1.0], "length"),
+            Completion(0, 1, [1, 2], [7], 0, "worker@1", 0.0, [-1.0], "length", migrated=True),
+        ]
+    ]
+
+
+def test_the_trainer_fails_loudly_when_the_engine_disagrees() -> None:
+    trainer = object.__new__(Trainer)
+    trainer.learner = _Scorer(0.0)  # type: ignore[assignment]
+    report = trainer.check_boundary(3, _groups())
+    assert (report.terminal, report.cancelled, report.tokens) == (1, 1, 3)
+    trainer.learner = _Scorer(0.05)  # type: ignore[assignment]
+    with pytest.raises(TrainerError, match="step 3: the engine's logprobs do not match"):
+        trainer.check_boundary(3, _groups())
