@@ -207,3 +207,16 @@ def test_a_push_changes_outputs_to_the_new_weights_and_a_stale_shard_is_caught(
     assert not check_shard_outputs(url, MODEL, ids["stale"], model_dir, step2).matches
     assert check_shard_outputs(url, MODEL, ids["stale"], model_dir, step1).matches
     assert check_shard_outputs(url, MODEL, ids["a"], model_dir, step2).matches
+
+
+def test_a_stop_string_ends_the_completion(stack: RawStack, shards: dict[str, Worker]) -> None:
+    """The frontend applies `stop` strings to what the engine streams, and stops it."""
+    worker = shards["a"]
+    first = completion(stack, worker, PROMPT, max_tokens=24)
+    texts = first["choices"][0]["logprobs"]["tokens"]
+    k = next(i for i, t in enumerate(texts) if i > 0 and t.strip().isalpha() and len(t) > 2)
+    stopped = completion(stack, worker, PROMPT, max_tokens=24, stop=[texts[k]])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert texts[k] not in stopped["choices"][0]["text"]  # the stop string is not returned
+    ids = first["nvext"]["completion_token_ids"]
+    assert stopped["nvext"]["completion_token_ids"] == ids[: k + 1]  # the same tokens, cut
