@@ -189,7 +189,11 @@ class Trainer:
         """Boundary 1: the engine's logprobs against the trainer's, under the same weights
         (the learner holds the weights the rollouts were served at); raises on a mismatch."""
         flat = [c for group in groups for c in group]
-        recomputed = self.learner.score([c.prompt_ids for c in flat], [c.token_ids for c in flat])
+        # Folded, so a mocker's out-of-vocabulary ids fail as "no logprobs", not an IndexError.
+        vocab = self.learner.vocab_size
+        recomputed = self.learner.score(
+            [c.prompt_ids for c in flat], [grpo.fold_into_vocab(c.token_ids, vocab) for c in flat]
+        )
         report = boundary.check(
             [
                 boundary.Scored(c.token_ids, c.logprobs, r, c.cancelled)

@@ -6,7 +6,7 @@ ledger's version read just before sending: the kv router only picks a shard that
 verified at v, and a request no shard can take fails instead of reaching a stale one.
 `nvext.extra_fields` asks for
 
-* `completion_token_ids`: the sampled ids (the mocker's text is usually empty);
+* `completion_token_ids`: the sampled ids (the tiny model's text is often not valid UTF-8);
 * `engine_data`: the worker's `weight_version`, `weight_digest` and `instance_id` at
   admission (dynamod.workers.cpu adds them to every chunk);
 * `worker_id`: the router's pick (differs from `instance_id` only after a migration).

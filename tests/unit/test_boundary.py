@@ -78,6 +78,8 @@ def test_completion_logprobs_equal_a_token_by_token_computation() -> None:
 
 
 class _Scorer:
+    vocab_size = 512
+
     def __init__(self, shift: float) -> None:
         self.shift = shift
 
