@@ -71,7 +71,7 @@ def test_trainer_pushes_every_step_and_never_reads_a_stale_shard(dm: Dynamod) ->
         assert all(isinstance(ms, float) and ms > 0 for ms in e["ack_ms"].values())
         assert e["rollout_version"] == e["step"] - 1
         assert e["stale"] == []
-    assert [e["event"] for e in events][-2:] == ["trainer.eval", "trainer.done"]
+    assert [e["event"] for e in events][-3:] == ["trainer.eval", "trainer.curve", "trainer.done"]
 
     # The history: every request served at the version the ledger had when it was sent,
     # by a known shard, with the digest of the weights the trainer pushed for that version.
