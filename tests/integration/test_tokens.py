@@ -210,12 +210,13 @@ def test_a_push_changes_outputs_to_the_new_weights_and_a_stale_shard_is_caught(
 
 
 def test_a_stop_string_ends_the_completion(stack: RawStack, shards: dict[str, Worker]) -> None:
-    """The frontend applies `stop` strings to what the engine streams, and stops it."""
+    """The frontend applies `stop` strings to what the engine streams, and stops it.
+    (Not with `ignore_eos`: Dynamo then ignores stop strings too.)"""
     worker = shards["a"]
-    first = completion(stack, worker, PROMPT, max_tokens=24)
+    first = completion(stack, worker, PROMPT, max_tokens=24, ignore_eos=False)
     texts = first["choices"][0]["logprobs"]["tokens"]
     k = next(i for i, t in enumerate(texts) if i > 0 and t.strip().isalpha() and len(t) > 2)
-    stopped = completion(stack, worker, PROMPT, max_tokens=24, stop=[texts[k]])
+    stopped = completion(stack, worker, PROMPT, max_tokens=24, ignore_eos=False, stop=[texts[k]])
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert texts[k] not in stopped["choices"][0]["text"]  # the stop string is not returned
     ids = first["nvext"]["completion_token_ids"]
