@@ -70,15 +70,11 @@ def checkpoint(base: Path, out: Path, scale: float, pad_mb: int = 0) -> Path:
     return out
 
 
-def served_by(url: str, instance: int, version: int) -> tuple[int, int]:
-    """(instance, weight version) that answered a request pinned to `instance` at `version`."""
+def served_by(url: str, instance: int) -> tuple[int, int]:
+    """(instance, weight version) that answered a request pinned to `instance`."""
 
     async def one() -> tuple[int, int]:
-        nvext = {
-            "backend_instance_id": instance,
-            "routing_constraints": {"required_taints": [f"dynamod.policy/{version}"]},
-            "extra_fields": ["engine_data"],
-        }
+        nvext = {"backend_instance_id": instance, "extra_fields": ["engine_data"]}
         body = {"model": MODEL, "prompt": "the policy says", "max_tokens": 4, "nvext": nvext}
         timeout = aiohttp.ClientTimeout(total=20)
         async with (
@@ -305,7 +301,7 @@ def test_stale_but_alive_shard_is_held_replayed_and_admitted(
     # The rejoined shard serves version 2. Asked directly: the torch engine answers this
     # short prompt in milliseconds, so at 8 req/s the kv router finds worker@0 idle every
     # time and need not spread the history's requests onto worker@1.
-    assert served_by(frontend(status), stuck_instance, 2) == (stuck_instance, 2)
+    assert served_by(frontend(status), stuck_instance) == (stuck_instance, 2)
 
 
 def test_corrupt_or_missing_checkpoint_fails_cleanly(
