@@ -33,6 +33,7 @@ BENCHMARKS = [
     "policy_push",
     "load_kill",
     "outages",
+    "tokens",
 ]
 
 

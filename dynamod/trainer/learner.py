@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.trainer import grpo
+from dynamod.trainer.scoring import completion_logprobs, padded_rows
 from dynamod.workers.weights import load_checkpoint
 
 
@@ -18,6 +19,9 @@ class Learner:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
+        # One thread: the trainer shares the cores with the workers, and torch's spinning
+        # intra-op threads slow everyone down more than they speed up a model this small.
+        torch.set_num_threads(1)
         torch.manual_seed(seed)
         config = LlamaConfig.from_json_file(str(model_dir / "config.json"))
         self.model = LlamaForCausalLM(config)
@@ -38,6 +42,10 @@ class Learner:
         """The weights under the names the model directory (and a rollout worker) uses."""
         return {name: t.detach() for name, t in self.model.state_dict().items()}
 
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        """The logprobs of each completion's tokens under the current weights (no step)."""
+        return completion_logprobs(self.model, prompts, completions, self.pad_id)
+
     def step(
         self, prompts: list[list[int]], completions: list[list[int]], advantages: list[float]
     ) -> float:
@@ -48,12 +56,8 @@ class Learner:
         import torch
 
         rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-        length = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), length), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            attention[i, : len(row)] = 1
+        input_ids, attention = padded_rows(rows, self.pad_id)
+        length = int(input_ids.shape[1])
         logits = self.model(input_ids=input_ids, attention_mask=attention).logits
         logprobs = grpo.token_logprobs(logits, input_ids)
         mask = grpo.completion_mask(

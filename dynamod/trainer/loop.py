@@ -18,9 +18,10 @@ import aiohttp
 import structlog
 
 from dynamod.core.errors import DynamodError
-from dynamod.trainer import checkpoints, grpo
+from dynamod.trainer import boundary, checkpoints, grpo
 from dynamod.trainer.config import TrainerConfig
 from dynamod.trainer.control import Control
+from dynamod.trainer.curve import write_reward_curve
 from dynamod.trainer.history import HistoryWriter
 from dynamod.trainer.learner import Learner
 from dynamod.trainer.prompts import prompts_for_step
@@ -128,6 +129,7 @@ class Trainer:
                     attempts=config.request_attempts,
                     encode=self.encode,
                     reward=self.reward,
+                    seed=config.seed,
                 )
                 for step in range(begin + 1, config.final_step + 1):
                     await self.step(step, rollouts)
@@ -135,6 +137,9 @@ class Trainer:
                     await self.evaluate(config.final_step + 1, rollouts)
         finally:
             history.close()
+            if config.history.exists():
+                curve = write_reward_curve(config.history)
+                log.info("trainer.curve", png=str(curve))
         log.info(
             "trainer.done", final_step=config.final_step, run_s=round(time.monotonic() - started, 2)
         )
@@ -143,8 +148,10 @@ class Trainer:
         config, learner = self.config, self.learner
         t0 = time.monotonic()
         prompts = [self.encode(p) for p in prompts_for_step(step, config.prompts_per_step)]
+        rollouts.round = step
         groups = await rollouts.groups(prompts, config.group_size, phase="train")
         batch = Batch.from_groups(groups, learner.vocab_size)
+        report = self.check_boundary(step, groups)
         t1 = time.monotonic()
         loss = learner.step(batch.prompts, batch.completions, batch.advantages)
         tensors = learner.tensors()
@@ -169,6 +176,7 @@ class Trainer:
             push_s=round(push.seconds, 3),
             ack_ms=push.ack_ms,
             stale=push.stale,
+            logprob_max_abs_diff=report.max_abs_diff,
             digest=digest[:12],
             checkpoint=str(path),
             pruned=[p.name for p in removed],
@@ -177,9 +185,44 @@ class Trainer:
             step_s=round(time.monotonic() - t0, 3),
         )
 
+    def check_boundary(self, step: int, groups: list[list[Completion]]) -> boundary.BoundaryReport:
+        """Boundary 1: the engine's logprobs against the trainer's, under the same weights
+        (the learner holds the weights the rollouts were served at); raises on a mismatch."""
+        flat = [c for group in groups for c in group]
+        # Folded, so a mocker's out-of-vocabulary ids fail as "no logprobs", not an IndexError.
+        vocab = self.learner.vocab_size
+        recomputed = self.learner.score(
+            [c.prompt_ids for c in flat], [grpo.fold_into_vocab(c.token_ids, vocab) for c in flat]
+        )
+        report = boundary.check(
+            [
+                boundary.Scored(c.token_ids, c.logprobs, r, c.cancelled)
+                for c, r in zip(flat, recomputed, strict=True)
+            ]
+        )
+        log.info(
+            "trainer.boundary",
+            step=step,
+            ok=report.ok,
+            terminal=report.terminal,
+            cancelled=report.cancelled,
+            tokens=report.tokens,
+            max_abs_diff=report.max_abs_diff,
+            tolerance=boundary.LOGPROB_TOLERANCE,
+        )
+        if not report.ok:
+            raise TrainerError(
+                f"step {step}: the engine's logprobs do not match the trainer's under the "
+                f"weights of version {step - 1} ({len(report.mismatches)} completion(s)); "
+                f"first: {report.mismatches[0]}. A shard serves other weights than it "
+                "reports, or the engine scores tokens differently: see the workers' logs"
+            )
+        return report
+
     async def evaluate(self, seed: int, rollouts: Rollouts) -> None:
         """Rollouts at the final version (no update): the last push is served."""
         config = self.config
+        rollouts.round = seed
         prompts = [self.encode(p) for p in prompts_for_step(seed, config.prompts_per_step)]
         groups = await rollouts.groups(prompts, config.group_size, phase="eval")
         batch = Batch.from_groups(groups, self.learner.vocab_size)

@@ -6,10 +6,14 @@ ledger's version read just before sending: the kv router only picks a shard that
 verified at v, and a request no shard can take fails instead of reaching a stale one.
 `nvext.extra_fields` asks for
 
-* `completion_token_ids`: the sampled ids (the mocker's text is usually empty);
+* `completion_token_ids`: the sampled ids (the tiny model's text is often not valid UTF-8);
 * `engine_data`: the worker's `weight_version`, `weight_digest` and `instance_id` at
   admission (dynamod.workers.cpu adds them to every chunk);
 * `worker_id`: the router's pick (differs from `instance_id` only after a migration).
+
+It also asks for the sampled tokens' logprobs (`"logprobs": 0`, OpenAI's
+`choices[0].logprobs.token_logprobs`) for the trainer's boundary check, and sends a
+seed derived from the run's seed, the step and the sample, so a run is reproducible.
 
 The frontend serves one choice per request (`n` is not honoured), so a group of G
 completions is G requests. Each request is recorded in the history file.
@@ -53,6 +57,14 @@ class Completion:
     version: int | str | None  # the weight version that served it
     shard: str | None
     reward: float
+    logprobs: list[float] | None = None  # the engine's, one per token
+    finish_reason: str | None = None
+    migrated: bool = False  # the tokens came from another shard than the router's pick
+
+    @property
+    def cancelled(self) -> bool:
+        """Aborted (a pause in abort mode) or migrated: not the engine's own ending."""
+        return self.migrated or self.finish_reason in {"cancelled", "abort"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +86,7 @@ class Rollouts:
         attempts: int,
         encode: Callable[[str], list[int]],
         reward: Callable[[list[int]], float],
+        seed: int = 0,
     ) -> None:
         self.session = session
         self.control = control
@@ -84,6 +97,8 @@ class Rollouts:
         self.attempts = attempts
         self.encode = encode  # used only when the frontend returns text without ids
         self.reward = reward
+        self.seed = seed
+        self.round = 0  # set by the loop: the step (or eval round) being rolled out
         self._slots = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def groups(
@@ -108,7 +123,7 @@ class Rollouts:
                 taint = f"{TAINT_PREFIX}{version}"
                 started, sent_at = time.monotonic(), time.time()
                 try:
-                    reply = await self._post(prompt, taint)
+                    reply = await self._post(prompt, taint, self._seed(prompt_index, sample))
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     last = f"{type(exc).__name__}: {exc}"
             request = {
@@ -143,12 +158,19 @@ class Rollouts:
             "`dynamod policy status` and the workers' logs"
         )
 
-    async def _post(self, prompt: list[int], taint: str) -> _Reply:
+    def _seed(self, prompt_index: int, sample: int) -> int:
+        return (self.seed * 1_000_003 + self.round * 10_007 + prompt_index * 101 + sample) % (
+            1 << 31
+        )
+
+    async def _post(self, prompt: list[int], taint: str, seed: int) -> _Reply:
         body = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": self.max_tokens,
             "temperature": 1.0,
+            "seed": seed,
+            "logprobs": 0,
             "nvext": {
                 "routing_constraints": {"required_taints": [taint]},
                 "extra_fields": EXTRA_FIELDS,
@@ -186,7 +208,11 @@ class Rollouts:
         if token_ids is None:
             token_ids = self.encode(body["choices"][0].get("text") or "")
         tokens = [int(t) for t in token_ids]
+        choice = body["choices"][0]
+        raw_logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        logprobs = None if raw_logprobs is None else [float(x) for x in raw_logprobs]
         instance = engine.get("instance_id")
+        routed = (nvext.get("worker_id") or {}).get("decode_worker_id")
         shard = await self.control.shard_of(instance)
         reward = self.reward(tokens)
         self._record(
@@ -195,7 +221,7 @@ class Rollouts:
             served_version=engine.get("weight_version"),
             served_digest=engine.get("weight_digest"),
             instance_id=instance,
-            routed_worker_id=(nvext.get("worker_id") or {}).get("decode_worker_id"),
+            routed_worker_id=routed,
             shard=shard,
             completion_tokens=len(tokens),
             reward=reward,
@@ -208,4 +234,7 @@ class Rollouts:
             engine.get("weight_version"),
             shard,
             reward,
+            logprobs=logprobs,
+            finish_reason=choice.get("finish_reason"),
+            migrated=routed is not None and instance is not None and routed != instance,
         )

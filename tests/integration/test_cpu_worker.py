@@ -68,6 +68,7 @@ def complete(stack: RawStack, prompt: str = PROMPT, **extra: Any) -> dict[str, A
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": 4,
+        "ignore_eos": True,  # the model may sample its end token: exactly 4 tokens
         "nvext": {"extra_fields": ["worker_id", "engine_data"]},
         **extra,
     }
@@ -345,12 +346,13 @@ def test_pause_holds_new_requests_until_resume(stack: RawStack, resumed: Worker)
 
 
 def stream_chunk_times(stack: RawStack, max_tokens: int, out: list[tuple[float, Any]]) -> None:
-    # Token ids from the mocker are random and often decode to nothing; the frontend
-    # still sends a chunk for each when it carries nvext data.
+    # Token ids the tiny model samples often decode to nothing; the frontend still sends
+    # a chunk for each when it carries nvext data. ignore_eos: it must run to max_tokens.
     body = {
         "model": MODEL,
         "prompt": "hold",
         "max_tokens": max_tokens,
+        "ignore_eos": True,
         "stream": True,
         "nvext": {"extra_fields": ["engine_data"]},
     }

@@ -71,7 +71,7 @@ def test_trainer_pushes_every_step_and_never_reads_a_stale_shard(dm: Dynamod) ->
         assert all(isinstance(ms, float) and ms > 0 for ms in e["ack_ms"].values())
         assert e["rollout_version"] == e["step"] - 1
         assert e["stale"] == []
-    assert [e["event"] for e in events][-2:] == ["trainer.eval", "trainer.done"]
+    assert [e["event"] for e in events][-3:] == ["trainer.eval", "trainer.curve", "trainer.done"]
 
     # The history: every request served at the version the ledger had when it was sent,
     # by a known shard, with the digest of the weights the trainer pushed for that version.
@@ -138,3 +138,33 @@ def test_a_killed_trainer_resumes_from_the_ledger_and_never_pushes_backwards(
     assert pushed[-1] == steps
     assert Client(dm.state_dir).policy_status()["current"] == steps
     assert violations(read_history(dm.state_dir / "trainer" / "history.jsonl")) == []
+
+
+def test_twenty_steps_from_a_fixed_seed_raise_the_reward(dm: Dynamod) -> None:
+    """The tiny model learns the trainer's task (start new words) on the default stack,
+    every step's logprobs match the trainer's (boundary 1), and the curve is drawn."""
+    steps = 20
+    dm.run("up", "--detach", "--var", f"trainer_steps={steps}", timeout=300, check=True)
+
+    def trainer_settled(status: dict[str, Any]) -> dict[str, Any] | None:
+        unit = unit_by_name(status, "trainer")
+        return unit if unit["state"] in {"completed", "failed"} else None
+
+    trainer = dm.wait_for(trainer_settled, timeout=240, what="20 trainer steps")
+    log = Path(trainer["log"])
+    assert trainer["state"] == "completed", log.read_text()[-3000:]
+    events = trainer_events(log)
+    rewards = [e["mean_reward"] for e in events if e["event"] == "trainer.step"]
+    assert len(rewards) == steps
+    early, late = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    evaluated = next(e for e in events if e["event"] == "trainer.eval")["mean_reward"]
+    assert late > early + 0.15, rewards
+    assert evaluated > early + 0.15, (evaluated, rewards)
+
+    checks = [e for e in events if e["event"] == "trainer.boundary"]
+    assert len(checks) == steps
+    assert all(c["ok"] and c["terminal"] + c["cancelled"] == 16 for c in checks)
+    assert all(c["tokens"] > 0 and c["max_abs_diff"] <= c["tolerance"] for c in checks)
+
+    curve = dm.state_dir / "trainer" / "reward.png"
+    assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -139,11 +139,18 @@ def test_model_dir_without_architectures_is_refused(tmp_path: Path) -> None:
 
 
 class IdleEngine:
-    """Stands in for the mocker engine: never serves, counts resets."""
+    """Stands in for an engine: never serves, counts resets, remembers its weights."""
 
     def __init__(self) -> None:
         self.generation = 1
         self.alive = True
+        self.weights: WeightSet | None = None
+
+    def use_weights(self, weights: WeightSet) -> None:
+        self.weights = weights
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
     async def restart(self) -> None:
         self.generation += 1
@@ -177,6 +184,7 @@ async def test_update_swaps_weights_sets_version_and_resets_the_cache(tmp_path: 
     assert reply["status"] == "ok" and reply["version"] == 4
     assert reply["digest"] == state_dict_digest(tensors(1))
     assert engine.generation == 2
+    assert engine.weights is worker.weights  # the engine restarted on the new weights
     assert await worker.get_weight_version({}) == {
         "status": "ok",
         "version": 4,
@@ -184,6 +192,24 @@ async def test_update_swaps_weights_sets_version_and_resets_the_cache(tmp_path: 
         "digest": state_dict_digest(tensors(1)),
         "model_path": str(tmp_path / "next" / WEIGHTS_FILE),
     }
+
+
+async def test_a_test_stale_worker_serves_the_weights_before_but_reports_the_new(
+    tmp_path: Path,
+) -> None:
+    worker, engine = worker_with(tmp_path)
+    worker.serve_previous_weights = True
+    initial = worker.weights
+    for step in (1, 2):
+        save(tmp_path / f"step-{step}", tensors(step))
+    await worker.pause_generation({})
+    first = await worker.update_weights_from_disk({"model_path": str(tmp_path / "step-1")})
+    assert first["digest"] == state_dict_digest(tensors(1))
+    assert engine.weights is initial
+    one_behind = worker.weights
+    await worker.update_weights_from_disk({"model_path": str(tmp_path / "step-2")})
+    assert engine.weights is one_behind
+    assert (await worker.get_weight_version({}))["digest"] == state_dict_digest(tensors(2))
 
 
 async def test_failed_update_keeps_old_weights_version_and_cache(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError, engine_shutdown
-from dynamod.workers.cpu.mocker import MockerEngine
 from dynamod.workers.weights import CheckpointError, WeightSet, load_checkpoint
 
 log = logging.getLogger("dynamod.workers.cpu")
@@ -55,17 +55,21 @@ class CpuWorker:
 
     def __init__(
         self,
-        engine: MockerEngine,
+        engine: Engine,
         weights: WeightSet,
         version: Any = None,
         version_declared: bool = False,
         drain_timeout: float = 60.0,
+        serve_previous_weights: bool = False,
     ) -> None:
         self.engine = engine
         self.weights = weights
         self.version = version
         self.version_declared = version_declared
         self.drain_timeout = drain_timeout
+        # Test only: the engine keeps generating with the weights of the update before,
+        # while the version and digest reported are the new ones (a stale shard that lies).
+        self.serve_previous_weights = serve_previous_weights
         self.instance_id: int | None = None
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
@@ -96,7 +100,7 @@ class CpuWorker:
                     yield CANCELLED_CHUNK
                     return
                 if isinstance(chunk, BaseException):
-                    raise engine_shutdown(f"mocker engine failed: {chunk}") from chunk
+                    raise engine_shutdown(f"engine failed: {chunk}") from chunk
                 if not probe and not await self._wait_output_allowed(flight):
                     yield CANCELLED_CHUNK
                     return
@@ -235,7 +239,7 @@ class CpuWorker:
         if body is not None and not isinstance(body, dict):
             return NOT_AN_OBJECT
         if not self.engine.alive and not self._swapping:
-            return {"status": "error", "alive": False, "message": "mocker engine is not serving"}
+            return {"status": "error", "alive": False, "message": "engine is not serving"}
         return {
             "status": "ok",
             "alive": True,
@@ -243,6 +247,7 @@ class CpuWorker:
             "paused": self._paused,
             "sleeping": self._sleeping,
             "engine_generation": self.engine.generation,
+            **self.engine.stats(),
         }
 
     async def pause_generation(self, body: Any) -> dict[str, Any]:
@@ -324,6 +329,7 @@ class CpuWorker:
                     "status": "error",
                     "message": f"weights not loaded, old weights kept: {exc}",
                 }
+            self.engine.use_weights(self.weights if self.serve_previous_weights else weights)
             self.weights = weights
             if declared:
                 self.version, self.version_declared = version, True

@@ -22,9 +22,36 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     own = argparse.ArgumentParser(
         prog="python -m dynamod.workers.cpu",
         description=(
-            "CPU rollout worker: Dynamo's mocker engine with dynamo.vllm's RL admin routes. "
-            "Also accepts the flags of `python -m dynamo.mocker` (--model-path, --model-name, "
-            "--endpoint, --discovery-backend, --block-size, --speedup-ratio, ...)."
+            "CPU rollout worker: the tiny Llama generating with torch (or Dynamo's mocker "
+            "engine) behind dynamo.vllm's RL admin routes. Also accepts the flags of "
+            "`python -m dynamo.mocker` (--model-path, --model-name, --endpoint, "
+            "--discovery-backend, --block-size, --speedup-ratio, ...)."
+        ),
+    )
+    own.add_argument(
+        "--engine",
+        choices=("torch", "mocker"),
+        default="torch",
+        help="torch: the model at the weights held (default); mocker: random tokens, for scale",
+    )
+    own.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads of the torch engine (default 1: one core per worker)",
+    )
+    own.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=4096,
+        help="prefix cache capacity of the torch engine, in blocks (default 4096)",
+    )
+    own.add_argument(
+        "--test-serve-previous-weights",
+        action="store_true",
+        help=(
+            "TEST ONLY: generate with the weights of the update before the last one while "
+            "reporting the last one's version and digest (a stale shard, for checkers)"
         ),
     )
     own.add_argument(
@@ -38,6 +65,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
         help="seconds a cache flush waits for requests to leave the engine (default 60)",
     )
     ours, rest = own.parse_known_args(argv)
+    if ours.torch_threads < 1 or ours.cache_blocks < 1:
+        raise WorkerError("--torch-threads and --cache-blocks must be at least 1")
 
     from dynamo.mocker.args import parse_args as parse_mocker_args
 

@@ -59,6 +59,12 @@ class KvEventBridge:
         self._sequence += 1
         await self._out.send_multipart([topic, sequence, payload])
 
+    async def publish(self, events: list[dict[str, Any]]) -> None:
+        """Send events an in-process engine produced (vLLM's format) to the router."""
+        import msgspec
+
+        await self._send(b"", msgspec.msgpack.encode([time.time(), events, 0]))
+
     async def detach_and_clear(self) -> None:
         """Stop forwarding (the engine is gone) and clear the router's view of this worker."""
         import msgspec

@@ -11,6 +11,7 @@ from typing import Any
 
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
+from dynamod.workers.weights import WeightSet
 
 log = logging.getLogger("dynamod.workers.cpu")
 
@@ -135,6 +136,19 @@ class MockerEngine:
     @property
     def alive(self) -> bool:
         return self._serving is not None and not self._serving.done()
+
+    def bind_kv_events(self, bridge: KvEventBridge) -> None:
+        self.kv_events = bridge
+        bridge.attach(self.events_port)
+
+    def halt(self) -> None:
+        """Nothing to do ahead of `close`: the mocker stops with its runtime."""
+
+    def use_weights(self, weights: WeightSet) -> None:
+        """The mocker's tokens do not depend on the weights: nothing to load."""
+
+    def stats(self) -> dict[str, Any]:
+        return {"engine": "mocker"}
 
     async def stop(self) -> None:
         serving, runtime = self._serving, self._runtime

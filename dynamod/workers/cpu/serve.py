@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -20,10 +21,12 @@ from dynamod.workers.cpu.args import (
     parse_args,
     parse_version,
 )
+from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
 from dynamod.workers.cpu.mocker import MockerEngine
 from dynamod.workers.cpu.routes import catching, upstream_taint_route
+from dynamod.workers.cpu.torch_engine import TorchEngine
 from dynamod.workers.model import ModelDirError, check_model_dir
 from dynamod.workers.weights import CheckpointError, load_checkpoint
 
@@ -65,12 +68,20 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
     runtime: Any = None
 
     def engine_died(error: BaseException | None) -> None:
-        fatal.append(f"mocker engine stopped serving: {error}")
+        fatal.append(f"{ours.engine} engine stopped serving: {error}")
         log.error("%s; shutting down", fatal[-1])
         if runtime is not None:
             runtime.shutdown()
 
-    engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
+    block_size, runtime_config = build_runtime_config(engine_args)
+    engine: Engine
+    if ours.engine == "mocker":
+        engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
+    else:
+        engine = TorchEngine(
+            model_dir, weights, block_size, ours.cache_blocks, engine_died, ours.torch_threads
+        )
+        runtime_config.total_kv_blocks = ours.cache_blocks
     await engine.start()
 
     runtime = DistributedRuntime(
@@ -88,6 +99,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         version=version,
         version_declared=ours.initial_version is not None,
         drain_timeout=ours.drain_timeout,
+        serve_previous_weights=ours.test_serve_previous_weights,
     )
     worker.instance_id = endpoint.connection_id()
     for name, handler in worker.routes().items():
@@ -97,9 +109,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         "update/model_taints", worker.serialised(upstream_taint_route(runtime, endpoint))
     )
 
-    block_size, runtime_config = build_runtime_config(engine_args)
-    engine.kv_events = KvEventBridge(endpoint, block_size)
-    engine.kv_events.attach(engine.events_port)
+    engine.bind_kv_events(KvEventBridge(endpoint, block_size))
     runtime_config.enable_local_indexer = True  # the bridge's publisher keeps one
     await register_model(
         ModelInput.Tokens,
@@ -118,6 +128,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
     def shutdown() -> None:
         log.info("shutdown signal: unregistering and stopping")
         closing.append(asyncio.ensure_future(worker.close()))
+        engine.halt()
         runtime.shutdown()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -165,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         except CheckpointError as exc:
             print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
             return 2
+        finally:
+            # torch and transformers leave a large object graph; collecting it at exit
+            # takes seconds on a busy machine and would stall a shutdown. Nothing in it
+            # needs finalising (the runtime and the engine are already closed).
+            gc.freeze()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""Scoring completions under a set of weights: the logprob of each sampled token.
+
+The trainer's side of boundary 1: the same number the engine reports (`log_softmax` of
+the raw logits, see `dynamod.workers.cpu.sampling`), computed in one padded full pass
+instead of token by token with a KV cache. The two agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dynamod.trainer import grpo
+from dynamod.workers.weights import load_checkpoint
+
+
+def padded_rows(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) for right-padded `rows`."""
+    import torch
+
+    length = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+        attention[i, : len(row)] = 1
+    return input_ids, attention
+
+
+def completion_logprobs(
+    model: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int
+) -> list[list[float]]:
+    """log p(completion token | prompt and the completion before it), per completion."""
+    import torch
+
+    rows = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
+    input_ids, attention = padded_rows(rows, pad_id)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        logprobs = grpo.token_logprobs(logits, input_ids)
+    out: list[list[float]] = []
+    for row, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        out.append([float(x) for x in logprobs[row, len(p) - 1 : len(p) - 1 + len(c)]])
+    return out
+
+
+def load_policy(model_dir: Path, checkpoint: Path | None = None) -> tuple[Any, int]:
+    """(LlamaForCausalLM in eval mode, pad id) from the model directory's config, at the
+    weights of `checkpoint` (default: the model directory's own)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_json_file(str(model_dir / "config.json"))
+    model = LlamaForCausalLM(config)
+    weights = load_checkpoint(checkpoint or model_dir)
+    model.load_state_dict(dict(weights.tensors), strict=True)
+    model.eval()  # type: ignore[no-untyped-call]
+    return model, int(config.pad_token_id or 0)

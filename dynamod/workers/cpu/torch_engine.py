@@ -1,0 +1,385 @@
+"""The torch engine: the tiny Llama generating on CPU at the weights the worker holds.
+
+One thread owns the model and runs the schedule; the event loop only hands requests in
+and takes chunks out. Each turn admits every waiting request (prefill: cached prefix
+blocks are reused, the rest is computed and stored), then advances every running one by
+one token with its own KV cache, so concurrent requests share the thread turn by turn
+(continuous batching at the token level) and a new request waits at most one turn for
+its first token. A chunk per token carries `token_ids`, `log_probs` (see `sampling`),
+`top_logprobs` when asked for, and on the last one `finish_reason` and
+`completion_usage` with the prompt tokens found in the prefix cache (`cached_tokens`).
+
+Same interface as `MockerEngine`: a restart (flush, new weights) is a fresh model with
+an empty prefix cache; the router hears `AllBlocksCleared` through the KV event bridge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import random
+import threading
+import warnings
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamod.workers.cpu.errors import WorkerError
+from dynamod.workers.cpu.kv_events import KvEventBridge
+from dynamod.workers.cpu.prefix_cache import KvEvent, PrefixCache
+from dynamod.workers.cpu.sampling import SamplingParams, raw_logprobs, sample, top_entries
+from dynamod.workers.weights import WeightSet
+
+log = logging.getLogger("dynamod.workers.cpu")
+
+_END = object()
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One request inside the engine; the thread appends, the event loop reads `out`."""
+
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    generator: Any = None
+    cache: list[tuple[Any, Any]] = field(default_factory=list)  # per layer: keys, values
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    cancelled: bool = False
+
+    def emit(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+
+
+class TorchEngine:
+    """`LlamaForCausalLM` from the model directory's config, at the weights given."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        weights: WeightSet,
+        block_size: int,
+        cache_blocks: int,
+        on_death: Callable[[BaseException | None], None],
+        threads: int = 1,
+    ) -> None:
+        self._model_dir = model_dir
+        self._weights = weights
+        self.block_size = block_size
+        self._cache_blocks = cache_blocks
+        self._on_death = on_death
+        self._threads = threads
+        self._model: Any = None
+        self._max_len = 0
+        self._thread: threading.Thread | None = None
+        self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
+        self._running: list[_Sequence] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: asyncio.Queue[KvEvent | None] = asyncio.Queue()
+        self._publishing: asyncio.Task[None] | None = None
+        self.cache = PrefixCache(block_size, cache_blocks, self._event)
+        self.generation = 0
+        self.kv_events: KvEventBridge | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def bind_kv_events(self, bridge: KvEventBridge) -> None:
+        self.kv_events = bridge
+
+    def use_weights(self, weights: WeightSet) -> None:
+        """Weights for the next start (the admission restarts the engine right after)."""
+        self._weights = weights
+
+    async def start(self, timeout: float = 60.0) -> None:
+        self._loop = asyncio.get_running_loop()
+        if self._publishing is None:
+            self._publishing = asyncio.create_task(self._publish())
+        self._model = await asyncio.wait_for(asyncio.to_thread(self._build), timeout)
+        self._inbox = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="torch-engine", daemon=True)
+        self._thread.start()
+        self.generation += 1
+        log.info("torch engine %d serving (digest %s)", self.generation, self._weights.digest)
+
+    def _build(self) -> Any:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.set_num_threads(self._threads)
+        config = LlamaConfig.from_json_file(str(self._model_dir / "config.json"))
+        self._max_len = int(config.max_position_embeddings)
+        model = LlamaForCausalLM(config)
+        model.load_state_dict(dict(self._weights.tensors), strict=True)
+        model.eval()  # type: ignore[no-untyped-call]
+        return model
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        """The prefix cache's state and counts since the worker started (kept over flushes)."""
+        stats = self.cache.stats
+        return {
+            "engine": "torch",
+            "prefix_cache": {
+                "blocks": len(self.cache),
+                "capacity_blocks": self.cache.capacity,
+                "block_size": self.block_size,
+                "queried_tokens": stats.queried_tokens,
+                "hit_tokens": stats.hit_tokens,
+                "hit_rate": round(stats.hit_rate, 4),
+                "stored_blocks": stats.stored_blocks,
+                "evicted_blocks": stats.evicted_blocks,
+            },
+        }
+
+    def halt(self) -> None:
+        """Tell the engine thread to end after its turn (safe from a signal handler)."""
+        self._inbox.put(None)
+
+    async def stop(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self.halt()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+        self._model = None
+        self.cache.clear()
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._publishing is not None:
+            self._events.put_nowait(None)
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._publishing
+            self._publishing = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    async def restart(self) -> None:
+        await self.stop()
+        try:
+            await self.start()
+        except Exception as exc:
+            self._on_death(exc)
+            raise
+
+    # ----------------------------------------------------------------- KV events
+
+    def _event(self, event: KvEvent) -> None:
+        """From the engine thread (or the loop, on a clear): queue for the bridge."""
+        loop = self._loop
+        if loop is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            self._events.put_nowait(event)
+        else:
+            loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def _publish(self) -> None:
+        while True:
+            event = await self._events.get()
+            if event is None:
+                return
+            if self.kv_events is not None:
+                try:
+                    await self.kv_events.publish([event])
+                except Exception:  # the router re-learns on the next store; keep serving
+                    log.exception("KV event not published")
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[Any]:
+        if not self.alive or self._loop is None:
+            raise WorkerError("torch engine is not running")
+        prompt = [int(t) for t in request.get("token_ids") or []]
+        if not prompt:
+            raise WorkerError("request has no prompt tokens")
+        params = SamplingParams.from_request(request)
+        seq = _Sequence(prompt, params, self._loop)
+        self._inbox.put(seq)
+        try:
+            while True:
+                item = await seq.out.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise WorkerError(f"torch engine failed: {item}") from item
+                yield item
+        finally:
+            seq.cancelled = True
+
+    def _serve(self) -> None:
+        import torch
+
+        torch.set_num_threads(self._threads)
+        try:
+            with torch.inference_mode(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                while self._turn():
+                    pass
+        except Exception as exc:
+            log.exception("torch engine failed")
+            for seq in self._running:
+                seq.emit(exc)
+            self._running.clear()
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._on_death, exc)
+            return
+        for seq in self._running:  # stopped with requests inside: end them
+            seq.emit(_END)
+        self._running.clear()
+
+    def _turn(self) -> bool:
+        """Admit what waits (blocking when nothing runs), then one token for each."""
+        arrivals: list[_Sequence | None] = []
+        if not self._running:
+            arrivals.append(self._inbox.get())
+        while True:
+            try:
+                arrivals.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for seq in arrivals:
+            if seq is None:
+                return False
+            if not seq.cancelled:
+                self._running.append(seq)  # first: a failure below must reach it too
+                self._prefill(seq)
+        self._running = [seq for seq in self._running if not seq.cancelled]
+        if self._running:
+            self._decode(list(self._running))
+        return True
+
+    def _forward(self, tokens: list[int], cache: Any) -> Any:
+        import torch
+
+        out = self._model(
+            input_ids=torch.tensor([tokens], dtype=torch.long),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out
+
+    def _prefill(self, seq: _Sequence) -> None:
+        import torch
+
+        seq.generator = torch.Generator()
+        seq.generator.manual_seed(
+            seq.params.seed if seq.params.seed is not None else random.getrandbits(63)
+        )
+        blocks = self.cache.lookup(seq.prompt)
+        cache = _cache_from_blocks(blocks)
+        seq.cached_tokens = len(blocks) * self.block_size
+        out = self._forward(seq.prompt[seq.cached_tokens :], cache)
+        seq.cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        self.cache.store(seq.prompt, lambda i: _block_kv(seq.cache, i, self.block_size))
+        self._emit_next(seq, out.logits[0, -1])
+
+    def _decode(self, batch: list[_Sequence]) -> None:
+        """One token for every sequence in `batch`, in one forward pass.
+
+        Each sequence keeps its own KV; for the pass they are left-padded to the longest,
+        with the padding masked out and each row at its own position.
+        """
+        import torch
+
+        lengths = [len(seq.prompt) + len(seq.generated) - 1 for seq in batch]
+        longest = max(lengths)
+        mask = torch.zeros((len(batch), longest + 1), dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, longest - length :] = 1
+        cache = _padded_cache([seq.cache for seq in batch], lengths, longest)
+        out = self._model(
+            input_ids=torch.tensor([[seq.generated[-1]] for seq in batch], dtype=torch.long),
+            attention_mask=mask,
+            position_ids=torch.tensor([[length] for length in lengths], dtype=torch.long),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        for row, seq in enumerate(batch):
+            seq.cache = [
+                (
+                    torch.cat([keys, layer.keys[row : row + 1, :, -1:, :]], dim=2),
+                    torch.cat([values, layer.values[row : row + 1, :, -1:, :]], dim=2),
+                )
+                for (keys, values), layer in zip(seq.cache, out.past_key_values.layers, strict=True)
+            ]
+            self._emit_next(seq, out.logits[row, -1])
+
+    def _emit_next(self, seq: _Sequence, logits: Any) -> None:
+        params = seq.params
+        logprobs = raw_logprobs(logits)
+        banned = sorted(params.stop_token_ids) if len(seq.generated) < params.min_tokens else []
+        token = sample(logits, params, seq.generator, banned)
+        finish: str | None = None
+        if token in params.stop_token_ids:
+            finish = "stop"
+        chunk: dict[str, Any] = {"index": 0, "token_ids": [], "log_probs": []}
+        if finish is None:
+            seq.generated.append(token)
+            chunk["token_ids"] = [token]
+            chunk["log_probs"] = [float(logprobs[token])]
+            if params.logprobs is not None:
+                chunk["top_logprobs"] = [top_entries(logprobs, token, params.logprobs)]
+            if len(seq.generated) >= params.max_tokens or (
+                len(seq.prompt) + len(seq.generated) >= self._max_len
+            ):
+                finish = "length"
+        if finish is not None:
+            chunk["finish_reason"] = finish
+            chunk["completion_usage"] = {
+                "prompt_tokens": len(seq.prompt),
+                "completion_tokens": len(seq.generated),
+                "total_tokens": len(seq.prompt) + len(seq.generated),
+                "prompt_tokens_details": {"cached_tokens": seq.cached_tokens},
+            }
+            self._running.remove(seq)
+        seq.emit(chunk)
+        if finish is not None:
+            seq.emit(_END)
+
+
+def _cache_from_blocks(blocks: list[Any]) -> Any:
+    """A fresh DynamicCache holding the concatenated KV of cached blocks (or empty)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if blocks:
+        for layer in range(len(blocks[0])):
+            keys = torch.cat([b[layer][0] for b in blocks], dim=2)
+            values = torch.cat([b[layer][1] for b in blocks], dim=2)
+            cache.update(keys, values, layer)
+    return cache
+
+
+def _padded_cache(caches: list[Any], lengths: list[int], longest: int) -> Any:
+    """One DynamicCache for a batch: each row's per-layer KV left-padded to `longest`."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(len(caches[0])):
+        keys0 = caches[0][layer][0]
+        shape = (len(caches), keys0.shape[1], longest, keys0.shape[3])
+        keys = torch.zeros(shape, dtype=keys0.dtype)
+        values = torch.zeros(shape, dtype=keys0.dtype)
+        for row, (kv, length) in enumerate(zip(caches, lengths, strict=True)):
+            keys[row, :, longest - length :, :] = kv[layer][0][0]
+            values[row, :, longest - length :, :] = kv[layer][1][0]
+        cache.update(keys, values, layer)
+    return cache
+
+
+def _block_kv(kv: list[tuple[Any, Any]], index: int, block_size: int) -> list[tuple[Any, Any]]:
+    """Block `index`'s keys and values, per layer, copied out of a sequence's KV."""
+    lo, hi = index * block_size, (index + 1) * block_size
+    return [(k[:, :, lo:hi, :].clone(), v[:, :, lo:hi, :].clone()) for k, v in kv]

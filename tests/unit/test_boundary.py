@@ -1,0 +1,106 @@
+"""Boundary 1 and the trainer's logprob computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynamod.trainer.boundary import LOGPROB_TOLERANCE, Scored, check
+from dynamod.trainer.loop import Trainer, TrainerError
+from dynamod.trainer.rollout import Completion
+from dynamod.trainer.scoring import completion_logprobs
+
+
+def test_matching_logprobs_pass_and_both_kinds_are_counted() -> None:
+    report = check(
+        [
+            Scored([5, 6], [-1.0, -2.0], [-1.0 + 1e-6, -2.0], cancelled=False),
+            Scored([7], [-0.5], [-0.5], cancelled=True),
+            Scored([], None, [], cancelled=True),  # aborted before its first token
+        ]
+    )
+    assert report.ok
+    assert (report.terminal, report.cancelled, report.tokens) == (1, 2, 3)
+    assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("scored", "says"),
+    [
+        (Scored([5, 6], [-1.0, -2.1], [-1.0, -2.0], False), "token 1 (id 6)"),
+        (Scored([5, 6], [-1.0], [-1.0, -2.0], False), "1 logprobs for 2 tokens"),
+        (Scored([5, 6], None, [-1.0, -2.0], True), "(cancelled): no logprobs"),
+        (Scored([5, 6], [-2.0, -1.0], [-1.0, -2.0], False), "token 0 (id 5)"),  # order
+    ],
+)
+def test_a_mismatch_is_reported_with_where_it_is(scored: Scored, says: str) -> None:
+    report = check([scored])
+    assert not report.ok
+    assert says in report.mismatches[0]
+
+
+def test_the_tolerance_is_the_boundary() -> None:
+    assert check([Scored([1], [-1.0], [-1.0 - LOGPROB_TOLERANCE / 2], False)]).ok
+    assert not check([Scored([1], [-1.0], [-1.0 - LOGPROB_TOLERANCE * 2], False)]).ok
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
+
+
+def test_completion_logprobs_equal_a_token_by_token_computation() -> None:
+    model = tiny_llama()
+    prompts, completions = [[1, 2, 3], [4]], [[5, 6], [7, 8, 9, 10]]
+    scored = completion_logprobs(model, prompts, completions, pad_id=0)
+    for prompt, completion, got in zip(prompts, completions, scored, strict=True):
+        assert len(got) == len(completion)
+        row = prompt + completion
+        for k, token in enumerate(completion):
+            context = torch.tensor([row[: len(prompt) + k]])
+            with torch.no_grad():
+                logits = model(input_ids=context).logits[0, -1]
+            want = float(torch.log_softmax(logits, dim=-1)[token])
+            assert got[k] == pytest.approx(want, abs=1e-5)
+
+
+class _Scorer:
+    vocab_size = 512
+
+    def __init__(self, shift: float) -> None:
+        self.shift = shift
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[list[float]]:
+        return [[-1.0 + self.shift] * len(c) for c in completions]
+
+
+def _groups() -> list[list[Completion]]:
+    return [
+        [
+            Completion(0, 0, [1, 2], [5, 6], 0, "worker@0", 0.5, [-1.0, -1.0], "length"),
+            Completion(0, 1, [1, 2], [7], 0, "worker@1", 0.0, [-1.0], "length", migrated=True),
+        ]
+    ]
+
+
+def test_the_trainer_fails_loudly_when_the_engine_disagrees() -> None:
+    trainer = object.__new__(Trainer)
+    trainer.learner = _Scorer(0.0)  # type: ignore[assignment]
+    report = trainer.check_boundary(3, _groups())
+    assert (report.terminal, report.cancelled, report.tokens) == (1, 1, 3)
+    trainer.learner = _Scorer(0.05)  # type: ignore[assignment]
+    with pytest.raises(TrainerError, match="step 3: the engine's logprobs do not match"):
+        trainer.check_boundary(3, _groups())
