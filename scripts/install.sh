@@ -14,7 +14,7 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # ai-dynamo's `aisimulate` requirement is an install-time downloader; the two real
 # wheels go in without deps, their actual requirements come from the `stack` extra.
 "${pip[@]}" --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
-"${pip[@]}" -e ".[stack,dev]"
+"${pip[@]}" -e ".[stack,dev,verl]"
 # The tiny CPU model the default stack serves: built locally (no download), idempotent.
 .venv/bin/python -m dynamod.workers.model "${XDG_CACHE_HOME:-$HOME/.cache}/dynamod/models/tiny-cpu"
 echo "dynamod installed in .venv ($(.venv/bin/dynamod --version 2>/dev/null || echo 'cli not ready'))"
