@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class _Flight:
     chunks: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     pump: asyncio.Task[None] | None = None
     aborted: bool = False
+    request_id: str | None = None  # the frontend's id for it (Dynamo's Context.id())
     in_engine: bool = True  # counted in CpuWorker._pumping until it leaves the engine
 
 
@@ -72,6 +74,7 @@ class CpuWorker:
         self._swapping = False  # the engine is being replaced; nothing enters it
         self._closing = False  # shutting down: nothing waits any more
         self._flights: set[_Flight] = set()
+        self._sleeping = False
         self._pumping = 0  # requests still inside the engine
 
     # ----------------------------------------------------------------- generation
@@ -83,6 +86,8 @@ class CpuWorker:
         if probe:
             request = {k: v for k, v in request.items() if k != HEALTH_CHECK_KEY}
         flight = await self._admit(probe)
+        with contextlib.suppress(Exception):
+            flight.request_id = str(context.id()) if context is not None else None
         flight.pump = asyncio.create_task(self._pump(request, flight))
         try:
             while True:
@@ -221,6 +226,9 @@ class CpuWorker:
             "update_weights_from_disk": self.update_weights_from_disk,
             "get_weight_version": self.get_weight_version,
             "set_weight_version": self.set_weight_version,
+            "abort_request": self.abort_request,
+            "control/sleep": self.sleep,
+            "control/wake_up": self.wake_up,
         }
 
     async def liveness_probe(self, body: Any) -> dict[str, Any]:
@@ -353,3 +361,50 @@ class CpuWorker:
         self.version, self.version_declared = body["weight_version"], True
         log.info("[RL] Weight version declared: %s", self.version)
         return {"status": "ok", "version": self.version}
+
+    # ------------------------------------------------- sleep, wake_up, abort_request
+
+    async def sleep(self, body: Any) -> dict[str, Any]:
+        """dynamo.vllm's `control/sleep`: in-flight requests are aborted, new ones wait.
+
+        There is no GPU memory to release; the worker stays registered (upstream
+        unregisters), and a request routed to it meanwhile waits until `wake_up`.
+        """
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        if self._sleeping:
+            return {"status": "ok", "message": "Engine already sleeping"}
+        level = body.get("level", 1)
+        answer = await self.pause_generation({"mode": "abort"})
+        if answer.get("status") != "ok":
+            return answer
+        self._sleeping = True
+        log.info("[Sleep] Engine slept (level=%s)", level)
+        return {"status": "ok", "message": f"Engine slept (level={level})"}
+
+    async def wake_up(self, body: Any) -> dict[str, Any]:
+        if body is not None and not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        if not self._sleeping:
+            return {"status": "ok", "message": "Engine already awake"}
+        await self.resume_generation({})
+        self._sleeping = False
+        log.info("[Wake] Engine woke")
+        return {"status": "ok", "message": "Engine woke"}
+
+    async def abort_request(self, body: Any) -> dict[str, Any]:
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        request_id = body.get("request_id")
+        if not request_id:
+            return {"status": "error", "message": "Missing 'request_id' in body"}
+        for flight in list(self._flights):
+            if flight.request_id == str(request_id) and not flight.probe:
+                flight.aborted = True
+                if flight.pump is not None:
+                    flight.pump.cancel()
+        async with self._changed:
+            self._changed.notify_all()
+        return {"status": "ok", "request_id": request_id}
