@@ -118,3 +118,28 @@ def test_an_unsupported_verl_is_refused_naming_the_supported_versions() -> None:
         check_verl_version("0.8.0")
     with pytest.raises(UnsupportedVerlError, match="not installed"):
         check_verl_version(None)
+
+
+def test_token_boundary_check_fails_on_missing_or_uneven_logprobs() -> None:
+    from dynamod.integrations.verl.completions import Completion
+    from dynamod.integrations.verl.validate import judge_tokens
+
+    ok = Completion([1, 2], [-0.1, -0.2], "completed", "length")
+    assert judge_tokens([ok, Completion([], [], "aborted", "cancelled")]) == (
+        True, "1 completed, 1 aborted, 0 failed")
+    assert not judge_tokens([ok, Completion([1, 2], [-0.1], "completed", "stop")])[0]
+    assert not judge_tokens([Completion([1], None, "completed", "stop")])[0]
+    assert not judge_tokens([ok, RuntimeError("HTTP 500")])[0]
+
+
+def test_step_boundary_check_fails_on_a_stale_shard_or_stale_generation() -> None:
+    from dynamod.integrations.verl.validate import judge_steps
+
+    policy = {"current": 2, "shards": [{"name": "w0", "policy_version": 2, "admitted": True},
+                                       {"name": "w1", "policy_version": 2, "admitted": True}]}
+    assert judge_steps(policy, 2, [2, 2])[0]
+    stale = {**policy, "shards": [*policy["shards"][:1],
+                                  {"name": "w1", "policy_version": 1, "admitted": False}]}
+    assert not judge_steps(stale, 2, [2])[0]
+    assert not judge_steps(policy, 3, [2])[0]
+    assert not judge_steps(policy, 2, [1])[0]
