@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 
+# Loopback Ray: read by ray at import time, and `import verl` imports ray.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 pytest.importorskip("verl", reason="the verl extra is not installed (pip install -e '.[verl]')")
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback Ray, before ray
 
 import ray
 from omegaconf import OmegaConf
