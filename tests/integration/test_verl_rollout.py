@@ -44,6 +44,9 @@ def verl_config(state_dir: Path, n_gpus: int = SHARDS) -> Any:
 
     base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
     config = OmegaConf.load(base)
+    from dynamod.core.paths import cache_dir
+
+    config.actor_rollout_ref.model.path = str(cache_dir() / "models" / "tiny-cpu")
     rollout = config.actor_rollout_ref.rollout
     rollout.name = "dynamod"
     rollout.mode = "async"
