@@ -15,7 +15,7 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # wheels go in without deps, their actual requirements come from the `stack` extra.
 "${pip[@]}" --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
 # The stack extra includes matplotlib (the trainer's reward curve, the chaos timelines).
-"${pip[@]}" -e ".[stack,dev]"
+"${pip[@]}" -e ".[stack,dev,verl]"
 # The tiny CPU model the default stack serves: built locally (no download), idempotent.
 .venv/bin/python -m dynamod.workers.model "${XDG_CACHE_HOME:-$HOME/.cache}/dynamod/models/tiny-cpu"
 echo "dynamod installed in .venv ($(.venv/bin/dynamod --version 2>/dev/null || echo 'cli not ready'))"

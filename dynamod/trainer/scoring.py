@@ -54,5 +54,5 @@ def load_policy(model_dir: Path, checkpoint: Path | None = None) -> tuple[Any, i
     model = LlamaForCausalLM(config)
     weights = load_checkpoint(checkpoint or model_dir)
     model.load_state_dict(dict(weights.tensors), strict=True)
-    model.eval()  # type: ignore[no-untyped-call]
+    model.eval()
     return model, int(config.pad_token_id or 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class _Flight:
     chunks: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     pump: asyncio.Task[None] | None = None
     aborted: bool = False
+    request_id: str | None = None  # the frontend's id for it (Dynamo's Context.id())
     in_engine: bool = True  # counted in CpuWorker._pumping until it leaves the engine
 
 
@@ -90,6 +92,8 @@ class CpuWorker:
         if probe:
             request = {k: v for k, v in request.items() if k != HEALTH_CHECK_KEY}
         flight = await self._admit(probe)
+        with contextlib.suppress(Exception):
+            flight.request_id = str(context.id()) if context is not None else None
         flight.pump = asyncio.create_task(self._pump(request, flight))
         try:
             while True:
@@ -231,6 +235,7 @@ class CpuWorker:
             "update_weights_from_disk": self.update_weights_from_disk,
             "get_weight_version": self.get_weight_version,
             "set_weight_version": self.set_weight_version,
+            "abort_request": self.abort_request,
             "control/sleep": self.sleep,
             "control/wake_up": self.wake_up,
         }
@@ -407,3 +412,19 @@ class CpuWorker:
                 self._changed.notify_all()
             log.info("[Wake] Engine woke")
             return {"status": "ok", "message": "Engine woke"}
+
+    async def abort_request(self, body: Any) -> dict[str, Any]:
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            return NOT_AN_OBJECT
+        request_id = body.get("request_id")
+        if not request_id:
+            return {"status": "error", "message": "Missing 'request_id' in body"}
+        for flight in list(self._flights):
+            if flight.request_id == str(request_id) and not flight.probe:
+                flight.aborted = True
+                if flight.pump is not None:
+                    flight.pump.cancel()
+        async with self._changed:
+            self._changed.notify_all()
+        return {"status": "ok", "request_id": request_id}

@@ -115,7 +115,7 @@ class TorchEngine:
         self._max_len = int(config.max_position_embeddings)
         model = LlamaForCausalLM(config)
         model.load_state_dict(dict(self._weights.tensors), strict=True)
-        model.eval()  # type: ignore[no-untyped-call]
+        model.eval()
         return model
 
     @property

@@ -1,0 +1,1 @@
+"""Integrations that attach RL frameworks to a running dynamod stack (verl)."""

@@ -1,0 +1,94 @@
+"""`DynamodServerAdapter`: verl's rollout object inside the trainer's workers (BaseRollout).
+
+verl's naive weight sync (`checkpoint_engine.backend=naive`, colocated trainer) calls
+`rollout.update_weights(per_tensor_generator, global_steps=N)` on every trainer rank.
+Here that ends in the policy ledger: rank 0 writes the tensors as
+`<checkpoint_dir>/step-N/model.safetensors` and runs `policy push` (every admitted shard
+pauses, loads, flushes its KV cache, is verified and re-tainted, resumes); the other ranks
+drain the generator (it may gather shards collectively) and return. The step lands in the
+ledger, so a shard that missed it, or restarts later, is held and replayed by dynamod
+from that checkpoint. `resume` and `release` are no-ops: the shards' memory is theirs,
+reached through the replica's sleep/wake_up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from verl.workers.rollout.base import BaseRollout
+
+from dynamod.integrations.verl import checkpoint
+from dynamod.integrations.verl.attach import state_dir_of
+from dynamod.integrations.verl.config import parse_settings
+from dynamod.integrations.verl.errors import VerlIntegrationError
+
+log = structlog.get_logger("dynamod.integrations.verl")
+
+
+class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
+    def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(config, model_config, device_mesh)
+        self.settings = parse_settings(dict(self.config.engine_kwargs or {}))
+        self.state_dir = state_dir_of(self.settings)
+        default_root = self.state_dir / "verl" / "checkpoints"
+        self.checkpoint_dir = self.settings.checkpoint_dir or default_root
+        world = (
+            self.config.tensor_model_parallel_size
+            * self.config.data_parallel_size
+            * self.config.pipeline_model_parallel_size
+        )
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.replica_rank = self.rank // world
+        self.is_leader_rank = self.rank % world == 0
+        self.last_push: dict[str, Any] | None = None
+
+    async def resume(self, tags: list[str]) -> None:
+        return None
+
+    async def release(self) -> None:
+        return None
+
+    async def update_weights(
+        self, weights: Iterable[tuple[str, Any]], wire_format: str = "named_tensors",
+        global_steps: int | None = None, **kwargs: Any,
+    ) -> dict[str, Any] | None:
+        if wire_format != "named_tensors":
+            raise VerlIntegrationError(
+                f"rollout 'dynamod' takes full named tensors, not {wire_format!r}: set "
+                "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
+            )
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return None
+        return await push_weights(
+            self.state_dir, self.checkpoint_dir, weights, global_steps,
+            keep=self.settings.checkpoint_keep,
+        )
+
+
+async def push_weights(
+    state_dir: Path, root: Path, weights: Iterable[tuple[str, Any]], step: int | None,
+    keep: int = 2,
+) -> dict[str, Any]:
+    """Write `weights` as step `step` (default: the ledger's next) and push it."""
+    from dynamod.control.client import Client
+
+    client = Client(state_dir)
+    if step is None:
+        step = int((await asyncio.to_thread(client.policy_status))["current"]) + 1
+    path = await asyncio.to_thread(checkpoint.write_checkpoint, weights, root, step)
+    answer: dict[str, Any] = await asyncio.to_thread(client.policy_push, step, path)
+    await asyncio.to_thread(checkpoint.prune, root, keep, step)
+    log.info(
+        "verl.weights_pushed", step=step, path=str(path), seconds=answer.get("seconds"),
+        acks={k: v.get("total_ms", v.get("error")) for k, v in answer.get("acks", {}).items()},
+        stale=answer.get("stale"),
+    )
+    return answer

@@ -1,0 +1,78 @@
+"""verl's lifecycle calls as the shards' engine routes (dynamo.vllm's `/engine/<route>`).
+
+| verl (RolloutReplica / server)  | route on each of the replica's shards      |
+|---------------------------------|--------------------------------------------|
+| sleep                           | control/sleep {"level": 1}                 |
+| wake_up                         | control/wake_up {}                         |
+| clear_kv_cache, release_kv_cache| flush_cache {}                             |
+| abort_all_requests              | pause_generation {"mode": "abort"}         |
+| resume_generation               | resume_generation {}                       |
+
+The system URLs come from dynamod's status (re-read for every fan-out, so a restarted
+shard is addressed where it is now). A held shard is skipped: dynamod has it paused
+while it replays the current weights, and resuming it from here would admit it early.
+An answer other than `{"status": "ok"}` is an EngineCallError naming shard and route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+
+from dynamod.integrations.verl.errors import EngineCallError
+from dynamod.integrations.verl.stack import Shard
+
+log = structlog.get_logger("dynamod.integrations.verl")
+
+LIFECYCLE_ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
+    "sleep": ("control/sleep", {"level": 1}),
+    "wake_up": ("control/wake_up", {}),
+    "clear_kv_cache": ("flush_cache", {}),
+    "release_kv_cache": ("flush_cache", {}),
+    "abort_all_requests": ("pause_generation", {"mode": "abort"}),
+    "resume_generation": ("resume_generation", {}),
+}
+
+
+@dataclass(frozen=True)
+class EngineAnswer:
+    shard: str
+    route: str
+    body: dict[str, Any]
+
+
+async def call_route(
+    session: aiohttp.ClientSession, shard: Shard, route: str, body: dict[str, Any],
+    timeout: float = 120.0,
+) -> EngineAnswer:
+    if shard.system_url is None:
+        raise EngineCallError(f"{shard.name}: no system URL in dynamod's status")
+    url = f"{shard.system_url}/engine/{route}"
+    try:
+        async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            answer = await r.json(content_type=None)
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise EngineCallError(f"{shard.name}: POST {url} failed: {exc}") from None
+    if status != 200 or not isinstance(answer, dict) or answer.get("status") != "ok":
+        raise EngineCallError(f"{shard.name}: POST {url} answered HTTP {status}: {answer!r}")
+    return EngineAnswer(shard.name, route, answer)
+
+
+async def fan_out(
+    session: aiohttp.ClientSession, shards: Sequence[Shard], call: str
+) -> list[EngineAnswer]:
+    """verl's `call` on every admitted shard in `shards`, in parallel."""
+    route, body = LIFECYCLE_ROUTES[call]
+    targets = [s for s in shards if s.admitted]
+    skipped = [s.name for s in shards if not s.admitted]
+    if skipped:
+        log.info("verl.lifecycle_skipped_held", call=call, shards=skipped)
+    answers = await asyncio.gather(*(call_route(session, s, route, body) for s in targets))
+    log.info("verl.lifecycle", call=call, route=route, shards=[a.shard for a in answers])
+    return list(answers)

@@ -1,0 +1,80 @@
+"""`DynamodReplica`: verl's RolloutReplica for a stack dynamod already runs.
+
+It spawns nothing. `init_hybrid` (the trainer's worker group, colocated) and
+`init_standalone` record the mode and go straight to `launch_servers`, which reads the
+stack from dynamod, refuses it with a diagnosis when it is not up or has fewer admitted
+shards than verl's layout has replicas (one shard at least per replica), refuses settings
+that disagree with it, and starts this replica's `DynamodRolloutServer` actor. The
+server handle is what verl's load balancer and agent loop call; the server address is the
+frontend's, the same for every replica: Dynamo's router balances, not verl's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import structlog
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+
+from dynamod.integrations.verl.attach import state_dir_of
+from dynamod.integrations.verl.config import SECTIONS, parse_settings
+from dynamod.integrations.verl.server import DynamodRolloutServer
+from dynamod.integrations.verl.stack import check_settings, diagnose, read_stack
+
+log = structlog.get_logger("dynamod.integrations.verl")
+
+
+class DynamodReplica(RolloutReplica):  # type: ignore[misc]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        engine_kwargs = dict(self.config.engine_kwargs or {})
+        self.settings = parse_settings(engine_kwargs)
+        self.section = next((s for s in SECTIONS if engine_kwargs.get(s)), "dynamod")
+        for key, reason in self.settings.ignored:
+            log.warning("verl.setting_ignored", key=key, reason=reason)
+        self.state_dir = state_dir_of(self.settings)
+        self.replicas = self._layout(self.config.n_gpus_per_node * max(1, self.config.nnodes))
+
+    def _layout(self, world_size: int) -> int:
+        return max(1, int(world_size) // int(self.world_size))
+
+    async def init_hybrid(self, worker_group: Any) -> None:
+        self.replicas = self._layout(worker_group.world_size)
+        await super().init_hybrid(worker_group)
+
+    async def init_standalone(self) -> None:
+        """The shards are dynamod's processes: no resource pool, no worker group."""
+        self.rollout_mode = RolloutMode.STANDALONE
+        await self.launch_servers()
+
+    async def init_colocated(self, resource_pool: Any) -> None:
+        raise NotImplementedError(
+            "rollout 'dynamod' attaches to shards dynamod runs; it has no colocated "
+            "(separate-process, same placement group) mode: use hybrid or standalone"
+        )
+
+    async def launch_servers(self) -> None:
+        view = read_stack(self.state_dir)
+        diagnose(view, needed_shards=self.replicas)
+        check_settings(view, self.settings, self.section)
+        assert view.frontend_url is not None  # diagnose() guarantees it
+        model = self.settings.served_model_name or view.model
+        if model is None:
+            raise RuntimeError(f"stack {view.stack!r}: cannot tell which model its shards serve")
+        actor: Any = ray.remote(DynamodRolloutServer).options(
+            num_cpus=0, max_concurrency=self.max_concurrency
+        )
+        server: Any = actor.remote(
+            str(self.state_dir), self.settings, self.replica_rank, self.replicas, model,
+            view.frontend_url, self.config.prompt_length, self.config.response_length,
+        )
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = view.frontend_url.removeprefix("http://")
+        log.info(
+            "verl.replica_attached", replica=self.replica_rank, replicas=self.replicas,
+            mode=str(self.rollout_mode), stack=view.stack, frontend=view.frontend_url,
+            shards=[s.name for s in view.shards_of_replica(self.replica_rank, self.replicas)],
+            policy_version=view.current_version,
+        )

@@ -1,0 +1,204 @@
+"""What the rollout backend needs to know about the running stack, read from dynamod.
+
+Everything comes from the daemon's `status --json` object (`Client.status()`): the
+frontend's address and router mode (its unit's port and command line), the served model,
+each rollout shard's system URL, state and applied policy version, whether the shard is
+admitted (not held), the ledger's current version and the Ray head's GCS port. `attach`
+refuses a stack that is not up, or that has fewer admitted shards than verl's rollout
+layout needs, with a diagnosis naming what is missing. Parsing is pure; only `read_stack`
+talks to the daemon.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynamod.integrations.verl.config import PREFIX, RolloutSettings
+from dynamod.integrations.verl.errors import RolloutConfigError, StackNotReadyError
+
+SERVING_STATES = ("ready", "degraded")
+FRONTEND_UNIT = "frontend"
+RAY_HEAD_UNIT = "ray-head"
+THUNDERAGENT_MODULE = "dynamo.thunderagent_router"
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str
+    state: str
+    system_url: str | None
+    policy_version: int | None
+    admitted: bool
+    instance_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StackView:
+    state_dir: Path
+    stack: str
+    phase: str
+    frontend_url: str | None
+    frontend_state: str | None
+    router_mode: str | None
+    model: str | None
+    namespace: str | None
+    thunderagent: bool
+    shards: tuple[Shard, ...]
+    current_version: int
+    ray_address: str | None
+
+    @property
+    def admitted(self) -> list[Shard]:
+        return [s for s in self.shards if s.admitted]
+
+    def shard_named(self, name: str) -> Shard:
+        for shard in self.shards:
+            if shard.name == name:
+                return shard
+        raise StackNotReadyError(f"stack {self.stack!r} has no rollout shard {name!r}")
+
+    def shards_of_replica(self, replica_rank: int, replicas: int) -> list[Shard]:
+        """Replica r owns shards r, r + replicas, ... (by name order) for its lifecycle calls;
+        generation is routed by the frontend across every admitted shard."""
+        ordered = sorted(self.shards, key=lambda s: s.name)
+        return [s for i, s in enumerate(ordered) if i % replicas == replica_rank]
+
+
+def _flag(command: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(command):
+        if arg == flag and i + 1 < len(command):
+            return str(command[i + 1])
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def parse_status(status: Mapping[str, Any]) -> StackView:
+    """The stack as the daemon reports it (the `status --json` object)."""
+    units: list[Mapping[str, Any]] = list(status.get("units") or [])
+    policy: Mapping[str, Any] = status.get("policy") or {}
+    held = set(policy.get("held") or [])
+    by_name = {str(u["name"]): u for u in units}
+    frontend = by_name.get(FRONTEND_UNIT)
+    router = next(
+        (u for u in units if THUNDERAGENT_MODULE in (u.get("command") or [])), None
+    )
+    shards: list[Shard] = []
+    for unit in units:
+        if "policy_version" not in unit or not unit.get("dynamo"):
+            continue
+        dynamo: Mapping[str, Any] = unit["dynamo"]
+        state = str(unit.get("state"))
+        shards.append(
+            Shard(
+                name=str(unit["name"]),
+                state=state,
+                system_url=dynamo.get("system_url"),
+                policy_version=unit.get("policy_version"),
+                admitted=state in SERVING_STATES and unit["name"] not in held,
+                instance_ids=tuple(int(i) for i in dynamo.get("instance_ids") or []),
+            )
+        )
+    model = None
+    if router is not None:
+        model = _flag(router.get("command") or [], "--model-name")
+    for unit in units if model is None else []:
+        if unit["name"] in {s.name for s in shards}:
+            command = unit.get("command") or []
+            model = _flag(command, "--served-model-name") or _flag(command, "--model-name")
+            break
+    namespace = next(
+        (u["dynamo"].get("namespace") for u in units if u.get("dynamo")), None
+    )
+    http = (frontend or {}).get("ports", {}).get("http")
+    gcs = (by_name.get(RAY_HEAD_UNIT) or {}).get("ports", {}).get("gcs")
+    return StackView(
+        state_dir=Path(str(status.get("state_dir", "."))),
+        stack=str(status.get("stack", "?")),
+        phase=str(status.get("phase", "?")),
+        frontend_url=f"http://127.0.0.1:{http}" if http else None,
+        frontend_state=str(frontend["state"]) if frontend else None,
+        router_mode=_flag((frontend or {}).get("command") or [], "--router-mode"),
+        model=model,
+        namespace=namespace,
+        thunderagent=router is not None,
+        shards=tuple(sorted(shards, key=lambda s: s.name)),
+        current_version=int(policy.get("current") or 0),
+        ray_address=f"127.0.0.1:{gcs}" if gcs else None,
+    )
+
+
+def diagnose(view: StackView, needed_shards: int) -> None:
+    """StackNotReadyError unless the stack can serve a layout of `needed_shards` shards."""
+    where = f"dynamod stack {view.stack!r} (state dir {view.state_dir})"
+    if view.phase != "up":
+        raise StackNotReadyError(
+            f"{where} is {view.phase!r}, not up; wait for `dynamod up` to finish "
+            "(`dynamod status` shows which unit it waits for)"
+        )
+    if view.frontend_url is None:
+        raise StackNotReadyError(f"{where} has no `frontend` unit with an http port")
+    if view.frontend_state not in SERVING_STATES:
+        raise StackNotReadyError(
+            f"{where}: the frontend is {view.frontend_state}, not ready "
+            "(`dynamod logs frontend`)"
+        )
+    if not view.shards:
+        raise StackNotReadyError(
+            f"{where} has no rollout shards under its [policy] table; use a stack for verl "
+            "(units/stacks/verl-cpu.toml, verl-native.toml, verl-thunderagent.toml)"
+        )
+    admitted = view.admitted
+    if len(admitted) < needed_shards:
+        others = ", ".join(
+            f"{s.name} {s.state}{' held' if not s.admitted and s.state in SERVING_STATES else ''}"
+            for s in view.shards
+            if not s.admitted
+        )
+        raise StackNotReadyError(
+            f"{where} has {len(admitted)} admitted rollout shard(s) "
+            f"({', '.join(s.name for s in admitted) or 'none'}) but verl's rollout layout "
+            f"needs {needed_shards} (one per replica: n_gpus_per_node x nnodes / "
+            f"(tensor x data x pipeline parallel)); "
+            + (f"not admitted: {others}; " if others else "")
+            + "start the stack with --var workers=N (or shards=N), or lower the layout"
+        )
+
+
+def check_settings(view: StackView, settings: RolloutSettings, section: str = "dynamod") -> None:
+    """RolloutConfigError for a setting that disagrees with the running stack."""
+    where = f"{PREFIX}.{section}"
+    checks = [
+        ("router_mode", settings.router_mode, view.router_mode),
+        ("namespace", settings.namespace, view.namespace),
+        ("served_model_name", settings.served_model_name, view.model),
+    ]
+    for key, wanted, actual in checks:
+        if wanted is not None and actual is not None and wanted != actual:
+            raise RolloutConfigError(
+                f"{where}.{key}",
+                f"{wanted!r} conflicts with the running stack {view.stack!r}, whose "
+                f"{key} is {actual!r}; change the stack (dynamod up --var ...) or drop the key",
+            )
+    if settings.thunderagent is not None and settings.thunderagent != view.thunderagent:
+        stack_has = "runs" if view.thunderagent else "does not run"
+        raise RolloutConfigError(
+            f"{where}.thunderagent.enabled",
+            f"{settings.thunderagent} conflicts with the running stack {view.stack!r}, which "
+            f"{stack_has} the ThunderAgent router (units/stacks/verl-thunderagent.toml)",
+        )
+
+
+def read_stack(state_dir: Path) -> StackView:
+    """Ask the daemon; StackNotReadyError when none answers."""
+    from dynamod.control.client import Client
+    from dynamod.core.errors import DaemonError
+
+    try:
+        status = Client(state_dir, timeout=10).status()
+    except DaemonError as exc:
+        raise StackNotReadyError(f"verl rollout backend 'dynamod': {exc}") from None
+    return parse_status(status)
