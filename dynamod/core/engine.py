@@ -258,16 +258,17 @@ class Engine:
 
     async def _recover(self, unit: Unit, exc: Exception) -> None:
         unit.attempt_since = None
-        child = unit.child
-        if child is not None and child.alive:
-            process.kill_group_now(child.pid)
-            unit.last_exit = await child.wait()
-            await self._reap_leftovers(unit)
+        # Record why first: the kill below is then not taken for the unit's own exit.
         detail = f"supervision error: {exc.__class__.__name__}: {exc}; starting again in 1s"
         if UnitState.BACKOFF in ALLOWED[unit.state]:
             self.transition(unit, UnitState.BACKOFF, detail)
         else:
             self.transition(unit, unit.state, detail)
+        child = unit.child
+        if child is not None and child.alive:
+            process.kill_group_now(child.pid)
+            unit.last_exit = await child.wait()
+            await self._reap_leftovers(unit)
         await asyncio.sleep(1.0)
 
     async def _lifecycle(self, unit: Unit) -> None:
@@ -303,8 +304,17 @@ class Engine:
         premature = unit.spec.type != "oneshot" and (
             unit.ready_at is None or not unit.spec.restart.clean_exit_final
         )
-        if premature and unit.spec.ready is not None and "failure_hint" not in unit.extra:
-            unit.extra["failure_hint"] = f"exited before it was ready; last probe: {unit.detail}"
+        if unit.ready_at is None and unit.spec.type != "oneshot" and (
+            "failure_hint" not in unit.extra
+        ):
+            if unit.spec.ready is not None:
+                hint = f"exited before it was ready; last probe: {unit.detail}"
+            else:
+                hint = (
+                    f"exited within min_uptime {unit.spec.restart.min_uptime:g}s,"
+                    " before it counted as ready"
+                )
+            unit.extra["failure_hint"] = hint
         unit.recorded = (child, *self._record(unit, exit, premature))
 
     def _record(self, unit: Unit, exit: Exit, premature: bool) -> tuple[Decision, float]:

@@ -15,6 +15,7 @@ import fcntl
 import os
 import random
 import socket
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,9 +59,14 @@ class PortAllocator:
 
     def _claim(self, root: Path, port: int) -> None:
         if self._claim_fd is None:
-            path = root / f"claim-{os.getpid()}-{id(self):x}"
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A name of its own: id(self) can repeat within one process once an allocator
+            # is collected, and flock on a file this process already holds would block
+            # forever (with the registry lock held).
+            path = root / f"claim-{os.getpid()}-{uuid.uuid4().hex}"
+            fd = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self._claim_fd = fd
             _CLAIMS.append(fd)
         os.write(self._claim_fd, f"{port}\n".encode())

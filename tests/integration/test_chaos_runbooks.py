@@ -6,6 +6,7 @@ process, or a bound that the recorded history cannot meet."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from dynamod.chaos import model, runner
 from dynamod.chaos.journal import summary
 from dynamod.chaos.model import Invariant, Profile, Runbook
+from tests.conftest import wait_dead
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +35,8 @@ MUST_FAIL: dict[str, list[dict[str, Any]]] = {
 
 # The CI set (each 27-61 s with a light load on 2 cores, 48-130 s at load ~15); the rest
 # run in `make chaos` (see the README for every runbook's duration and verdict).
-CI_RUNBOOKS = ["worker-sigkill", "worker-hang", "shutdown-leaves-nothing", "stale-shard",
-               "worker-dies-during-update", "frontend-crash", "nats-restart", "etcd-restart",
-               "checkpoint-corrupt", "slow-etcd"]
+# Four in CI to keep the whole suite's time down; `make chaos-quick` runs every runbook.
+CI_RUNBOOKS = ["worker-sigkill", "stale-shard", "etcd-restart", "shutdown-leaves-nothing"]
 
 
 def run(rb: Runbook, tmp_path: Path) -> dict[str, Any]:
@@ -89,7 +90,7 @@ def test_admission_without_replay_is_caught_by_the_stale_serving_checkers(
     assert not journal["passed"]
 
 
-def test_a_unit_that_leaks_a_process_fails_no_leftovers(tmp_path: Path) -> None:
+def test_a_leaked_process_is_ended_by_containment_and_no_leftovers_agrees(tmp_path: Path) -> None:
     pidfile = tmp_path / "leaked.pid"
     stack = tmp_path / "leaky.toml"
     stack.write_text(f"""
@@ -105,10 +106,18 @@ ports = {{ listen = 0 }}
         "stack": str(stack), "method": [{"action": "wait", "seconds": 1}],
         "invariants": [{"check": "no_leftovers"}],
         "quick": {"load_seconds": 1, "timeout": 60}})
+    # The leaked listener leaves its session and drops the marker; the unit's cgroup (or,
+    # without one, the subreaper's orphan sweep) still ends it at `down`, so nothing is
+    # left and the checker says so. Its failing verdict on a real leftover is in
+    # tests/unit/test_chaos_checkers.py.
+    leaked = None
     try:
         journal = run(rb, tmp_path / "runs")
+        leaked = int(pidfile.read_text())
+        assert wait_dead([leaked], timeout=5) == [], "the leaked listener survived down"
     finally:
-        if pidfile.exists():
-            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+        if leaked is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(leaked, signal.SIGKILL)
     (verdict,) = journal["checks"]
-    assert not verdict["ok"] and verdict["measured"]["bound_ports"], verdict
+    assert verdict["ok"] and not verdict["measured"]["bound_ports"], verdict

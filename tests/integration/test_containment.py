@@ -121,7 +121,14 @@ def test_escaped_descendant_is_gone_after_exit_restart_and_down(
     assert run is not None
     result = dm.run("down", check=True)
     assert "nothing left running" in result.stdout
-    assert f"had to kill 1 process(es) (SIGKILL / cgroup.kill): escaper: {third}" in result.stdout
+    if containment == "cgroup":
+        assert f"had to kill 1 process(es) (SIGKILL / cgroup.kill): escaper: {third}" in (
+            result.stdout
+        )
+    else:  # without cgroups an unmarked orphan is stopped with whichever unit stops first
+        # after the daemon learnt of it (README, "Process hygiene"): reported, maybe elsewhere
+        killed = next(line for line in result.stdout.splitlines() if "had to kill" in line)
+        assert killed.startswith("had to kill 1 process(es)") and str(third) in killed
     assert wait_dead([third, unit["pid"], other["pid"]], timeout=5) == []
     if containment == "cgroup":
         assert run["cgroup"] and not Path(run["cgroup"]).exists()  # emptied and removed

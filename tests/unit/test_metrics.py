@@ -99,6 +99,7 @@ def test_spare_gauges_and_promotions_read_from_the_units() -> None:
         stack=SimpleNamespace(name="s"),
         phase=Phase.UP,
         engine=SimpleNamespace(units={u.name: u for u in units}),
+        degraded_units=dict,  # nothing degraded
     )
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
