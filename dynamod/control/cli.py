@@ -322,7 +322,8 @@ def _up_detached(
             click.echo(f"dynamod: stack not ready after {timeout:g}s; tearing it down", err=True)
             waiting = [u for u in status["units"] if u["state"] not in {"ready", "completed"}]
             for unit in waiting:
-                click.echo(f"  {unit['name']}: {unit['state']}: {unit['detail']}", err=True)
+                why = unit.get("explain") or unit["detail"]
+                click.echo(f"  {unit['name']}: {unit['state']}: {why}", err=True)
             client.down()
             wait()
             return 1

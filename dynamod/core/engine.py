@@ -701,6 +701,12 @@ class Engine:
                     "ports": dict(unit.spec.ports),
                     "depends_on": {k: str(v) for k, v in unit.spec.depends_on.items()},
                     "log": str(unit.log_path),
+                    # why a unit that keeps failing fails: its telling log lines (ENOSPC, ...)
+                    "explain": (
+                        self.explain(unit)
+                        if unit.state in {UnitState.BACKOFF, UnitState.FAILED}
+                        else None
+                    ),
                     "command": list(unit.spec.command),
                     **unit.extra_public(),
                 }

@@ -123,7 +123,9 @@ def test_etcd_without_space_fails_showing_the_enospc_line(
 ) -> None:
     stack = tmp_path / "etcd-only.toml"
     stack.write_text(f'[stack]\ninclude = ["{ROOT / "units" / "etcd.toml"}"]\n')
-    result = small_dm.run("up", str(stack), "--detach")
+    # etcd is infrastructure: it is retried forever (issue 15), so `up` ends at its timeout
+    # and says why etcd keeps failing.
+    result = small_dm.run("up", str(stack), "--detach", "--timeout", "15")
     assert result.returncode == 1, result.stdout + result.stderr
     err = result.stderr
     assert "earlier lines that say what went wrong:" in err, err
