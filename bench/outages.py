@@ -56,9 +56,12 @@ def write_stack(root: Path, cut_file: Path, *, recipe_exits: bool = False,
         if recipe_exits:  # Dynamo's exit 0 on lease loss is final, as `completed` was
             text = re.sub(r"(\[units\.\w+\.restart\]\n)", r"\1clean_exit_final = true\n", text)
             text = text.replace('policy = "always"', 'policy = "on-failure"')
-        if old_liveness and name == "frontend.toml":
-            text = re.sub(r"interval = 0\.25\ntimeout = 0\.5\nfailure_threshold = 2",
-                          OLD_LIVENESS, text)
+        if old_liveness and name == "frontend.toml":  # /health, 2 s x 3
+            text = re.sub(r'url = "http://127.0.0.1:\{ports.http\}/live"\n'
+                          r'expect_json = \{ status = "live" \}\n'
+                          r"interval = 0\.25\ntimeout = 0\.5\nfailure_threshold = 2",
+                          'url = "http://127.0.0.1:{ports.http}/health"\n' + OLD_LIVENESS, text)
+            assert OLD_LIVENESS in text, "frontend.toml's liveness changed: update the recipe"
         copies[name] = root / name
         copies[name].write_text(text)
     path = root / "outage.toml"
