@@ -4,7 +4,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test lint typecheck pytest bench bench-quick chaos chaos-quick clean
+.PHONY: install up test lint typecheck pytest soak-side-by-side bench bench-quick chaos chaos-quick clean
 
 install:
 	./scripts/install.sh
@@ -22,6 +22,10 @@ pytest:
 	$(BIN)/pytest -q -ra --durations=15
 
 test: install lint typecheck pytest
+
+# The issue's twenty rounds of five stacks started at once (CI runs 3 rounds of the same test).
+soak-side-by-side: install
+	DYNAMOD_SIDE_BY_SIDE_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stacks_side_by_side.py
 
 bench: install
 	$(BIN)/python -m bench.run_all

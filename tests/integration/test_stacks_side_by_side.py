@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,9 @@ from tests.conftest import PROC, Dynamod, unit_by_name
 
 pytestmark = pytest.mark.slow
 
-ROUNDS = 5  # the issue asks 20: bench/outages.py side_by_side runs those (45 s a round seen here)
+# The issue's test is twenty rounds (`make soak-side-by-side`, DYNAMOD_SIDE_BY_SIDE_ROUNDS=20);
+# CI runs the quick profile, 3 rounds (each round is 5 daemons + 5 CLIs starting at once).
+ROUNDS = int(os.environ.get("DYNAMOD_SIDE_BY_SIDE_ROUNDS", "3"))
 READY = ('ready = { kind = "http", url = "http://127.0.0.1:{ports.http}/health", '
          'interval = 0.05, deadline = 20 }')
 STACK = f"""
@@ -85,9 +88,10 @@ def _down_many(dirs: list[Path]) -> None:
         down.wait(timeout=120)
 
 
-def test_five_stacks_at_once_twenty_times_share_no_port(tmp_path: Path) -> None:
+def test_five_stacks_at_once_round_after_round_share_no_port(tmp_path: Path) -> None:
     stack = tmp_path / "stack.toml"
     stack.write_text(STACK)
+    assert ROUNDS >= 1
     for round_ in range(ROUNDS):
         dirs = [Path(tempfile.mkdtemp(prefix=f"dm-{round_}-{i}-", dir="/tmp")) for i in range(5)]
         try:
