@@ -6,6 +6,12 @@ without etcd, in a JSON file in the state dir. Keys (etcd):
     dynamod/<stack>/policy/current          {"version", "path", "digest", "published_at", "how"}
     dynamod/<stack>/policy/history/<v:012>  the same, one per kept version (last K)
     dynamod/<stack>/shards/<name>           {"applied_version", "digest", "acked_at", "last_error"}
+    dynamod/<stack>/leases/<unit>           {"namespace", "instance_ids", "recorded_at"}
+
+The `leases` keys (`LeaseRecords`) are kept in the etcd the workers register in, for every
+Dynamo stack, with or without a ledger: each live worker unit's Dynamo instance ids (= its
+etcd lease ids), so a daemon started after one that was SIGKILLed knows which
+registrations its own dead units left, and which belong to another stack's live units.
 """
 
 from __future__ import annotations
@@ -79,7 +85,7 @@ def _shard_json(record: ShardRecord) -> dict[str, Any]:
 class EtcdLedger:
     def __init__(self, etcd: EtcdClient, stack: str) -> None:
         self.etcd = etcd
-        self.prefix = f"dynamod/{stack}/"
+        self.prefix = stack_prefix(stack)
 
     async def current(self) -> PolicyVersion | None:
         raw = await self.etcd.get(self.prefix + "policy/current")
@@ -107,6 +113,63 @@ class EtcdLedger:
 
     async def record_shard(self, record: ShardRecord) -> None:
         await self.etcd.put(f"{self.prefix}shards/{record.name}", json.dumps(_shard_json(record)))
+
+
+def stack_prefix(stack: str) -> str:
+    return f"dynamod/{stack}/"
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    stack: str
+    unit: str
+    namespace: str
+    instance_ids: tuple[int, ...]
+
+
+class LeaseRecords:
+    """Each live Dynamo worker unit's lease ids, in etcd beside the ledger (one key a unit)."""
+
+    def __init__(self, etcd: EtcdClient, stack: str) -> None:
+        self.etcd = etcd
+        self.stack = stack
+        self.prefix = stack_prefix(stack) + "leases/"
+
+    async def record(self, unit: str, namespace: str, instance_ids: list[int]) -> None:
+        data = {"namespace": namespace, "instance_ids": instance_ids, "recorded_at": now()}
+        await self.etcd.put(self.prefix + unit, json.dumps(data))
+
+    async def forget(self, unit: str) -> None:
+        await self.etcd.delete(self.prefix + unit)
+
+    async def forget_if(self, unit: str, instance_ids: list[int]) -> None:
+        """Forget the unit's record if it still names these ids (a restarted unit may have
+        recorded its new ones already)."""
+        raw = await self.etcd.get(self.prefix + unit)
+        if raw is None:
+            return
+        try:
+            held = {int(i) for i in json.loads(raw)["instance_ids"]}
+        except (ValueError, KeyError, TypeError):
+            held = set()
+        if not held or held <= set(instance_ids):
+            await self.etcd.delete(self.prefix + unit)
+
+    async def every_stack(self) -> list[LeaseRecord]:
+        """The records of every stack that keeps them in this etcd (this one included)."""
+        records = []
+        for kv in await self.etcd.get_prefix("dynamod/"):
+            stack, sep, unit = kv.key[len("dynamod/") :].partition("/leases/")
+            if not sep or "/" in stack or not unit:
+                continue
+            try:
+                data = json.loads(kv.value)
+                ids = tuple(int(i) for i in data["instance_ids"])
+                namespace = str(data["namespace"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not ours to judge: a foreign key under dynamod/
+            records.append(LeaseRecord(stack, unit, namespace, ids))
+        return records
 
 
 class FileLedger:

@@ -6,9 +6,11 @@
   runs before the restart decision, from the exit event itself.
 - A revocation that fails (etcd away) is kept and retried until etcd answers again, so an
   outage never leaves a dead worker's registration behind for the rest of its lease.
-- Before the stack's first worker starts, revoke every registration left in the stack's
-  namespaces (a previous daemon's workers, e.g. after it was SIGKILLed): none of them
-  belongs to a live unit, and a frontend must not count them as ready instances.
+- Each live worker's lease ids are kept in etcd beside the ledger (`LeaseRecords`), where
+  they survive the daemon. Before the stack's first worker starts, revoke every
+  registration in the stack's namespaces that belongs to no live unit: this stack's (a
+  previous daemon's workers, e.g. after it was SIGKILLed; none of ours runs yet) and any
+  no stack records, but never one that another stack records for its live worker.
 - While running, report per worker whether the frontend currently routes to it, from the
   frontend's own discovery view.
 """
@@ -28,6 +30,7 @@ from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, frontend_probe
 from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.ledger import LeaseRecords
 
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
@@ -42,6 +45,13 @@ _PENDING_RETRY_S = 0.5
 _SWEEP_TIMEOUT_S = 2.0
 
 
+def stale_leases(registered: set[int], ours: set[int], others: set[int]) -> set[int]:
+    """The leases to revoke before any of this stack's workers has started: every registered
+    one that no other stack records for a live unit, and this stack's own recorded ones
+    (its units are all dead now) even where no instance key is left."""
+    return (registered | ours) - others
+
+
 class DynamoRegistrations(Extension):
     """A daemon extension that is also the engine hook for Dynamo worker units."""
 
@@ -49,8 +59,8 @@ class DynamoRegistrations(Extension):
         self.daemon: Daemon | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
-        # unit name -> (etcd endpoint, instance ids) whose revocation failed; retried
-        self.pending: dict[str, tuple[str, list[int]]] = {}
+        # key -> (unit name, etcd endpoint, instance ids) whose revocation failed; retried
+        self.pending: dict[str, tuple[str, str, list[int]]] = {}
         self._swept = False
 
     async def start(self, daemon: Daemon) -> None:
@@ -83,10 +93,17 @@ class DynamoRegistrations(Extension):
                     await task
         await self._revoke_pending()  # one last try: leave no registration behind
 
+    @property
+    def stack(self) -> str:
+        assert self.daemon is not None
+        return self.daemon.stack.name
+
     async def _sweep_stale(self) -> None:
         """Once, before any Dynamo worker unit has started: revoke every registration in the
-        stacks' namespaces. Skipped (and tried at the next unit's readiness) while etcd does
-        not answer."""
+        stack's namespaces that belongs to no live unit (`stale_leases`), and forget this
+        stack's lease records. Skipped (and tried at the next unit's readiness) while etcd
+        does not answer; given up once a worker has started (a booting worker's registration
+        is not known yet and must not be taken for a stale one)."""
         assert self.daemon is not None and self.daemon.engine is not None
         engine = self.daemon.engine
         workers = [u for u in engine.units.values() if u.spec.dynamo is not None]
@@ -101,18 +118,31 @@ class DynamoRegistrations(Extension):
                 async with EtcdClient(
                     endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S
                 ) as etcd:
-                    stale = await dynamo.list_instances(etcd, namespace)
-                    leases = sorted({inst.lease_id or inst.instance_id for inst in stale})
+                    store = LeaseRecords(etcd, self.stack)
+                    records = [r for r in await store.every_stack() if r.namespace == namespace]
+                    ours = {i for r in records if r.stack == self.stack for i in r.instance_ids}
+                    others = {i for r in records if r.stack != self.stack for i in r.instance_ids}
+                    registered = {
+                        inst.lease_id or inst.instance_id
+                        for inst in await dynamo.list_instances(etcd, namespace)
+                    }
+                    leases = sorted(stale_leases(registered, ours, others))
                     for lease in leases:
                         await dynamo.revoke_instance(etcd, lease)
+                    for record in records:
+                        if record.stack == self.stack:
+                            await store.forget(record.unit)
             except (TimeoutError, EtcdError):
                 return
-            if leases:
+            kept = sorted(registered & others)
+            if leases or kept:
                 log.warning(
                     "dynamo.stale_revoked",
                     namespace=namespace,
                     leases=[f"{lease:x}" for lease in leases],
-                    why="registered by no live unit (left by an earlier run)",
+                    why="registered by no live unit (left by an earlier run of this stack, "
+                    "or recorded by no stack)",
+                    kept_for_other_stacks=[f"{lease:x}" for lease in kept],
                 )
         self._swept = True
 
@@ -147,6 +177,7 @@ class DynamoRegistrations(Extension):
         }
         if ids:
             log.info("dynamo.registered", unit=unit.name, instances=[f"{i:x}" for i in ids])
+            await self._record(unit.name, spec.etcd, spec.namespace, ids)
         else:
             log.warning(
                 "dynamo.instance_unknown",
@@ -164,10 +195,27 @@ class DynamoRegistrations(Extension):
         ids = list(info["instance_ids"])
         info.update(instance_ids=[], routed=False)
         if not await self._revoke(unit.name, spec.etcd, ids, why=exit.describe()):
-            self.pending[unit.name + f"#{ids[0]:x}"] = (spec.etcd, ids)
+            self.pending[unit.name + f"#{ids[0]:x}"] = (unit.name, spec.etcd, ids)
             self._ensure_retrier()
 
+    async def _record(self, name: str, endpoint: str, namespace: str, ids: list[int]) -> None:
+        """Keep a live worker's lease ids where they outlive this daemon."""
+        assert self.daemon is not None and self.daemon.engine is not None
+        try:
+            async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
+                await LeaseRecords(etcd, self.stack).record(name, namespace, ids)
+        except (TimeoutError, EtcdError) as exc:
+            log.warning(
+                "dynamo.lease_record_failed",
+                unit=name,
+                error=str(exc),
+                consequence="if this daemon dies, the next one sweeps this registration only "
+                "as one that no stack records",
+            )
+
     async def _revoke(self, name: str, endpoint: str, ids: list[int], *, why: str) -> bool:
+        """Revoke a dead worker's leases, then drop its lease record (unless it has
+        registered again meanwhile with other ids)."""
         assert self.daemon is not None and self.daemon.engine is not None
         started = time.monotonic()
         revoked: dict[str, Any] = {}
@@ -176,6 +224,7 @@ class DynamoRegistrations(Extension):
                 for instance_id in ids:
                     keys = await dynamo.revoke_instance(etcd, instance_id)
                     revoked[f"{instance_id:x}"] = len(keys)
+                await LeaseRecords(etcd, self.stack).forget_if(name, ids)
         except (TimeoutError, EtcdError) as exc:
             log.error(
                 "dynamo.revoke_failed",
@@ -198,8 +247,9 @@ class DynamoRegistrations(Extension):
             await self._revoke_pending()
 
     async def _revoke_pending(self) -> None:
-        for key, (endpoint, ids) in list(self.pending.items()):
-            if await self._revoke(key, endpoint, ids, why="revocation pending since etcd was away"):
+        for key, (name, endpoint, ids) in list(self.pending.items()):
+            why = "revocation pending since etcd was away"
+            if await self._revoke(name, endpoint, ids, why=why):
                 self.pending.pop(key, None)
 
     # ------------------------------------------------------------------ routed view

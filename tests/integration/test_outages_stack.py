@@ -219,6 +219,14 @@ def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_
     step1 = checkpoint(model_dir(status), tmp_path / "step-1", 1.01)
     first = push(dm, 1, step1)
     old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    etcd_url = f"http://127.0.0.1:{unit_by_name(status, 'etcd-server')['ports']['client']}"
+    # Each live worker's lease ids are kept in etcd beside the ledger.
+    records = asyncio.run(_lease_records(etcd_url))
+    assert {i for ids in records.values() for i in ids} == old_ids, records
+    assert set(records) == {"outage/worker@0", "outage/worker@1"}
+    # In the same namespace: a registration another stack records for its live worker (to
+    # keep), and one no stack records (to revoke).
+    others, orphan = asyncio.run(_plant(etcd_url, "other-stack", "orphan"))
     pids = [u["pid"] for u in status["units"] if u["pid"]]
     os.kill(status["daemon_pid"], signal.SIGKILL)
     assert wait_dead(pids, timeout=15) == []
@@ -244,6 +252,12 @@ def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_
     registered = {int(k.rsplit("/", 1)[1], 16)
                   for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
     assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
+    assert others in registered, "another stack's live registration was revoked"
+    assert orphan not in registered, "a registration no stack records was left"
+    assert {int(x, 16) for x in stale[0]["kept_for_other_stacks"]} == {others}
+    new_ids = {i for u in again["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    records = asyncio.run(_lease_records(f"http://127.0.0.1:{etcd_port}"))  # `up` moved it
+    assert {i for key, ids in records.items() if key.startswith("outage/") for i in ids} == new_ids
 
     # The push's reply was "lost": pushing the same step with the same weights is a no-op.
     result = dm.run("policy", "push", "--step", "1", "--path", str(step1), check=True)
@@ -254,6 +268,32 @@ def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_
     refused = dm.run("policy", "push", "--step", "1", "--path", str(other))
     assert refused.returncode == 1 and "already committed from" in refused.stderr
     assert dm.status()["policy"]["current"] == 1
+
+
+async def _lease_records(etcd_url: str) -> dict[str, set[int]]:
+    """'stack/unit' -> instance ids, as the lease records hold them (read directly)."""
+    from dynamod.rollout.etcd import EtcdClient
+
+    async with EtcdClient(etcd_url) as etcd:
+        kvs = await etcd.get_prefix("dynamod/")
+    return {kv.key.removeprefix("dynamod/").replace("/leases/", "/"):
+            set(json.loads(kv.value)["instance_ids"]) for kv in kvs if "/leases/" in kv.key}
+
+
+async def _plant(etcd_url: str, other_stack: str, orphan_name: str) -> tuple[int, int]:
+    """Two registrations in the `dynamod` namespace on leases of their own (5 min TTL): one
+    recorded by `other_stack`, one by no stack. Returns their lease ids."""
+    from dynamod.rollout.etcd import EtcdClient
+
+    async with EtcdClient(etcd_url) as etcd:
+        leases = []
+        for name in ("kept", orphan_name):
+            lease = await etcd.lease_grant(300)
+            await etcd.put(f"v1/instances/dynamod/{name}/other/{lease:x}", "{}", lease=lease)
+            leases.append(lease)
+        record = {"namespace": "dynamod", "instance_ids": [leases[0]], "recorded_at": 0}
+        await etcd.put(f"dynamod/{other_stack}/leases/worker@0", json.dumps(record))
+    return leases[0], leases[1]
 
 
 def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
