@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, graph, ports, process, proctable
-from dynamod.core.errors import DynamodError, UnitFailed
+from dynamod.core import cgroups, graph, portmove, ports, process, proctable
+from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
@@ -124,6 +124,7 @@ class Engine:
         self.stopping = False
         self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
+        self._port_allocator: ports.PortAllocator | None = None  # for ports moved at a spawn
         self._changed = asyncio.Event()
         logs = state_dir / "logs"
         for name in stack.order:
@@ -356,6 +357,7 @@ class Engine:
         """Spawn, wait for readiness, watch. Returns (exit, premature)."""
         unit.extra.pop("failure_hint", None)
         unit.recorded = None
+        self._move_taken_ports(unit)
         if not self._spawn(unit):
             return None, True
         child = unit.child
@@ -399,6 +401,45 @@ class Engine:
         # A service that exits after it was ready has failed, whatever its status, unless
         # its spec says a clean exit is final.
         return await self._watch(unit, child), not spec.restart.clean_exit_final
+
+    def _move_taken_ports(self, unit: Unit) -> None:
+        """An allocated port of the unit that another process took since it was allocated:
+        allocate it again and re-render the stack (portmove) before the spawn; a running unit
+        whose templates reference the port is restarted with the new number."""
+        taken = portmove.taken(self.stack, unit.name)
+        if not taken:
+            return
+        if self._port_allocator is None:
+            self._port_allocator = ports.PortAllocator()
+        try:
+            moved = portmove.move(self.stack, unit.name, set(taken),
+                                  allocate_port=self._port_allocator)
+        except (SpecErrors, OSError) as exc:
+            log.error("unit.ports_not_moved", unit=unit.name, taken=taken, error=str(exc))
+            return
+        if moved is None:  # fixed ports: the spawn fails as the operator's choice says
+            return
+        owners = {n: sorted(ports.listener_pids(p)) for n, p in taken.items()}
+        what = "; ".join(
+            f"port {n} {old} taken by {_owners(owners.get(n, []))}, moved to {new}"
+            for n, (old, new) in moved.ports.items()
+        )
+        if moved.stack.policy != self.stack.policy:
+            log.warning("unit.ports_moved_policy_stale", unit=unit.name,
+                        consequence="the [policy] table references the old port until `up` again")
+        self.stack = moved.stack
+        for name in [unit.name, *moved.referencing]:
+            self.units[name].spec = moved.stack.units[name]
+        log.warning("unit.ports_moved", unit=unit.name, moved=what, re_rendered=moved.referencing)
+        self.transition(unit, unit.state, what)
+        for name in moved.referencing:
+            if self.units[name].state.running:
+                asyncio.get_running_loop().create_task(self._restart_moved(name, unit.name))
+
+    async def _restart_moved(self, name: str, mover: str) -> None:
+        with contextlib.suppress(DynamodError):
+            log.info("unit.restart_for_moved_port", unit=name, moved_by=mover)
+            await self.restart_unit(name)
 
     def _spawn(self, unit: Unit) -> bool:
         spec = unit.spec
@@ -725,6 +766,12 @@ class Engine:
 
 _EXITED = object()
 _DEADLINE = object()
+
+
+def _owners(pids: list[int]) -> str:
+    if not pids:
+        return "another process"
+    return ", ".join(f"pid {pid} ({_comm(pid)})" for pid in pids)
 
 
 def _comm(pid: int) -> str:

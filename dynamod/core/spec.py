@@ -417,6 +417,15 @@ PortAllocator = Callable[[], int]
 
 
 @dataclass(frozen=True)
+class StackSource:
+    """What `resolve_stack` rendered a stack from: the same inputs render it again."""
+
+    raw: RawStack
+    state_dir: Path
+    python: str
+
+
+@dataclass(frozen=True)
 class Stack:
     """A validated stack: instances in start order, ready for the engine."""
 
@@ -425,6 +434,8 @@ class Stack:
     units: dict[str, UnitSpec]
     order: list[str]
     policy: PolicySpec | None = None
+    # what it was resolved from, so allocated ports can be moved and the stack re-rendered
+    source: StackSource | None = field(default=None, compare=False, repr=False)
 
     def shards(self) -> list[str]:
         """Instance names of the rollout shards, in start order."""
@@ -590,8 +601,11 @@ def resolve_stack(
     state_dir: Path,
     allocate_port: PortAllocator,
     python: str | None = None,
+    pinned: Mapping[str, Mapping[str, int]] | None = None,
 ) -> Stack:
-    """Expand, allocate, render and validate. Raises SpecErrors listing every problem."""
+    """Expand, allocate, render and validate. Raises SpecErrors listing every problem.
+    `pinned` (instance -> port name -> port) keeps ports allocated earlier: an allocated
+    (port = 0) port named there is not allocated again."""
     errors: list[SpecError] = []
     renderer = _Renderer()
     python = python or sys.executable
@@ -671,7 +685,9 @@ def resolve_stack(
                     number = _as_int(rendered, raw_unit, where, 0, limits.MAX_PORT)
                     if number == 0:
                         allocated += 1
-                        number = _allocate(allocate_port, allocated, raw_unit, instance, where)
+                        number = (pinned or {}).get(instance, {}).get(port_name) or _allocate(
+                            allocate_port, allocated, raw_unit, instance, where
+                        )
                     elif index is not None and isinstance(port_value, int):
                         number += index  # a fixed base port: instance i listens on base + i
                         if number > limits.MAX_PORT:
@@ -771,7 +787,8 @@ def resolve_stack(
     policy = _resolve_policy(raw, policy_context, specs, errors, renderer)
     if errors:
         raise SpecErrors(errors)
-    return Stack(name=raw.name, path=raw.path, units=specs, order=order, policy=policy)
+    source = StackSource(raw, state_dir, python)
+    return Stack(raw.name, raw.path, specs, order, policy, source)
 
 
 def _spare_replicas(
