@@ -322,12 +322,31 @@ def daemon_kill() -> dict[str, Any]:
             os.kill(status["daemon_pid"], signal.SIGKILL)
             wait_until(lambda: not any(_alive(u["pid"]) for u in status["units"] if u["pid"]),
                        30, 0.05, "units gone")
-            took = dm.up(stack)
+            try:
+                took = dm.up(stack)
+            except RuntimeError as exc:  # keep what says why for the report
+                raise RuntimeError(f"{_held_why(dm)}; {str(exc)[-300:]}") from None
             etcd_port = dm.unit("etcd-server")["ports"]["client"]
             left = asyncio.run(_instances(etcd_port)) & old
             return {"up_again_s": took, "dead_instances_left": len(left)}
         finally:
             stop(dm)
+
+
+def _held_why(dm: Dynamod) -> str:
+    """Each unit's state and detail, and where the run's logs were kept."""
+    import shutil
+
+    kept = Path(f"/tmp/outages-daemon-kill-{int(time.time())}")
+    shutil.copytree(dm.state / "logs", kept / "logs", dirs_exist_ok=True)
+    if (dm.state / "daemon.log").exists():
+        shutil.copy(dm.state / "daemon.log", kept / "daemon.log")
+    try:
+        units = "; ".join(f"{u['name']} {u['state']}: {u['detail'][:160]}"
+                          for u in dm.status()["units"])
+    except Exception as exc:  # the daemon may be gone: the logs still say why
+        units = f"no status ({type(exc).__name__})"
+    return f"second up failed ({units}); logs kept in {kept}"
 
 
 def _alive(pid: int) -> bool:
