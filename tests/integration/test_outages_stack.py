@@ -146,10 +146,11 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     assert len(old_ids) == 2
 
     seen_states: dict[str, set[str]] = {}
+    log_from = len(dm.daemon_log().splitlines())
     with Load(url) as load:
         time.sleep(3)
         cut.touch()
-        cut_at = time.monotonic()
+        cut_wall, cut_at = time.time(), time.monotonic()
         while time.monotonic() - cut_at < CUT_S:
             try:
                 snap = dm.status()
@@ -180,6 +181,14 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     # etcd instead of completing or burning their restart limit; the stack said degraded.
     assert "degraded" in seen_states["phase"]
     assert "waiting" in seen_states["worker@0"] | seen_states["worker@1"], seen_states
+    # The frontend's liveness (/live) does not depend on etcd: with etcd unreachable it was
+    # not found "hung" while Dynamo's 30 s lease lasted (/health, which reads etcd, failed
+    # at once and got it killed). Once the lease is lost the frontend shuts its listener
+    # before it exits, and a liveness kill may beat its own exit: harmless, it was going.
+    frontend = [(round(t - cut_wall, 2), new, detail[:120]) for t, new, detail
+                in _transitions(dm, "frontend", log_from) if t >= cut_wall]
+    early = [e for e in frontend if e[0] < 25 and (e[1] == "degraded" or "liveness" in e[2])]
+    assert not early, frontend
     units = {u["name"]: u for u in up["units"]}
     not_serving = {n: u["state"] for n, u in units.items()
                    if u["state"] not in {"ready", "completed"}}
