@@ -181,10 +181,11 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     # etcd instead of completing or burning their restart limit; the stack said degraded.
     assert "degraded" in seen_states["phase"]
     assert "waiting" in seen_states["worker@0"] | seen_states["worker@1"], seen_states
-    # The frontend's liveness (/live) does not depend on etcd: with etcd unreachable it was
-    # not found "hung" while Dynamo's 30 s lease lasted (/health, which reads etcd, failed
-    # at once and got it killed). Once the lease is lost the frontend shuts its listener
-    # before it exits, and a liveness kill may beat its own exit: harmless, it was going.
+    # With etcd unreachable the frontend is not taken for hung while Dynamo's 30 s lease
+    # lasts (its liveness probe must not need etcd). Once the lease is lost the frontend
+    # shuts its listener before it exits, and a liveness kill may beat its own exit:
+    # harmless, it was going. (A cut fails etcd calls fast; slow etcd is what made the old
+    # /health probe miss: the slow-etcd runbook.)
     frontend = [(round(t - cut_wall, 2), new, detail[:120]) for t, new, detail
                 in _transitions(dm, "frontend", log_from) if t >= cut_wall]
     early = [e for e in frontend if e[0] < 25 and (e[1] == "degraded" or "liveness" in e[2])]
