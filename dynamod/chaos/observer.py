@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.chaos.history import CacheSample, StateChange, VersionSample
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.core.errors import DaemonError
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.chaos.history import Teardown
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.core.proctable import marked_pids
 
