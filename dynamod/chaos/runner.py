@@ -6,7 +6,6 @@ history, and the journal, the history and the timeline written to the run's fold
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import tempfile
 import time
@@ -20,7 +19,7 @@ from dynamod.chaos.journal import Activity, Journal, RunStatus, timed
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Probe, Profile, Runbook, Step
 from dynamod.chaos.observer import Observer, states_from_log
-from dynamod.chaos.stack import Stack, StackError
+from dynamod.chaos.stack import Stack
 from dynamod.chaos.timeline import draw
 
 
@@ -115,8 +114,6 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
         journal.before = _probe_activities(stack, runbook, deadline)
         if not all(a.status == "succeeded" for a in journal.before):
             raise RuntimeError("the steady state did not hold before the method")
-        with contextlib.suppress(StackError):  # a stack without a frontend has no metrics
-            observer.metrics_url = f"{stack.frontend_url()}/metrics"
         if runbook.load:
             first_url = stack.frontend_url()
             load = LoadGenerator(runbook.load, lambda: observer.frontend_url(first_url),

@@ -195,15 +195,22 @@ def test_every_invariant_kind_has_a_checker() -> None:
     assert kinds == set(checkers.CHECKERS)
 
 
-def test_hit_rate_is_read_from_the_routers_histogram() -> None:
-    from dynamod.chaos.observer import parse_hit_rate
+def test_hit_rate_is_read_from_the_workers_prefix_counters() -> None:
+    from dynamod.chaos.observer import parse_prefix_counters
+    from dynamod.workers.cpu.routes import prefix_cache_metrics
 
-    text = ('# TYPE dynamo_component_router_kv_hit_rate histogram\n'
-            'dynamo_component_router_kv_hit_rate_bucket{le="0.5"} 3\n'
-            'dynamo_component_router_kv_hit_rate_sum{model="m"} 1.5\n'
-            'dynamo_component_router_kv_hit_rate_count{model="m"} 4\n')
-    assert parse_hit_rate(text) == (1.5, 4.0)
-    assert parse_hit_rate("dynamo_frontend_requests_total 3\n") is None
+    served = prefix_cache_metrics(
+        {"engine": "torch", "prefix_cache": {"queried_tokens": 40, "hit_tokens": 30}}, "tiny")
+    assert parse_prefix_counters(served) == (30.0, 40.0)
+    # two series (dynamo.vllm labels per engine) are summed; the router's histogram is not read
+    two = served + served.replace('engine="torch"', 'engine="other"')
+    assert parse_prefix_counters(two) == (60.0, 80.0)
+    router = ("dynamo_component_router_kv_hit_rate_sum 1.5\n"
+              "dynamo_component_router_kv_hit_rate_count 4\n")
+    assert parse_prefix_counters(router) is None
+    # an engine without a prefix cache (the mocker) shows no counters: nothing is sampled
+    assert prefix_cache_metrics({"engine": "mocker"}, "tiny") == ""
+    assert parse_prefix_counters("") is None
 
 
 def test_up_fails_naming() -> None:
