@@ -149,6 +149,18 @@ class TrainerProgressStep(_Step):
     version: int = Field(ge=1)
 
 
+class TakePortStep(_Step):
+    """Take a unit's port before it binds again: SIGKILL the unit (`restart = true`) and
+    listen on its port from the chaos runner (loopback) before the replacement starts;
+    watch what dynamod does for `seconds`, then let the port go (its healer)."""
+
+    action: Literal["take_port"]
+    unit: str
+    port: str = Field(description="the unit's port name, e.g. http or system")
+    restart: bool = Field(True, description="kill the unit so that it must bind again")
+    seconds: float = Field(20.0, gt=0, description="how long the port stays taken")
+
+
 Step = Annotated[
     KillStep
     | PauseStep
@@ -159,7 +171,8 @@ Step = Annotated[
     | ProxyStep
     | DaemonKillStep
     | DiskFullStep
-    | TrainerProgressStep,
+    | TrainerProgressStep
+    | TakePortStep,
     Field(discriminator="action"),
 ]
 
@@ -205,6 +218,7 @@ class Invariant(_Model):
         "cache_hit_recovers",
         "up_fails_naming",
         "token_alignment",
+        "port_conflict_truthful",
     ]
     traffic: Literal["all", "plain", "trainer"] = Field(
         "all", description="client_errors: which requests count (trainer = taint-constrained)")

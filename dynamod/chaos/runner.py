@@ -183,7 +183,8 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
     logged = states_from_log(state_dir / "daemon.log", wall_origin)
     history = History(requests=list(load.requests) if load else [],
                       states=logged or observer.states, versions=observer.versions,
-                      faults=ctx.faults, cache=observer.cache, final_status=observer.last)
+                      faults=ctx.faults, cache=observer.cache, final_status=observer.last,
+                      port_takes=ctx.port_takes)
     history.start_version = next((v.current for v in observer.versions
                                   if v.current is not None), None)
     history.end = ctx.now()

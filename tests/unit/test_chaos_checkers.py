@@ -12,9 +12,11 @@ from dynamod.chaos.history import (
     CacheSample,
     Fault,
     History,
+    PortTake,
     Request,
     StateChange,
     Teardown,
+    UnitSeen,
     VersionSample,
 )
 from dynamod.chaos.model import Invariant
@@ -237,3 +239,53 @@ def test_token_alignment() -> None:
                                             inv("token_alignment")).ok
     assert not checkers.token_alignment(History(requests=[Request(1, 2, 500)]),
                                         inv("token_alignment")).ok
+
+
+# ---------------------------------------------------------------- port_conflict_truthful
+
+def taken(*seen: tuple[float, str, str, int]) -> PortTake:
+    """frontend's http=24000 taken at t=10 by pid 4242; seen: (at, state, detail, port)."""
+    return PortTake(10.0, "frontend", "http", 24000, 4242, "python", released_at=30.0,
+                    seen=[UnitSeen(at, state, detail, {"http": port})
+                          for at, state, detail, port in seen])
+
+
+REFUSED = "exited 1: port http=24000 is taken by pid 4242 (python); not restarted"
+
+
+@pytest.mark.parametrize("take, requests, expect", [
+    # an error naming the port and its owner's pid, within the bound
+    (taken((10.2, "backoff", "exited 1: address in use", 24000),
+           (14.0, "failed", REFUSED, 24000)), [], "named http=24000 and its owner after 4.0s"),
+    # the unit spawned on another port and served there
+    (taken((10.2, "starting", "", 25111), (13.0, "ready", "ok", 25111)),
+     [ok(13.5, 0)], "moved to 25111, serving after 3.0s"),
+])
+def test_port_conflict_truthful_passes(take: PortTake, requests: list[Request],
+                                       expect: str) -> None:
+    v = checkers.port_conflict_truthful(History(requests=requests, port_takes=[take]),
+                                        inv("port_conflict_truthful", max_seconds=15))
+    assert v.ok and expect in v.detail, v
+
+
+@pytest.mark.parametrize("history, expect", [
+    (History(), "no port was taken"),
+    # retrying for ever with an error that names neither the port's owner nor a new port
+    (History(port_takes=[taken(*[(10.0 + i, "backoff", "exited 1; restarting in 5s", 24000)
+                                 for i in range(20)])]), "neither an error naming"),
+    # the owner named only after the bound
+    (History(port_takes=[taken((10.2, "starting", "", 24000), (29.0, "failed", REFUSED, 24000))]),
+     "neither an error naming"),
+    # the pid's digits inside another number do not name the owner
+    (History(port_takes=[taken((11.0, "failed", "port 24000 held by pid 142420", 24000))]),
+     "neither an error naming"),
+    # ready on another port, but nothing served after it (the load saw errors only)
+    (History(requests=[Request(13.5, 14.0, 502)],
+             port_takes=[taken((13.0, "ready", "ok", 25111))]), "neither an error naming"),
+    # ready again on the port the chaos runner holds: a lie
+    (History(port_takes=[taken((10.2, "backoff", "", 24000), (12.0, "ready", "ok", 24000))]),
+     "reported ready on http=24000"),
+])
+def test_port_conflict_truthful_fails(history: History, expect: str) -> None:
+    v = checkers.port_conflict_truthful(history, inv("port_conflict_truthful", max_seconds=15))
+    assert not v.ok and expect in v.detail, v
