@@ -250,6 +250,9 @@ class Runbook(_Model):
     vars: dict[str, str | int | float | bool] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="extra env for the daemon")
     up_timeout: float = Field(300.0, gt=0, description="`up --timeout`: ready by then or torn down")
+    shared_stack: bool = Field(
+        True, description="may run on the stack an earlier runbook of the same stack, vars "
+        "and env started, once its steady state holds again; false: a stack of its own")
     expect: Literal["pass", "fail", "fails-until-issue-15"] = "pass"
     expect_note: str = ""
     steady_state: list[Probe] = Field(default_factory=list)

@@ -142,6 +142,26 @@ class Stack:
                 answers[unit["name"]] = {"error": str(exc)}
         return answers
 
+    def live_leftovers(self, pids: set[int]) -> Teardown:
+        """What a run left on a stack that stays up for the next runbook: processes it saw
+        that no unit (nor the daemon) owns any more yet still live, and registrations of
+        dead instances. Each leftover is recorded, then ended."""
+        td = Teardown(down_output="(shared stack left up; `down` is judged by its last run)")
+        try:
+            status = self.status()
+        except DaemonError as exc:
+            td.down_ok, td.down_output = False, f"the shared stack's daemon is gone: {exc}"
+            return td
+        owned = {int(u["pid"]) for u in status["units"] if u.get("pid")}
+        owned.add(int(status.get("daemon_pid") or 0))
+        td.stale_registrations = self.stale_registrations(status)
+        td.alive_pids = sorted(p for p in pids if p not in owned and pid_alive(p))
+        for pid in td.alive_pids:
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return td
+
     def teardown(self, pids: set[int]) -> Teardown:
         """`down`, then look for anything left: pids seen, the run's marker, ports."""
         td = Teardown()
