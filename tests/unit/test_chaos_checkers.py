@@ -289,3 +289,38 @@ def test_port_conflict_truthful_passes(take: PortTake, requests: list[Request],
 def test_port_conflict_truthful_fails(history: History, expect: str) -> None:
     v = checkers.port_conflict_truthful(history, inv("port_conflict_truthful", max_seconds=15))
     assert not v.ok and expect in v.detail, v
+
+
+# ---------------------------------------------------------------- one broken run per checker
+
+# For every checker, the history a deliberately broken run records (the cheap broken
+# variant of issue 11: the checkers are pure, so the run need not be repeated on a stack).
+BROKEN: dict[str, tuple[History, dict[str, Any]]] = {
+    # admission without replay: a shard admitted at the old version, by its own word
+    "shards_current": (History(final_status={**status(2, {"worker@0": (2, True)}), "units": [
+        {"name": "worker@0", "policy_version": 2, "policy": {"admitted": True},
+         "engine": {"version": 1}}]}), {}),
+    "no_stale_serving": (History(versions=versions((0, 1), (10, 2)),
+                                 requests=[ok(12, 1)]), {}),
+    "client_errors": (History(requests=[ok(1, 0), Request(2, 3, 502)]), {"max_errors": 0}),
+    # a hang detected only after liveness gave up 40 s later
+    "recovery_time": (History(faults=[Fault(10, "SIGSTOP worker@1", "worker@1", 10.5)],
+                              states=unit_down_and_up(11, 50), requests=[ok(51, 0)]),
+                      {"max_seconds": 30}),
+    "no_leftovers": (History(teardown=Teardown(alive_pids=[4242])), {}),
+    "trainer_progress": (History(versions=versions((0, 0), (30, 0)), start_version=0), {}),
+    "cache_hit_recovers": (History(versions=versions((0, 0), (10, 1)),
+                                   cache=cache((5, 0.8), (20, 0.05))), {}),
+    "up_fails_naming": (History(up_returncode=1, up_output="frontend: 1/2 instances"),
+                        {"names": ["straggler"]}),
+    "token_alignment": (History(requests=[aligned(1, 4, logprobs=0)]), {}),
+    "port_conflict_truthful": (History(port_takes=[taken(
+        (11.0, "backoff", "exited with status 1 (exited before it was ready)", 24000))]), {}),
+}
+
+
+def test_every_checker_has_a_broken_run_and_fails_it() -> None:
+    assert set(BROKEN) == set(checkers.CHECKERS)
+    for check, (history, bounds) in BROKEN.items():
+        verdict = checkers.CHECKERS[check](history, inv(check, **bounds))
+        assert not verdict.ok, f"{check} must fail its broken run: {verdict}"
