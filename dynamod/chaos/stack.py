@@ -144,8 +144,8 @@ class Stack:
 
     def live_leftovers(self, pids: set[int]) -> Teardown:
         """What a run left on a stack that stays up for the next runbook: processes it saw
-        that no unit (nor the daemon) owns any more yet still live, and registrations of
-        dead instances. Each leftover is recorded, then ended."""
+        that no unit (nor the daemon) owns any more yet still live with the stack's marker,
+        and registrations of dead instances. Each leftover is recorded, then ended."""
         td = Teardown(down_output="(shared stack left up; `down` is judged by its last run)")
         try:
             status = self.status()
@@ -155,7 +155,11 @@ class Stack:
         owned = {int(u["pid"]) for u in status["units"] if u.get("pid")}
         owned.add(int(status.get("daemon_pid") or 0))
         td.stale_registrations = self.stale_registrations(status)
-        td.alive_pids = sorted(p for p in pids if p not in owned and pid_alive(p))
+        gone = {p for p in pids if p not in owned and pid_alive(p)}
+        # only processes that still carry this stack's run marker: a pid seen once and
+        # reused since by someone else's process is not ours to judge or end
+        td.alive_pids = sorted({p for run_id in self.run_ids
+                                for p in marked_pids(run_id, among=gone)})
         for pid in td.alive_pids:
             if pid != os.getpid():
                 with contextlib.suppress(ProcessLookupError):
