@@ -77,6 +77,7 @@ def no_stale_serving(history: History, inv: Invariant) -> Verdict:
         if r.version < need:
             stale.append((r, need))
     measured = {"served": len(served), "stale": len(stale), "unstamped": len(unstamped),
+                "unstamped_trainer": sum(r.required is not None for r in unstamped),
                 "boundaries": [[round(t, 3), v] for t, v in changes]}
     if unstamped:
         return Verdict(inv.check, False, f"{len(unstamped)} of {len(served)} completions "

@@ -86,6 +86,13 @@ def test_no_stale_serving_fails(request_: Request) -> None:
     assert not v.ok, v.detail
 
 
+def test_no_stale_serving_counts_unstamped_trainer_completions_apart() -> None:
+    h = History(versions=versions((0, 0), (10, 1)),
+                requests=[ok(11, 1), Request(12, 12.1, 200), Request(13, 13.1, 200, required=1)])
+    v = checkers.no_stale_serving(h, inv("no_stale_serving"))
+    assert not v.ok and v.measured["unstamped"] == 2 and v.measured["unstamped_trainer"] == 1
+
+
 def test_no_stale_serving_fails_with_nothing_served() -> None:
     h = History(versions=versions((0, 0)), requests=[Request(1, 2, 500)])
     assert not checkers.no_stale_serving(h, inv("no_stale_serving")).ok
