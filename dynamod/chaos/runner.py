@@ -79,7 +79,6 @@ class Session:
     """The stack a group of runbooks shares, with what every run of it saw."""
 
     def __init__(self, runbook: Runbook) -> None:
-        self.runbook = runbook
         self.state_dir = Path(tempfile.mkdtemp(prefix="dmc-", dir="/tmp"))
         self.stack = Stack(runbook.stack_path(), self.state_dir, dict(runbook.vars),
                            dict(runbook.env))
@@ -121,8 +120,12 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
 
 def run_all(runbooks: list[Runbook], profile: Profile, report_dir: Path,
             echo: Callable[[str], None] = print, share: bool = True) -> list[Journal]:
-    return [j for group in groups(runbooks, share) for j in
-            run_group(group, profile, report_dir, echo)]
+    journals: list[Journal] = []
+    for group in groups(runbooks, share):
+        journals += run_group(group, profile, report_dir, echo)
+        if _OPERATOR_STOP in journals[-1].notes:
+            break
+    return journals
 
 
 def run_group(runbooks: list[Runbook], profile: Profile, report_dir: Path,
