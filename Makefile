@@ -36,6 +36,7 @@ bench-quick: install
 
 # Every runbook in runbooks/, full profile (the method repeated, longer load). Each run's
 # journal, history and timeline go to chaos-runs/, with chaos-runs/index.html over them.
+# Runbooks of one stack, vars and env share a started stack (--fresh-stacks: one each).
 chaos: install
 	$(BIN)/dynamod chaos run --all --report chaos-runs
 

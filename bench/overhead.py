@@ -62,7 +62,7 @@ SETTLE = 2.0
 # What `dynamod status --json` needs at the least: the stdlib control-socket client. The
 # gap between this and the CLI is import work the status command does not use.
 LEAN_STATUS = (
-    "import json, sys; from pathlib import Path; from dynamod.control.client import Client; "
+    "import json, sys; from pathlib import Path; from dynamod.client import Client; "
     "print(json.dumps(Client(Path(sys.argv[1])).status(), indent=2))"
 )
 
@@ -245,7 +245,7 @@ def main() -> None:
     report.notes += [
         f"idle CPU over {window:g} s after {SETTLE:g} s of settling; % of one core.",
         "`status` CLI time is the whole process (interpreter start, imports, request, print).",
-        "lean client process: `python -c` importing only dynamod.control.client (stdlib) and "
+        "lean client process: `python -c` importing only dynamod.client (stdlib) and "
         "printing the same JSON - the floor a `status` command could reach.",
     ]
     emit(report, args.json)

@@ -35,7 +35,7 @@ class Dynamod:
     def __init__(self, state: Path) -> None:
         bench_mark()
         self.state = state
-        from dynamod.control.client import Client
+        from dynamod.client import Client
 
         self.client = Client(state)
 

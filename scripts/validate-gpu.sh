@@ -63,7 +63,7 @@ check train env RAY_ADDRESS="$RAY_ADDRESS" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 D
     ++actor_rollout_ref.rollout.engine_kwargs.dynamod.router_mode=kv \
     trainer.n_gpus_per_node=2 trainer.nnodes=1 trainer.total_training_steps=2 \
     trainer.logger=console trainer.val_before_train=false
-STEP=$("$PY" -c "import sys; from pathlib import Path; from dynamod.control.client import Client; print(Client(Path(sys.argv[1])).policy_status()['current'])" "$STATE")
+STEP=$("$PY" -c "import sys; from pathlib import Path; from dynamod.client import Client; print(Client(Path(sys.argv[1])).policy_status()['current'])" "$STATE")
 if [ "$STEP" -ge 1 ] 2>/dev/null; then check steps validate steps --step "$STEP"
 else report "FAIL steps: the ledger is at version ${STEP:-?}: no update went through"; fi
 

@@ -5,11 +5,12 @@ values. No I/O here; each one is tested with histories that must pass and that m
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynamod.chaos.history import History
+from dynamod.chaos.history import History, PortTake
 from dynamod.chaos.model import Invariant
 
 
@@ -76,6 +77,7 @@ def no_stale_serving(history: History, inv: Invariant) -> Verdict:
         if r.version < need:
             stale.append((r, need))
     measured = {"served": len(served), "stale": len(stale), "unstamped": len(unstamped),
+                "unstamped_trainer": sum(r.required is not None for r in unstamped),
                 "boundaries": [[round(t, 3), v] for t, v in changes]}
     if unstamped:
         return Verdict(inv.check, False, f"{len(unstamped)} of {len(served)} completions "
@@ -266,6 +268,64 @@ def token_alignment(history: History, inv: Invariant) -> Verdict:
                    f"({len(cancelled)} cancelled or failed counted apart)", measured)
 
 
+def _port_take_outcome(history: History, take: PortTake, bound: float) -> dict[str, Any]:
+    """What dynamod said of one taken port within `bound` seconds: when it named the port
+    and its owner, when the unit was ready on another port (and served), or a lie: ready
+    again on the very port the chaos runner holds."""
+    until = take.at + bound
+    if take.released_at is not None:
+        until = min(until, take.released_at)
+    window = [s for s in take.seen if s.at <= until]
+    owner = re.compile(rf"\b{take.owner_pid}\b")
+    row: dict[str, Any] = {"unit": take.unit, "port": f"{take.port_name}={take.port}",
+                           "owner": f"pid {take.owner_pid} ({take.owner})", "named_s": None,
+                           "moved_s": None, "moved_to": None, "lie_s": None}
+    left_ready = False
+    for seen in window:
+        if row["named_s"] is None and str(take.port) in seen.detail and owner.search(seen.detail):
+            row["named_s"] = round(seen.at - take.at, 3)
+        moved_to = seen.ports.get(take.port_name)
+        if seen.state == "ready" and moved_to not in (None, take.port) and row["moved_s"] is None:
+            served = [r for r in history.requests if r.ok and r.sent >= seen.at]
+            if served or not history.requests:
+                row["moved_s"], row["moved_to"] = round(seen.at - take.at, 3), moved_to
+        if seen.state != "ready":
+            left_ready = True
+        elif left_ready and moved_to == take.port and row["lie_s"] is None:
+            row["lie_s"] = round(seen.at - take.at, 3)
+    last = window[-1] if window else None
+    row["last"] = f"{last.state}: {last.detail[-200:]}" if last else "never seen"
+    return row
+
+
+def port_conflict_truthful(history: History, inv: Invariant) -> Verdict:
+    """A port taken before its unit binds it again gets a truthful answer within
+    `max_seconds`: an error naming the port and its owner's pid, or the unit serving on
+    another port. Neither (a silent hang or endless retries) fails, and so does the unit
+    reported ready on the port the chaos runner holds."""
+    if not history.port_takes:
+        return Verdict(inv.check, False, "no port was taken: nothing to judge")
+    bound = inv.max_seconds if inv.max_seconds is not None else 20.0
+    rows = [_port_take_outcome(history, take, bound) for take in history.port_takes]
+    failures = []
+    for row in rows:
+        if row["lie_s"] is not None:
+            failures.append(f"{row['unit']} reported ready on {row['port']} at +{row['lie_s']}s "
+                            f"while {row['owner']} held it")
+        elif row["named_s"] is None and row["moved_s"] is None:
+            failures.append(f"{row['unit']}: within {bound:g}s neither an error naming "
+                            f"{row['port']} and {row['owner']} nor serving on another port; "
+                            f"last seen {row['last']}")
+    measured = {"takes": rows, "bound_s": bound}
+    if failures:
+        return Verdict(inv.check, False, "; ".join(failures), measured)
+    said = [f"{r['unit']}: " + (f"named {r['port']} and its owner after {r['named_s']}s"
+                                if r["named_s"] is not None
+                                else f"moved to {r['moved_to']}, serving after {r['moved_s']}s")
+            for r in rows]
+    return Verdict(inv.check, True, "; ".join(said), measured)
+
+
 CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "shards_current": shards_current,
     "no_stale_serving": no_stale_serving,
@@ -276,6 +336,7 @@ CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "cache_hit_recovers": cache_hit_recovers,
     "up_fails_naming": up_fails_naming,
     "token_alignment": token_alignment,
+    "port_conflict_truthful": port_conflict_truthful,
 }
 
 

@@ -1,6 +1,7 @@
 """The method's actions, one function each: signals to a unit's process, pause and
 resume, policy pushes (good, corrupt, or with a shard killed mid-push), fault-proxy
-settings, the daemon killed and restarted, and the waits and assertions between them.
+settings, the daemon killed and restarted, a unit's port taken before it binds again, and
+the waits and assertions between them.
 Every fault is marked in the history and registers its healer, which the rollbacks run."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.request
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dynamod.chaos.history import Fault
+from dynamod.chaos.history import Fault, PortTake, UnitSeen
 from dynamod.chaos.model import (
     DaemonKillStep,
     DiskFullStep,
@@ -27,6 +29,7 @@ from dynamod.chaos.model import (
     PushStep,
     ResumeStep,
     Step,
+    TakePortStep,
     TrainerProgressStep,
     WaitStateStep,
     WaitStep,
@@ -49,6 +52,7 @@ class RunContext:
     faults: list[Fault] = field(default_factory=list)
     healers: dict[str, Callable[[], str]] = field(default_factory=dict)
     hit_pids: dict[str, int] = field(default_factory=dict)  # unit -> pid its last fault hit
+    port_takes: list[PortTake] = field(default_factory=list)
     up_returncode: int | None = None
     up_output: str = ""
 
@@ -321,6 +325,61 @@ def disk_full(ctx: RunContext, step: DiskFullStep) -> dict[str, Any]:
     return out
 
 
+def _listen_when_free(port: int, timeout: float) -> socket.socket:
+    """A loopback listener on `port` as soon as the killed unit's socket is gone."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(16)  # never accepted: a client connects and hears nothing
+            return sock
+        except OSError as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise StepFailed(f"could not take port {port}: {exc}") from None
+            time.sleep(0.005)
+
+
+def take_port(ctx: RunContext, step: TakePortStep) -> dict[str, Any]:
+    unit = ctx.stack.unit(step.unit)
+    port = (unit.get("ports") or {}).get(step.port)
+    if not port:
+        raise StepFailed(f"unit {step.unit!r} has no port {step.port!r} "
+                         f"(ports: {unit.get('ports') or {}})")
+    victim = ctx.stack.pid_of(step.unit) if step.restart else None
+    if victim is not None:
+        os.kill(victim, signal.SIGKILL)
+        ctx.hit_pids[step.unit] = victim
+    sock = _listen_when_free(int(port), timeout=5)
+    owner = Path("/proc/self/comm").read_text().strip()
+    index = ctx.mark(f"port {step.port}={port} of {step.unit} taken", step.unit)
+    take = PortTake(ctx.now(), step.unit, step.port, int(port), os.getpid(), owner)
+    ctx.port_takes.append(take)
+
+    def heal() -> str:
+        sock.close()
+        if take.released_at is None:
+            take.released_at = ctx.now()
+            ctx.healed(index)
+        return f"port {port} released"
+
+    ctx.healers[f"port:{step.unit}:{step.port}"] = heal
+    deadline = time.monotonic() + step.seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(DaemonError, StackError):
+            seen = ctx.stack.unit(step.unit)
+            take.seen.append(UnitSeen(ctx.now(), seen["state"], str(seen.get("detail") or ""),
+                                      dict(seen.get("ports") or {})))
+        time.sleep(0.25)
+    released = ctx.healers.pop(f"port:{step.unit}:{step.port}")()
+    last = take.seen[-1] if take.seen else None
+    return {"unit": step.unit, "port": port, "owner_pid": take.owner_pid, "killed_pid": victim,
+            "last_state": last.state if last else None,
+            "last_detail": last.detail[-300:] if last else None, "released": released}
+
+
 def wait_version(ctx: RunContext, step: TrainerProgressStep) -> dict[str, Any]:
     def reached() -> int | None:
         current = ctx.observer.current_version()
@@ -340,6 +399,7 @@ ACTIONS: dict[str, Callable[[RunContext, Any], dict[str, Any]]] = {
     "kill_daemon": kill_daemon,
     "wait_version": wait_version,
     "disk_full": disk_full,
+    "take_port": take_port,
 }
 
 

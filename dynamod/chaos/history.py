@@ -67,6 +67,31 @@ class CacheSample:
     hit_rate: float
 
 
+@dataclass(frozen=True)
+class UnitSeen:
+    """One status poll of a unit while a fault holds: its state, detail and ports."""
+
+    at: float
+    state: str
+    detail: str
+    ports: dict[str, int]
+
+
+@dataclass
+class PortTake:
+    """A port the chaos runner listened on before `unit` could bind it again, and what
+    dynamod reported of the unit while it was taken."""
+
+    at: float
+    unit: str
+    port_name: str
+    port: int
+    owner_pid: int
+    owner: str  # the owner's command name, as /proc/PID/comm says
+    released_at: float | None = None
+    seen: list[UnitSeen] = field(default_factory=list)
+
+
 @dataclass
 class Teardown:
     """What was left once the stack was down (every field empty is a clean teardown)."""
@@ -85,6 +110,7 @@ class History:
     versions: list[VersionSample] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     cache: list[CacheSample] = field(default_factory=list)
+    port_takes: list[PortTake] = field(default_factory=list)
     teardown: Teardown | None = None
     final_status: dict[str, Any] | None = None
     start_version: int | None = None
@@ -102,6 +128,6 @@ class History:
 
     def write(self, path: Path) -> None:
         with path.open("w") as fh:
-            for kind in ("requests", "states", "versions", "faults", "cache"):
+            for kind in ("requests", "states", "versions", "faults", "cache", "port_takes"):
                 for row in getattr(self, kind):
                     fh.write(json.dumps({"kind": kind, **asdict(row)}) + "\n")

@@ -149,6 +149,18 @@ class TrainerProgressStep(_Step):
     version: int = Field(ge=1)
 
 
+class TakePortStep(_Step):
+    """Take a unit's port before it binds again: SIGKILL the unit (`restart = true`) and
+    listen on its port from the chaos runner (loopback) before the replacement starts;
+    watch what dynamod does for `seconds`, then let the port go (its healer)."""
+
+    action: Literal["take_port"]
+    unit: str
+    port: str = Field(description="the unit's port name, e.g. http or system")
+    restart: bool = Field(True, description="kill the unit so that it must bind again")
+    seconds: float = Field(20.0, gt=0, description="how long the port stays taken")
+
+
 Step = Annotated[
     KillStep
     | PauseStep
@@ -159,7 +171,8 @@ Step = Annotated[
     | ProxyStep
     | DaemonKillStep
     | DiskFullStep
-    | TrainerProgressStep,
+    | TrainerProgressStep
+    | TakePortStep,
     Field(discriminator="action"),
 ]
 
@@ -205,6 +218,7 @@ class Invariant(_Model):
         "cache_hit_recovers",
         "up_fails_naming",
         "token_alignment",
+        "port_conflict_truthful",
     ]
     traffic: Literal["all", "plain", "trainer"] = Field(
         "all", description="client_errors: which requests count (trainer = taint-constrained)")
@@ -236,6 +250,9 @@ class Runbook(_Model):
     vars: dict[str, str | int | float | bool] = Field(default_factory=dict)
     env: dict[str, str] = Field(default_factory=dict, description="extra env for the daemon")
     up_timeout: float = Field(300.0, gt=0, description="`up --timeout`: ready by then or torn down")
+    shared_stack: bool = Field(
+        True, description="may run on the stack an earlier runbook of the same stack, vars "
+        "and env started, once its steady state holds again; false: a stack of its own")
     expect: Literal["pass", "fail", "fails-until-issue-15"] = "pass"
     expect_note: str = ""
     steady_state: list[Probe] = Field(default_factory=list)

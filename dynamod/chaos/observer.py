@@ -1,7 +1,8 @@
 """Watches the daemon during a chaos run: polls `status` at ~10 Hz and records every unit
 state change, each shard's applied policy version, the ledger's current version, and every
-pid it saw (for the leftover check); once a second it reads the kv router's prefix-cache
-hit rate from the frontend's metrics. It survives the daemon's absence (a daemon fault)."""
+pid it saw (for the leftover check); once a second it reads the prefix-cache hit rate from
+the workers' own metrics (each shard's system port `/metrics`, vLLM's prefix-cache
+counters), the tokens the engines really found cached. It survives the daemon's absence."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.chaos.history import CacheSample, StateChange, VersionSample
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.core.errors import DaemonError
 
 
@@ -27,12 +28,10 @@ class Observer:
         self.last: dict[str, Any] | None = None
         self.daemon_seen_gone = False
         self.cache: list[CacheSample] = []
-        self.metrics_url: str | None = None  # the frontend's /metrics, set once it is up
-        self._hits: tuple[float, float] | None = None  # last (sum, count) of the histogram
-        self._next_cache = 0.0
+        self._counts: dict[tuple[str, int], tuple[float, float]] = {}  # (unit, pid) -> last
         self._state: dict[str, str] = {}
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def current_version(self) -> int | None:
         last = self.last
@@ -76,42 +75,49 @@ class Observer:
         self.versions.append(VersionSample(at, current, shards, admitted))
 
     def sample_cache(self) -> None:
-        """One interval's mean kv hit rate: the delta of the router's histogram sum/count."""
-        import urllib.request
-
-        if self.metrics_url is None:
-            return
-        try:
-            url = f"{self.frontend_url(self.metrics_url.removesuffix('/metrics'))}/metrics"
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                text = resp.read().decode()
-        except OSError:
-            self._hits = None  # a restarted frontend starts its counters over
-            return
-        totals = parse_hit_rate(text)
-        if totals is None:
-            return
-        last, self._hits = self._hits, totals
-        if last is not None and totals[1] > last[1]:
-            rate = (totals[0] - last[0]) / (totals[1] - last[1])
-            self.cache.append(CacheSample(time.monotonic() - self.origin, "frontend", rate))
+        """One interval's hit rate over every running shard: the growth of its hit and
+        query counters since the last read, summed (a restarted shard starts over)."""
+        hits = queries = 0.0
+        counts: dict[tuple[str, int], tuple[float, float]] = {}
+        for unit in (self.last or {}).get("units", []):
+            url = (unit.get("dynamo") or {}).get("system_url")
+            if "policy_version" not in unit or not url or not unit.get("pid"):
+                continue
+            totals = read_prefix_counters(f"{url}/metrics")
+            if totals is None:
+                continue
+            key = (unit["name"], int(unit["pid"]))
+            counts[key] = totals
+            last = self._counts.get(key)
+            if last is not None and totals[1] >= last[1]:
+                hits += totals[0] - last[0]
+                queries += totals[1] - last[1]
+        self._counts = counts
+        if queries > 0:
+            self.cache.append(CacheSample(time.monotonic() - self.origin, "workers",
+                                          hits / queries))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             self.sample()
-            if time.monotonic() >= self._next_cache:
-                self._next_cache = time.monotonic() + 1.0
-                self.sample_cache()
             self._stop.wait(self.interval)
 
+    def _cache_loop(self) -> None:
+        # apart from the status poll: a paused shard's /metrics stalls until its timeout
+        while not self._stop.wait(1.0):
+            self.sample_cache()
+
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="chaos-observer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name="chaos-observer", daemon=True),
+                         threading.Thread(target=self._cache_loop, name="chaos-cache",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in self._threads:
+            thread.join(timeout=10)
 
 
 def states_from_log(path: Path, wall_origin: float) -> list[StateChange]:
@@ -137,14 +143,32 @@ def states_from_log(path: Path, wall_origin: float) -> list[StateChange]:
     return changes
 
 
-_HIT_RATE = "dynamo_component_router_kv_hit_rate"
+# vLLM's prefix-cache counters, in prompt tokens (dynamod/workers/cpu/routes.py serves them
+# under the same names as dynamo.vllm's system port)
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 
 
-def parse_hit_rate(metrics: str) -> tuple[float, float] | None:
-    """(sum, count) of the kv router's per-request prefix hit-rate histogram."""
+def parse_prefix_counters(metrics: str) -> tuple[float, float] | None:
+    """(hits, queries) summed over every labelled series; None when either is absent."""
     found: dict[str, float] = {}
     for line in metrics.splitlines():
-        for part in ("sum", "count"):
-            if line.startswith(f"{_HIT_RATE}_{part}"):
-                found[part] = found.get(part, 0.0) + float(line.rsplit(" ", 1)[1])
-    return (found["sum"], found["count"]) if len(found) == 2 else None
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in (PREFIX_HITS, PREFIX_QUERIES):
+            try:
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    if PREFIX_HITS not in found or PREFIX_QUERIES not in found:
+        return None
+    return found[PREFIX_HITS], found[PREFIX_QUERIES]
+
+
+def read_prefix_counters(url: str) -> tuple[float, float] | None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return parse_prefix_counters(resp.read().decode(errors="replace"))
+    except (OSError, ValueError):
+        return None

@@ -1,12 +1,16 @@
-"""Runs one runbook end to end: up the stack on a fresh state dir, check the steady state,
+"""Runs runbooks end to end: up the stack on a fresh state dir, check the steady state,
 start the load and the observer, perform the method (abort conditions checked between
 steps, within the profile's time bound), then always: rollbacks and the final heal, the
-steady state again, `down` with the leftover search, the checkers over the whole recorded
-history, and the journal, the history and the timeline written to the run's folder."""
+steady state again, the leftover search, the checkers over the whole recorded history, and
+the journal, the history and the timeline written to the run's folder. Runbooks of one
+group (`groups`: the same stack, vars and env, each allowing it) share one started stack:
+the next one starts once its steady state holds again, the leftover search between them
+looks at the live stack (dead units' processes, registrations of dead instances), and the
+group's last runbook judges the `down`. A runbook that leaves the steady state broken
+hands the next one a fresh stack."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import tempfile
 import time
@@ -15,12 +19,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from dynamod.chaos import checkers, faults, steady
-from dynamod.chaos.history import History
+from dynamod.chaos.history import History, Teardown
 from dynamod.chaos.journal import Activity, Journal, RunStatus, timed
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Probe, Profile, Runbook, Step
 from dynamod.chaos.observer import Observer, states_from_log
-from dynamod.chaos.stack import Stack, StackError
+from dynamod.chaos.stack import Stack
 from dynamod.chaos.timeline import draw
 
 
@@ -30,6 +34,9 @@ class Aborted(Exception):
 
 class _Done(Exception):
     """Nothing more to run (the stack was meant not to come up)."""
+
+
+_OPERATOR_STOP = "interrupted by the operator"
 
 
 class UpRefused(Exception):
@@ -68,14 +75,92 @@ def _verdict(journal: Journal) -> str:
         "PASSED unexpectedly")
 
 
+class Session:
+    """The stack a group of runbooks shares, with what every run of it saw."""
+
+    def __init__(self, runbook: Runbook) -> None:
+        self.state_dir = Path(tempfile.mkdtemp(prefix="dmc-", dir="/tmp"))
+        self.stack = Stack(runbook.stack_path(), self.state_dir, dict(runbook.vars),
+                           dict(runbook.env))
+        self.started_by: str | None = None  # the runbook whose `up` started it
+        self.pids: set[int] = set()
+
+    def close(self) -> Teardown:
+        """`down` (if a daemon runs) and the leftover search over every pid any run saw."""
+        self.started_by = None
+        return self.stack.teardown(self.pids)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+def groups(runbooks: list[Runbook], share: bool = True) -> list[list[Runbook]]:
+    """Runbooks in order of first appearance, those on the same stack, vars and env (and
+    allowing it) together; the rest alone."""
+    out: list[list[Runbook]] = []
+    by_key: dict[tuple[str, str, str], list[Runbook]] = {}
+    for rb in runbooks:
+        if not (share and rb.shared_stack):
+            out.append([rb])
+            continue
+        key = (rb.stack_path(), repr(sorted(rb.vars.items())), repr(sorted(rb.env.items())))
+        if key not in by_key:
+            by_key[key] = []
+            out.append(by_key[key])
+        by_key[key].append(rb)
+    return out
+
+
 def run(runbook: Runbook, profile: Profile, report_dir: Path,
         echo: Callable[[str], None] = print) -> Journal:
+    """One runbook on a stack of its own."""
+    (journal,) = run_group([runbook], profile, report_dir, echo)
+    return journal
+
+
+def run_all(runbooks: list[Runbook], profile: Profile, report_dir: Path,
+            echo: Callable[[str], None] = print, share: bool = True) -> list[Journal]:
+    journals: list[Journal] = []
+    for group in groups(runbooks, share):
+        journals += run_group(group, profile, report_dir, echo)
+        if _OPERATOR_STOP in journals[-1].notes:
+            break
+    return journals
+
+
+def run_group(runbooks: list[Runbook], profile: Profile, report_dir: Path,
+              echo: Callable[[str], None] = print) -> list[Journal]:
+    """The runbooks one after the other on one shared stack (fresh again after a run that
+    left it broken); the stack is always down at the end."""
+    session: Session | None = None
+    journals = []
+    try:
+        for i, runbook in enumerate(runbooks):
+            if session is None:
+                session = Session(runbook)
+            last = i == len(runbooks) - 1
+            journal, kept = _run_one(runbook, profile, report_dir, session, last, echo)
+            journals.append(journal)
+            if not kept:  # down already (the last run, or a broken steady state)
+                session = None
+            if _OPERATOR_STOP in journal.notes:
+                break
+    finally:
+        if session is not None:  # only after an exception: a run closes it otherwise
+            session.close()
+            session.discard()
+    return journals
+
+
+def _run_one(runbook: Runbook, profile: Profile, report_dir: Path, session: Session,
+             last: bool, echo: Callable[[str], None]) -> tuple[Journal, bool]:
+    """One runbook on the session's stack (started here if it is not up): its journal,
+    and whether the stack is left in its steady state for the next runbook."""
     spec = runbook.profile(profile)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
     run_dir = report_dir / f"{stamp}-{runbook.name}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    state_dir = Path(tempfile.mkdtemp(prefix="dmc-", dir="/tmp"))
-    stack = Stack(runbook.stack_path(), state_dir, dict(runbook.vars), dict(runbook.env))
+    stack, state_dir = session.stack, session.state_dir
     journal = Journal(runbook.model_dump(mode="json", exclude={"source"}), str(profile),
                       expect=runbook.expect)
     if runbook.expect_note:
@@ -85,8 +170,9 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
     observer = Observer(state_dir, origin)
     ctx = faults.RunContext(stack, observer, origin, run_dir)
     load: LoadGenerator | None = None
-    stack_up = False
-    echo(f"chaos: {runbook.name} ({profile} profile) in {run_dir}")
+    stack_up = session.started_by is not None
+    echo(f"chaos: {runbook.name} ({profile} profile) in {run_dir}"
+         + (f" on the stack {session.started_by} started" if stack_up else ""))
 
     def check_abort() -> None:
         if time.monotonic() > deadline:
@@ -99,24 +185,27 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
     up_seen: dict[str, object] = {}
     up_must_fail = any(i.check == "up_fails_naming" for i in runbook.invariants)
     try:
-        act = timed("action", "dynamod up", {"stack": runbook.stack, "vars": runbook.vars},
-                    lambda: _up(stack, min(runbook.up_timeout, spec.timeout), up_seen))
-        journal.run.append(act)
-        code = up_seen.get("returncode")
-        ctx.up_returncode = code if isinstance(code, int) else None
-        ctx.up_output = str(up_seen.get("output", ""))
-        if act.status != "succeeded":
-            if up_must_fail:  # the experiment is the refusal itself; the checker judges it
-                act.status = "succeeded"
-                raise _Done()
-            raise RuntimeError("the stack did not come up")
-        stack_up = True
+        if stack_up:
+            journal.notes.append(f"shared stack: started by {session.started_by}; this run "
+                                 "began once its steady state held again")
+        else:
+            act = timed("action", "dynamod up", {"stack": runbook.stack, "vars": runbook.vars},
+                        lambda: _up(stack, min(runbook.up_timeout, spec.timeout), up_seen))
+            journal.run.append(act)
+            code = up_seen.get("returncode")
+            ctx.up_returncode = code if isinstance(code, int) else None
+            ctx.up_output = str(up_seen.get("output", ""))
+            if act.status != "succeeded":
+                if up_must_fail:  # the experiment is the refusal itself; the checker judges it
+                    act.status = "succeeded"
+                    raise _Done()
+                raise RuntimeError("the stack did not come up")
+            stack_up = True
+            session.started_by = runbook.name
         observer.start()
         journal.before = _probe_activities(stack, runbook, deadline)
         if not all(a.status == "succeeded" for a in journal.before):
             raise RuntimeError("the steady state did not hold before the method")
-        with contextlib.suppress(StackError):  # a stack without a frontend has no metrics
-            observer.metrics_url = f"{stack.frontend_url()}/metrics"
         if runbook.load:
             first_url = stack.frontend_url()
             load = LoadGenerator(runbook.load, lambda: observer.frontend_url(first_url),
@@ -150,29 +239,34 @@ def run(runbook: Runbook, profile: Profile, report_dir: Path,
         journal.notes.append(str(exc))
     except KeyboardInterrupt:
         journal.status = RunStatus.INTERRUPTED
-        journal.notes.append("interrupted by the operator")
+        journal.notes.append(_OPERATOR_STOP)
     except RuntimeError as exc:
         journal.status = RunStatus.FAILED
         journal.notes.append(str(exc))
     finally:
-        _finish(runbook, journal, ctx, stack, observer, load, stack_up, run_dir, state_dir,
-                deadline, echo)
-    return journal
+        healthy = _finish(runbook, journal, ctx, session, observer, load, stack_up, last,
+                          run_dir, deadline, echo)
+    return journal, healthy
 
 
-def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: Stack,
-            observer: Observer, load: LoadGenerator | None, stack_up: bool, run_dir: Path,
-            state_dir: Path, deadline: float, echo: Callable[[str], None]) -> None:
-    """Everything that always runs: rollbacks, heal, steady state after, teardown, judge."""
+def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, session: Session,
+            observer: Observer, load: LoadGenerator | None, stack_up: bool, last: bool,
+            run_dir: Path, deadline: float, echo: Callable[[str], None]) -> bool:
+    """Everything that always runs: rollbacks, heal, steady state after, the leftover search
+    (the `down` if this run is the stack's last), judge. True: the stack is left up in its
+    steady state for the next runbook."""
+    stack, state_dir = session.stack, session.state_dir
     for i, step in enumerate(runbook.rollbacks):
         journal.rollbacks.append(timed("action", f"rollback {i + 1} {step.action}",
                                        step.model_dump(mode="json"), _performer(ctx, step)))
     journal.rollbacks.append(timed("action", "heal every fault", {},
                                    lambda: faults.heal_all(ctx)))
+    steady = False
     if stack_up and journal.before and all(a.status == "succeeded" for a in journal.before):
         # the steady state gets what is left of the profile's bound, at least 15 s
         journal.after = _probe_activities(stack, runbook, max(deadline, time.monotonic() + 15))
         journal.deviated = not all(a.status == "succeeded" for a in journal.after)
+        steady = not journal.deviated
     if load:
         load.stop()
     observer.sample()
@@ -183,15 +277,25 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
                 if unit["name"] == name:
                     unit["engine"] = answer
     wall_origin = time.time() - ctx.now()
-    logged = states_from_log(state_dir / "daemon.log", wall_origin)
+    logged = [s for s in states_from_log(state_dir / "daemon.log", wall_origin) if s.at >= 0]
     history = History(requests=list(load.requests) if load else [],
                       states=logged or observer.states, versions=observer.versions,
-                      faults=ctx.faults, cache=observer.cache, final_status=observer.last)
+                      faults=ctx.faults, cache=observer.cache, final_status=observer.last,
+                      port_takes=ctx.port_takes)
     history.start_version = next((v.current for v in observer.versions
                                   if v.current is not None), None)
     history.end = ctx.now()
     history.up_returncode, history.up_output = ctx.up_returncode, ctx.up_output
-    history.teardown = stack.teardown(observer.pids)
+    session.pids |= observer.pids
+    keep = steady and not last and session.started_by is not None and stack.running()
+    if keep:
+        history.teardown = stack.live_leftovers(observer.pids)
+        journal.notes.append("shared stack left up for the next runbook: no_leftovers judged "
+                             "on the live stack (processes of units that are gone, "
+                             "registrations of dead instances); the group's last run "
+                             "judges the `down`")
+    else:
+        history.teardown = session.close()
     verdicts = checkers.judge(history, runbook.invariants)
     journal.checks = [v.as_dict() for v in verdicts]
     journal.measurements = {
@@ -212,9 +316,11 @@ def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, stack: S
         shutil.copytree(logs, run_dir / "logs", dirs_exist_ok=True)
     if (state_dir / "daemon.log").exists():
         shutil.copy(state_dir / "daemon.log", run_dir / "daemon.log")
-    shutil.rmtree(state_dir, ignore_errors=True)
+    if not keep:
+        session.discard()
     echo(f"  {runbook.name}: {journal.verdict} ({journal.status}, "
          f"{journal.end - journal.start:.0f}s)")
+    return keep
 
 
 def _performer(ctx: faults.RunContext, step: Step) -> Callable[[], object]:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.chaos.history import Teardown
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.core.proctable import marked_pids
 
@@ -141,6 +141,30 @@ class Stack:
             except (OSError, ValueError) as exc:
                 answers[unit["name"]] = {"error": str(exc)}
         return answers
+
+    def live_leftovers(self, pids: set[int]) -> Teardown:
+        """What a run left on a stack that stays up for the next runbook: processes it saw
+        that no unit (nor the daemon) owns any more yet still live with the stack's marker,
+        and registrations of dead instances. Each leftover is recorded, then ended."""
+        td = Teardown(down_output="(shared stack left up; `down` is judged by its last run)")
+        try:
+            status = self.status()
+        except DaemonError as exc:
+            td.down_ok, td.down_output = False, f"the shared stack's daemon is gone: {exc}"
+            return td
+        owned = {int(u["pid"]) for u in status["units"] if u.get("pid")}
+        owned.add(int(status.get("daemon_pid") or 0))
+        td.stale_registrations = self.stale_registrations(status)
+        gone = {p for p in pids if p not in owned and pid_alive(p)}
+        # only processes that still carry this stack's run marker: a pid seen once and
+        # reused since by someone else's process is not ours to judge or end
+        td.alive_pids = sorted({p for run_id in self.run_ids
+                                for p in marked_pids(run_id, among=gone)})
+        for pid in td.alive_pids:
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return td
 
     def teardown(self, pids: set[int]) -> Teardown:
         """`down`, then look for anything left: pids seen, the run's marker, ports."""

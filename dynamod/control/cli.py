@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from dynamod.client import Client
 from dynamod.control import render
-from dynamod.control.client import Client
 from dynamod.control.cliutil import (
     BAD_INPUT,
     Seconds,

@@ -1,6 +1,6 @@
 """The control socket: HTTP/JSON over a unix socket only its owner can use.
 
-The CLI and `dynamod.control.client` only ever ask the daemon through here; the handlers only
+The CLI and `dynamod.client` only ever ask the daemon through here; the handlers only
 ask the daemon object. Routes:
   GET  /status           stack phase and every unit
   POST /down             tear down; answers once everything is gone

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamod.control.client import Client
+from dynamod.client import Client
 
 
 @dataclass(frozen=True)

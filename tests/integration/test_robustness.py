@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.core.proctable import marked_pids
 from tests.conftest import Dynamod, pid_alive, unit_by_name, wait_dead
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.trainer.history import read_history, violations
 from dynamod.workers.weights import WEIGHTS_FILE
 from tests.conftest import Dynamod, unit_by_name

@@ -26,7 +26,7 @@ pytest.importorskip("verl", reason="the verl extra is not installed (pip install
 import ray
 from omegaconf import OmegaConf
 
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.core.proctable import marked_pids
 from dynamod.integrations.verl.attach import ray_init_kwargs
 from dynamod.integrations.verl.errors import StackNotReadyError

@@ -12,9 +12,11 @@ from dynamod.chaos.history import (
     CacheSample,
     Fault,
     History,
+    PortTake,
     Request,
     StateChange,
     Teardown,
+    UnitSeen,
     VersionSample,
 )
 from dynamod.chaos.model import Invariant
@@ -82,6 +84,13 @@ def test_no_stale_serving_fails(request_: Request) -> None:
     h = History(versions=versions((0, 0), (10, 1)), requests=[ok(11, 1), request_])
     v = checkers.no_stale_serving(h, inv("no_stale_serving", grace=0.5))
     assert not v.ok, v.detail
+
+
+def test_no_stale_serving_counts_unstamped_trainer_completions_apart() -> None:
+    h = History(versions=versions((0, 0), (10, 1)),
+                requests=[ok(11, 1), Request(12, 12.1, 200), Request(13, 13.1, 200, required=1)])
+    v = checkers.no_stale_serving(h, inv("no_stale_serving"))
+    assert not v.ok and v.measured["unstamped"] == 2 and v.measured["unstamped_trainer"] == 1
 
 
 def test_no_stale_serving_fails_with_nothing_served() -> None:
@@ -195,15 +204,22 @@ def test_every_invariant_kind_has_a_checker() -> None:
     assert kinds == set(checkers.CHECKERS)
 
 
-def test_hit_rate_is_read_from_the_routers_histogram() -> None:
-    from dynamod.chaos.observer import parse_hit_rate
+def test_hit_rate_is_read_from_the_workers_prefix_counters() -> None:
+    from dynamod.chaos.observer import parse_prefix_counters
+    from dynamod.workers.cpu.routes import prefix_cache_metrics
 
-    text = ('# TYPE dynamo_component_router_kv_hit_rate histogram\n'
-            'dynamo_component_router_kv_hit_rate_bucket{le="0.5"} 3\n'
-            'dynamo_component_router_kv_hit_rate_sum{model="m"} 1.5\n'
-            'dynamo_component_router_kv_hit_rate_count{model="m"} 4\n')
-    assert parse_hit_rate(text) == (1.5, 4.0)
-    assert parse_hit_rate("dynamo_frontend_requests_total 3\n") is None
+    served = prefix_cache_metrics(
+        {"engine": "torch", "prefix_cache": {"queried_tokens": 40, "hit_tokens": 30}}, "tiny")
+    assert parse_prefix_counters(served) == (30.0, 40.0)
+    # two series (dynamo.vllm labels per engine) are summed; the router's histogram is not read
+    two = served + served.replace('engine="torch"', 'engine="other"')
+    assert parse_prefix_counters(two) == (60.0, 80.0)
+    router = ("dynamo_component_router_kv_hit_rate_sum 1.5\n"
+              "dynamo_component_router_kv_hit_rate_count 4\n")
+    assert parse_prefix_counters(router) is None
+    # an engine without a prefix cache (the mocker) shows no counters: nothing is sampled
+    assert prefix_cache_metrics({"engine": "mocker"}, "tiny") == ""
+    assert parse_prefix_counters("") is None
 
 
 def test_up_fails_naming() -> None:
@@ -230,3 +246,88 @@ def test_token_alignment() -> None:
                                             inv("token_alignment")).ok
     assert not checkers.token_alignment(History(requests=[Request(1, 2, 500)]),
                                         inv("token_alignment")).ok
+
+
+# ---------------------------------------------------------------- port_conflict_truthful
+
+def taken(*seen: tuple[float, str, str, int]) -> PortTake:
+    """frontend's http=24000 taken at t=10 by pid 4242; seen: (at, state, detail, port)."""
+    return PortTake(10.0, "frontend", "http", 24000, 4242, "python", released_at=30.0,
+                    seen=[UnitSeen(at, state, detail, {"http": port})
+                          for at, state, detail, port in seen])
+
+
+REFUSED = "exited 1: port http=24000 is taken by pid 4242 (python); not restarted"
+
+
+@pytest.mark.parametrize("take, requests, expect", [
+    # an error naming the port and its owner's pid, within the bound
+    (taken((10.2, "backoff", "exited 1: address in use", 24000),
+           (14.0, "failed", REFUSED, 24000)), [], "named http=24000 and its owner after 4.0s"),
+    # the unit spawned on another port and served there
+    (taken((10.2, "starting", "", 25111), (13.0, "ready", "ok", 25111)),
+     [ok(13.5, 0)], "moved to 25111, serving after 3.0s"),
+])
+def test_port_conflict_truthful_passes(take: PortTake, requests: list[Request],
+                                       expect: str) -> None:
+    v = checkers.port_conflict_truthful(History(requests=requests, port_takes=[take]),
+                                        inv("port_conflict_truthful", max_seconds=15))
+    assert v.ok and expect in v.detail, v
+
+
+@pytest.mark.parametrize("history, expect", [
+    (History(), "no port was taken"),
+    # retrying for ever with an error that names neither the port's owner nor a new port
+    (History(port_takes=[taken(*[(10.0 + i, "backoff", "exited 1; restarting in 5s", 24000)
+                                 for i in range(20)])]), "neither an error naming"),
+    # the owner named only after the bound
+    (History(port_takes=[taken((10.2, "starting", "", 24000), (29.0, "failed", REFUSED, 24000))]),
+     "neither an error naming"),
+    # the pid's digits inside another number do not name the owner
+    (History(port_takes=[taken((11.0, "failed", "port 24000 held by pid 142420", 24000))]),
+     "neither an error naming"),
+    # ready on another port, but nothing served after it (the load saw errors only)
+    (History(requests=[Request(13.5, 14.0, 502)],
+             port_takes=[taken((13.0, "ready", "ok", 25111))]), "neither an error naming"),
+    # ready again on the port the chaos runner holds: a lie
+    (History(port_takes=[taken((10.2, "backoff", "", 24000), (12.0, "ready", "ok", 24000))]),
+     "reported ready on http=24000"),
+])
+def test_port_conflict_truthful_fails(history: History, expect: str) -> None:
+    v = checkers.port_conflict_truthful(history, inv("port_conflict_truthful", max_seconds=15))
+    assert not v.ok and expect in v.detail, v
+
+
+# ---------------------------------------------------------------- one broken run per checker
+
+# For every checker, the history a deliberately broken run records (the cheap broken
+# variant of issue 11: the checkers are pure, so the run need not be repeated on a stack).
+BROKEN: dict[str, tuple[History, dict[str, Any]]] = {
+    # admission without replay: a shard admitted at the old version, by its own word
+    "shards_current": (History(final_status={**status(2, {"worker@0": (2, True)}), "units": [
+        {"name": "worker@0", "policy_version": 2, "policy": {"admitted": True},
+         "engine": {"version": 1}}]}), {}),
+    "no_stale_serving": (History(versions=versions((0, 1), (10, 2)),
+                                 requests=[ok(12, 1)]), {}),
+    "client_errors": (History(requests=[ok(1, 0), Request(2, 3, 502)]), {"max_errors": 0}),
+    # a hang detected only after liveness gave up 40 s later
+    "recovery_time": (History(faults=[Fault(10, "SIGSTOP worker@1", "worker@1", 10.5)],
+                              states=unit_down_and_up(11, 50), requests=[ok(51, 0)]),
+                      {"max_seconds": 30}),
+    "no_leftovers": (History(teardown=Teardown(alive_pids=[4242])), {}),
+    "trainer_progress": (History(versions=versions((0, 0), (30, 0)), start_version=0), {}),
+    "cache_hit_recovers": (History(versions=versions((0, 0), (10, 1)),
+                                   cache=cache((5, 0.8), (20, 0.05))), {}),
+    "up_fails_naming": (History(up_returncode=1, up_output="frontend: 1/2 instances"),
+                        {"names": ["straggler"]}),
+    "token_alignment": (History(requests=[aligned(1, 4, logprobs=0)]), {}),
+    "port_conflict_truthful": (History(port_takes=[taken(
+        (11.0, "backoff", "exited with status 1 (exited before it was ready)", 24000))]), {}),
+}
+
+
+def test_every_checker_has_a_broken_run_and_fails_it() -> None:
+    assert set(BROKEN) == set(checkers.CHECKERS)
+    for check, (history, bounds) in BROKEN.items():
+        verdict = checkers.CHECKERS[check](history, inv(check, **bounds))
+        assert not verdict.ok, f"{check} must fail its broken run: {verdict}"

@@ -125,3 +125,28 @@ def test_cli_lists_runbooks_and_refuses_a_bad_one_with_status_2(tmp_path: Path) 
     assert "bad.toml, runbook 'bad', field 'load.clients'" in refused.output
     nothing = cli.invoke(main, ["chaos", "run"])
     assert nothing.exit_code == 2 and "--all" in nothing.output
+
+
+def test_runbooks_on_the_same_stack_vars_and_env_share_one_stack() -> None:
+    from dynamod.chaos.runner import groups
+
+    def rb(name: str, **kw: object) -> model.Runbook:
+        return model.Runbook.model_validate({
+            "name": name, "description": "d", "method": [{"action": "wait", "seconds": 1}],
+            "invariants": [{"check": "no_leftovers"}], "vars": {"trainer_steps": 0}, **kw})
+
+    books = [rb("a"), rb("b", vars={"trainer_steps": 3}), rb("c"), rb("d", shared_stack=False),
+             rb("e", env={"X": "1"}), rb("f"), rb("g", stack="other")]
+    assert [[b.name for b in g] for g in groups(books)] == [
+        ["a", "c", "f"], ["b"], ["d"], ["e"], ["g"]]
+    assert [[b.name for b in g] for g in groups(books, share=False)] == [
+        [b.name] for b in books]
+
+
+def test_stock_runbooks_group_into_few_stacks() -> None:
+    from dynamod.chaos.runner import groups
+
+    shared = [g for g in groups(model.load_all()) if len(g) > 1]
+    names = {b.name for g in shared for b in g}
+    assert {"worker-sigkill", "stale-shard", "frontend-crash"} <= names
+    assert "shutdown-leaves-nothing" not in names  # its verdict is its own `down`

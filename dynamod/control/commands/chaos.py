@@ -50,9 +50,12 @@ def list_command(folder: Path | None) -> None:
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("chaos-runs"), show_default=True,
               help="Where each run's journal, history and timeline go; index.html is rewritten.")
+@click.option("--fresh-stacks", is_flag=True,
+              help="A stack of its own for every runbook (default: runbooks on the same "
+                   "stack, vars and env share one started stack, restored between them).")
 @_dir_option
 def run_command(names: tuple[str, ...], run_all: bool, quick: bool, report_dir: Path,
-                folder: Path | None) -> None:
+                fresh_stacks: bool, folder: Path | None) -> None:
     """Run runbooks NAME... (or --all); exit 1 if any invariant fails or a run deviates."""
     from dynamod.chaos import model, report, runner
     from dynamod.chaos.journal import summary
@@ -68,10 +71,8 @@ def run_command(names: tuple[str, ...], run_all: bool, quick: bool, report_dir: 
         fail(f"invalid runbook, nothing was run.\n{exc}", 2)
     profile = model.Profile.QUICK if quick else model.Profile.FULL
     report_dir = report_dir.absolute()
-    journals = []
-    for runbook in runbooks:
-        journal = runner.run(runbook, profile, report_dir, echo=click.echo)
-        journals.append(journal.as_dict())
+    journals = [j.as_dict() for j in runner.run_all(runbooks, profile, report_dir,
+                                                     echo=click.echo, share=not fresh_stacks)]
     index = report.write_index(report_dir)
     click.echo("")
     click.echo(summary(journals))

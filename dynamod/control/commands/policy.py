@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from dynamod.control.client import Client
+from dynamod.client import Client
 from dynamod.control.cliutil import state_dir_of
 from dynamod.core.errors import DaemonError
 

@@ -78,7 +78,7 @@ async def push_weights(
     keep: int = 2,
 ) -> dict[str, Any]:
     """Write `weights` as step `step` (default: the ledger's next) and push it."""
-    from dynamod.control.client import Client
+    from dynamod.client import Client
 
     client = Client(state_dir)
     if step is None:

@@ -65,7 +65,7 @@ class DynamodRolloutServer:
         return self._session
 
     async def current_version(self) -> int:
-        from dynamod.control.client import Client
+        from dynamod.client import Client
 
         answer = await asyncio.to_thread(Client(self.state_dir).policy_status)
         return int(answer["current"])

@@ -194,7 +194,7 @@ def check_settings(view: StackView, settings: RolloutSettings, section: str = "d
 
 def read_stack(state_dir: Path) -> StackView:
     """Ask the daemon; StackNotReadyError when none answers."""
-    from dynamod.control.client import Client
+    from dynamod.client import Client
     from dynamod.core.errors import DaemonError
 
     try:

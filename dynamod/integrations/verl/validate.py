@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check == "tokens":
         ok, detail = judge_tokens(results)
     elif args.check == "steps":
-        from dynamod.control.client import Client
+        from dynamod.client import Client
 
         if args.step is None:
             parser.error("steps needs --step")

@@ -1,4 +1,7 @@
-"""Registering admin route handlers: upstream's taint route, errors answered as upstream does."""
+"""What the worker serves beside completions: its admin route handlers (upstream's taint
+route, errors answered as upstream does) and its prefix-cache counters as Prometheus text
+for the system port's `/metrics`, under vLLM's own names so a reader of dynamo.vllm's
+metrics reads ours unchanged."""
 
 from __future__ import annotations
 
@@ -35,3 +38,28 @@ def catching(name: str, handler: RouteHandler) -> RouteHandler:
             return {"status": "error", "message": f"{type(exc).__name__}: {exc}"}
 
     return answer
+
+
+# vLLM's prefix-cache counters (prompt tokens looked up / found cached), as dynamo.vllm's
+# system port shows them; a reader sums them over the workers.
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+PREFIX_HITS = "vllm:prefix_cache_hits"
+
+
+def _label(value: object) -> str:
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prefix_cache_metrics(stats: dict[str, Any], model_name: str) -> str:
+    """The engine's prefix-cache counts (`engine.stats()`) as Prometheus exposition text;
+    empty for an engine without a prefix cache (the mocker)."""
+    cache = stats.get("prefix_cache")
+    if not isinstance(cache, dict):
+        return ""
+    labels = f'{{model_name="{_label(model_name)}",engine="{_label(stats.get("engine", ""))}"}}'
+    lines = []
+    for name, key, what in ((PREFIX_QUERIES, "queried_tokens", "Prefix cache queries, in tokens"),
+                            (PREFIX_HITS, "hit_tokens", "Prefix cache hits, in tokens")):
+        lines += [f"# HELP {name} {what}.", f"# TYPE {name} counter",
+                  f"{name}_total{labels} {int(cache[key])}"]
+    return "\n".join(lines) + "\n"

@@ -25,7 +25,7 @@ from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
 from dynamod.workers.cpu.mocker import MockerEngine
-from dynamod.workers.cpu.routes import catching, upstream_taint_route
+from dynamod.workers.cpu.routes import catching, prefix_cache_metrics, upstream_taint_route
 from dynamod.workers.cpu.torch_engine import TorchEngine
 from dynamod.workers.model import ModelDirError, check_model_dir
 from dynamod.workers.weights import CheckpointError, load_checkpoint
@@ -109,6 +109,9 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         "update/model_taints", worker.serialised(upstream_taint_route(runtime, endpoint))
     )
 
+    endpoint.metrics.register_prometheus_expfmt_callback(
+        lambda: prefix_cache_metrics(engine.stats(), mocker.model_name)
+    )
     engine.bind_kv_events(KvEventBridge(endpoint, block_size))
     runtime_config.enable_local_indexer = True  # the bridge's publisher keeps one
     await register_model(

@@ -1,7 +1,5 @@
-"""A small synchronous client for the control socket (used by the CLI, tests, trainers).
-
-Standard library only, so `dynamod status` starts fast.
-"""
+"""A small synchronous client for the control socket (used by the CLI, chaos runs, the verl
+backend, tests and trainers). Standard library only, so `dynamod status` starts fast."""
 
 from __future__ import annotations
 

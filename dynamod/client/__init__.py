@@ -1,0 +1,8 @@
+"""The client library for a running dynamod daemon: `Client(state_dir)` asks its control
+socket (status, down, restart, policy push and publish). It sits below everything that
+talks to a daemon (the CLI, chaos runs, the verl backend, the trainer) and imports only
+dynamod.core, so none of them has to import the control layer to reach the daemon."""
+
+from dynamod.client.control import Client
+
+__all__ = ["Client"]
