@@ -370,12 +370,19 @@ class EtcdClient:
     def _failure(self, err: Exception) -> Failure | None:
         """What a gRPC / aetcd error means; None for anything else (a bug: let it propagate)."""
         if isinstance(err, aetcd_errors.WatchTimeoutError):
-            return classify("DEADLINE_EXCEEDED", "", user=self._user, timeout_s=self.timeout_s)
-        status = err if isinstance(err, grpc.aio.AioRpcError) else err.__cause__
-        if not isinstance(status, grpc.aio.AioRpcError):
-            return None
-        code = status.code().name
-        return classify(code, status.details() or "", user=self._user, timeout_s=self.timeout_s)
+            code, details = "DEADLINE_EXCEEDED", ""
+        else:
+            status = err if isinstance(err, grpc.aio.AioRpcError) else err.__cause__
+            if not isinstance(status, grpc.aio.AioRpcError):
+                return None
+            code, details = status.code().name, status.details() or ""
+        return classify(
+            code,
+            details,
+            user=self._user,
+            timeout_s=self.timeout_s,
+            client_cert=self.auth is not None and bool(self.auth.cert_pem),
+        )
 
     @property
     def _user(self) -> str | None:

@@ -6,6 +6,7 @@ and whether trying another endpoint or a fresh token can help. Pure logic, no I/
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 
@@ -61,14 +62,35 @@ class Failure:
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
 
 
-def classify(code: str, details: str, *, user: str | None, timeout_s: float) -> Failure:
-    """A gRPC status (code name such as "UNAVAILABLE", details text) as a Failure."""
-    text = details.strip()
+# gRPC's prefix before the reason a connection failed: "failed to connect to all addresses;
+# last error: UNKNOWN: ipv4:127.0.0.1:2379: Connection refused" -> "Connection refused".
+_CONNECT_PREFIX = re.compile(
+    r"^failed to connect to all addresses; last error: \w+: (ipv[46]:)?\S+: "
+)
+
+
+def classify(
+    code: str,
+    details: str,
+    *,
+    user: str | None,
+    timeout_s: float,
+    client_cert: bool = False,
+) -> Failure:
+    """A gRPC status (code name such as "UNAVAILABLE", details text) as a Failure.
+
+    `client_cert` says whether we offered a client certificate, which tells the two TLS
+    refusals a server sends apart.
+    """
+    text = _CONNECT_PREFIX.sub("", details.strip())
     low = text.lower()
     if code == "DEADLINE_EXCEEDED":
         return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s")
     if code == "UNAVAILABLE" and any(m in low for m in _TLS_MARKERS):
-        return Failure(FailureKind.TLS, _tls_detail(low, text))
+        return Failure(FailureKind.TLS, _tls_detail(low, text, client_cert))
+    if code == "UNAVAILABLE" and "timed out" in low:
+        # It accepted the connection and never spoke HTTP/2 (gRPC gives up at our deadline).
+        return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s ({text})")
     if code == "UNAVAILABLE":
         return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
     if code == "UNAUTHENTICATED" and "invalid auth token" in low:
@@ -94,14 +116,20 @@ def classify(code: str, details: str, *, user: str | None, timeout_s: float) -> 
     return Failure(FailureKind.SERVER, f"{code}: {text}")
 
 
-def _tls_detail(low: str, text: str) -> str:
+def _tls_detail(low: str, text: str, client_cert: bool) -> str:
     if "certificate_verify_failed" in low or "certificate verify failed" in low:
         return (
             "failed the TLS handshake: its certificate is not signed by the CA we were given "
             "(or does not name this address)"
         )
-    if "certificate required" in low or "certificate_required" in low:
-        return "refused the TLS handshake: it requires a client certificate and we sent none"
+    refused_ours = ("bad_certificate", "certificate_required", "unknown_ca", "bad certificate")
+    if any(marker in low for marker in refused_ours):
+        if not client_cert:
+            return "refused the TLS handshake: it requires a client certificate and we sent none"
+        return (
+            "refused our client certificate in the TLS handshake (is it signed by a CA that "
+            "etcd's --trusted-ca-file holds?)"
+        )
     if "wrong_version_number" in low or "wrong version number" in low:
         return "failed the TLS handshake: it does not speak TLS on this port (try http://)"
     return f"failed the TLS handshake ({_short(text)})"
