@@ -24,6 +24,7 @@ from bench.report import (
 )
 
 BENCHMARKS = [
+    "etcd_client",
     "overhead",
     "output",
     "detect",

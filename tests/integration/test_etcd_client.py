@@ -1,18 +1,34 @@
-"""dynamod.rollout.etcd against a real etcd (the JSON gateway of etcd 3.5)."""
+"""dynamod.rollout.etcd against real etcd 3.5 servers on loopback: one plain, one with auth
+(tokens expiring after 2 s), one with TLS and client certificates, and a 3-member cluster for
+failover."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import socket
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import aiohttp
+import aetcd
 import pytest
 
-from dynamod.rollout.etcd import EtcdClient, EtcdError, prefix_range_end
-from tests.integration.rawstack import free_port, raw_stack
+from dynamod.rollout.etcd import (
+    Compare,
+    EtcdAuth,
+    EtcdAuthError,
+    EtcdClient,
+    EtcdError,
+    TxnDelete,
+    TxnPut,
+    WatchEvent,
+    prefix_range_end,
+)
+from tests.integration import etcd_servers
+from tests.integration.etcd_servers import PASSWORD, USER, Member, Pki
+from tests.integration.rawstack import RawStack, free_port, raw_stack
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +125,10 @@ async def test_server_refusal_names_operation_key_and_server_message(
     err = caught.value
     assert (err.operation, err.key, err.endpoint) == ("put", f"{prefix}orphan", etcd.endpoint)
     assert "lease not found" in err.detail
-    assert str(err).startswith(f"etcd put '{prefix}orphan' at {etcd.endpoint} failed: HTTP 404")
+    assert str(err) == (
+        f"etcd put '{prefix}orphan' at {etcd.endpoint} failed: "
+        "etcdserver: requested lease not found"
+    )
 
 
 async def test_unreachable_endpoint_names_the_endpoint() -> None:
@@ -135,16 +154,259 @@ async def test_silent_endpoint_times_out_per_request() -> None:
             assert asyncio.get_running_loop().time() - started < 2
 
 
-async def test_shared_session_is_left_open(etcd_url: str, prefix: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        async with EtcdClient(etcd_url, session=session) as client:
-            await client.put(f"{prefix}k", "v")
-        assert not session.closed
-        async with EtcdClient(etcd_url, session=session) as client:
-            assert await client.get(f"{prefix}k") == b"v"
-
-
 def test_prefix_range_end() -> None:
     assert prefix_range_end("a/") == b"a0"
     assert prefix_range_end("a\xff") == "a\xff".encode()[:-1] + b"\xc0"
     assert prefix_range_end("") == b"\0"
+
+
+# -- transactions, keepalive, watches ----------------------------------------------------------
+
+
+async def test_txn_applies_one_branch_atomically(etcd: EtcdClient, prefix: str) -> None:
+    await etcd.put(f"{prefix}gate", "open")
+    await etcd.put(f"{prefix}old/1", "x")
+    held = await etcd.txn(
+        [
+            Compare(f"{prefix}gate", "value", "==", "open"),
+            Compare(f"{prefix}new", "version", "==", 0),
+        ],
+        [TxnPut(f"{prefix}new", "made"), TxnDelete(f"{prefix}old/", prefix=True)],
+        [TxnPut(f"{prefix}failed", "yes")],
+    )
+    assert held is True
+    assert await etcd.get(f"{prefix}new") == b"made"
+    assert await etcd.get_prefix(f"{prefix}old/") == []
+
+    held = await etcd.txn(  # `new` exists now: the failure branch runs, the success one not
+        [Compare(f"{prefix}new", "version", "==", 0)],
+        [TxnDelete(f"{prefix}gate")],
+        [TxnPut(f"{prefix}failed", "yes")],
+    )
+    assert held is False
+    assert await etcd.get(f"{prefix}failed") == b"yes"
+    assert await etcd.get(f"{prefix}gate") == b"open"
+
+
+async def test_lease_keepalive_refreshes_and_reports_a_gone_lease(etcd: EtcdClient) -> None:
+    lease = await etcd.lease_grant(2)
+    await asyncio.sleep(1.2)
+    assert await etcd.lease_keepalive(lease) == 2
+    await asyncio.sleep(1.2)  # past the first expiry: the refresh kept it
+    info = await etcd.lease_time_to_live(lease)
+    assert info is not None and info.granted_ttl == 2 and info.ttl >= 0
+    await etcd.lease_revoke(lease)
+    assert await etcd.lease_keepalive(lease) is None
+
+
+async def _collect(
+    etcd: EtcdClient, prefix: str, count: int, started: asyncio.Event
+) -> list[WatchEvent]:
+    events: list[WatchEvent] = []
+    watch = etcd.watch_prefix(prefix)
+    async with contextlib.aclosing(watch):
+        first = asyncio.ensure_future(anext(watch))
+        await asyncio.sleep(0.2)  # the watch exists (it starts at the revision it read)
+        started.set()
+        events.append(await first)
+        while len(events) < count:
+            events.append(await anext(watch))
+    return events
+
+
+async def test_watch_prefix_sees_puts_and_deletes_under_the_prefix_in_order(
+    etcd: EtcdClient, prefix: str
+) -> None:
+    await etcd.put(f"{prefix}w/before", "not seen: written before the watch")
+    started = asyncio.Event()
+    watcher = asyncio.create_task(_collect(etcd, f"{prefix}w/", 3, started))
+    await started.wait()
+    await etcd.put(f"{prefix}w/a", "1")
+    await etcd.put(f"{prefix}wx", "outside the prefix")
+    await etcd.put(f"{prefix}w/b", "2")
+    await etcd.delete(f"{prefix}w/a")
+    events = await asyncio.wait_for(watcher, 5)
+
+    assert [(e.kind, e.key, e.value) for e in events] == [
+        ("put", f"{prefix}w/a", b"1"),
+        ("put", f"{prefix}w/b", b"2"),
+        ("delete", f"{prefix}w/a", b""),
+    ]
+    revisions = [e.mod_revision for e in events]
+    assert revisions == sorted(revisions) and len(set(revisions)) == 3
+
+
+# -- authentication -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with raw_stack(tmp_path_factory.mktemp("etcd-auth")) as stack:
+        yield etcd_servers.start_auth_etcd(stack)
+
+
+def _address(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+async def test_auth_user_works_inside_its_prefix_and_is_denied_outside(auth_url: str) -> None:
+    key = f"dynamod/{uuid.uuid4().hex}"
+    async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as client:
+        await client.put(key, "v")
+        assert await client.get(key) == b"v"
+        with pytest.raises(EtcdAuthError) as caught:
+            await client.put("elsewhere/key", "v")
+    assert str(caught.value) == (
+        f"etcd at {_address(auth_url)} refused user 'dynamod': permission denied "
+        "(its roles do not cover this key)"
+    )
+
+
+async def test_expired_token_is_renewed_without_the_caller_noticing(auth_url: str) -> None:
+    key = f"dynamod/{uuid.uuid4().hex}"
+    host, port = _address(auth_url).split(":")
+    plain = aetcd.Client(host=host, port=int(port), username=USER, password=PASSWORD, timeout=2)
+    async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as client:
+        await client.put(key, "before")
+        await plain.put(key.encode(), b"plain")
+        await asyncio.sleep(3.5)  # --auth-token-ttl 2: both tokens expire
+        # aetcd alone keeps its dead token: proof that etcd really expired it.
+        with pytest.raises(aetcd.exceptions.ClientError, match="invalid auth token"):
+            await plain.get(key.encode())
+        assert await client.get(key) == b"plain"
+        await client.put(key, "after")
+        assert await client.get(key) == b"after"
+    await plain.close()
+
+
+async def test_wrong_password_is_one_clear_line(auth_url: str) -> None:
+    async with EtcdClient(auth_url, auth=EtcdAuth(USER, "wrong")) as client:
+        with pytest.raises(EtcdAuthError) as caught:
+            await client.get("dynamod/x")
+    err = caught.value
+    assert str(err) == (
+        f"etcd at {_address(auth_url)} refused user 'dynamod': authentication failed "
+        "(wrong user name or password)"
+    )
+    assert "wrong" not in str(err).replace("wrong user", "")  # the password is never shown
+    assert (err.operation, err.key) == ("get", "dynamod/x")
+
+
+async def test_no_credentials_against_auth_is_named(auth_url: str) -> None:
+    async with EtcdClient(auth_url) as client:
+        with pytest.raises(EtcdAuthError) as caught:
+            await client.get("dynamod/x")
+    assert str(caught.value).startswith(f"etcd at {_address(auth_url)} refused ")
+    assert "authentication is enabled" in str(caught.value) or "anonymous" in str(caught.value)
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pki]]:
+    root: Path = tmp_path_factory.mktemp("etcd-tls")
+    pki = etcd_servers.make_pki(root / "pki")
+    with raw_stack(root) as stack:
+        yield etcd_servers.start_tls_etcd(stack, pki), pki
+
+
+async def test_tls_with_a_client_certificate_works(tls: tuple[str, Pki]) -> None:
+    url, pki = tls
+    auth = EtcdAuth(ca_pem=pki.ca_pem, cert_pem=pki.client_cert_pem, key_pem=pki.client_key_pem)
+    assert "BEGIN" not in repr(auth)  # PEM contents never reach a log line through repr
+    async with EtcdClient(url, auth=auth) as client:
+        await client.put("tls/k", "over TLS")
+        assert await client.get("tls/k") == b"over TLS"
+
+
+async def test_tls_with_the_wrong_ca_names_the_certificate(tls: tuple[str, Pki]) -> None:
+    url, pki = tls
+    auth = EtcdAuth(
+        ca_pem=pki.other_ca_pem, cert_pem=pki.client_cert_pem, key_pem=pki.client_key_pem
+    )
+    async with EtcdClient(url, auth=auth, timeout_s=3) as client:
+        with pytest.raises(EtcdAuthError) as caught:
+            await client.get("tls/k")
+    assert str(caught.value) == (
+        f"etcd at {_address(url)} failed the TLS handshake: its certificate is not signed by "
+        "the CA we were given (or does not name this address)"
+    )
+
+
+async def test_tls_without_a_client_certificate_is_named(tls: tuple[str, Pki]) -> None:
+    url, pki = tls
+    async with EtcdClient(url, auth=EtcdAuth(ca_pem=pki.ca_pem), timeout_s=3) as client:
+        with pytest.raises(EtcdAuthError) as caught:
+            await client.get("tls/k")
+    assert str(caught.value) == (
+        f"etcd at {_address(url)} refused the TLS handshake: it requires a client certificate "
+        "and we sent none"
+    )
+
+
+# -- a 3-member cluster: failover ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RawStack, list[Member]]]:
+    with raw_stack(tmp_path_factory.mktemp("etcd-cluster")) as stack:
+        yield stack, etcd_servers.start_cluster(stack)
+
+
+def _member_in_use(client: EtcdClient, members: list[Member]) -> Member:
+    return next(m for m in members if m.url == client.endpoint)
+
+
+async def test_the_next_call_after_a_member_dies_succeeds_on_another(
+    cluster: tuple[RawStack, list[Member]], prefix: str
+) -> None:
+    stack, members = cluster
+    async with EtcdClient([m.url for m in members]) as client:
+        await client.put(f"{prefix}k", "1")
+        victim = _member_in_use(client, members)
+        victim.proc.signal_group(signal.SIGKILL)
+        victim.proc.popen.wait(5)
+        try:
+            assert await client.get(f"{prefix}k") == b"1"
+            assert client.endpoint != victim.url
+            await client.put(f"{prefix}k", "2")  # writes too: the two left keep a quorum
+            assert await client.get(f"{prefix}k") == b"2"
+        finally:
+            etcd_servers.restart_member(stack, members, victim)
+
+
+async def test_a_watch_resumes_on_another_member_without_losing_events(
+    cluster: tuple[RawStack, list[Member]], prefix: str
+) -> None:
+    stack, members = cluster
+    async with EtcdClient([m.url for m in members]) as client:
+        await client.put(f"{prefix}warm", "x")
+        victim = _member_in_use(client, members)
+        started = asyncio.Event()
+        watcher = asyncio.create_task(_collect(client, f"{prefix}w/", 3, started))
+        await started.wait()
+        await client.put(f"{prefix}w/1", "before the loss")
+        victim.proc.signal_group(signal.SIGKILL)
+        victim.proc.popen.wait(5)
+        try:
+            await client.put(f"{prefix}w/2", "after")
+            await client.put(f"{prefix}w/3", "after")
+            events = await asyncio.wait_for(watcher, 10)
+        finally:
+            etcd_servers.restart_member(stack, members, victim)
+    assert [e.key for e in events] == [f"{prefix}w/1", f"{prefix}w/2", f"{prefix}w/3"]
+
+
+async def test_every_member_unreachable_names_each() -> None:
+    ports = [free_port(), free_port()]
+    async with EtcdClient([f"127.0.0.1:{p}" for p in ports]) as client:
+        with pytest.raises(EtcdError) as caught:
+            await client.get("k")
+    text = str(caught.value)
+    assert text.startswith(
+        f"etcd get 'k' at http://127.0.0.1:{ports[0]},http://127.0.0.1:{ports[1]} failed: "
+        "no endpoint answered ("
+    )
+    for port in ports:
+        assert f"127.0.0.1:{port}: cannot reach etcd" in text

@@ -1,4 +1,8 @@
-"""A small asyncio etcd v3 client over etcd's JSON gRPC gateway.
+"""The JSON-gateway etcd client of dynamod before issue 14: bench/etcd_client.py's baseline.
+
+This is dynamod/rollout/etcd.py as it was at commit 5eafa4c (plus `lease_keepalive` and
+`watch_prefix` over the gateway's streaming routes, so every row has both sides). Nothing
+outside bench/ imports it.
 
 The `etcd3` package pins protobuf<4, which clashes with vLLM and Ray, so dynamod speaks the
 gateway's JSON directly (`POST /v3/kv/range` and friends). Keys and values travel base64-encoded;
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -214,6 +219,29 @@ class EtcdClient:
             granted_ttl=int(reply.get("grantedTTL", 0)),
             keys=sorted(_unb64(k).decode(errors="replace") for k in reply.get("keys", [])),
         )
+
+    async def lease_keepalive(self, lease_id: int) -> int | None:
+        """One keepalive over the gateway's streaming route; the remaining TTL, None if gone."""
+        reply = await self._call(
+            "lease_keepalive", "/v3/lease/keepalive", {"ID": str(lease_id)}, None
+        )
+        ttl = int(reply.get("result", {}).get("TTL", 0))
+        return ttl if ttl > 0 else None
+
+    async def watch_prefix(self, prefix: str) -> AsyncIterator[tuple[str, str]]:
+        """(kind, key) per event under `prefix`, from the gateway's streaming /v3/watch."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+            self._owns_session = True
+        body = {
+            "create_request": {"key": _b64(prefix), "range_end": _b64(prefix_range_end(prefix))}
+        }
+        async with self._session.post(f"{self.endpoint}/v3/watch", json=body) as resp:
+            async for line in resp.content:
+                result = json.loads(line).get("result", {})
+                for event in result.get("events", []):
+                    kind = "delete" if event.get("type") == "DELETE" else "put"
+                    yield kind, _unb64(event["kv"]["key"]).decode()
 
     # -- transport ------------------------------------------------------------------------------
 

@@ -1,0 +1,468 @@
+"""dynamod's asyncio etcd v3 client: the calls the supervisor makes (keys, prefixes, leases,
+compare-and-swap, transactions, prefix watches), each with a per-call timeout, failover between
+the cluster's endpoints, re-authentication when the token expires, and errors that name the
+endpoint, the operation and the key. The wire work is aetcd's (see connection.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+import grpc
+from aetcd import exceptions as aetcd_errors
+from aetcd import rpc
+
+from dynamod.rollout.etcd.connection import Connection
+from dynamod.rollout.etcd.endpoints import Endpoint, Rotation, parse_endpoints
+from dynamod.rollout.etcd.errors import (
+    EtcdAuthError,
+    EtcdError,
+    Failure,
+    FailureKind,
+    classify,
+)
+from dynamod.rollout.etcd.records import (
+    Compare,
+    EtcdAuth,
+    KeyValue,
+    LeaseInfo,
+    TxnDelete,
+    TxnOp,
+    TxnPut,
+    WatchEvent,
+    prefix_range_end,
+)
+
+if TYPE_CHECKING:
+    import aiohttp
+
+DEFAULT_TIMEOUT_S = 2.0
+
+T = TypeVar("T")
+
+_COMPARE_RESULT = {
+    "==": rpc.Compare.EQUAL,
+    "!=": rpc.Compare.NOT_EQUAL,
+    "<": rpc.Compare.LESS,
+    ">": rpc.Compare.GREATER,
+}
+
+
+class _Missing(Exception):
+    """etcd answered NOT_FOUND (a lease that is gone): some callers read that as an answer."""
+
+
+class EtcdClient:
+    """Typed etcd v3 client. Use as `async with EtcdClient(url) as etcd:`.
+
+    `endpoints` is one URL, a comma-separated list (as ETCD_ENDPOINTS holds) or a list; a call
+    that finds its member unreachable tries the next one. `auth` adds a user (re-authenticated
+    when etcd expires the token) and TLS. `session` is accepted for callers written for the
+    earlier HTTP client and not used: gRPC keeps its own connections.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        session: aiohttp.ClientSession | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        auth: EtcdAuth | None = None,
+    ) -> None:
+        del session  # see the class docstring
+        self._rotation = Rotation(parse_endpoints(endpoints))
+        self.timeout_s = timeout_s
+        self.auth = auth
+        self._connections: dict[Endpoint, Connection] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        """The URL of the member in use."""
+        return self._rotation.current.url
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [e.url for e in self._rotation.endpoints]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        connections, self._connections = list(self._connections.values()), {}
+        for conn in connections:
+            await conn.close_gracefully(0)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    # -- kv -------------------------------------------------------------------------------------
+
+    async def get_kv(self, key: str) -> KeyValue | None:
+        got = await self._call("get", key, lambda c: c.get(key.encode()))
+        return None if got is None else _kv(got)
+
+    async def get(self, key: str) -> bytes | None:
+        kv = await self.get_kv(key)
+        return kv.value if kv is not None else None
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        start, end = _range(prefix)
+        got = await self._call("get_prefix", prefix, lambda c: c.get_range(start, end))
+        return [_kv(item) for item in got]
+
+    async def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
+        await self._call("put", key, lambda c: c.put(key.encode(), _bytes(value), lease or None))
+
+    async def delete(self, key: str) -> int:
+        """Delete one key; returns how many keys went away (0 or 1)."""
+        got = await self._call("delete", key, lambda c: c.delete(key.encode()))
+        return 0 if got is None else int(got.deleted)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        start, end = _range(prefix)
+        got = await self._call("delete_prefix", prefix, lambda c: c.delete_range(start, end))
+        return int(got.deleted)
+
+    async def put_if(
+        self, key: str, value: str | bytes, expected_mod_revision: int, lease: int = 0
+    ) -> bool:
+        """Compare-and-swap: write only if the key's mod_revision is still the expected one.
+
+        `expected_mod_revision=0` means "only if the key does not exist". Returns whether the
+        write happened.
+        """
+        compare = [Compare(key, "mod", "==", expected_mod_revision)]
+        return await self._txn("put_if", key, compare, [TxnPut(key, value, lease)], [])
+
+    async def txn(
+        self,
+        compare: Sequence[Compare],
+        success: Sequence[TxnOp],
+        failure: Sequence[TxnOp] = (),
+    ) -> bool:
+        """If every `compare` holds apply `success`, else `failure` (atomically); True if held."""
+        key = compare[0].key if compare else (success[0].key if success else None)
+        return await self._txn("txn", key, compare, success, failure)
+
+    async def _txn(
+        self,
+        operation: str,
+        key: str | None,
+        compare: Sequence[Compare],
+        success: Sequence[TxnOp],
+        failure: Sequence[TxnOp],
+    ) -> bool:
+        request = rpc.TxnRequest(
+            compare=[_compare(c) for c in compare],
+            success=[_request_op(op) for op in success],
+            failure=[_request_op(op) for op in failure],
+        )
+
+        async def send(conn: Connection) -> Any:
+            await conn.connect()
+            return await conn.kvstub.Txn(request, timeout=self.timeout_s, metadata=conn.metadata)
+
+        # A timed-out transaction may have applied; sending it to another member could apply it
+        # twice, or report a compare that failed only because the first attempt succeeded.
+        reply = await self._call(operation, key, send, idempotent=False)
+        return bool(reply.succeeded)
+
+    # -- watches --------------------------------------------------------------------------------
+
+    async def watch_prefix(
+        self, prefix: str, *, start_revision: int | None = None
+    ) -> AsyncIterator[WatchEvent]:
+        """Every change under `prefix` from now on (or from `start_revision`), in order.
+
+        A stream broken by its member's loss or an expired token is opened again on the next
+        endpoint from the revision after the last event, so no event is lost or repeated. Raises
+        EtcdError when every endpoint has failed in a row, or when the revision to resume from
+        has been compacted away (then read the prefix again and watch from there).
+        """
+        start, end = _range(prefix)
+        next_revision = start_revision
+        if next_revision is None:
+            next_revision = (
+                await self._call(
+                    "watch_prefix",
+                    prefix,
+                    lambda c: _current_revision(c, start, end, self.timeout_s),
+                )
+                + 1
+            )
+        failures: list[tuple[Endpoint, Failure]] = []
+        while True:
+            endpoint = self._rotation.current
+            conn = self._connection(endpoint)
+            events: asyncio.Queue[Any] = asyncio.Queue()
+            stream = None
+            try:
+                await conn.connect()
+                stream = conn.new_watcher()
+                await stream.add_callback(
+                    start, events.put, range_end=end, start_revision=next_revision
+                )
+                while True:
+                    item = await events.get()
+                    if item is None:
+                        return  # the stream was shut down (the client closed)
+                    if isinstance(item, BaseException):
+                        raise item
+                    failures.clear()
+                    event = _event(item)
+                    next_revision = event.mod_revision + 1
+                    yield event
+            except aetcd_errors.RevisionCompactedError as err:
+                detail = (
+                    f"revision {next_revision} was compacted (etcd keeps from "
+                    f"{err.compacted_revision}): read {prefix!r} again and watch from there"
+                )
+                raise EtcdError(endpoint.url, "watch_prefix", prefix, detail) from None
+            except Exception as err:
+                failure = self._failure(err)
+                if failure is None:
+                    raise
+                if failure.kind is FailureKind.TOKEN_EXPIRED and not _seen(failures, failure):
+                    failures.append((endpoint, failure))
+                    await self._reauthenticate(conn, "watch_prefix", prefix)
+                    continue
+                if not failure.try_another_endpoint:
+                    raise self._error(endpoint, "watch_prefix", prefix, failure) from None
+                failures.append((endpoint, failure))
+                self._drop(endpoint)
+                if len(failures) >= len(self._rotation.endpoints):
+                    raise self._all_failed("watch_prefix", prefix, failures) from None
+            finally:
+                if stream is not None:
+                    with contextlib.suppress(Exception):
+                        await stream.shutdown()
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    async def lease_grant(self, ttl: int) -> int:
+        lease = await self._call("lease_grant", None, lambda c: c.lease(ttl))
+        return int(lease.id)
+
+    async def lease_keepalive(self, lease_id: int) -> int | None:
+        """Refresh a lease once; its TTL after the refresh, or None if it no longer exists."""
+        reply = await self._call("lease_keepalive", None, lambda c: c.refresh_lease(lease_id))
+        ttl = int(reply.TTL) if reply is not None else 0
+        return ttl if ttl > 0 else None
+
+    async def lease_revoke(self, lease_id: int) -> bool:
+        """Revoke a lease and delete every key attached to it.
+
+        Idempotent: a lease that is already gone (revoked, expired) is not an error. Returns
+        whether this call revoked it.
+        """
+        try:
+            await self._call(
+                "lease_revoke", None, lambda c: c.revoke_lease(lease_id), missing_ok=True
+            )
+        except _Missing:
+            return False
+        return True
+
+    async def lease_time_to_live(self, lease_id: int) -> LeaseInfo | None:
+        """The lease's remaining TTL and the keys attached to it; None if it no longer exists."""
+        reply = await self._call(
+            "lease_time_to_live", None, lambda c: c.get_lease_info(lease_id, keys=True)
+        )
+        ttl = int(reply.TTL)
+        if ttl < 0:
+            return None
+        return LeaseInfo(
+            lease_id=lease_id,
+            ttl=ttl,
+            granted_ttl=int(reply.grantedTTL),
+            keys=sorted(bytes(k).decode(errors="replace") for k in reply.keys),
+        )
+
+    # -- calls, failover, errors -----------------------------------------------------------------
+
+    async def _call(
+        self,
+        operation: str,
+        key: str | None,
+        send: Callable[[Connection], Awaitable[T]],
+        *,
+        idempotent: bool = True,
+        missing_ok: bool = False,
+    ) -> T:
+        """`send` on the member in use; on to the next member when one does not answer."""
+        failures: list[tuple[Endpoint, Failure]] = []
+        for endpoint in self._rotation.attempt_order():
+            conn = self._connection(endpoint)
+            try:
+                return await self._send_once(conn, operation, key, send)
+            except Exception as err:
+                failure = self._failure(err)
+                if failure is None:
+                    raise
+            if failure.kind is FailureKind.NOT_FOUND and missing_ok:
+                raise _Missing(failure.detail)
+            if not failure.try_another_endpoint:
+                raise self._error(endpoint, operation, key, failure) from None
+            failures.append((endpoint, failure))
+            self._drop(endpoint)
+            if failure.kind is FailureKind.TIMEOUT and not idempotent:
+                break
+        raise self._all_failed(operation, key, failures)
+
+    async def _send_once(
+        self,
+        conn: Connection,
+        operation: str,
+        key: str | None,
+        send: Callable[[Connection], Awaitable[T]],
+    ) -> T:
+        """One member: send, and once more with a fresh token if etcd expired ours."""
+        try:
+            return await send(conn)
+        except Exception as err:
+            failure = self._failure(err)
+            if failure is None or failure.kind is not FailureKind.TOKEN_EXPIRED:
+                raise
+        await self._reauthenticate(conn, operation, key)
+        return await send(conn)
+
+    async def _reauthenticate(self, conn: Connection, operation: str, key: str | None) -> None:
+        try:
+            await conn.authenticate()
+        except Exception as err:
+            failure = self._failure(err)
+            if failure is None:
+                raise
+            raise self._error(conn.endpoint, operation, key, failure) from None
+
+    def _connection(self, endpoint: Endpoint) -> Connection:
+        conn = self._connections.get(endpoint)
+        if conn is None:
+            conn = Connection(endpoint, self.auth, self.timeout_s)
+            self._connections[endpoint] = conn
+        return conn
+
+    def _drop(self, endpoint: Endpoint) -> None:
+        """Forget a member's connection (the next call opens a fresh one) and move past it.
+
+        Calls still in flight on it get `timeout_s` to finish before its channel closes.
+        """
+        self._rotation.advance(endpoint)
+        conn = self._connections.pop(endpoint, None)
+        if conn is None:
+            return
+        task = asyncio.get_running_loop().create_task(conn.close_gracefully(self.timeout_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _failure(self, err: Exception) -> Failure | None:
+        """What a gRPC / aetcd error means; None for anything else (a bug: let it propagate)."""
+        if isinstance(err, aetcd_errors.WatchTimeoutError):
+            code, details = "DEADLINE_EXCEEDED", ""
+        else:
+            status = err if isinstance(err, grpc.aio.AioRpcError) else err.__cause__
+            if not isinstance(status, grpc.aio.AioRpcError):
+                return None
+            code, details = status.code().name, status.details() or ""
+        return classify(
+            code,
+            details,
+            user=self._user,
+            timeout_s=self.timeout_s,
+            client_cert=self.auth is not None and bool(self.auth.cert_pem),
+        )
+
+    @property
+    def _user(self) -> str | None:
+        return self.auth.user if self.auth is not None else None
+
+    def _error(
+        self, endpoint: Endpoint, operation: str, key: str | None, failure: Failure
+    ) -> EtcdError:
+        if failure.kind in (FailureKind.REFUSED_AUTH, FailureKind.TLS):
+            return EtcdAuthError(endpoint.url, operation, key, failure.detail, endpoint.address)
+        return EtcdError(endpoint.url, operation, key, failure.detail)
+
+    def _all_failed(
+        self, operation: str, key: str | None, failures: list[tuple[Endpoint, Failure]]
+    ) -> EtcdError:
+        if len(failures) == 1:
+            endpoint, failure = failures[0]
+            return self._error(endpoint, operation, key, failure)
+        where = ",".join(e.url for e, _ in failures)
+        detail = "; ".join(f"{e.address}: {f.detail}" for e, f in failures)
+        return EtcdError(where, operation, key, f"no endpoint answered ({detail})")
+
+
+def _seen(failures: list[tuple[Endpoint, Failure]], failure: Failure) -> bool:
+    return any(f.kind is failure.kind for _, f in failures)
+
+
+async def _current_revision(conn: Connection, start: bytes, end: bytes, timeout_s: float) -> int:
+    await conn.connect()
+    request = rpc.RangeRequest(key=start, range_end=end, count_only=True)
+    reply = await conn.kvstub.Range(request, timeout=timeout_s, metadata=conn.metadata)
+    return int(reply.header.revision)
+
+
+def _range(prefix: str) -> tuple[bytes, bytes]:
+    return (prefix.encode() or b"\0"), prefix_range_end(prefix)
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _kv(item: Any) -> KeyValue:
+    return KeyValue(
+        key=bytes(item.key).decode(errors="replace"),
+        value=bytes(item.value),
+        lease=int(item.lease),
+        mod_revision=int(item.mod_revision),
+    )
+
+
+def _event(item: Any) -> WatchEvent:
+    return WatchEvent(
+        kind="delete" if item.kind == "DELETE" else "put",
+        key=bytes(item.kv.key).decode(errors="replace"),
+        value=bytes(item.kv.value),
+        mod_revision=int(item.kv.mod_revision),
+    )
+
+
+def _compare(compare: Compare) -> Any:
+    message = rpc.Compare(key=compare.key.encode(), result=_COMPARE_RESULT[compare.op])
+    if compare.target == "value":
+        message.target = rpc.Compare.VALUE
+        message.value = _bytes(compare.value) if not isinstance(compare.value, int) else b""
+    else:
+        revision = int(compare.value) if isinstance(compare.value, int) else 0
+        if compare.target == "mod":
+            message.target, message.mod_revision = rpc.Compare.MOD, revision
+        elif compare.target == "version":
+            message.target, message.version = rpc.Compare.VERSION, revision
+        else:
+            message.target, message.create_revision = rpc.Compare.CREATE, revision
+    return message
+
+
+def _request_op(op: TxnOp) -> Any:
+    if isinstance(op, TxnPut):
+        put = rpc.PutRequest(key=op.key.encode(), value=_bytes(op.value), lease=op.lease)
+        return rpc.RequestOp(request_put=put)
+    assert isinstance(op, TxnDelete)
+    start, end = _range(op.key) if op.prefix else (op.key.encode(), b"")
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=start, range_end=end))

@@ -1,0 +1,139 @@
+"""What went wrong talking to etcd, in one line for an operator: the error types, and the
+translation of a gRPC status (code and etcd's details) into a `Failure` that says what failed
+and whether trying another endpoint or a fresh token can help. Pure logic, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class EtcdError(Exception):
+    """An etcd request failed: unreachable, timed out, refused by the server."""
+
+    def __init__(self, endpoint: str, operation: str, key: str | None, detail: str) -> None:
+        super().__init__(endpoint, operation, key, detail)
+        self.endpoint = endpoint
+        self.operation = operation
+        self.key = key
+        self.detail = detail
+
+    def __str__(self) -> str:
+        target = f" {self.key!r}" if self.key is not None else ""
+        return f"etcd {self.operation}{target} at {self.endpoint} failed: {self.detail}"
+
+
+class EtcdAuthError(EtcdError):
+    """etcd would not let us in: wrong user or password, a TLS handshake it or we refused."""
+
+    def __init__(
+        self, endpoint: str, operation: str, key: str | None, detail: str, address: str
+    ) -> None:
+        super().__init__(endpoint, operation, key, detail)
+        self.address = address
+
+    def __str__(self) -> str:
+        return f"etcd at {self.address} {self.detail}"
+
+
+class FailureKind(enum.Enum):
+    UNREACHABLE = "unreachable"  # nothing answered: another endpoint may
+    TIMEOUT = "timeout"  # asked, no answer in time: the request may or may not have applied
+    TOKEN_EXPIRED = "token expired"  # authenticate again, then retry
+    REFUSED_AUTH = "refused auth"  # wrong user/password, or TLS trust: no retry helps
+    TLS = "tls"
+    NOT_FOUND = "not found"  # e.g. a lease that is gone
+    SERVER = "server"  # any other refusal by etcd
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    detail: str
+
+    @property
+    def try_another_endpoint(self) -> bool:
+        return self.kind in (FailureKind.UNREACHABLE, FailureKind.TIMEOUT)
+
+
+# Markers in gRPC's details text: it reports a failed handshake as UNAVAILABLE, like a refusal.
+_TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
+
+
+# gRPC's prefix before the reason a connection failed: "failed to connect to all addresses;
+# last error: UNKNOWN: ipv4:127.0.0.1:2379: Connection refused" -> "Connection refused".
+_CONNECT_PREFIX = re.compile(
+    r"^failed to connect to all addresses; last error: \w+: (ipv[46]:)?\S+: "
+)
+
+
+def classify(
+    code: str,
+    details: str,
+    *,
+    user: str | None,
+    timeout_s: float,
+    client_cert: bool = False,
+) -> Failure:
+    """A gRPC status (code name such as "UNAVAILABLE", details text) as a Failure.
+
+    `client_cert` says whether we offered a client certificate, which tells the two TLS
+    refusals a server sends apart.
+    """
+    text = _CONNECT_PREFIX.sub("", details.strip())
+    low = text.lower()
+    if code == "DEADLINE_EXCEEDED":
+        return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s")
+    if code == "UNAVAILABLE" and any(m in low for m in _TLS_MARKERS):
+        return Failure(FailureKind.TLS, _tls_detail(low, text, client_cert))
+    if code == "UNAVAILABLE" and "timed out" in low:
+        # It accepted the connection and never spoke HTTP/2 (gRPC gives up at our deadline).
+        return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s ({text})")
+    if code == "UNAVAILABLE":
+        return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
+    if code == "UNAUTHENTICATED" and "invalid auth token" in low:
+        return Failure(FailureKind.TOKEN_EXPIRED, "the auth token expired")
+    if "authentication failed" in low:
+        return Failure(
+            FailureKind.REFUSED_AUTH,
+            f"refused user {user!r}: authentication failed (wrong user name or password)",
+        )
+    if code == "PERMISSION_DENIED":
+        return Failure(
+            FailureKind.REFUSED_AUTH,
+            f"refused user {user!r}: permission denied (its roles do not cover this key)",
+        )
+    if code in ("UNAUTHENTICATED", "INVALID_ARGUMENT") and "user name is empty" in low:
+        return Failure(
+            FailureKind.REFUSED_AUTH, "refused an anonymous client: authentication is enabled"
+        )
+    if code == "UNAUTHENTICATED":
+        return Failure(FailureKind.REFUSED_AUTH, f"refused user {user!r}: {text}")
+    if code == "NOT_FOUND":
+        return Failure(FailureKind.NOT_FOUND, text)
+    return Failure(FailureKind.SERVER, f"{code}: {text}")
+
+
+def _tls_detail(low: str, text: str, client_cert: bool) -> str:
+    if "certificate_verify_failed" in low or "certificate verify failed" in low:
+        return (
+            "failed the TLS handshake: its certificate is not signed by the CA we were given "
+            "(or does not name this address)"
+        )
+    refused_ours = ("bad_certificate", "certificate_required", "unknown_ca", "bad certificate")
+    if any(marker in low for marker in refused_ours):
+        if not client_cert:
+            return "refused the TLS handshake: it requires a client certificate and we sent none"
+        return (
+            "refused our client certificate in the TLS handshake (is it signed by a CA that "
+            "etcd's --trusted-ca-file holds?)"
+        )
+    if "wrong_version_number" in low or "wrong version number" in low:
+        return "failed the TLS handshake: it does not speak TLS on this port (try http://)"
+    return f"failed the TLS handshake ({_short(text)})"
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

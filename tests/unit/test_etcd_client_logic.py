@@ -1,0 +1,106 @@
+"""The etcd client's pure parts: endpoint parsing, failover order, and how gRPC statuses read
+as one line for an operator (with the real details strings etcd 3.5 and gRPC send)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamod.rollout.etcd import EndpointError, EtcdAuth, parse_endpoints
+from dynamod.rollout.etcd.endpoints import Rotation
+from dynamod.rollout.etcd.errors import FailureKind, classify
+
+
+def test_endpoints_parse_lists_and_comma_strings() -> None:
+    parsed = parse_endpoints("127.0.0.1:2379, https://10.77.0.2:2379,http://[::1]:12/")
+    assert [(e.url, e.address, e.tls) for e in parsed] == [
+        ("http://127.0.0.1:2379", "127.0.0.1:2379", False),
+        ("https://10.77.0.2:2379", "10.77.0.2:2379", True),
+        ("http://[::1]:12", "[::1]:12", False),
+    ]
+    assert parse_endpoints(["etcd.local"])[0].url == "http://etcd.local:2379"
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [("", "no etcd endpoint"), ("unix:///x", "scheme"), ("h:port", "port"), ("http://:1", "host")],
+)
+def test_bad_endpoints_are_refused_naming_them(text: str, complaint: str) -> None:
+    with pytest.raises(EndpointError, match=complaint):
+        parse_endpoints(text)
+
+
+def test_rotation_moves_past_a_failed_member_once() -> None:
+    a, b, c = parse_endpoints("a:1,b:1,c:1")
+    rotation = Rotation([a, b, c])
+    assert rotation.attempt_order() == [a, b, c]
+    rotation.advance(a)
+    assert rotation.current == b and rotation.attempt_order() == [b, c, a]
+    rotation.advance(a)  # a second caller reporting the same failure: already moved on
+    assert rotation.current == b
+    rotation.advance(b)
+    rotation.advance(c)
+    assert rotation.current == a
+
+
+def _classify(code: str, details: str, client_cert: bool = False) -> tuple[FailureKind, str]:
+    failure = classify(code, details, user="dynamod", timeout_s=2.0, client_cert=client_cert)
+    return failure.kind, failure.detail
+
+
+def test_statuses_read_as_one_line() -> None:
+    refused = (
+        "failed to connect to all addresses; last error: UNKNOWN: "
+        "ipv4:127.0.0.1:2379: Connection refused"
+    )
+    assert _classify("UNAVAILABLE", refused) == (
+        FailureKind.UNREACHABLE,
+        "cannot reach etcd (Connection refused)",
+    )
+    assert _classify("DEADLINE_EXCEEDED", "Deadline Exceeded") == (
+        FailureKind.TIMEOUT,
+        "no answer within 2 s",
+    )
+    assert _classify(
+        "INVALID_ARGUMENT", "etcdserver: authentication failed, invalid user ID or password"
+    ) == (
+        FailureKind.REFUSED_AUTH,
+        "refused user 'dynamod': authentication failed (wrong user name or password)",
+    )
+    assert _classify("UNAUTHENTICATED", "etcdserver: invalid auth token")[0] is (
+        FailureKind.TOKEN_EXPIRED
+    )
+    assert _classify("NOT_FOUND", "etcdserver: requested lease not found") == (
+        FailureKind.NOT_FOUND,
+        "etcdserver: requested lease not found",
+    )
+    assert _classify("RESOURCE_EXHAUSTED", "etcdserver: mvcc: database space exceeded") == (
+        FailureKind.SERVER,
+        "RESOURCE_EXHAUSTED: etcdserver: mvcc: database space exceeded",
+    )
+
+
+def test_tls_refusals_tell_missing_certificate_from_untrusted_one() -> None:
+    alert = (
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:2379: "
+        "Ssl handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:10000412:SSL "
+        "routines:OPENSSL_internal:SSLV3_ALERT_BAD_CERTIFICATE"
+    )
+    kind, detail = _classify("UNAVAILABLE", alert, client_cert=False)
+    assert kind is FailureKind.TLS and "requires a client certificate and we sent none" in detail
+    kind, detail = _classify("UNAVAILABLE", alert, client_cert=True)
+    assert kind is FailureKind.TLS and "refused our client certificate" in detail
+    verify = "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED"
+    assert "not signed by the CA we were given" in _classify("UNAVAILABLE", verify)[1]
+
+
+def test_only_unanswered_calls_fail_over() -> None:
+    assert classify("UNAVAILABLE", "x", user=None, timeout_s=1).try_another_endpoint
+    assert classify("DEADLINE_EXCEEDED", "", user=None, timeout_s=1).try_another_endpoint
+    assert not classify("PERMISSION_DENIED", "", user=None, timeout_s=1).try_another_endpoint
+    assert not classify("UNAVAILABLE", "SSL_ERROR", user=None, timeout_s=1).try_another_endpoint
+
+
+def test_auth_repr_hides_secrets() -> None:
+    auth = EtcdAuth("dynamod", "pw", "-----BEGIN CA", "-----BEGIN CERT", "-----BEGIN KEY")
+    assert repr(auth) == "EtcdAuth(user='dynamod')"
+    assert auth.tls and not EtcdAuth("u", "p").tls
