@@ -36,9 +36,9 @@ from dynamod.core.proctable import (
     MARK_UNIT,
     ProcInfo,
     children_of,
+    descendants,
     is_zombie,
     marked_pids,
-    snapshot,
     start_time,
 )
 from dynamod.core.restart import Exit
@@ -416,14 +416,18 @@ async def _stop_cgroup(
 
 
 def _scan(tree: Tree) -> tuple[set[int], set[int], list[int]]:
-    """One /proc pass: the unit's process group, the marked processes of the unit outside
-    it, and our children outside it; only processes younger than the unit are looked at
-    outside the group. Blocking: runs in a worker thread, so exits keep being recorded."""
-    snap = snapshot()
+    """One pass over dynamod's own process tree: the unit's process group, the marked
+    processes of the unit outside it, and our children outside it; only processes younger
+    than the unit are looked at outside the group. Every process of a unit descends from
+    dynamod (orphans are re-parented to it, the subreaper; a process can only join a group
+    of its own session), so the pass costs the size of the stack, not of the host's process
+    table; the final sweep still reads all of /proc for the marker. Blocking: runs in a
+    worker thread, so exits keep being recorded."""
+    me = os.getpid()
+    snap = descendants(me)
     group = {pid for pid, info in snap.items() if info.pgid == tree.pgid}
     young = [pid for pid, info in snap.items() if _younger(info, tree.since) and pid not in group]
     marked = set(marked_pids(tree.run_id, tree.unit, among=young))
-    me = os.getpid()
     return group, marked, [p for p in young if snap[p].ppid == me]
 
 
