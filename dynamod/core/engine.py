@@ -111,11 +111,13 @@ class Engine:
         hooks: Iterable[UnitHooks] = (),
         log_max_bytes: int = 20 * 1024 * 1024,
         containment: cgroups.Containment | None = None,
+        spawner: process.Spawner | None = None,
     ) -> None:
         self.stack = stack
         self.state_dir = state_dir
         self.run_id = run_id
         self.reaper = reaper
+        self.spawner = spawner or process.Spawner()
         self.session = session
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
@@ -358,7 +360,7 @@ class Engine:
         unit.extra.pop("failure_hint", None)
         unit.recorded = None
         self._move_taken_ports(unit)
-        if not self._spawn(unit):
+        if not await self._spawn(unit):
             return None, True
         child = unit.child
         assert child is not None
@@ -441,23 +443,35 @@ class Engine:
             log.info("unit.restart_for_moved_port", unit=name, moved_by=mover)
             await self.restart_unit(name)
 
-    def _spawn(self, unit: Unit) -> bool:
+    async def _spawn(self, unit: Unit) -> bool:
+        """Start the unit's process off the event loop (exits of other units keep being
+        recorded meanwhile). A stop that cancels the lifecycle during the spawn still
+        finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
         env = process.base_environment(self.run_id, unit.name, spec.env)
         read_fd, write_fd = os.pipe()
+        cancelled = False
         try:
             cgroup = self.containment.unit(unit.name)
             if cgroup is not None:
                 cgroups.make(cgroup)
-            child = process.spawn(
-                self.reaper,
-                spec.command,
-                env=env,
-                cwd=Path(spec.cwd) if spec.cwd else None,
-                stdout_fd=write_fd,
-                cgroup=cgroup,
-                on_exit=lambda c, exit: self._exited(unit, c, exit),
+            spawning = asyncio.ensure_future(
+                self.spawner.spawn(
+                    self.reaper,
+                    spec.command,
+                    env=env,
+                    cwd=Path(spec.cwd) if spec.cwd else None,
+                    stdout_fd=write_fd,
+                    cgroup=cgroup,
+                    on_exit=lambda c, exit: self._exited(unit, c, exit),
+                )
             )
+            while not spawning.done():
+                try:
+                    await asyncio.shield(spawning)
+                except asyncio.CancelledError:
+                    cancelled = True
+            child = spawning.result()
         except (OSError, cgroups.CgroupError) as exc:
             os.close(read_fd)
             hint = f" ({spec.install_hint})" if spec.install_hint else ""
@@ -466,6 +480,8 @@ class Engine:
                 UnitState.FAILED,
                 f"cannot start {spec.command[0]!r}: {getattr(exc, 'strerror', None) or exc}{hint}",
             )
+            if cancelled:
+                raise asyncio.CancelledError from None
             return False
         finally:
             os.close(write_fd)
@@ -475,6 +491,8 @@ class Engine:
         unit.sink.header(f"start #{unit.starts} pid {child.pid}: {' '.join(spec.command)}")
         unit.sink.attach(read_fd)
         self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
+        if cancelled:
+            raise asyncio.CancelledError
         return True
 
     def _probe_context(self, unit: Unit) -> ProbeContext:

@@ -10,6 +10,8 @@
 - Children get PDEATHSIG=SIGKILL; a guardian process (dynamod.core.guardian) sweeps the rest
   if dynamod itself is SIGKILLed.
 - Exits arrive as events: one SIGCHLD handler reaps every child and resolves futures.
+- Units are forked on a spawner thread of their own (`Spawner`), so a kill that lands
+  while another unit is being started is still reaped and recorded at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +36,9 @@ from dynamod.core.proctable import (
     MARK_UNIT,
     ProcInfo,
     children_of,
+    descendants,
     is_zombie,
     marked_pids,
-    snapshot,
     start_time,
 )
 from dynamod.core.restart import Exit
@@ -73,6 +76,8 @@ class Reaper:
         self._claimed: set[int] = set()  # orphans a stop is ending
         self._on_exit: dict[int, Callable[[Exit], None]] = {}
         self.orphans_reaped = 0
+        self._spawning = 0  # spawns in flight (Spawner): their pids are not watched yet
+        self._settled: asyncio.Event | None = None
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.add_signal_handler(signal.SIGCHLD, self.reap)
@@ -80,15 +85,33 @@ class Reaper:
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.remove_signal_handler(signal.SIGCHLD)
 
+    def spawn_began(self) -> None:
+        self._spawning += 1
+
+    def spawn_ended(self) -> None:
+        self._spawning -= 1
+        if self._spawning == 0 and self._settled is not None:
+            self._settled.set()
+
+    async def spawns_settled(self) -> None:
+        """Return once no spawn is in flight: from then on, a child of ours that was seen
+        in /proc before this call and is not watched is not one we are starting."""
+        while self._spawning:
+            if self._settled is None or self._settled.is_set():
+                self._settled = asyncio.Event()
+            await self._settled.wait()
+
     def orphans(self, children: Iterable[int]) -> list[int]:
-        """Of `children` (live children of this process), those nobody waits for."""
+        """Of `children` (live children of this process), those nobody waits for. Call it
+        after `spawns_settled`, or a process being spawned may be among them."""
         return [pid for pid in children if pid not in self._waiters]
 
     def claim_orphans(self, children: Iterable[int]) -> list[int]:
         """Of `children` (live children of this process), those nobody waits for and no
         other stop has claimed: descendants of a unit re-parented to the subreaper, the
         fallback's only way to find leftovers that dropped the marker. Which unit they came
-        from is not known; the unit being stopped takes them."""
+        from is not known; the unit being stopped takes them. Call it after
+        `spawns_settled`."""
         found = [pid for pid in children if pid not in self._waiters and pid not in self._claimed]
         self._claimed.update(found)
         return found
@@ -163,23 +186,16 @@ def _child_setup(parent_pid: int, cgroup_fd: int | None) -> None:  # between for
         os._exit(137)
 
 
-def spawn(
-    reaper: Reaper,
+def _popen(
     argv: Sequence[str],
-    *,
     env: Mapping[str, str],
-    cwd: Path | None = None,
-    stdout_fd: int | None = None,
-    cgroup: Path | None = None,
-    on_exit: Callable[[Child, Exit], None] | None = None,
-) -> Child:
-    """Start argv in a new session with PDEATHSIG (inside `cgroup` if given); returns at
-    once with an exit future.
-
-    Must be called from the event loop's thread: PDEATHSIG fires when the *thread*
-    that forked the child ends.
-    """
-    parent = os.getpid()
+    cwd: Path | None,
+    stdout_fd: int | None,
+    cgroup: Path | None,
+    parent: int,
+) -> tuple[int, int | None]:
+    """fork+exec argv in a new session with PDEATHSIG (inside `cgroup` if given); returns
+    its pid and kernel start time. Blocking: it returns once the child has exec'd."""
     cgroup_fd = None
     if cgroup is not None:
         try:
@@ -204,11 +220,81 @@ def spawn(
         if cgroup_fd is not None:
             os.close(cgroup_fd)
     proc.returncode = 0  # the Reaper owns waiting; stop Popen from ever calling waitpid
-    child = Child(pid=proc.pid, exited=asyncio.get_running_loop().create_future())
-    child.start_ticks = start_time(proc.pid)
+    return proc.pid, start_time(proc.pid)
+
+
+def _child(
+    reaper: Reaper,
+    pid: int,
+    start_ticks: int | None,
+    on_exit: Callable[[Child, Exit], None] | None,
+) -> Child:
+    child = Child(pid=pid, exited=asyncio.get_running_loop().create_future())
+    child.start_ticks = start_ticks
     callback = (lambda exit: on_exit(child, exit)) if on_exit is not None else None
-    child.exited = reaper.watch(proc.pid, callback)
+    child.exited = reaper.watch(pid, callback)
     return child
+
+
+def spawn(
+    reaper: Reaper,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    cwd: Path | None = None,
+    stdout_fd: int | None = None,
+    cgroup: Path | None = None,
+    on_exit: Callable[[Child, Exit], None] | None = None,
+) -> Child:
+    """Start argv in a new session with PDEATHSIG (inside `cgroup` if given); returns
+    with an exit future once it has exec'd, blocking the event loop meanwhile (exec probes;
+    units start through `Spawner`, off the loop).
+
+    Must be called from the event loop's thread: PDEATHSIG fires when the *thread*
+    that forked the child ends.
+    """
+    pid, ticks = _popen(argv, env, cwd, stdout_fd, cgroup, os.getpid())
+    return _child(reaper, pid, ticks, on_exit)
+
+
+class Spawner:
+    """Starts unit processes on one thread of its own, so the event loop goes on reaping,
+    recording exits and answering `status` while a fork+exec (and the child's move into
+    its cgroup) takes its milliseconds.
+
+    The thread is started on first use and never ends before the process does: PDEATHSIG
+    fires when the *thread* that forked a child ends, not the process. While a spawn is in
+    flight its pid may already be a child of ours that nobody waits for: the Reaper counts
+    spawns in flight, and whoever takes unwaited children for orphans first waits for
+    `Reaper.spawns_settled`.
+    """
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def spawn(
+        self,
+        reaper: Reaper,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path | None = None,
+        stdout_fd: int | None = None,
+        cgroup: Path | None = None,
+        on_exit: Callable[[Child, Exit], None] | None = None,
+    ) -> Child:
+        """Like `spawn`, without blocking the loop. Run it as a task of its own and
+        shield it: cancelled while the thread forks, the child would exist unwatched."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynamod-spawner")
+        reaper.spawn_began()
+        try:
+            pid, ticks = await asyncio.wrap_future(
+                self._pool.submit(_popen, argv, env, cwd, stdout_fd, cgroup, os.getpid())
+            )
+            return _child(reaper, pid, ticks, on_exit)
+        finally:
+            reaper.spawn_ended()
 
 
 # --------------------------------------------------------------------------- ending
@@ -330,14 +416,18 @@ async def _stop_cgroup(
 
 
 def _scan(tree: Tree) -> tuple[set[int], set[int], list[int]]:
-    """One /proc pass: the unit's process group, the marked processes of the unit outside
-    it, and our children outside it; only processes younger than the unit are looked at
-    outside the group. Blocking: runs in a worker thread, so exits keep being recorded."""
-    snap = snapshot()
+    """One pass over dynamod's own process tree: the unit's process group, the marked
+    processes of the unit outside it, and our children outside it; only processes younger
+    than the unit are looked at outside the group. Every process of a unit descends from
+    dynamod (orphans are re-parented to it, the subreaper; a process can only join a group
+    of its own session), so the pass costs the size of the stack, not of the host's process
+    table; the final sweep still reads all of /proc for the marker. Blocking: runs in a
+    worker thread, so exits keep being recorded."""
+    me = os.getpid()
+    snap = descendants(me)
     group = {pid for pid, info in snap.items() if info.pgid == tree.pgid}
     young = [pid for pid, info in snap.items() if _younger(info, tree.since) and pid not in group]
     marked = set(marked_pids(tree.run_id, tree.unit, among=young))
-    me = os.getpid()
     return group, marked, [p for p in young if snap[p].ppid == me]
 
 
@@ -346,6 +436,7 @@ async def _members(tree: Tree) -> tuple[set[int], list[int]]:
     subreaper's catch) children of dynamod that nobody waits for."""
     group, found, children = await asyncio.to_thread(_scan, tree)
     if tree.reaper is not None:
+        await tree.reaper.spawns_settled()  # a unit being started is no orphan
         found |= set(tree.reaper.claim_orphans(children))
     return group, sorted(found - group - {tree.pgid})
 

@@ -60,18 +60,8 @@ def marked_pids(
 
 
 def children_of(parent: int) -> list[int]:
-    """Live (non-zombie) processes whose parent is `parent`: one /proc scan."""
-    found = []
-    for pid in _proc_pids():
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
-            found.append(pid)
-    return found
+    """Live (non-zombie) processes whose parent is `parent`."""
+    return list(children(parent))
 
 
 def start_time(pid: int) -> int | None:
@@ -98,12 +88,60 @@ def snapshot() -> dict[int, ProcInfo]:
     than" together."""
     found: dict[int, ProcInfo] = {}
     for pid in _proc_pids():
+        info = _info(pid)
+        if info is not None:
+            found[pid] = info
+    return found
+
+
+def _info(pid: int) -> ProcInfo | None:
+    """The process's parent, group and start time; None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if len(fields) <= 19 or fields[0] in (b"Z", b"X"):
+        return None
+    return ProcInfo(ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
+
+
+def children(parent: int) -> dict[int, ProcInfo]:
+    """The live children of `parent` with their infos. Reads the kernel's per-thread
+    child lists (/proc/PID/task/TID/children): a few files, however many processes the
+    host runs; a full /proc pass only where the kernel lacks them (CONFIG_PROC_CHILDREN)."""
+    try:
+        tids = os.listdir(f"/proc/{parent}/task")
+    except OSError:
+        return {}
+    pids: set[int] = set()
+    for tid in tids:
         try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                stat = fh.read()
+            with open(f"/proc/{parent}/task/{tid}/children", "rb") as fh:
+                pids.update(int(x) for x in fh.read().split())
+        except FileNotFoundError:
+            if os.path.exists(f"/proc/{parent}/task/{tid}"):  # no such file in this kernel
+                return {pid: i for pid, i in snapshot().items() if i.ppid == parent}
         except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 19 and fields[0] not in (b"Z", b"X"):
-            found[pid] = ProcInfo(ppid=int(fields[1]), pgid=int(fields[2]), started=int(fields[19]))
+            continue  # the thread ended meanwhile; its children moved to another one
+    found = {}
+    for pid in pids:
+        info = _info(pid)
+        if info is not None and info.ppid == parent:
+            found[pid] = info
+    return found
+
+
+def descendants(root: int) -> dict[int, ProcInfo]:
+    """Every live process below `root` (children, their children, ...) with its info,
+    found through the per-thread child lists: the cost is the size of the tree, not of
+    the host's process table."""
+    found: dict[int, ProcInfo] = {}
+    todo = [root]
+    while todo:
+        for pid, info in children(todo.pop()).items():
+            if pid not in found:
+                found[pid] = info
+                todo.append(pid)
     return found
