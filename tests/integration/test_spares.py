@@ -17,9 +17,15 @@ from typing import Any
 
 import pytest
 
-from dynamod.core.paths import units_dir
 from tests.conftest import Dynamod, unit_by_name
-from tests.integration.test_policy import History, checkpoint, frontend, model_dir, push
+from tests.integration.policystack import (
+    History,
+    checkpoint,
+    frontend,
+    model_dir,
+    push,
+    write_stack,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,28 +33,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def stack(tmp_path: Path) -> Path:
     """The default stack's units with two serving shards and one spare."""
-    units = units_dir()
-    path = tmp_path / "spares-stack.toml"
-    includes = ", ".join(
-        f'"{units / n}"' for n in ("etcd.toml", "nats.toml", "worker-cpu.toml", "frontend.toml")
-    )
-    path.write_text(f"""
-[stack]
-name = "sparestest"
-include = [{includes}]
-
-[vars]
-workers = 2
-
-[policy]
-store = "etcd"
-etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
-shards = ["worker"]
-spares = 1
-call_timeout = 3
-replay_backoff_initial = 0.2
-""")
-    return path
+    return write_stack(tmp_path / "spares-stack.toml", "sparestest", spares=1)
 
 
 def free_port() -> int:
