@@ -134,6 +134,7 @@ class PolicyManager(Extension):
         self.shard_names = set(daemon.stack.shards())
         daemon.engine.hooks.append(self)
         daemon.engine.hooks.insert(0, self.spares)
+        daemon.engine.lost_listeners.append(self.spares.on_lost)
         if self.spec.store == "etcd":
             assert self.spec.etcd
             self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
@@ -351,14 +352,12 @@ class PolicyManager(Extension):
             raise ShardError(
                 unit.name, "verify", f"shard reports digest {seen['digest']}, ledger has {digest}"
             )
-        taints = self.spares.taints(unit, version)  # none for a spare: no trainer traffic
-        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
-        own = [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
+        taints, own = self.routing_taints(unit, version)
         await step("taint", "update/model_taints", {"taints": [*taints, *own]})
         await step("resume", "resume_generation", {})
         if taints:  # a spare holds no version taint, so no version traffic is routed to it
             started = time.monotonic()
-            await self._await_routed(unit, version, [*taints, *own[:1]], set(instance_ids))
+            await self.routed(unit, version)
             timings["route"] = (time.monotonic() - started) * 1000
         return ShardAck(unit.name, version, seen.get("digest"), timings)
 
@@ -685,3 +684,14 @@ class PolicyManager(Extension):
 
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
         await self._record_ack(unit, ack)
+
+    def routing_taints(self, unit: Unit, version: int) -> tuple[list[str], list[str]]:
+        """(the version's taint, none for a spare; the shard's own instance taints)."""
+        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
+        return self.spares.taints(unit, version), [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
+
+    async def routed(self, unit: Unit, version: int) -> None:
+        """Until a canary with this version's taint reaches the shard through the frontend."""
+        taints, own = self.routing_taints(unit, version)
+        instance_ids = set(unit.extra.get("dynamo", {}).get("instance_ids") or [])
+        await self._await_routed(unit, version, [*taints, *own[:1]], instance_ids)
