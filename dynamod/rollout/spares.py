@@ -263,6 +263,7 @@ class SparePool:
             return
         slot = self.slots[name]
         slot.role = Role.PROMOTING
+        log.info("spares.promoting", unit=name, replaced=replaced, reason=str(reason), why=detail)
         task = asyncio.get_running_loop().create_task(
             self._promote(self.manager.engine.units[name], slot, replaced, reason, detail, since)
         )
