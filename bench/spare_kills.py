@@ -269,6 +269,12 @@ def run_spares(state: Path, stack_file: Path, kills: int) -> dict[str, Any]:
             }
             for sent, status, body in load.errors
         ]
+        # What the frontend logged about models and workers after each of the first kills
+        # (evidence for or against it dropping the model, as in the 503s once seen here).
+        out["frontend_after_kill"] = [
+            frontend_lines(state, r["t_kill"] - 0.2, r["t_kill"] + 6, limit=20)
+            for r in runs["current"][:3]
+        ]
         if load.errors:  # what the frontend said while it failed them
             first, last = min(e[0] for e in load.errors), max(e[0] for e in load.errors)
             out["frontend_log"] = frontend_lines(state, first - 2, last + 2)
