@@ -334,7 +334,8 @@ def test_a_shard_that_fails_a_push_is_replaced_by_the_spare_and_rejoins_as_spare
 def test_a_hung_serving_shard_is_replaced_as_lost_before_it_is_killed(
     dm: Dynamod, stack: Path
 ) -> None:
-    status = up(dm, stack)
+    port = free_port()
+    status = up(dm, stack, "--metrics-addr", f"127.0.0.1:{port}")
     roles = settled(dm, 0)
     history = History(frontend(status))
     history.run(lambda: 0)
@@ -364,6 +365,9 @@ def test_a_hung_serving_shard_is_replaced_as_lost_before_it_is_killed(
     assert served_only_when_current(history, spare["dynamo"]["instance_ids"][0], promoted["wall"])
     failures = [r for r in history.rows if r["status"] != 200]
     assert served and failures == [], failures[:3]
+    samples = scrape(port)
+    assert samples[("dynamod_spare_promotions_total", frozenset({("reason", "lost")}))] == 1
+    assert samples[("dynamod_spare_promotions_total", frozenset({("reason", "exit")}))] == 0
 
 
 def test_a_promoted_spare_serves_only_once_a_canary_reaches_it_through_the_frontend(
