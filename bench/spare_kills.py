@@ -284,6 +284,7 @@ def run_spares(state: Path, stack_file: Path, kills: int) -> dict[str, Any]:
 
 
 WORDS = re.compile(r"model|worker|instance|remov|added|lease|WARN|ERROR", re.IGNORECASE)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z)")
 
 
@@ -296,7 +297,7 @@ def frontend_lines(state: Path, start: float, end: float, limit: int = 60) -> li
     for line in lines:
         stamp = STAMP.search(line)
         if stamp and WORDS.search(line) and start <= iso_epoch(stamp.group(1)) <= end:
-            found.append(line[:300])
+            found.append(ANSI.sub("", line)[:300])
     return found[:limit]
 
 
@@ -308,7 +309,17 @@ def steps_of(events: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, flo
         found = [e["t"] for e in events if e["t"] >= t_kill and match(e)]
         return min(found) - t_kill if found else None
 
+    spare, promoted = run["event"]["unit"], run["event"]["t"]
+    missed = sum(  # canaries that did not reach the spare yet (each retried)
+        1
+        for e in events
+        if e.get("event") == "unit.state"
+        and e.get("unit") == spare
+        and t_kill <= e["t"] <= promoted
+        and "last canary:" in str(e.get("detail"))
+    )
     return {
+        "canaries_missed": float(missed),
         "dying": first(lambda e: e.get("event") == "spares.shard_dying" and e["unit"] == victim),
         "promoting": first(
             lambda e: e.get("event") == "spares.promoting" and e["replaced"] == victim
@@ -497,6 +508,7 @@ def steps_table(report: Report, runs: dict[str, list[dict[str, Any]]]) -> None:
             "exit reaped",
             "taint ms",
             "canary ms",
+            "canaries missed (all kills)",
         ],
         digits=3,
     )
@@ -522,6 +534,7 @@ def steps_table(report: Report, runs: dict[str, list[dict[str, Any]]]) -> None:
                 med("exit"),
                 summary(r["event"]["steps_ms"].get("taint", float("nan")) for r in rows)["median"],
                 summary(r["event"]["steps_ms"].get("route", float("nan")) for r in rows)["median"],
+                int(sum(r["steps_s"]["canaries_missed"] or 0 for r in rows)),
             ]
         )
     report.tables.append(table)

@@ -51,6 +51,9 @@ log = structlog.get_logger("dynamod.rollout.policy")
 
 _INSTANCE_TAINT = "dynamod.instance/"  # each shard's own taint, so a canary can target it
 _ROUTE_RETRY_S = 0.1
+# The frontend usually sees a new taint within milliseconds of the call that set it: the
+# canaries after a miss start this soon and double up to _ROUTE_RETRY_S.
+_ROUTE_RETRY_FIRST_S = 0.01
 # Test-only, for the chaos suite's broken variant (never set it in production): a shard
 # that rejoins is admitted without the current weights being replayed into it, so the
 # stale-serving checker has a real violation to catch. Read once, here only.
@@ -395,6 +398,7 @@ class PolicyManager(Extension):
         waiting = f"waiting for the router to route policy v{version} to {unit.name}"
         self.engine.transition(unit, unit.state, f"{waiting} ({taints[0]})")
         last = "no canary answered yet"
+        retry = _ROUTE_RETRY_FIRST_S
         while True:
             try:
                 async with self.session.post(
@@ -419,7 +423,8 @@ class PolicyManager(Extension):
                     f" {self.spec.route_timeout:g}s (last canary: {last})",
                 )
             self.engine.transition(unit, unit.state, f"{waiting}; last canary: {last}")
-            await asyncio.sleep(_ROUTE_RETRY_S)
+            await asyncio.sleep(retry)
+            retry = min(retry * 2, _ROUTE_RETRY_S)
 
     async def _record_ack(self, unit: Unit, ack: ShardAck) -> None:
         if self.spares.is_spare(unit):
