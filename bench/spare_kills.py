@@ -284,6 +284,8 @@ def run_spares(state: Path, stack_file: Path, kills: int) -> dict[str, Any]:
 
 
 WORDS = re.compile(r"model|worker|instance|remov|added|lease|WARN|ERROR", re.IGNORECASE)
+# The frontend logs every request at INFO; those lines say nothing about its model list.
+REQUEST = re.compile(r"http-request:|Selected worker")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?Z)")
 
@@ -296,7 +298,12 @@ def frontend_lines(state: Path, start: float, end: float, limit: int = 60) -> li
     found = []
     for line in lines:
         stamp = STAMP.search(line)
-        if stamp and WORDS.search(line) and start <= iso_epoch(stamp.group(1)) <= end:
+        if (
+            stamp
+            and WORDS.search(line)
+            and not REQUEST.search(line)
+            and start <= iso_epoch(stamp.group(1)) <= end
+        ):
             found.append(ANSI.sub("", line)[:300])
     return found[:limit]
 
