@@ -65,7 +65,7 @@ from bench.report import (
 from bench.runners import (
     Dynamod,
 )
-from bench.spare_kills import push_without_spares, run_spares
+from bench.spare_kills import push_without_spares, run_spares, spare_tables
 from bench.stack import (
     MODEL,
     NAMESPACE,
@@ -408,113 +408,6 @@ def main() -> None:
         "difference of medians is noisy; the direct row attributes every other stage.",
     ]
     emit(report, args.json)
-
-
-def spare_tables(
-    report: Report, spares: dict[str, Any], plain: dict[str, float], pushes_plain: list[float]
-) -> None:
-    """kill -> N admitted again with one spare, against the recovery without one."""
-    runs = spares["runs"]
-    table = Table(
-        "kill -9 of a serving shard -> N admitted shards at the current version again, seconds",
-        [
-            "with",
-            "kills",
-            "median",
-            "p95",
-            "against no spare",
-            "of which after the exit was seen (median)",
-            "failed requests",
-            "spare was",
-        ],
-        digits=3,
-    )
-    table.rows.append(
-        [
-            "no spare (the recovery above)",
-            plain["n"],
-            plain["median"],
-            plain["p95"],
-            1.0,
-            "-",
-            "-",
-            "-",
-        ]
-    )
-    labels = {
-        "current": "a current, awake spare",
-        "behind": "a spare being replayed (kill as the push returns)",
-        "asleep": "a sleeping spare (wake included)",
-    }
-    medians = {}
-    for name, label in labels.items():
-        x = summary(r["promote_s"] for r in runs[name])
-        medians[name] = x["median"]
-        behind = sum(1 for r in runs[name] if r["event"]["was_version"] != r["event"]["version"])
-        asleep = sum(1 for r in runs[name] if r["event"]["was_asleep"])
-        was = f"{behind} behind, {asleep} asleep"
-        table.rows.append(
-            [
-                label,
-                x["n"],
-                x["median"],
-                x["p95"],
-                ratio(x["median"], plain["median"]),
-                summary(r["event"]["total_ms"] / 1000 for r in runs[name])["median"],
-                spares["failed"][name],
-                was,
-            ]
-        )
-    report.tables.append(table)
-    steps = Table(
-        "Promotion steps (ms, median; 'waited' includes a background replay in progress)",
-        ["with", "waited", "wake", "replay (load)", "taint"],
-    )
-    for name, label in labels.items():
-        row: list[Any] = [label]
-        row.append(summary(r["event"]["waited_ms"] for r in runs[name])["median"])
-        for step in ("wake", "load", "taint"):
-            row.append(
-                summary(r["event"]["steps_ms"].get(step, float("nan")) for r in runs[name])[
-                    "median"
-                ]
-            )
-        steps.rows.append(row)
-    report.tables.append(steps)
-    push = Table(
-        "Push of one step (the tiny model), seconds",
-        ["stack", "pushes", "trainer waits (median)", "total, spare current too (median)"],
-        digits=3,
-    )
-    plain_push = summary(pushes_plain)["median"]
-    push.rows.append(["2 shards, no spare", len(pushes_plain), plain_push, plain_push])
-    push.rows.append(
-        [
-            "2 shards + 1 spare",
-            len(spares["push_s"]),
-            summary(spares["push_s"])["median"],
-            summary(spares["push_total_s"])["median"],
-        ]
-    )
-    report.tables.append(push)
-    report.target(
-        "kill -> N admitted again with a current spare (median)", medians["current"], 0.05, "s"
-    )
-    report.target(
-        "requests failed during the spare kills",
-        sum(spares["failed"].values()),
-        0,
-        "requests",
-    )
-    report.notes.append(
-        f"spare runs: {spares['requests']} trainer-like requests (4 clients, each requiring "
-        "the current version's taint), "
-        f"{spares['failed_total']} failed over the whole run"
-        + (f" (first: {spares['errors'][:3]})" if spares["errors"] else "")
-        + ". 'replay' is the load step of "
-        "the promotion's own replay; a kill that lands after the background replay finished "
-        "shows as not behind."
-    )
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ class UnitHooks(Protocol):
 
 Listener = Callable[["Unit", UnitState, UnitState], None]
 ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
+LostListener = Callable[["Unit", str], None]  # unit, why: about to be killed as lost (hung)
 
 
 @dataclass(eq=False)  # identity: one object per supervised instance
@@ -122,6 +123,7 @@ class Engine:
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
         self.probe_listeners: list[ProbeListener] = []
+        self.lost_listeners: list[LostListener] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
@@ -621,6 +623,8 @@ class Engine:
                     unit.extra["failure_hint"] = (
                         f"liveness failed {failures} times in a row: {result.detail}; killed"
                     )
+                    for listener in self.lost_listeners:  # e.g. replace it before it is gone
+                        listener(unit, unit.extra["failure_hint"])
                     process.kill_group_now(child.pid)
                     return await child.wait()
                 self.transition(

@@ -51,6 +51,9 @@ log = structlog.get_logger("dynamod.rollout.policy")
 
 _INSTANCE_TAINT = "dynamod.instance/"  # each shard's own taint, so a canary can target it
 _ROUTE_RETRY_S = 0.1
+# The frontend usually sees a new taint within milliseconds of the call that set it: the
+# canaries after a miss start this soon and double up to _ROUTE_RETRY_S.
+_ROUTE_RETRY_FIRST_S = 0.01
 # Test-only, for the chaos suite's broken variant (never set it in production): a shard
 # that rejoins is admitted without the current weights being replayed into it, so the
 # stale-serving checker has a real violation to catch. Read once, here only.
@@ -134,6 +137,7 @@ class PolicyManager(Extension):
         self.shard_names = set(daemon.stack.shards())
         daemon.engine.hooks.append(self)
         daemon.engine.hooks.insert(0, self.spares)
+        daemon.engine.lost_listeners.append(self.spares.on_lost)
         if self.spec.store == "etcd":
             assert self.spec.etcd
             self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
@@ -351,14 +355,12 @@ class PolicyManager(Extension):
             raise ShardError(
                 unit.name, "verify", f"shard reports digest {seen['digest']}, ledger has {digest}"
             )
-        taints = self.spares.taints(unit, version)  # none for a spare: no trainer traffic
-        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
-        own = [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
+        taints, own = self.routing_taints(unit, version)
         await step("taint", "update/model_taints", {"taints": [*taints, *own]})
         await step("resume", "resume_generation", {})
         if taints:  # a spare holds no version taint, so no version traffic is routed to it
             started = time.monotonic()
-            await self._await_routed(unit, version, [*taints, *own[:1]], set(instance_ids))
+            await self.routed(unit, version)
             timings["route"] = (time.monotonic() - started) * 1000
         return ShardAck(unit.name, version, seen.get("digest"), timings)
 
@@ -396,6 +398,7 @@ class PolicyManager(Extension):
         waiting = f"waiting for the router to route policy v{version} to {unit.name}"
         self.engine.transition(unit, unit.state, f"{waiting} ({taints[0]})")
         last = "no canary answered yet"
+        retry = _ROUTE_RETRY_FIRST_S
         while True:
             try:
                 async with self.session.post(
@@ -420,7 +423,8 @@ class PolicyManager(Extension):
                     f" {self.spec.route_timeout:g}s (last canary: {last})",
                 )
             self.engine.transition(unit, unit.state, f"{waiting}; last canary: {last}")
-            await asyncio.sleep(_ROUTE_RETRY_S)
+            await asyncio.sleep(retry)
+            retry = min(retry * 2, _ROUTE_RETRY_S)
 
     async def _record_ack(self, unit: Unit, ack: ShardAck) -> None:
         if self.spares.is_spare(unit):
@@ -685,3 +689,14 @@ class PolicyManager(Extension):
 
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
         await self._record_ack(unit, ack)
+
+    def routing_taints(self, unit: Unit, version: int) -> tuple[list[str], list[str]]:
+        """(the version's taint, none for a spare; the shard's own instance taints)."""
+        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
+        return self.spares.taints(unit, version), [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
+
+    async def routed(self, unit: Unit, version: int) -> None:
+        """Until a canary with this version's taint reaches the shard through the frontend."""
+        taints, own = self.routing_taints(unit, version)
+        instance_ids = set(unit.extra.get("dynamo", {}).get("instance_ids") or [])
+        await self._await_routed(unit, version, [*taints, *own[:1]], instance_ids)

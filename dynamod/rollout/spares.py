@@ -1,11 +1,13 @@
 """Hot spare shards: K extra shard instances that run, are ready and hold the ledger's
 version, but carry no policy taint (so no trainer traffic reaches them) and do not count
-as admitted. When a serving shard dies or fails verification, a spare is promoted at once
-(woken if asleep, replayed if behind, verified, tainted), and the instance it replaces
-becomes a spare once it is back. After every push or publish the spares are replayed in
-the background, off the trainer's critical path. Spares may sleep (`control/sleep` level 1)
-and are woken on promotion. Roles are assigned when a shard turns ready: the first
-instances fill the serving count, the rest are spares.
+as admitted. When a serving shard dies (seen as it starts dying, before the kernel has
+torn it down), is declared lost (its liveness failed past the threshold) or fails
+verification, a spare is promoted at once (woken if asleep, replayed if behind, verified,
+tainted, and serving only once a canary through the frontend reaches it), and the
+instance it replaces becomes a spare once it is back. After every push or publish the
+spares are replayed in the background, off the trainer's critical path. Spares may sleep
+(`control/sleep` level 1) and are woken on promotion. Roles are assigned when a shard
+turns ready: the first instances fill the serving count, the rest are spares.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from aiohttp import web
 
+from dynamod.core.deathwatch import DeathWatch
 from dynamod.core.errors import DynamodError
 from dynamod.core.restart import Exit
 from dynamod.rollout.etcd import EtcdError
@@ -41,9 +44,9 @@ class Role(StrEnum):
 class Reason(StrEnum):
     """Why a spare was promoted (the `reason` label of the promotions metric)."""
 
-    EXIT = "exit"  # the serving shard's process exited
+    EXIT = "exit"  # the serving shard's process exited (or started dying)
     VERIFICATION = "verification"  # the serving shard failed a push or publish
-    LOST = "lost"  # the serving shard was declared lost
+    LOST = "lost"  # the serving shard was declared lost: alive, but its liveness failed
 
 
 @dataclass
@@ -77,8 +80,10 @@ def choose(candidates: Iterable[Candidate], current: int | None) -> str | None:
 
 class SparePool:
     """The spares of one shard group. The policy manager calls it at a few points:
-    `assign` when a shard turns ready, `lost` when a serving shard exits or goes stale,
-    `refresh` after a push or publish, and asks `is_serving` / `taints` / `record`."""
+    `assign` when a shard turns ready, `lost` when a serving shard goes stale, `refresh`
+    after a push or publish, and asks `is_serving` / `taints` / `record`. As an engine
+    hook it watches every ready shard for its death (`on_ready`, `on_exit`), and hears of
+    shards the engine is about to kill as lost (`on_lost`)."""
 
     def __init__(self, manager: PolicyManager, count: int) -> None:
         self.manager = manager
@@ -87,6 +92,7 @@ class SparePool:
         self.sleep_wanted = False
         self._promotions: set[asyncio.Task[None]] = set()
         self._pushed_at: float | None = None
+        self._watches: dict[str, DeathWatch] = {}
 
     # ------------------------------------------------------------------ roles
 
@@ -182,13 +188,39 @@ class SparePool:
     # ------------------------------------------------------------------ promotion
 
     async def on_ready(self, unit: Unit) -> None:
-        """Engine hook: roles are assigned by the policy manager's own on_ready."""
+        """Engine hook: watch the shard for its death (roles are assigned by the policy
+        manager's own on_ready, next in line)."""
+        pid = unit.pid
+        if unit.name not in self.manager.shard_names or self.count == 0 or pid is None:
+            return
+        old = self._watches.pop(unit.name, None)
+        if old is not None:
+            old.close()
+
+        def dying(why: str) -> None:
+            log.info("spares.shard_dying", unit=unit.name, pid=pid, why=why)
+            if unit.pid == pid:
+                self.lost(unit, Reason.EXIT, f"pid {pid} dying ({why})")
+
+        watch = DeathWatch(pid, dying)
+        if watch.start():
+            self._watches[unit.name] = watch
 
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
-        """Engine hook, first in line: the promotion starts before the dead shard's lease
-        is revoked (that runs in parallel, in the next hook), not after."""
+        """Engine hook, first in line: if the death watch did not see it die first, the
+        promotion starts here, before the dead shard's lease is revoked (that runs in
+        parallel, in the next hook), not after."""
+        watch = self._watches.pop(unit.name, None)
+        if watch is not None:
+            watch.close()
         if unit.name in self.manager.shard_names:
             self.lost(unit, Reason.EXIT, exit.describe())
+
+    def on_lost(self, unit: Unit, why: str) -> None:
+        """Engine listener: a shard is about to be killed as hung. Its spare takes over
+        now, not once the kill has been reaped."""
+        if unit.name in self.manager.shard_names:
+            self.lost(unit, Reason.LOST, why)
 
     def lost(self, unit: Unit, reason: Reason, detail: str) -> None:
         """A shard left service. A serving one is replaced by a spare, if one is there."""
@@ -231,6 +263,7 @@ class SparePool:
             return
         slot = self.slots[name]
         slot.role = Role.PROMOTING
+        log.info("spares.promoting", unit=name, replaced=replaced, reason=str(reason), why=detail)
         task = asyncio.get_running_loop().create_task(
             self._promote(self.manager.engine.units[name], slot, replaced, reason, detail, since)
         )
@@ -251,6 +284,7 @@ class SparePool:
             return reply
 
         was_version, was_asleep = self._version(unit), slot.asleep
+        own = manager.routing_taints(unit, 0)[1]  # its instance taints, whatever the version
         try:
             async with slot.lock:
                 waited = (time.monotonic() - since) * 1000
@@ -276,12 +310,16 @@ class SparePool:
                         if replay_ms == 0.0:
                             # Verified when it was replayed, and only dynamod calls its admin
                             # routes (a restarted process gets a new slot): the taint is the
-                            # one call between the loss and the spare serving.
+                            # one call between the loss and the spare serving, and the
+                            # canary through the frontend says the router has seen it.
                             await timed(
                                 "taint",
                                 "update/model_taints",
-                                {"taints": self.taints(unit, version)},
+                                {"taints": [*self.taints(unit, version), *own]},
                             )
+                            started = time.monotonic()
+                            await manager.routed(unit, version)
+                            timings["route"] = (time.monotonic() - started) * 1000
                             digest = unit.extra.get("policy", {}).get("digest")
                             ack = _ack(unit.name, version, digest)
                         slot.role = Role.SERVING
@@ -309,6 +347,8 @@ class SparePool:
             )
             if self.slots.get(unit.name) is slot:  # alive: try the next spare instead
                 slot.role = Role.SPARE
+                with contextlib.suppress(DynamodError):  # tainted, but never routed to
+                    await manager.call(unit, "update/model_taints", {"taints": own})
                 self._keep_current(unit)
                 self._promote_one(replaced, reason, detail, since, exclude={unit.name})
             # (a spare that died while promoted was replaced by `lost`, as a serving one)
@@ -389,6 +429,9 @@ class SparePool:
             self._keep_current(unit)
 
     async def stop(self) -> None:
+        for watch in self._watches.values():
+            watch.close()
+        self._watches.clear()
         tasks = [*self._promotions, *(s.keeper for s in self.slots.values() if s.keeper)]
         for task in tasks:
             task.cancel()

@@ -16,58 +16,24 @@ from typing import Any
 import aiohttp
 import pytest
 
-from dynamod.core.paths import units_dir
 from tests.conftest import Dynamod, unit_by_name, wait_dead
+from tests.integration.policystack import (
+    MODEL,
+    History,
+    checkpoint,
+    frontend,
+    model_dir,
+    push,
+    write_stack,
+)
 
 pytestmark = pytest.mark.slow
-
-MODEL = "tiny-cpu"
 
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Path:
     """The default stack's units, with a short engine-call timeout for stuck shards."""
-    units = units_dir()
-    path = tmp_path / "policy-stack.toml"
-    includes = ", ".join(
-        f'"{units / n}"' for n in ("etcd.toml", "nats.toml", "worker-cpu.toml", "frontend.toml")
-    )
-    path.write_text(f"""
-[stack]
-name = "policytest"
-include = [{includes}]
-
-[vars]
-workers = 2
-
-[policy]
-store = "etcd"
-etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
-shards = ["worker"]
-keep = 2
-call_timeout = 3
-replay_backoff_initial = 0.2
-""")
-    return path
-
-
-def model_dir(status: dict[str, Any]) -> Path:
-    worker = unit_by_name(status, "worker@0")
-    return Path(worker["command"][worker["command"].index("--model-path") + 1])
-
-
-def checkpoint(base: Path, out: Path, scale: float, pad_mb: int = 0) -> Path:
-    """A new policy: the base weights scaled (and optionally padded to be slow to load)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(base / "model.safetensors"))
-    tensors = {k: (v.float() * scale).to(v.dtype) for k, v in tensors.items()}
-    if pad_mb:
-        tensors["padding"] = torch.ones(pad_mb * 256 * 1024, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return write_stack(tmp_path / "policy-stack.toml", "policytest", keep=2)
 
 
 def served_by(url: str, instance: int) -> tuple[int, int]:
@@ -88,70 +54,9 @@ def served_by(url: str, instance: int) -> tuple[int, int]:
     return asyncio.run(one())
 
 
-class History:
-    """Requests at a bounded rate; every answer recorded with what served it."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.rows: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    async def one(self, session: aiohttp.ClientSession, version: int | None) -> None:
-        nvext: dict[str, Any] = {"extra_fields": ["worker_id", "engine_data"]}
-        if version is not None:
-            nvext["routing_constraints"] = {"required_taints": [f"dynamod.policy/{version}"]}
-        body = {"model": MODEL, "prompt": "the policy says", "max_tokens": 4, "nvext": nvext}
-        sent = time.monotonic()
-        try:
-            async with session.post(f"{self.url}/v1/completions", json=body) as resp:
-                status, text = resp.status, await resp.text()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            status, text = -1, repr(exc)
-        row: dict[str, Any] = {
-            "sent": sent,
-            "done": time.monotonic(),
-            "required": version,
-            "status": status,
-        }
-        if status == 200:
-            engine = json.loads(text)["nvext"]["engine_data"]
-            row.update(version=engine["weight_version"], instance=engine["instance_id"])
-        else:
-            row["error"] = text[:200]
-        self.rows.append(row)
-
-    def run(self, version_of: Any, rate: float = 8, limit_s: float = 120) -> None:
-        async def loop() -> None:
-            timeout = aiohttp.ClientTimeout(total=20)
-            async with aiohttp.ClientSession(timeout=timeout) as session:
-                tasks = []
-                start = time.monotonic()
-                while not self._stop.is_set() and time.monotonic() - start < limit_s:
-                    tasks.append(asyncio.create_task(self.one(session, version_of())))
-                    await asyncio.sleep(1 / rate)
-                await asyncio.gather(*tasks)
-
-        self._thread = threading.Thread(target=lambda: asyncio.run(loop()), daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join(timeout=60)
-
-
 def up(dm: Dynamod, stack: Path) -> dict[str, Any]:
     dm.run("up", str(stack), "--detach", timeout=300, check=True)
     return dm.status()
-
-
-def push(dm: Dynamod, step: int, path: Path) -> dict[str, Any]:
-    result = dm.run(
-        "policy", "push", "--step", str(step), "--path", str(path), "--json", check=True
-    )
-    data: dict[str, Any] = json.loads(result.stdout)
-    return data
 
 
 def shard_versions(dm: Dynamod) -> dict[str, Any]:
@@ -160,10 +65,6 @@ def shard_versions(dm: Dynamod) -> dict[str, Any]:
         for u in dm.status()["units"]
         if u["name"].startswith("worker@")
     }
-
-
-def frontend(status: dict[str, Any]) -> str:
-    return f"http://127.0.0.1:{unit_by_name(status, 'frontend')['ports']['http']}"
 
 
 def admitted_at(dm: Dynamod, unit: str, after: float) -> list[float]:

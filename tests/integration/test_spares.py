@@ -5,6 +5,7 @@ never serves before it holds the current version" is checked over the request hi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,9 +18,15 @@ from typing import Any
 
 import pytest
 
-from dynamod.core.paths import units_dir
 from tests.conftest import Dynamod, unit_by_name
-from tests.integration.test_policy import History, checkpoint, frontend, model_dir, push
+from tests.integration.policystack import (
+    History,
+    checkpoint,
+    frontend,
+    model_dir,
+    push,
+    write_stack,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,28 +34,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def stack(tmp_path: Path) -> Path:
     """The default stack's units with two serving shards and one spare."""
-    units = units_dir()
-    path = tmp_path / "spares-stack.toml"
-    includes = ", ".join(
-        f'"{units / n}"' for n in ("etcd.toml", "nats.toml", "worker-cpu.toml", "frontend.toml")
-    )
-    path.write_text(f"""
-[stack]
-name = "sparestest"
-include = [{includes}]
-
-[vars]
-workers = 2
-
-[policy]
-store = "etcd"
-etcd = "http://127.0.0.1:{{units.etcd.ports.client}}"
-shards = ["worker"]
-spares = 1
-call_timeout = 3
-replay_backoff_initial = 0.2
-""")
-    return path
+    return write_stack(tmp_path / "spares-stack.toml", "sparestest", spares=1)
 
 
 def free_port() -> int:
@@ -174,8 +160,13 @@ def test_kill_promotes_the_spare_at_once_and_the_dead_shard_returns_as_spare(
 
     assert promoted["unit"] == spare["name"] and promoted["replaced"] == victim["name"]
     assert promoted["reason"] == "exit" and promoted["version"] == 1
-    assert set(promoted["steps_ms"]) == {"taint"}  # current and awake: one call
+    # Current and awake: one call (the taint), and the canary through the frontend.
+    assert set(promoted["steps_ms"]) == {"taint", "route"}
     assert promoted["was_version"] == 1 and promoted["was_asleep"] is False
+    # Seen dying (its threads ending) before the kernel had torn it down and reaped it.
+    (dying,) = [e for e in events(dm, "spares.shard_dying") if e["unit"] == victim["name"]]
+    assert "dying" in promoted["why"], promoted["why"]
+    assert killed_wall <= dying["wall"] <= first_wall(dm, victim["name"], "backoff", killed_wall)
     # In service before the dead shard's new process had even booted (its cold start).
     rebooted = first_wall(dm, victim["name"], "held", killed_wall)
     assert killed_wall <= promoted["wall"] < rebooted
@@ -338,3 +329,67 @@ def test_a_shard_that_fails_a_push_is_replaced_by_the_spare_and_rejoins_as_spare
     assert promoted["unit"] == roles["spare"]["name"]
     assert again["spare"]["name"] == stuck["name"] and again["spare"]["pid"] == stuck["pid"]
     assert {u["name"] for u in again["serving"]} == {fine["name"], roles["spare"]["name"]}
+
+
+def test_a_hung_serving_shard_is_replaced_as_lost_before_it_is_killed(
+    dm: Dynamod, stack: Path
+) -> None:
+    port = free_port()
+    status = up(dm, stack, "--metrics-addr", f"127.0.0.1:{port}")
+    roles = settled(dm, 0)
+    history = History(frontend(status))
+    history.run(lambda: 0)
+    time.sleep(1.5)
+    hung, spare = roles["serving"][0], roles["spare"]
+    stopped_wall = time.time()
+    os.kill(hung["pid"], signal.SIGSTOP)  # alive, but its liveness probe times out
+    try:
+        (promoted,) = wait_event(dm, "spares.promoted", timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung["pid"], signal.SIGCONT)
+    dm.wait_ready_again(hung["name"], hung["pid"], timeout=90, what="the hung shard back")
+    again = settled(dm, 0)
+    time.sleep(1)
+    history.stop()
+
+    assert promoted["reason"] == "lost" and promoted["replaced"] == hung["name"]
+    assert promoted["unit"] == spare["name"] and "liveness failed" in promoted["why"]
+    (promoting,) = [e for e in events(dm, "spares.promoting") if e["replaced"] == hung["name"]]
+    killed = first_wall(dm, hung["name"], "backoff", stopped_wall)
+    assert promoting["wall"] <= killed, "the spare was promoted only after the kill"
+    assert [e["reason"] for e in events(dm, "spares.promoted")] == ["lost"], "promoted twice"
+    assert again["spare"]["name"] == hung["name"]
+    assert {u["name"] for u in again["serving"]} == {spare["name"], roles["serving"][1]["name"]}
+    served = [r for r in history.rows if r["status"] == 200]
+    assert served_only_when_current(history, spare["dynamo"]["instance_ids"][0], promoted["wall"])
+    failures = [r for r in history.rows if r["status"] != 200]
+    assert served and failures == [], failures[:3]
+    samples = scrape(port)
+    assert samples[("dynamod_spare_promotions_total", frozenset({("reason", "lost")}))] == 1
+    assert samples[("dynamod_spare_promotions_total", frozenset({("reason", "exit")}))] == 0
+
+
+def test_a_promoted_spare_serves_only_once_a_canary_reaches_it_through_the_frontend(
+    dm: Dynamod, stack: Path
+) -> None:
+    status = up(dm, stack)
+    roles = settled(dm, 0)
+    victim, spare = roles["serving"][0], roles["spare"]
+    front = unit_by_name(status, "frontend")
+    # A frontend that cannot answer for 0.5 s (less than its liveness allows): the
+    # spare's taint is set at once, but nothing is routed until the frontend answers.
+    os.kill(front["pid"], signal.SIGSTOP)
+    try:
+        os.kill(victim["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        assert events(dm, "spares.promoted") == [], "promoted with no canary answered"
+    finally:
+        resumed_wall = time.time()
+        os.kill(front["pid"], signal.SIGCONT)
+    (promoted,) = wait_event(dm, "spares.promoted")
+    assert promoted["unit"] == spare["name"] and promoted["wall"] >= resumed_wall
+    assert promoted["steps_ms"]["route"] > 300, promoted["steps_ms"]  # it waited for the canary
+    again = settled(dm, 0)
+    assert unit_by_name(again["status"], "frontend")["pid"] == front["pid"], "frontend restarted"
+    assert unit_by_name(again["status"], spare["name"])["policy"]["admitted"] is True

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from dynamod.rollout.spares import Candidate, Role, SparePool, choose
+from dynamod.rollout.spares import Candidate, Reason, Role, SparePool, choose
 
 
 def test_choose_prefers_awake_and_current_then_behind_then_asleep() -> None:
@@ -58,3 +58,28 @@ def test_status_tree_shows_a_ready_spare_as_its_own_role() -> None:
     assert _state({"state": "ready", "spare": {"role": "serving"}}) == "ready"
     assert _state({"state": "held", "spare": {"role": "spare"}}) == "held"  # catching up
     assert _state({"state": "ready"}) == "ready"
+
+
+def test_a_lost_shard_is_swapped_for_the_spare_once_and_its_exit_promotes_no_other() -> None:
+    import asyncio
+
+    async def scenario() -> None:
+        spares, units = pool(shards=3, spares=1)
+        for u in units:
+            u.state = SimpleNamespace(running=True)
+            u.hold_reason = None
+        spares.manager.engine.stopping = False
+        roles = [spares.assign(u) for u in units]
+        assert roles == [Role.SERVING, Role.SERVING, Role.SERVING, Role.SPARE]
+        spares._promote = lambda *a: asyncio.sleep(0)  # type: ignore[method-assign]
+        hung, spare = units[0], units[3]
+        spares.manager.shard_names = {u.name for u in units}
+        spares.on_lost(hung, "liveness failed 3 times in a row")
+        assert spares.role(spare) is Role.PROMOTING, "the spare was not promoted on the loss"
+        assert spares.role(hung) is Role.SPARE, "the lost shard still counts as serving"
+        spares.lost(hung, Reason.EXIT, "killed by signal 9")  # the kill that follows
+        promoting = [n for n, s in spares.slots.items() if s.role is Role.PROMOTING]
+        assert promoting == [spare.name], "its exit promoted a second time"
+        await spares.stop()
+
+    asyncio.run(scenario())
