@@ -93,8 +93,20 @@ class Sandbox:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for i, node in enumerate(self.nodes):
             port = self._switch_port(i)
-            _ip("-n", self.switch, "link", "add", port, "type", "veth",
-                "peer", "name", "eth0", "netns", node)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                node,
+            )
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
             _ip("-n", node, "addr", "add", f"{self.addresses[i]}/24", "dev", "eth0")

@@ -20,6 +20,7 @@ from dynamod.control.cliutil import (
     BAD_INPUT,
     Seconds,
     check_metrics_addr,
+    check_node_name,
     check_unit_name,
     create_state_dir,
     fail,
@@ -103,14 +104,33 @@ _metrics_option = click.option(
 )
 
 
+_node_option = click.option(
+    "--node",
+    default=None,
+    callback=check_node_name,
+    help="A cluster stack: this node's share of it (a name in its [cluster] nodes; "
+    "default: the head).",
+)
+
+
 @main.command()
 @click.argument("stack", required=False)
 @var_option
+@_node_option
 @click.pass_context
-def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
+def check(
+    ctx: click.Context, stack: str | None, variables: tuple[str, ...], node: str | None
+) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
-    resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables)
+    resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables, node)
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
+    if resolved.cluster is not None:
+        cluster = resolved.cluster
+        remote = sorted(n for n, u in resolved.units.items() if u.remote)
+        click.echo(
+            f"  node {cluster.node} ({cluster.address}) of {', '.join(cluster.nodes)}; head "
+            f"{cluster.head}; on other nodes: {', '.join(remote) or 'nothing it depends on'}"
+        )
     from dynamod.core import graph
 
     edges = {n: list(u.depends_on) for n, u in resolved.units.items()}
@@ -134,6 +154,7 @@ def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> 
     help="With --detach: give up (and tear down) after this many seconds.",
 )
 @_metrics_option
+@_node_option
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -142,6 +163,7 @@ def up(
     detach: bool,
     metrics_addr: str | None,
     timeout: float | None,
+    node: str | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
     state_dir = state_dir_of(ctx, will_create=True)
@@ -154,7 +176,7 @@ def up(
             f"{_daemon_named(other)} already runs with state dir {state_dir}; "
             "`dynamod status` shows it, `dynamod down` stops it"
         )
-    resolved = load_stack(stack, state_dir, variables)
+    resolved = load_stack(stack, state_dir, variables, node)
     _check_containment_setting()
     create_state_dir(state_dir)
     _sweep_previous(state_dir)
