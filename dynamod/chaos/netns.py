@@ -11,11 +11,13 @@ sandbox's own namespaces."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +31,7 @@ log = structlog.get_logger("dynamod.chaos.netns")
 _counter = itertools.count()
 _NETNS_DIR = Path("/run/netns")
 _MAX_NODES = 250
+_CLONE_NEWNET = 0x40000000
 
 
 class SandboxError(DynamodError):
@@ -153,6 +156,21 @@ class Sandbox:
         )
         self._procs.append(proc)
         return proc
+
+    def enter(self, node: int | str) -> None:
+        """Move the calling thread (never the main thread) into the node's network
+        namespace: sockets it opens from then on are the node's. A network namespace is
+        per thread on Linux, so a load thread can be a client inside a node."""
+        if threading.current_thread() is threading.main_thread():
+            raise SandboxError("enter() moves one thread; call it from a worker thread")
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(_NETNS_DIR / self.netns(node), os.O_RDONLY)
+        try:
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise SandboxError(f"setns into {self.netns(node)} failed: {os.strerror(err)}")
+        finally:
+            os.close(fd)
 
     def cut(self, node: int | str) -> None:
         """Pull the node's cable: its switch port goes down, packets to and from it are lost."""

@@ -440,11 +440,27 @@ class _Ours:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--cluster",
+    "whole_cluster",
+    is_flag=True,
+    help="A cluster stack: stop every node, in reverse dependency order across nodes.",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=Seconds(),
+    default=30.0,
+    help="With --cluster: seconds to wait for each node's answer to each step.",
+)
 @click.pass_context
-def down(ctx: click.Context, as_json: bool) -> None:
+def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) -> None:
     """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
     state_dir = state_dir_of(ctx)
     client = Client(state_dir)
+    if whole_cluster:
+        _down_cluster(client, as_json, wait_s)
+        return
     try:
         asked = client.status()
         result = client.down()
@@ -469,6 +485,34 @@ def down(ctx: click.Context, as_json: bool) -> None:
         for line in render.down_report(result):
             click.echo(line)
     sys.exit(0 if result["ok"] else 1)
+
+
+def _down_cluster(client: Client, as_json: bool, wait_s: float) -> None:
+    try:
+        asked = client.status()
+        if not asked.get("cluster"):
+            fail(
+                f"down --cluster: stack {asked.get('stack')} has no [cluster] table; "
+                "use `dynamod down`",
+                BAD_INPUT,
+            )
+        result = client.down_cluster(wait_s)
+    except DaemonError as exc:
+        fail(str(exc))
+    _wait_pid_gone(int(asked["daemon_pid"]), 30)
+    own = result.get("this_node_down", {})
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"cluster stopped in {result['seconds']:.1f}s, tiers: {result['tiers']}")
+        for name, node in result["nodes"].items():
+            stopped = ", ".join(node["stopped"]) or "nothing"
+            why = f"  ({node['why']})" if node.get("why") else ""
+            answered = "answered" if node["answered"] else "NO ANSWER"
+            click.echo(f"  {name:<12} {answered}: stopped {stopped}{why}")
+        for line in render.down_report(own):
+            click.echo(line)
+    sys.exit(0 if result["ok"] and own.get("ok") else 1)
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> None:

@@ -201,6 +201,15 @@ class EtcdClient:
             raise EtcdError(self.endpoint, "lease_revoke", None, detail) from None
         return True
 
+    async def lease_keepalive(self, lease_id: int) -> int | None:
+        """Refresh a lease once; its TTL again, or None if it no longer exists (expired or
+        revoked). The gateway answers the first message of the keep-alive stream."""
+        reply = await self._call(
+            "lease_keepalive", "/v3/lease/keepalive", {"ID": str(lease_id)}, None
+        )
+        ttl = int(reply.get("result", reply).get("TTL", 0))
+        return ttl if ttl > 0 else None
+
     async def lease_time_to_live(self, lease_id: int) -> LeaseInfo | None:
         """The lease's remaining TTL and the keys attached to it; None if it no longer exists."""
         body = {"ID": str(lease_id), "keys": True}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -52,6 +53,9 @@ class DynamoRegistrations(Extension):
         # unit name -> (etcd endpoint, instance ids) whose revocation failed; retried
         self.pending: dict[str, tuple[str, list[int]]] = {}
         self._swept = False
+        # Set by a multi-node layer: the instance ids other nodes' live workers hold, which
+        # the sweep must leave alone (it raises EtcdError while it cannot tell).
+        self.others_live: Callable[[], Awaitable[set[int]]] | None = None
 
     async def start(self, daemon: Daemon) -> None:
         assert daemon.engine is not None
@@ -102,7 +106,14 @@ class DynamoRegistrations(Extension):
                     endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S
                 ) as etcd:
                     stale = await dynamo.list_instances(etcd, namespace)
-                    leases = sorted({inst.lease_id or inst.instance_id for inst in stale})
+                    keep = await self.others_live() if self.others_live is not None else set()
+                    leases = sorted(
+                        {
+                            inst.lease_id or inst.instance_id
+                            for inst in stale
+                            if inst.instance_id not in keep and inst.lease_id not in keep
+                        }
+                    )
                     for lease in leases:
                         await dynamo.revoke_instance(etcd, lease)
             except (TimeoutError, EtcdError):
