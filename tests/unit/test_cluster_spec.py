@@ -23,7 +23,8 @@ STACK = """
     [units.worker]
     nodes = "all"
     replicas = 1
-    command = ["w", "{node.name}", "{cluster.head_address}", "{cluster.nodes.n2}", "{cluster.nodes_spec}"]
+    command = ["w", "{node.name}", "{cluster.head_address}", "{cluster.nodes.n2}",
+               "{cluster.nodes_spec}"]
     ports = { system = 0 }
     depends_on = { etcd = "ready" }
     [units.frontend]
@@ -72,7 +73,8 @@ def test_another_node_runs_its_share_and_checks_the_head_s_units_there(tmp_path:
     assert list(n1.units) == ["etcd", "worker@0"]
     etcd = n1.units["etcd"]
     assert etcd.remote == "head" and etcd.depends_on == {}
-    assert etcd.ready is not None and getattr(etcd.ready, "url") == "http://10.9.0.1:2379/health"
+    assert isinstance(etcd.ready, spec.HttpProbe)
+    assert etcd.ready.url == "http://10.9.0.1:2379/health"
     worker = n1.units["worker@0"]
     assert worker.remote is None and worker.command[1] == "n1"
     assert worker.env["DYNAMOD_NODE"] == "n1"
