@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import subprocess
@@ -16,14 +15,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import aiohttp
 
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import Sandbox
+from dynamod.control.client import Client
 from dynamod.core import paths
-from dynamod.core.errors import DynamodError
+from dynamod.core.errors import DaemonError, DynamodError
+from dynamod.rollout import dynamo
 
 NODE_NAMES = ("head", "n1", "n2", "n3", "n4")
 _NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
@@ -116,11 +120,11 @@ class ClusterRig:
         )
 
     def status(self, node: str) -> dict[str, Any]:
-        done = self.run(node, "status", "--json", timeout=30)
-        if done.returncode != 0:
-            raise ClusterError(f"status on {node} failed: {done.stderr.strip()}")
-        data: dict[str, Any] = json.loads(done.stdout)
-        return data
+        """The node daemon's status, over its socket from this process (no CLI start-up)."""
+        try:
+            return Client(self.state_dir(node)).status()
+        except DaemonError as exc:
+            raise ClusterError(f"status on {node} failed: {exc}") from None
 
     def wait(self, what: str, check: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
         deadline = time.monotonic() + timeout
@@ -143,6 +147,30 @@ class ClusterRig:
         assert self.sandbox is not None
         url = self.frontend_url()
         return NodeLoad(self.sandbox, 0, spec, lambda: url, model, time.monotonic(), current)
+
+    def in_node(self, node: str, work: Callable[[], Any]) -> Any:
+        """Run `work` in a thread inside the node's namespace and return its result."""
+        assert self.sandbox is not None
+        sandbox, index = self.sandbox, self.names.index(node)
+        with ThreadPoolExecutor(1, initializer=lambda: sandbox.enter(index)) as pool:
+            return pool.submit(work).result()
+
+    def routed(self, namespace: str = "dynamod") -> set[int]:
+        """Instance ids in the head's frontend's discovery view (what its router picks)."""
+        url = self.frontend_url()
+
+        async def ask() -> set[int]:
+            async with aiohttp.ClientSession() as session:
+                return await dynamo.frontend_routed_instances(session, url, namespace, timeout_s=2)
+
+        result: set[int] = self.in_node(self.names[0], lambda: asyncio.run(ask()))
+        return result
+
+    def instance_ids(self, node: str) -> set[int]:
+        """The Dynamo instance ids of the node's shards, from the head's registry view."""
+        view = self.status(self.names[0])["cluster"]
+        entry = next(n for n in view["nodes"] if n["name"] == node)
+        return {i for u in entry["units"] for i in u["instance_ids"]}
 
     def cut(self, node: str) -> None:
         assert self.sandbox is not None
