@@ -65,6 +65,7 @@ def main() -> None:
             "requests",
             "failed before re-route",
             "failed after re-route (require current)",
+            "refused at the outgoing version during the push",
         ],
         digits=2,
     )
@@ -80,6 +81,7 @@ def main() -> None:
                 len(r.requests),
                 len(r.failed_during_cut()),
                 len(r.failed_after_reroute()),
+                len(r.refused_at_outgoing_version()),
             ]
         )
     report.tables.append(table)

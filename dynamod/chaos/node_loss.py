@@ -28,7 +28,17 @@ class NodeLossRound:
     requests: list[Request] = field(default_factory=list)
     cut_at: float = 0.0  # on the load's clock
     rerouted_at: float | None = None
+    push_started_at: float | None = None
     push_done_at: float | None = None
+    step: int | None = None
+
+    def _at_outgoing_version(self, r: Request) -> bool:
+        """Required the version a push was replacing while that push was under way: the
+        router refuses those by design (no stale shard may serve)."""
+        if self.push_started_at is None or self.push_done_at is None or self.step is None:
+            return False
+        overlaps = r.sent <= self.push_done_at and r.done >= self.push_started_at
+        return overlaps and r.required is not None and r.required < self.step
 
     def failed_after_reroute(self) -> list[Request]:
         """Failed requests that required the current version, sent once the router had
@@ -38,8 +48,14 @@ class NodeLossRound:
         return [
             r
             for r in self.requests
-            if r.sent >= self.rerouted_at and r.required is not None and not r.ok
+            if r.sent >= self.rerouted_at
+            and r.required is not None
+            and not r.ok
+            and not self._at_outgoing_version(r)
         ]
+
+    def refused_at_outgoing_version(self) -> list[Request]:
+        return [r for r in self.requests if not r.ok and self._at_outgoing_version(r)]
 
     def failed_during_cut(self) -> list[Request]:
         end = self.rerouted_at if self.rerouted_at is not None else float("inf")
@@ -77,7 +93,7 @@ def run_round(
     rejoin_timeout: float = 60,
 ) -> NodeLossRound:
     head = rig.names[0]
-    result = NodeLossRound(node=node)
+    result = NodeLossRound(node=node, step=step)
     current: list[int | None] = [_ledger(rig)]
     gen = rig.load(load, model, lambda: current[0])
     ids = rig.instance_ids(node)
@@ -107,6 +123,7 @@ def run_round(
         result.rerouted_at = rerouted - gen.origin
         time.sleep(1.0)
         started = time.monotonic()
+        result.push_started_at = started - gen.origin
         pushed = rig.run(
             head,
             "policy",

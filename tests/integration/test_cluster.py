@@ -77,7 +77,8 @@ def test_a_cut_node_is_marked_lost_and_routed_around_and_serving_continues(
     r = loss_round
     print(f"n2 cut: lost after {r.lost_s:.2f}s, router dropped it after {r.rerouted_s:.2f}s; "
           f"push {r.push_s:.2f}s; healed: admitted at v1 after {r.admitted_s:.2f}s; "
-          f"{len(r.requests)} requests, {len(r.failed_during_cut())} failed before re-routing")
+          f"{len(r.requests)} requests, {len(r.failed_during_cut())} failed before re-routing, "
+          f"{len(r.refused_at_outgoing_version())} refused at the outgoing version")
     assert r.rerouted_s is not None and r.rerouted_s < 10  # the target (3 s) is bench/cluster.py's
     assert r.lost_s is not None and r.lost_s < 10
     after = [q for q in r.requests if r.rerouted_at is not None and q.sent >= r.rerouted_at]
