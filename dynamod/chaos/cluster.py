@@ -163,7 +163,10 @@ class ClusterRig:
             async with aiohttp.ClientSession() as session:
                 return await dynamo.frontend_routed_instances(session, url, namespace, timeout_s=2)
 
-        result: set[int] = self.in_node(self.names[0], lambda: asyncio.run(ask()))
+        try:
+            result: set[int] = self.in_node(self.names[0], lambda: asyncio.run(ask()))
+        except (dynamo.DynamoHTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise ClusterError(f"the head's frontend did not list its instances: {exc}") from None
         return result
 
     def instance_ids(self, node: str) -> set[int]:

@@ -6,6 +6,7 @@ measure when its shards are admitted again at that version. Shared by the 3-node
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,10 +110,11 @@ def run_round(
         deadline = cut + detect_timeout
         while (lost is None or rerouted is None) and time.monotonic() < deadline:
             now = time.monotonic()
-            if rerouted is None and not rig.routed() & ids:
-                rerouted = time.monotonic()
-            if lost is None and node_state(rig, head, node)["state"] == "lost":
-                lost = now
+            with contextlib.suppress(ClusterError):
+                if rerouted is None and not rig.routed() & ids:
+                    rerouted = time.monotonic()
+                if lost is None and node_state(rig, head, node)["state"] == "lost":
+                    lost = now
             time.sleep(0.05)
         if lost is None or rerouted is None:
             raise ClusterError(
