@@ -28,6 +28,7 @@ log = structlog.get_logger("dynamod.cluster.shutdown")
 
 EXIT = "exit"
 _POLL_S = 0.1
+_EXIT_ACK_WAIT_S = 5.0
 
 
 class ClusterShutdown:
@@ -100,6 +101,16 @@ class ClusterShutdown:
                 if ack and ack.get("id") == self.id and ack.get("step") == step:
                     waiting.discard(name)
                     self.report[name]["stopped"] += list(ack.get("stopped", []))
+        # An exiting node waits for this before it stops (the head's etcd holds the acks).
+        seen = {
+            "id": self.id,
+            "step": f"{step}-seen",
+            "units": [],
+            "nodes": [],
+            "by": request["by"],
+        }
+        with contextlib.suppress(Exception):
+            await self.m.etcd.put(registry.down_key(self.m.stack), json.dumps(seen))
         for name in waiting:
             self.report[name]["answered"] = False
             self.report[name]["why"] = (
@@ -134,4 +145,9 @@ async def carry_out(m: Membership, request: dict[str, Any]) -> None:
         await m.etcd.put(registry.down_ack_key(m.stack, m.cluster.node), json.dumps(ack))
     log.info("cluster.down_step", step=step, stopped=stopped, by=request.get("by"))
     if step == EXIT:
+        # Stopping may take the registry with it (the head's etcd): first let the asking
+        # node see the ack, which it says by moving the request on.
+        deadline = time.monotonic() + _EXIT_ACK_WAIT_S
+        while time.monotonic() < deadline and m.down_request == request:
+            await asyncio.sleep(_POLL_S)
         await m.daemon.down()

@@ -108,8 +108,9 @@ def test_down_cluster_stops_every_node_and_leaves_nothing(
 ) -> None:
     run_ids = [rig.status(n)["run_id"] for n in rig.names]
     done = rig.run("n1", "down", "--cluster", "--json", timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    report = json.loads(done.stdout)
+    report = json.loads(done.stdout) if done.stdout.startswith("{") else {}
+    own = report.get("this_node_down", {})
+    assert done.returncode == 0, (report.get("nodes"), own.get("survivors"), done.stderr[-2000:])
     assert report["tiers"][:3] == [["trainer"], ["frontend"], ["worker"]]
     assert all(report["nodes"][n]["answered"] for n in rig.names)
     assert "worker@0" in report["nodes"]["n2"]["stopped"]
