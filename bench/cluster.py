@@ -16,7 +16,10 @@ require the current version).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+
+import structlog
 
 from bench.report import Report, Table, emit, options
 from dynamod.chaos.cluster import ClusterRig
@@ -29,6 +32,8 @@ LEASE_TTL_S = 3.0  # units/stacks/cluster.toml
 
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
+    # the harness logs (sandbox up, cut, heal) go to stderr: stdout is the report
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("cluster", "Node loss and return on a 3-node cluster", args.quick)
     reason = can_create_namespaces()
     if reason is not None:
@@ -139,8 +144,9 @@ def main() -> None:
     )
     report.notes.append(
         "Detection is bounded below by the registry lease: a cut node's entry expires "
-        "2-3 s after its last keep-alive (every ttl/3), then the leader revokes its Dynamo "
-        "leases and the router drops them within milliseconds."
+        "2-3 s after its last keep-alive (every ttl/3), plus up to 0.5 s until etcd's "
+        "lessor revokes it, plus the 0.2 s poll; then the leader revokes its Dynamo leases "
+        "and the router drops them within milliseconds."
     )
     emit(report, args.json)
 
