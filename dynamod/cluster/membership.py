@@ -206,6 +206,8 @@ class Membership(Extension):
         await self.etcd.put(
             registry.node_key(self.stack, self.cluster.node), self.entry().encode(), self.lease
         )
+        if self.last_published is None:  # a lost record of this node's earlier run is stale
+            await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
         now = time.monotonic()
         away = (
             self.last_published is not None and now - self.last_published > self.cluster.lease_ttl

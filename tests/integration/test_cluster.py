@@ -103,6 +103,25 @@ def test_the_healed_node_rejoins_at_the_pushed_version(
     assert [s["policy_version"] for s in policy["shards"]] == [1]
 
 
+def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
+    rig: ClusterRig, loss_round: NodeLossRound
+) -> None:
+    def shards(node: str) -> dict[str, Any]:
+        return {u["name"]: u for u in rig.status(node)["units"] if u["name"] == "worker@0"}
+
+    before = {n: shards(n)["worker@0"] for n in ("head", "n2")}
+    others = rig.instance_ids("head") | rig.instance_ids("n2")
+    stopped = rig.run("n1", "down", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    rig.up(["n1"], timeout=180)
+    rig.wait("n1 back up in the head's view", lambda: _cluster(rig.status("head"))["n1"]["state"]
+             == "up" and rig.instance_ids("n1") & rig.routed(), 60)
+    for node, old in before.items():
+        now = shards(node)["worker@0"]
+        assert (now["pid"], now["restarts"]) == (old["pid"], old["restarts"]), node
+    assert others <= rig.routed(), "n1's start-up sweep must leave the other nodes' shards alone"
+
+
 def test_down_cluster_stops_every_node_and_leaves_nothing(
     rig: ClusterRig, loss_round: NodeLossRound
 ) -> None:
