@@ -56,7 +56,15 @@ class NodeLossRound:
         ]
 
     def refused_at_outgoing_version(self) -> list[Request]:
-        return [r for r in self.requests if not r.ok and self._at_outgoing_version(r)]
+        """After re-routing, refused by design at the version being replaced (apart from
+        those counted by failed_during_cut)."""
+        if self.rerouted_at is None:
+            return []
+        return [
+            r
+            for r in self.requests
+            if r.sent >= self.rerouted_at and not r.ok and self._at_outgoing_version(r)
+        ]
 
     def failed_during_cut(self) -> list[Request]:
         end = self.rerouted_at if self.rerouted_at is not None else float("inf")
