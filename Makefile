@@ -4,7 +4,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install up test lint typecheck pytest soak-side-by-side bench bench-quick chaos chaos-quick clean
+.PHONY: install up test lint typecheck pytest soak-side-by-side bench bench-quick cluster chaos chaos-quick clean
 
 install:
 	./scripts/install.sh
@@ -33,6 +33,10 @@ bench: install
 # Every benchmark's smoke run (each under a minute); results are not comparable.
 bench-quick: install
 	$(BIN)/python -m bench.run_all --quick
+
+# Node loss and return on three network namespaces as nodes (root), 3 rounds.
+cluster: install
+	$(BIN)/python -m bench.cluster
 
 # Every runbook in runbooks/, full profile (the method repeated, longer load). Each run's
 # journal, history and timeline go to chaos-runs/, with chaos-runs/index.html over them.

@@ -35,6 +35,7 @@ BENCHMARKS = [
     "load_kill",
     "outages",
     "tokens",
+    "cluster",
 ]
 
 

@@ -73,6 +73,13 @@ class Client:
         result: dict[str, Any] = self.request("POST", "/down", timeout=timeout)
         return result
 
+    def down_cluster(self, wait_s: float = 30, timeout: float = 900) -> dict[str, Any]:
+        """Stop every node of a cluster stack; node -> what it stopped or why not."""
+        result: dict[str, Any] = self.request(
+            "POST", "/cluster/down", {"wait_s": wait_s}, timeout=timeout
+        )
+        return result
+
     def restart(self, unit: str) -> dict[str, Any]:
         result: dict[str, Any] = self.request("POST", f"/restart/{unit}", timeout=120)
         return result

@@ -20,6 +20,7 @@ from dynamod.control.cliutil import (
     BAD_INPUT,
     Seconds,
     check_metrics_addr,
+    check_node_name,
     check_unit_name,
     create_state_dir,
     fail,
@@ -103,14 +104,33 @@ _metrics_option = click.option(
 )
 
 
+_node_option = click.option(
+    "--node",
+    default=None,
+    callback=check_node_name,
+    help="A cluster stack: this node's share of it (a name in its [cluster] nodes; "
+    "default: the head).",
+)
+
+
 @main.command()
 @click.argument("stack", required=False)
 @var_option
+@_node_option
 @click.pass_context
-def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> None:
+def check(
+    ctx: click.Context, stack: str | None, variables: tuple[str, ...], node: str | None
+) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
-    resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables)
+    resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables, node)
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
+    if resolved.cluster is not None:
+        cluster = resolved.cluster
+        remote = sorted(n for n, u in resolved.units.items() if u.remote)
+        click.echo(
+            f"  node {cluster.node} ({cluster.address}) of {', '.join(cluster.nodes)}; head "
+            f"{cluster.head}; on other nodes: {', '.join(remote) or 'nothing it depends on'}"
+        )
     from dynamod.core import graph
 
     edges = {n: list(u.depends_on) for n, u in resolved.units.items()}
@@ -134,6 +154,7 @@ def check(ctx: click.Context, stack: str | None, variables: tuple[str, ...]) -> 
     help="With --detach: give up (and tear down) after this many seconds.",
 )
 @_metrics_option
+@_node_option
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -142,6 +163,7 @@ def up(
     detach: bool,
     metrics_addr: str | None,
     timeout: float | None,
+    node: str | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
     state_dir = state_dir_of(ctx, will_create=True)
@@ -154,7 +176,7 @@ def up(
             f"{_daemon_named(other)} already runs with state dir {state_dir}; "
             "`dynamod status` shows it, `dynamod down` stops it"
         )
-    resolved = load_stack(stack, state_dir, variables)
+    resolved = load_stack(stack, state_dir, variables, node)
     _check_containment_setting()
     create_state_dir(state_dir)
     _sweep_previous(state_dir)
@@ -418,11 +440,27 @@ class _Ours:
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--cluster",
+    "whole_cluster",
+    is_flag=True,
+    help="A cluster stack: stop every node, in reverse dependency order across nodes.",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=Seconds(),
+    default=30.0,
+    help="With --cluster: seconds to wait for each node's answer to each step.",
+)
 @click.pass_context
-def down(ctx: click.Context, as_json: bool) -> None:
+def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) -> None:
     """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
     state_dir = state_dir_of(ctx)
     client = Client(state_dir)
+    if whole_cluster:
+        _down_cluster(client, as_json, wait_s)
+        return
     try:
         asked = client.status()
         result = client.down()
@@ -447,6 +485,34 @@ def down(ctx: click.Context, as_json: bool) -> None:
         for line in render.down_report(result):
             click.echo(line)
     sys.exit(0 if result["ok"] else 1)
+
+
+def _down_cluster(client: Client, as_json: bool, wait_s: float) -> None:
+    try:
+        asked = client.status()
+        if not asked.get("cluster"):
+            fail(
+                f"down --cluster: stack {asked.get('stack')} has no [cluster] table; "
+                "use `dynamod down`",
+                BAD_INPUT,
+            )
+        result = client.down_cluster(wait_s)
+    except DaemonError as exc:
+        fail(str(exc))
+    _wait_pid_gone(int(asked["daemon_pid"]), 30)
+    own = result.get("this_node_down", {})
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"cluster stopped in {result['seconds']:.1f}s, tiers: {result['tiers']}")
+        for name, node in result["nodes"].items():
+            stopped = ", ".join(node["stopped"]) or "nothing"
+            why = f"  ({node['why']})" if node.get("why") else ""
+            answered = "answered" if node["answered"] else "NO ANSWER"
+            click.echo(f"  {name:<12} {answered}: stopped {stopped}{why}")
+        for line in render.down_report(own):
+            click.echo(line)
+    sys.exit(0 if result["ok"] and own.get("ok") else 1)
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> None:

@@ -47,8 +47,11 @@ def create_state_dir(path: Path) -> None:
         fail(str(exc), BAD_INPUT)
 
 
-def load_stack(stack: str | None, state_dir: Path, variables: tuple[str, ...]) -> Stack:
-    """Read, render and validate STACK, then preflight it; exit 2 with the problems."""
+def load_stack(
+    stack: str | None, state_dir: Path, variables: tuple[str, ...], node: str | None = None
+) -> Stack:
+    """Read, render and validate STACK (NODE's share of it, for a cluster stack), then
+    preflight it; exit 2 with the problems."""
     from dynamod.core import ports, preflight, spec
 
     path = paths.resolve_stack_path(stack)
@@ -64,6 +67,7 @@ def load_stack(stack: str | None, state_dir: Path, variables: tuple[str, ...]) -
             state_dir=state_dir.absolute(),
             allocate_port=allocator,
             var_overrides=overrides,
+            node=node,
         )
         preflight.check(resolved, allocator.given)
     except SpecErrors as exc:
@@ -105,6 +109,18 @@ def check_unit_name(ctx: click.Context, param: click.Parameter, value: str) -> s
         raise click.BadParameter(
             f"expects a unit name (letters, digits, '_', '-', at most "
             f"{limits.MAX_NAME_LENGTH}, then @N for a replica), got {value!r}"
+        )
+    return value
+
+
+def check_node_name(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    """`--node NAME`: a node name as a [cluster] table can define it."""
+    if value is not None and (
+        not value or len(value) > limits.MAX_NAME_LENGTH or not set(value) <= limits.UNIT_NAME_CHARS
+    ):
+        raise click.BadParameter(
+            f"expects a node name (letters, digits, '_', '-', at most "
+            f"{limits.MAX_NAME_LENGTH}), got {value!r}"
         )
     return value
 

@@ -2,11 +2,13 @@
 
 Extensions add behaviour around units without touching the engine: Dynamo lease
 revocation on worker death, shard admission and policy updates when the stack has a
-[policy] table, sd_notify under systemd, metrics when asked for.
+[policy] table, the node's cluster membership when it has a [cluster] table, sd_notify
+under systemd, metrics when asked for.
 """
 
 from __future__ import annotations
 
+from dynamod.cluster.membership import Membership
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
@@ -20,9 +22,13 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
     """Dynamo registrations always (a no-op without Dynamo units); the policy manager for a
     stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
     frontend_probe.register()
-    extensions: list[Extension] = [DynamoRegistrations()]
-    if stack.policy is not None:
-        extensions.append(PolicyManager(stack.policy))
+    registrations = DynamoRegistrations()
+    extensions: list[Extension] = [registrations]
+    policy = PolicyManager(stack.policy) if stack.policy is not None else None
+    if policy is not None:
+        extensions.append(policy)
+    if stack.cluster is not None:
+        extensions.append(Membership(stack.cluster, registrations, policy))
     notifier = SystemdNotifier.from_environment()
     if notifier is not None:
         extensions.append(notifier)

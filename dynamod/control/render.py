@@ -91,7 +91,62 @@ def status_table(status: Mapping[str, Any]) -> str:
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
+    if status.get("cluster"):
+        out += cluster_tree(status["cluster"])
     return "\n".join(out)
+
+
+def cluster_tree(cluster: Mapping[str, Any]) -> list[str]:
+    """The cluster tree: node -> its units, from the registry (every node's own entry)."""
+    out = [
+        "",
+        f"cluster: this node {cluster['this_node']}, head {cluster['head']}, leader "
+        f"{cluster.get('leader') or '-'}, policy v{cluster.get('policy_current')}",
+    ]
+    if cluster.get("error"):
+        out.append(f"registry error (this view may be stale): {cluster['error']}")
+    if cluster.get("behind"):
+        out.append("behind the current policy version: " + ", ".join(cluster["behind"]))
+    rows: list[list[str]] = [["NODE / UNIT", "STATE", "PID", "POLICY", "DETAIL"]]
+    nodes = cluster["nodes"]
+    for n, node in enumerate(nodes):
+        last_node = n == len(nodes) - 1
+        role = " (head)" if node["head"] else ""
+        detail = node["address"]
+        if node.get("lost"):
+            lost = node["lost"]
+            detail += (
+                f"  lease expired; shards {', '.join(lost['shards']) or '-'} marked lost by "
+                f"{lost['by']}, registrations revoked: {', '.join(lost['revoked']) or 'none'}"
+            )
+        rows.append(
+            [
+                f"{'└─' if last_node else '├─'} {node['name']}{role}",
+                node["state"],
+                str(node.get("daemon_pid") or "-"),
+                "",
+                detail,
+            ]
+        )
+        units = node["units"]
+        for u, unit in enumerate(units):
+            stem = "   " if last_node else "│  "
+            branch = "└─" if u == len(units) - 1 else "├─"
+            version = unit.get("policy_version")
+            rows.append(
+                [
+                    f"{stem}{branch} {unit['name']}",
+                    unit["state"],
+                    str(unit.get("pid") or "-"),
+                    f"v{version}" if version is not None else "",
+                    unit.get("detail", ""),
+                ]
+            )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
+        out.append("  ".join([*cells, row[-1]]).rstrip())
+    return out
 
 
 def down_report(result: Mapping[str, Any]) -> list[str]:

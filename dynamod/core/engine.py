@@ -216,9 +216,12 @@ class Engine:
         return "\n".join(lines)
 
     def _away(self, unit: Unit) -> list[str]:
-        """Dependencies that do not meet their condition now, as 'name (condition)'."""
+        """Dependencies that do not meet their condition now, as 'name (condition)', or
+        'name on NODE' for a unit another node runs."""
         return [
-            f"{dep} ({condition})"
+            f"{dep} on {remote}"
+            if (remote := self.units[dep].spec.remote)
+            else f"{dep} ({condition})"
             for dep, condition in unit.spec.depends_on.items()
             if not _satisfied(self.units[dep].state, condition)
         ]
@@ -277,6 +280,9 @@ class Engine:
         await asyncio.sleep(1.0)
 
     async def _lifecycle(self, unit: Unit) -> None:
+        if unit.spec.remote is not None:
+            await self._follow_remote(unit)
+            return
         while True:
             blocked = await self._wait_for_dependencies(unit)
             if blocked is not None:
@@ -298,6 +304,43 @@ class Engine:
             if not decision.restart:
                 return
             await asyncio.sleep(max(0.0, decision.delay - (time.monotonic() - exited_at)))
+
+    async def _follow_remote(self, unit: Unit) -> None:
+        """A unit another node runs: never spawned here. Its state follows its readiness
+        probe, run against that node: starting (not answering yet), ready, and back to
+        backoff while it does not answer (its dependents here then show it as away)."""
+        spec = unit.spec.ready
+        assert spec is not None and unit.spec.remote is not None
+        prober = make_prober(spec, self._probe_context(unit))
+        node = unit.spec.remote
+        try:
+            while True:
+                unit.attempt_since = time.monotonic()
+                unit.attempt_what = describe(spec)
+                try:
+                    result = await prober.check()
+                finally:
+                    unit.attempt_since = None
+                self._probed(unit, "ready", result)
+                if result.ok:
+                    if unit.state is not UnitState.READY:
+                        if unit.state is not UnitState.STARTING:
+                            self.transition(unit, UnitState.STARTING)
+                        unit.ready_at = time.monotonic()
+                    self.transition(unit, UnitState.READY, f"on node {node}: {result.detail}")
+                else:
+                    if unit.state is UnitState.READY:
+                        self.transition(
+                            unit, UnitState.BACKOFF, f"not ready on node {node}: {result.detail}"
+                        )
+                    if unit.state is not UnitState.STARTING:
+                        self.transition(unit, UnitState.STARTING)
+                    self.transition(
+                        unit, unit.state, f"waiting for {unit.name} on {node}: {result.detail}"
+                    )
+                await asyncio.sleep(spec.interval if not result.ok else max(spec.interval, 0.5))
+        finally:
+            prober.close()
 
     def _exited(self, unit: Unit, child: Process, exit: Exit) -> None:
         """Called by the Reaper in the same step that reaps `child`: record the exit and

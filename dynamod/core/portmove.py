@@ -42,7 +42,7 @@ def move(
         for name, spec in stack.units.items()
     }
     new = resolve_stack(source.raw, state_dir=source.state_dir, allocate_port=allocate_port,
-                        python=source.python, pinned=pinned)
+                        python=source.python, pinned=pinned, node=source.node)
     old_ports, new_ports = stack.units[instance].ports, new.units[instance].ports
     moved = {p: (old_ports[p], new_ports[p]) for p in names if new_ports[p] != old_ports[p]}
     if not moved:

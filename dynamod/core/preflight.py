@@ -18,6 +18,8 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
     problems: list[str] = []
     given = set(allocated)
     for spec in stack.units.values():
+        if spec.remote is not None:  # another node runs it; nothing is spawned here
+            continue
         env = process.base_environment("preflight", spec.name, spec.env)
         exe = spec.command[0]
         found = (

@@ -24,8 +24,9 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dynamod.core import graph, limits, paths, tomlfile
+from dynamod.core import graph, limits, paths, placement, tomlfile
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
+from dynamod.core.placement import ClusterSpec
 from dynamod.core.template import TemplateError, render
 
 # --------------------------------------------------------------------------- models
@@ -257,6 +258,11 @@ class UnitSpec(_Model):
     stop: StopSpec = StopSpec()
     install_hint: str | None = None
     dynamo: DynamoWorkerSpec | None = None
+    remote: str | None = Field(
+        None,
+        description="set by the resolver, never in a file: the node that runs this unit; "
+        "here it is only a dependency, ready when its probe passes against that node",
+    )
 
     @field_validator("env")
     @classmethod
@@ -284,10 +290,11 @@ class RawStack:
     units: dict[str, RawUnit] = field(default_factory=dict)
     vars: dict[str, Any] = field(default_factory=dict)
     policy: dict[str, Any] | None = None
+    cluster: dict[str, Any] | None = None
     files_read: int = 0
 
 
-_STACK_KEYS = {"stack", "vars", "units", "policy"}
+_STACK_KEYS = {"stack", "vars", "units", "policy", "cluster"}
 _STACK_TABLE_KEYS = {"name", "include", "description"}
 
 
@@ -324,7 +331,8 @@ def _load_file(
     for key in data:
         if key not in _STACK_KEYS:
             raise SpecError(
-                f"unknown top-level table {key!r} (expected one of: stack, vars, units, policy)",
+                f"unknown top-level table {key!r} "
+                "(expected one of: stack, vars, units, policy, cluster)",
                 file=path,
                 field=key,
             )
@@ -355,6 +363,15 @@ def _load_file(
         if not isinstance(data["policy"], dict):
             raise SpecError("must be a table", file=path, field="policy")
         stack.policy = data["policy"]
+
+    if "cluster" in data:
+        if not is_root:
+            raise SpecError(
+                "only the stack file itself may have a [cluster] table", file=path, field="cluster"
+            )
+        if not isinstance(data["cluster"], dict):
+            raise SpecError("must be a table", file=path, field="cluster")
+        stack.cluster = data["cluster"]
 
     includes = header.get("include", [])
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
@@ -423,6 +440,7 @@ class StackSource:
     raw: RawStack
     state_dir: Path
     python: str
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -436,12 +454,17 @@ class Stack:
     policy: PolicySpec | None = None
     # what it was resolved from, so allocated ports can be moved and the stack re-rendered
     source: StackSource | None = field(default=None, compare=False, repr=False)
+    cluster: ClusterSpec | None = None
 
     def shards(self) -> list[str]:
-        """Instance names of the rollout shards, in start order."""
+        """Instance names of this node's rollout shards, in start order."""
         if self.policy is None:
             return []
-        return [n for n in self.order if self.units[n].unit in self.policy.shards]
+        return [
+            n
+            for n in self.order
+            if self.units[n].unit in self.policy.shards and self.units[n].remote is None
+        ]
 
 
 class _Renderer:
@@ -602,19 +625,29 @@ def resolve_stack(
     allocate_port: PortAllocator,
     python: str | None = None,
     pinned: Mapping[str, Mapping[str, int]] | None = None,
+    node: str | None = None,
 ) -> Stack:
     """Expand, allocate, render and validate. Raises SpecErrors listing every problem.
     `pinned` (instance -> port name -> port) keeps ports allocated earlier: an allocated
-    (port = 0) port named there is not allocated again."""
+    (port = 0) port named there is not allocated again. For a stack with a [cluster] table,
+    `node` (default: the head) picks the node whose share of the stack is resolved; units of
+    other nodes that its units depend on become stand-ins (`remote`), rendered for the node
+    that runs them."""
     errors: list[SpecError] = []
     renderer = _Renderer()
     python = python or sys.executable
+    try:
+        cluster = _cluster_of(raw, node)
+        where = _placements(raw, cluster)
+    except SpecError as exc:
+        raise SpecErrors([exc]) from None
     base_context: dict[str, Any] = {
         "vars": raw.vars,
         "state_dir": str(state_dir),
         "cache_dir": str(paths.cache_dir()),
         "python": python,
         "stack_dir": str(raw.path.parent),
+        **(cluster.context(cluster.node) if cluster else {}),
     }
     # Vars may be templates themselves (model_dir = "{cache_dir}/models/{vars.model_name}").
     holder = RawUnit(name="[vars]", source=raw.path, table={})
@@ -626,13 +659,20 @@ def resolve_stack(
     # 1. replicas and ports, which other units' templates may reference.
     try:
         spares = _spare_replicas(raw, base_context, renderer)
+        if cluster is not None:
+            cluster = _with_registry(cluster, raw, base_context, renderer, where)
     except SpecError as exc:
         raise SpecErrors([exc]) from None
     instances: dict[str, tuple[RawUnit, int | None]] = {}
     ports: dict[str, dict[str, int]] = {}
     replicated: dict[str, list[str]] = {}
+    runs_on: dict[str, str | None] = {}  # unit base name -> the node it is a stand-in for
     allocated = 0
     for raw_unit in raw.units.values():
+        if cluster is not None:
+            if raw_unit.name not in where.local and raw_unit.name not in where.remote:
+                continue
+            runs_on[raw_unit.name] = where.remote.get(raw_unit.name)
         try:
             replicas_value = renderer.field(
                 raw_unit.table.get("replicas"), base_context, raw_unit, "replicas"
@@ -680,13 +720,22 @@ def resolve_stack(
                 context = {**base_context, "index": index if index is not None else 0}
                 ports[instance] = {}
                 for port_name, port_value in port_table.items():
-                    where = f"ports.{port_name}"
-                    rendered = renderer.field(port_value, context, raw_unit, where)
-                    number = _as_int(rendered, raw_unit, where, 0, limits.MAX_PORT)
+                    where_port = f"ports.{port_name}"
+                    rendered = renderer.field(port_value, context, raw_unit, where_port)
+                    number = _as_int(rendered, raw_unit, where_port, 0, limits.MAX_PORT)
+                    if number == 0 and runs_on.get(raw_unit.name):
+                        raise SpecError(
+                            f"runs on node {runs_on[raw_unit.name]} and a unit of node "
+                            f"{cluster.node if cluster else '?'} depends on it: it needs a "
+                            "fixed port (each node has its own), not 0",
+                            file=raw_unit.source,
+                            unit=instance,
+                            field=where_port,
+                        )
                     if number == 0:
                         allocated += 1
                         number = (pinned or {}).get(instance, {}).get(port_name) or _allocate(
-                            allocate_port, allocated, raw_unit, instance, where
+                            allocate_port, allocated, raw_unit, instance, where_port
                         )
                     elif index is not None and isinstance(port_value, int):
                         number += index  # a fixed base port: instance i listens on base + i
@@ -696,7 +745,7 @@ def resolve_stack(
                                 f"is above {limits.MAX_PORT}",
                                 file=raw_unit.source,
                                 unit=instance,
-                                field=where,
+                                field=where_port,
                             )
                     ports[instance][port_name] = number
         except SpecError as exc:
@@ -713,8 +762,10 @@ def resolve_stack(
     specs: dict[str, UnitSpec] = {}
     for instance, (raw_unit, index) in instances.items():
         _check_error_count(errors)
+        remote = runs_on.get(raw_unit.name)
         context = {
             **base_context,
+            **(cluster.context(remote) if cluster and remote else {}),
             "name": instance,
             "unit": raw_unit.name,
             "index": index if index is not None else 0,
@@ -723,13 +774,33 @@ def resolve_stack(
             "units": units_context,
         }
         try:
-            deps = _dependencies(raw_unit)
+            if "remote" in raw_unit.table:
+                raise SpecError(
+                    "unknown key (dynamod sets it for units of other nodes)",
+                    file=raw_unit.source,
+                    unit=raw_unit.name,
+                    field="remote",
+                )
+            deps = {} if remote else _dependencies(raw_unit)
             table = {
                 k: v
                 for k, v in raw_unit.table.items()
-                if k not in {"replicas", "ports", "depends_on"}
+                if k not in {"replicas", "ports", "depends_on", "nodes"}
             }
             rendered = renderer.field(table, context, raw_unit, "")
+            if remote and rendered.get("ready") is None:
+                raise SpecError(
+                    f"runs on node {remote} and a unit of node "
+                    f"{cluster.node if cluster else '?'} depends on it: it needs a ready "
+                    "probe to check it by from there",
+                    file=raw_unit.source,
+                    unit=raw_unit.name,
+                    field="ready",
+                )
+            if cluster is not None and not remote:
+                env = rendered.get("env", {})
+                if isinstance(env, dict):
+                    rendered["env"] = {**cluster.environment(), **env}
         except SpecError as exc:
             errors.append(exc)
             continue
@@ -769,6 +840,7 @@ def resolve_stack(
                     "source": str(raw_unit.source),
                     "ports": ports[instance],
                     "depends_on": expanded_deps,
+                    "remote": remote,
                 }
             )
         except ValidationError as exc:
@@ -787,8 +859,103 @@ def resolve_stack(
     policy = _resolve_policy(raw, policy_context, specs, errors, renderer)
     if errors:
         raise SpecErrors(errors)
-    source = StackSource(raw, state_dir, python)
-    return Stack(raw.name, raw.path, specs, order, policy, source)
+    source = StackSource(raw, state_dir, python, node)
+    return Stack(
+        name=raw.name,
+        path=raw.path,
+        units=specs,
+        order=order,
+        policy=policy,
+        source=source,
+        cluster=cluster,
+    )
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Which units this node runs (`local`) and which it only depends on (`remote`:
+    unit -> the node whose copy is checked)."""
+
+    local: frozenset[str]
+    remote: dict[str, str]
+    placed: dict[str, list[str]]
+
+
+def _cluster_of(raw: RawStack, node: str | None) -> ClusterSpec | None:
+    if raw.cluster is None:
+        if node is not None:
+            raise SpecError(
+                f"--node {node!r} needs a stack with a [cluster] table; this one has none",
+                file=raw.path,
+                field="--node",
+            )
+        for unit in raw.units.values():
+            if "nodes" in unit.table:
+                raise SpecError(
+                    "only a stack with a [cluster] table places units on nodes",
+                    file=unit.source,
+                    unit=unit.name,
+                    field="nodes",
+                )
+        return None
+    fields = placement.parse(raw.cluster, path=raw.path, node=node)
+    return ClusterSpec(**fields)
+
+
+def _placements(raw: RawStack, cluster: ClusterSpec | None) -> _Where:
+    if cluster is None:
+        return _Where(frozenset(raw.units), {}, {})
+    names = list(cluster.nodes)
+    placed = {
+        unit.name: placement.unit_nodes(
+            unit.table.get("nodes"), names, cluster.head, source=unit.source, unit=unit.name
+        )
+        for unit in raw.units.values()
+    }
+    local = frozenset(name for name, on in placed.items() if cluster.node in on)
+    remote: dict[str, str] = {}
+    for name in sorted(local):
+        for dep in _dependencies(raw.units[name]):
+            base = dep if dep in raw.units else dep.partition("@")[0]
+            if base in raw.units and base not in local:
+                remote[base] = placement.runner_of(placed[base], cluster.head)
+    return _Where(local, remote, placed)
+
+
+def _with_registry(
+    cluster: ClusterSpec,
+    raw: RawStack,
+    context: Mapping[str, Any],
+    renderer: _Renderer,
+    where: _Where,
+) -> ClusterSpec:
+    """Render the registry endpoints and add what the whole cluster needs to know: each
+    unit's nodes and the cross-node stop tiers."""
+    holder = RawUnit(name="[cluster]", source=raw.path, table={})
+    registry = [
+        _http_url_or_error(renderer.field(url, context, holder, "cluster.registry"), raw.path)
+        for url in cluster.registry
+    ]
+    edges: dict[str, list[str]] = {}
+    for unit in raw.units.values():
+        deps = _dependencies(unit)
+        edges[unit.name] = sorted(
+            {d if d in raw.units else d.partition("@")[0] for d in deps} & set(raw.units)
+        )
+    try:
+        tiers = placement.stop_tiers(edges)
+    except graph.Cycle:
+        tiers = [list(raw.units)]  # the cycle is reported with its units further on
+    return cluster.model_copy(
+        update={"registry": registry, "placement": where.placed, "stop_tiers": tiers}
+    )
+
+
+def _http_url_or_error(value: Any, path: Path) -> str:
+    try:
+        return _http_url(str(value))
+    except ValueError as exc:
+        raise SpecError(str(exc), file=path, field="cluster.registry") from None
 
 
 def _spare_replicas(
@@ -912,10 +1079,11 @@ def load(
     state_dir: Path,
     allocate_port: PortAllocator,
     var_overrides: Mapping[str, Any] | None = None,
+    node: str | None = None,
 ) -> Stack:
     """load_stack + resolve_stack: the one call the CLI and the daemon use."""
     raw = load_stack(path, var_overrides)
-    return resolve_stack(raw, state_dir=state_dir, allocate_port=allocate_port)
+    return resolve_stack(raw, state_dir=state_dir, allocate_port=allocate_port, node=node)
 
 
 def parse_var(text: str) -> tuple[str, Any]:

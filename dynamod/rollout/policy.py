@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,9 @@ class PolicyManager(Extension):
         self._file: FileLedger | None = None
         self.shard_names: set[str] = set()
         self.spares = SparePool(self, spec.spares)
+        # Set by a multi-node layer: after a push committed, wait for the other nodes'
+        # shards (step -> what to add to the push's answer).
+        self.after_commit: Callable[[int], Awaitable[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -441,7 +445,9 @@ class PolicyManager(Extension):
         }
         with contextlib.suppress(EtcdError):
             await self.ledger().record_shard(
-                ShardRecord(unit.name, ack.version, ack.digest, time.time(), None)
+                ShardRecord(
+                    self.ledger_name(unit.name), ack.version, ack.digest, time.time(), None
+                )
             )
         self.engine.transition(unit, unit.state, self._ack_detail(unit))
 
@@ -449,10 +455,10 @@ class PolicyManager(Extension):
         info = unit.extra.setdefault("policy", {})
         info.update(admitted=False, last_error=error)
         with contextlib.suppress(EtcdError):
-            old = (await self.ledger().shards()).get(unit.name)
+            old = (await self.ledger().shards()).get(self.ledger_name(unit.name))
             await self.ledger().record_shard(
                 ShardRecord(
-                    unit.name,
+                    self.ledger_name(unit.name),
                     old.applied_version if old else None,
                     old.digest if old else None,
                     old.acked_at if old else None,
@@ -531,6 +537,7 @@ class PolicyManager(Extension):
             self.spares.lost(unit, Reason.VERIFICATION, error)
             self._start_rejoin(unit, f"stale after failed push of step {step}: {error}")
         self.spares.refresh()
+        others = await self.after_commit(step) if self.after_commit is not None else {}
         answer = {
             "ok": True,
             "version": step,
@@ -538,6 +545,7 @@ class PolicyManager(Extension):
             "digest": target.digest,
             "acks": acks,
             "stale": sorted(bad),
+            **others,
             "seconds": round(time.monotonic() - started, 3),
         }
         log.info(
@@ -563,9 +571,10 @@ class PolicyManager(Extension):
             )
         records = await self.ledger().shards()
         acks = {
-            name: {"ok": True, "already": True, "version": rec.applied_version}
-            for name, rec in records.items()
-            if rec.applied_version == current.version
+            name: {"ok": True, "already": True, "version": records[key].applied_version}
+            for name in self.engine.stack.shards()
+            if (key := self.ledger_name(name)) in records
+            and records[key].applied_version == current.version
         }
         answer = {
             "ok": True,
@@ -636,7 +645,7 @@ class PolicyManager(Extension):
         shards = []
         for name in self.engine.stack.shards():
             unit = self.engine.units[name]
-            record = records.get(name)
+            record = records.get(self.ledger_name(name))
             shards.append(
                 {
                     "name": name,
@@ -670,6 +679,30 @@ class PolicyManager(Extension):
             "held": [n for n in shards if self.engine.units[n].hold_reason is not None],
             "spares": self.spares.summary(),
         }
+
+    # ------------------------------------------------------------------ across nodes
+
+    def ledger_name(self, unit: str) -> str:
+        """The shard's name in the ledger: `<node>/<unit>` in a cluster stack, where every
+        node has a `worker@0`; the unit's own name on a single node."""
+        cluster = self.engine.stack.cluster
+        return f"{cluster.node}/{unit}" if cluster is not None else unit
+
+    async def follow_ledger(self) -> int | None:
+        """Bring this node's admitted shards to the ledger's current version when another
+        node's push moved it on: each is held and replays it (pause, load, flush, verify,
+        taint, resume), then admitted again. Returns the ledger's version (None: never set)."""
+        if self._lock.locked():  # a push or an admission here: it reads the ledger itself
+            return self.current_version
+        current = await self.ledger().current()
+        version = current.version if current else None
+        if version is None or version == self.current_version:
+            return version
+        self._note_current(current)
+        for unit in self.admitted_shards():
+            if unit.extra.get("policy_version") != version:
+                self._start_rejoin(unit, f"behind the ledger, which is at version {version}")
+        return version
 
     # ------------------------------------------------------------------ for the spare pool
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -62,6 +63,9 @@ class DynamoRegistrations(Extension):
         # key -> (unit name, etcd endpoint, instance ids) whose revocation failed; retried
         self.pending: dict[str, tuple[str, str, list[int]]] = {}
         self._swept = False
+        # Set by a multi-node layer: the instance ids other nodes' live workers hold, which
+        # the sweep must leave alone (it raises EtcdError while it cannot tell).
+        self.others_live: Callable[[], Awaitable[set[int]]] | None = None
 
     async def start(self, daemon: Daemon) -> None:
         assert daemon.engine is not None
@@ -120,13 +124,16 @@ class DynamoRegistrations(Extension):
                 ) as etcd:
                     store = LeaseRecords(etcd, self.stack)
                     records = [r for r in await store.every_stack() if r.namespace == namespace]
+                    # other nodes' live workers (a multi-node stack) are never revoked here
+                    keep = await self.others_live() if self.others_live is not None else set()
                     ours = {i for r in records if r.stack == self.stack for i in r.instance_ids}
                     others = {i for r in records if r.stack != self.stack for i in r.instance_ids}
                     registered = {
                         inst.lease_id or inst.instance_id
                         for inst in await dynamo.list_instances(etcd, namespace)
+                        if inst.instance_id not in keep and inst.lease_id not in keep
                     }
-                    leases = sorted(stale_leases(registered, ours, others))
+                    leases = sorted(stale_leases(registered, ours - keep, others))
                     for lease in leases:
                         await dynamo.revoke_instance(etcd, lease)
                     for record in records:

@@ -45,4 +45,4 @@ def test_wait_ready_refuses_a_bad_probe_in_one_line() -> None:
 def test_unknown_stock_stack_lists_the_stock_ones(tmp_path: Path) -> None:
     result = cli_inprocess.run(["--state-dir", str(tmp_path / "s"), "check", "nosuch"])
     assert result.code == 2
-    assert "no stock stack 'nosuch' (stock stacks: infra, local" in result.stderr
+    assert "no stock stack 'nosuch' (stock stacks: cluster, infra, local" in result.stderr

@@ -1,0 +1,229 @@
+"""A simulated cluster for tests and benchmarks: a netns `Sandbox` with one node per name
+(the first is the head), the cluster stack file rewritten with the sandbox's addresses,
+one `dynamod up --node NAME --detach` per node with its own state dir, CLI calls against
+each node's daemon, load from a thread inside the head's namespace, and a `close` that
+stops every daemon it started and removes the sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from dynamod.chaos.load import LoadGenerator
+from dynamod.chaos.model import Load
+from dynamod.chaos.netns import Sandbox
+from dynamod.client import Client
+from dynamod.core import paths
+from dynamod.core.errors import DaemonError, DynamodError
+from dynamod.rollout import dynamo
+
+NODE_NAMES = ("head", "n1", "n2", "n3", "n4")
+_NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
+
+
+class ClusterError(DynamodError):
+    """A node of the simulated cluster did not do what was asked; carries its output."""
+
+
+class ClusterRig:
+    def __init__(
+        self,
+        n_nodes: int = 3,
+        *,
+        stack: Path | None = None,
+        variables: dict[str, str] | None = None,
+        work_dir: Path | None = None,
+    ) -> None:
+        self.names = list(NODE_NAMES[:n_nodes])
+        self.variables = variables or {}
+        self.work_dir = work_dir or Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
+        self.source = stack or paths.units_dir() / "stacks" / "cluster.toml"
+        self.sandbox: Sandbox | None = None
+        self.stack_file = self.work_dir / "cluster.toml"
+        self.started: set[str] = set()
+
+    def state_dir(self, node: str) -> Path:
+        return self.work_dir / node
+
+    def address(self, node: str) -> str:
+        assert self.sandbox is not None
+        return self.sandbox.address(self.names.index(node))
+
+    def open(self) -> ClusterRig:
+        """The sandbox and the stack file with its addresses (no daemon yet)."""
+        self.sandbox = Sandbox(len(self.names), prefix="dmc")
+        nodes = ", ".join(f'{n} = "{self.address(n)}"' for n in self.names)
+        text = self.source.read_text()
+        if not _NODES_LINE.search(text):
+            raise ClusterError(f"{self.source}: no `nodes = {{...}}` line to rewrite")
+        text = _NODES_LINE.sub(f"nodes = {{ {nodes} }}", text, count=1)
+        # includes are relative to the stock stack's folder
+        text = text.replace('include = ["../', f'include = ["{self.source.parent.parent}/')
+        self.stack_file.write_text(text)
+        return self
+
+    def _cli(self, node: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir(node)), *args]
+
+    def up(self, nodes: Sequence[str] | None = None, timeout: float = 240) -> None:
+        """Start the nodes' daemons in parallel; raise naming every node that failed."""
+        assert self.sandbox is not None
+        wanted = list(nodes or self.names)
+        var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]
+        procs = {}
+        for node in wanted:
+            argv = self._cli(
+                node,
+                "up",
+                str(self.stack_file),
+                "--node",
+                node,
+                "--detach",
+                "--timeout",
+                str(int(timeout)),
+                *var_args,
+            )
+            procs[node] = self.sandbox.run(
+                self.names.index(node),
+                argv,
+                env=dict(os.environ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            self.started.add(node)
+        failed = []
+        for node, proc in procs.items():
+            out, _ = proc.communicate(timeout=timeout + 30)
+            if proc.returncode != 0:
+                failed.append(
+                    f"{node} (exit {proc.returncode}):\n{out.decode(errors='replace')[-3000:]}"
+                )
+        if failed:
+            raise ClusterError("dynamod up failed on " + "\n".join(failed))
+
+    def run(self, node: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """A CLI command against the node's daemon (over its socket; from the host)."""
+        return subprocess.run(
+            self._cli(node, *args), capture_output=True, text=True, timeout=timeout
+        )
+
+    def status(self, node: str) -> dict[str, Any]:
+        """The node daemon's status, over its socket from this process (no CLI start-up)."""
+        try:
+            return Client(self.state_dir(node)).status()
+        except DaemonError as exc:
+            raise ClusterError(f"status on {node} failed: {exc}") from None
+
+    def wait(self, what: str, check: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ClusterError, ValueError, KeyError):
+                last = check()
+                if last:
+                    return last
+            time.sleep(every)
+        raise ClusterError(f"timed out after {timeout:g}s waiting for {what}; last: {last!r}")
+
+    def frontend_url(self) -> str:
+        status = self.status(self.names[0])
+        port = next(u for u in status["units"] if u["name"] == "frontend")["ports"]["http"]
+        return f"http://127.0.0.1:{port}"
+
+    def load(self, spec: Load, model: str, current: Callable[[], int | None]) -> NodeLoad:
+        """Completion load from a thread inside the head's namespace (not started yet)."""
+        assert self.sandbox is not None
+        url = self.frontend_url()
+        return NodeLoad(self.sandbox, 0, spec, lambda: url, model, time.monotonic(), current)
+
+    def in_node(self, node: str, work: Callable[[], Any]) -> Any:
+        """Run `work` in a thread inside the node's namespace and return its result."""
+        assert self.sandbox is not None
+        sandbox, index = self.sandbox, self.names.index(node)
+        with ThreadPoolExecutor(1, initializer=lambda: sandbox.enter(index)) as pool:
+            return pool.submit(work).result()
+
+    def routed(self, namespace: str = "dynamod") -> set[int]:
+        """Instance ids in the head's frontend's discovery view (what its router picks)."""
+        url = self.frontend_url()
+
+        async def ask() -> set[int]:
+            async with aiohttp.ClientSession() as session:
+                return await dynamo.frontend_routed_instances(session, url, namespace, timeout_s=2)
+
+        try:
+            result: set[int] = self.in_node(self.names[0], lambda: asyncio.run(ask()))
+        except (dynamo.DynamoHTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise ClusterError(f"the head's frontend did not list its instances: {exc}") from None
+        return result
+
+    def instance_ids(self, node: str) -> set[int]:
+        """The Dynamo instance ids of the node's shards, from the head's registry view."""
+        view = self.status(self.names[0])["cluster"]
+        entry = next(n for n in view["nodes"] if n["name"] == node)
+        return {i for u in entry["units"] for i in u["instance_ids"]}
+
+    def cut(self, node: str) -> None:
+        assert self.sandbox is not None
+        self.sandbox.cut(self.names.index(node))
+
+    def heal(self, node: str) -> None:
+        assert self.sandbox is not None
+        self.sandbox.heal(self.names.index(node))
+
+    def close(self) -> list[str]:
+        """Stop every daemon still running (plain `down`, per node), then the sandbox.
+        Returns what needed more than that, for the caller to report."""
+        problems = []
+        if self.sandbox is not None:
+            for index in range(len(self.names)):
+                self.sandbox.heal(index)
+        for node in sorted(self.started):
+            pid_file = self.state_dir(node) / "dynamod.pid"
+            if pid_file.exists():
+                done = self.run(node, "down", timeout=120)
+                if done.returncode not in (0,) and "no dynamod daemon" not in done.stderr:
+                    problems.append(f"down on {node}: exit {done.returncode}: {done.stderr[-500:]}")
+        if self.sandbox is not None:
+            stragglers = self.sandbox.pids()
+            if stragglers:
+                problems.append(f"processes left in the sandbox: {stragglers}")
+            self.sandbox.close()
+        return problems
+
+    def __enter__(self) -> ClusterRig:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NodeLoad(LoadGenerator):
+    """The chaos load generator, its thread inside one node's network namespace."""
+
+    def __init__(self, sandbox: Sandbox, node: int, *args: Any) -> None:
+        super().__init__(*args)
+        self.sandbox = sandbox
+        self.node = node
+
+    def start(self) -> None:
+        import threading
+
+        def run() -> None:
+            self.sandbox.enter(self.node)
+            asyncio.run(self._run())
+
+        self._thread = threading.Thread(target=run, name="cluster-load", daemon=True)
+        self._thread.start()

@@ -1,0 +1,183 @@
+"""One node-loss round on a simulated cluster, timed: under load from inside the head, cut
+a worker node's link; measure when the registry marks it lost and when the head's router
+stops listing its shards; push a new policy version during the cut; heal the link and
+measure when its shards are admitted again at that version. Shared by the 3-node test
+(which asserts) and bench/cluster.py (which reports)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamod.chaos.cluster import ClusterError, ClusterRig
+from dynamod.chaos.history import Request
+from dynamod.chaos.model import Load
+
+
+@dataclass
+class NodeLossRound:
+    node: str
+    lost_s: float | None = None  # cut -> the head's registry view says lost
+    rerouted_s: float | None = None  # cut -> the router lists none of the node's shards
+    push: dict[str, Any] = field(default_factory=dict)
+    push_s: float | None = None
+    admitted_s: float | None = None  # heal -> every shard of the node at the pushed version
+    rejoined_version: int | None = None
+    requests: list[Request] = field(default_factory=list)
+    cut_at: float = 0.0  # on the load's clock
+    rerouted_at: float | None = None
+    push_started_at: float | None = None
+    push_done_at: float | None = None
+    step: int | None = None
+
+    def _at_outgoing_version(self, r: Request) -> bool:
+        """Required the version a push was replacing while that push was under way: the
+        router refuses those by design (no stale shard may serve)."""
+        if self.push_started_at is None or self.push_done_at is None or self.step is None:
+            return False
+        overlaps = r.sent <= self.push_done_at and r.done >= self.push_started_at
+        return overlaps and r.required is not None and r.required < self.step
+
+    def failed_after_reroute(self) -> list[Request]:
+        """Failed requests that required the current version, sent once the router had
+        dropped the node (what the target of 0 is about)."""
+        if self.rerouted_at is None:
+            return []
+        return [
+            r
+            for r in self.requests
+            if r.sent >= self.rerouted_at
+            and r.required is not None
+            and not r.ok
+            and not self._at_outgoing_version(r)
+        ]
+
+    def refused_at_outgoing_version(self) -> list[Request]:
+        """After re-routing, refused by design at the version being replaced (apart from
+        those counted by failed_during_cut)."""
+        if self.rerouted_at is None:
+            return []
+        return [
+            r
+            for r in self.requests
+            if r.sent >= self.rerouted_at and not r.ok and self._at_outgoing_version(r)
+        ]
+
+    def failed_during_cut(self) -> list[Request]:
+        end = self.rerouted_at if self.rerouted_at is not None else float("inf")
+        return [r for r in self.requests if self.cut_at <= r.sent < end and not r.ok]
+
+
+def make_checkpoint(rig: ClusterRig, out: Path, scale: float) -> Path:
+    """A new policy: the boot weights of the head's shard, scaled."""
+    from safetensors.torch import load_file, save_file
+
+    worker = next(u for u in rig.status(rig.names[0])["units"] if u["name"] == "worker@0")
+    base = Path(worker["command"][worker["command"].index("--model-path") + 1])
+    tensors = load_file(str(base / "model.safetensors"))
+    tensors = {k: (v.float() * scale).to(v.dtype) for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def node_state(rig: ClusterRig, viewer: str, node: str) -> dict[str, Any]:
+    view = rig.status(viewer)["cluster"]
+    entry: dict[str, Any] = next(n for n in view["nodes"] if n["name"] == node)
+    return entry
+
+
+def run_round(
+    rig: ClusterRig,
+    node: str,
+    *,
+    step: int,
+    checkpoint: Path,
+    load: Load,
+    model: str = "tiny-cpu",
+    detect_timeout: float = 30,
+    rejoin_timeout: float = 60,
+) -> NodeLossRound:
+    head = rig.names[0]
+    result = NodeLossRound(node=node, step=step)
+    current: list[int | None] = [_ledger(rig)]
+    gen = rig.load(load, model, lambda: current[0])
+    ids = rig.instance_ids(node)
+    if not ids:
+        raise ClusterError(f"node {node} has no registered shard to cut off")
+    gen.start()
+    try:
+        time.sleep(2.0)  # steady state first
+        cut = time.monotonic()
+        result.cut_at = cut - gen.origin
+        rig.cut(node)
+        lost = rerouted = None
+        deadline = cut + detect_timeout
+        while (lost is None or rerouted is None) and time.monotonic() < deadline:
+            now = time.monotonic()
+            with contextlib.suppress(ClusterError):
+                if rerouted is None and not rig.routed() & ids:
+                    rerouted = time.monotonic()
+                if lost is None and node_state(rig, head, node)["state"] == "lost":
+                    lost = now
+            time.sleep(0.05)
+        if lost is None or rerouted is None:
+            raise ClusterError(
+                f"{node} cut {detect_timeout:g}s ago: lost={lost is not None}, "
+                f"rerouted={rerouted is not None}"
+            )
+        result.lost_s, result.rerouted_s = lost - cut, rerouted - cut
+        result.rerouted_at = rerouted - gen.origin
+        time.sleep(1.0)
+        started = time.monotonic()
+        result.push_started_at = started - gen.origin
+        pushed = rig.run(
+            head,
+            "policy",
+            "push",
+            "--step",
+            str(step),
+            "--path",
+            str(checkpoint),
+            "--json",
+            timeout=300,
+        )
+        if pushed.returncode != 0:
+            raise ClusterError(f"push of step {step} failed: {pushed.stderr[-2000:]}")
+        import json
+
+        result.push = json.loads(pushed.stdout)
+        result.push_s = time.monotonic() - started
+        current[0] = step
+        result.push_done_at = time.monotonic() - gen.origin
+        time.sleep(2.0)
+        healed = time.monotonic()
+        rig.heal(node)
+
+        def admitted() -> bool:
+            entry = node_state(rig, head, node)
+            shards = [u for u in entry["units"] if u["shard"]]
+            return (
+                entry["state"] == "up"
+                and bool(shards)
+                and all(u["state"] == "ready" and u["policy_version"] == step for u in shards)
+                and bool(rig.routed() & rig.instance_ids(node))
+            )
+
+        rig.wait(f"{node}'s shards admitted at version {step}", admitted, rejoin_timeout, 0.1)
+        result.admitted_s = time.monotonic() - healed
+        result.rejoined_version = step
+        time.sleep(2.0)  # serving with the node back
+    finally:
+        gen.stop()
+        result.requests = list(gen.requests)
+    return result
+
+
+def _ledger(rig: ClusterRig) -> int | None:
+    policy = rig.status(rig.names[0]).get("policy") or {}
+    version = policy.get("current")
+    return int(version) if version is not None else None

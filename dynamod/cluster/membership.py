@@ -1,0 +1,424 @@
+"""A node's membership in its cluster, as a daemon extension: it writes this node's entry
+in the registry on a lease of its own (refreshed three times per `lease_ttl`, rewritten on
+every unit state change), reads everyone's entries for `status`, and, while it holds the
+leader key, turns a node whose lease expired into a lost record and revokes that node's
+Dynamo registrations so the router stops using its shards. Back in contact after its own
+lease expired, it restarts the shards whose registrations were revoked (they rejoin held,
+at the ledger's current version); and it follows the ledger, so a push made on another node
+reaches this node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from dynamod.cluster import registry
+from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
+from dynamod.core.extensions import Extension
+from dynamod.core.placement import ClusterSpec
+from dynamod.core.state import UnitState
+from dynamod.rollout import dynamo
+from dynamod.rollout.etcd import EtcdClient, EtcdError
+
+if TYPE_CHECKING:
+    from dynamod.core.daemon import Daemon
+    from dynamod.core.engine import Engine, Unit
+    from dynamod.rollout.policy import PolicyManager
+    from dynamod.rollout.registrations import DynamoRegistrations
+
+log = structlog.get_logger("dynamod.cluster.membership")
+
+WATCH_INTERVAL_S = 0.2
+CALL_TIMEOUT_S = 1.0
+LEDGER_FOLLOW_S = 0.5
+_FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
+
+
+class Membership(Extension):
+    """Control socket routes:
+    GET  /cluster        the cluster view (also the `cluster` key of `status`)
+    POST /cluster/down   stop every node in reverse dependency order (cluster/shutdown.py)
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        registrations: DynamoRegistrations,
+        policy: PolicyManager | None,
+    ) -> None:
+        self.cluster = cluster
+        self.registrations = registrations
+        self.policy = policy
+        self.daemon: Daemon | None = None
+        self.etcd: EtcdClient | None = None
+        self.lease: int | None = None
+        self.entries: dict[str, NodeEntry] = {}
+        self.lost: dict[str, LostRecord] = {}
+        self.seen: set[str] = set()
+        self.leader: str | None = None
+        self.down_request: dict[str, Any] | None = None
+        self.down_acks: dict[str, dict[str, Any]] = {}
+        self.error: str | None = None
+        self.last_published: float | None = None  # monotonic, last successful write
+        self._read_once = False
+        self._stale_down_id: str | None = None  # a stop request older than this daemon
+        self._handled_down: set[tuple[str, str]] = set()
+        self._dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._restarting: set[str] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def stack(self) -> str:
+        assert self.daemon is not None
+        return self.daemon.stack.name
+
+    @property
+    def engine(self) -> Engine:
+        assert self.daemon is not None and self.daemon.engine is not None
+        return self.daemon.engine
+
+    async def start(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        engine = self.engine
+        # One endpoint until the etcd client takes several (the contract's list).
+        self.etcd = EtcdClient(
+            self.cluster.registry[0], session=engine.session, timeout_s=CALL_TIMEOUT_S
+        )
+        engine.listeners.append(self._on_change)
+        self.registrations.others_live = self.others_live
+        if self.policy is not None:
+            self.policy.after_commit = self.await_other_nodes
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._publish_loop(), name="cluster-publish"),
+            loop.create_task(self._watch_loop(), name="cluster-watch"),
+        ]
+        if self.policy is not None:
+            self._tasks.append(loop.create_task(self._follow_loop(), name="cluster-ledger"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.etcd is not None and self.lease is not None:
+            with contextlib.suppress(*_FAILURES):  # else it expires within lease_ttl
+                await self.etcd.lease_revoke(self.lease)
+
+    def routes(self) -> list[web.RouteDef]:
+        from dynamod.cluster.shutdown import ClusterShutdown
+
+        async def view(_: web.Request) -> web.Response:
+            return web.json_response(self.view())
+
+        async def down(request: web.Request) -> web.Response:
+            body: dict[str, Any] = {}
+            with contextlib.suppress(ValueError):
+                body = await request.json()
+            wait = float(body.get("wait_s", 30))
+            report = await ClusterShutdown(self, wait_s=wait).run()
+            assert self.daemon is not None
+            report["this_node_down"] = await self.daemon.down()
+            return web.json_response(report)
+
+        return [web.get("/cluster", view), web.post("/cluster/down", down)]
+
+    def status(self) -> dict[str, Any]:
+        return {"cluster": self.view()}
+
+    def view(self) -> dict[str, Any]:
+        return registry.view(
+            self.cluster.nodes,
+            self.cluster.head,
+            self.cluster.node,
+            self.entries,
+            self.lost,
+            self.seen,
+            self.leader,
+            self.error,
+        )
+
+    # ------------------------------------------------------------------ our entry
+
+    def _on_change(self, unit: Unit, old: UnitState, new: UnitState) -> None:
+        self._dirty.set()
+
+    def entry(self) -> NodeEntry:
+        assert self.daemon is not None
+        shards = set(self.daemon.stack.shards())
+        units = [
+            UnitEntry(
+                name=unit.name,
+                unit=unit.spec.unit,
+                state=str(unit.state),
+                pid=unit.pid,
+                ports=dict(unit.spec.ports),
+                detail=registry.short_detail(unit.detail),
+                policy_version=unit.extra.get("policy_version"),
+                instance_ids=list(unit.extra.get("dynamo", {}).get("instance_ids", [])),
+                shard=unit.name in shards,
+            )
+            for unit in self.engine.units.values()
+            if unit.spec.remote is None
+        ]
+        return NodeEntry(
+            node=self.cluster.node,
+            address=self.cluster.address,
+            daemon_pid=os.getpid(),
+            run_id=self.daemon.run_id,
+            phase=str(self.daemon.phase),
+            head=self.cluster.is_head,
+            units=units,
+            policy_current=self.policy.current_version if self.policy else None,
+        )
+
+    async def _publish_loop(self) -> None:
+        period = self.cluster.lease_ttl / 3
+        while True:
+            try:
+                await self._publish()
+            except _FAILURES as exc:
+                self._failed("publish", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dirty.wait(), period)
+            self._dirty.clear()
+            await asyncio.sleep(0.05)  # a burst of transitions makes one write
+
+    async def _publish(self) -> None:
+        assert self.etcd is not None
+        lease_lost = False
+        if self.lease is not None and await self.etcd.lease_keepalive(self.lease) is None:
+            lease_lost = True
+            self.lease = None
+        if self.lease is None:
+            self.lease = await self.etcd.lease_grant(max(1, math.ceil(self.cluster.lease_ttl)))
+        await self.etcd.put(
+            registry.node_key(self.stack, self.cluster.node), self.entry().encode(), self.lease
+        )
+        if self.last_published is None:  # a lost record of this node's earlier run is stale
+            await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+        now = time.monotonic()
+        away = (
+            self.last_published is not None and now - self.last_published > self.cluster.lease_ttl
+        )
+        self.last_published = now
+        self.error = None
+        if lease_lost or away:
+            log.warning(
+                "cluster.back_in_contact",
+                node=self.cluster.node,
+                lease_expired=lease_lost,
+                why="this node may have been marked lost; its revoked shards restart",
+            )
+            await self._after_return()
+
+    async def _after_return(self) -> None:
+        """Restart every running shard whose Dynamo registration is gone (the leader revoked
+        it while we were away): it comes back held and replays the current version."""
+        assert self.etcd is not None
+        namespaces = {u.spec.dynamo.namespace for u in self._local_shards() if u.spec.dynamo}
+        registered: set[int] = set()
+        for namespace in namespaces:
+            registered |= {i.instance_id for i in await dynamo.list_instances(self.etcd, namespace)}
+        for unit in self._local_shards():
+            ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+            if (
+                unit.state.running
+                and ids
+                and not ids & registered
+                and unit.name not in self._restarting
+            ):
+                log.warning(
+                    "cluster.shard_restart", unit=unit.name, why="its registration was revoked"
+                )
+                self._restarting.add(unit.name)
+                asyncio.get_running_loop().create_task(self._restart(unit.name))
+        with contextlib.suppress(*_FAILURES):
+            await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+
+    async def _restart(self, name: str) -> None:
+        try:
+            await self.engine.restart_unit(name)
+        except Exception as exc:  # a down began meanwhile; nothing to restart then
+            log.info("cluster.shard_restart_skipped", unit=name, why=str(exc))
+        finally:
+            self._restarting.discard(name)
+
+    def _local_shards(self) -> list[Unit]:
+        assert self.daemon is not None
+        return [self.engine.units[n] for n in self.daemon.stack.shards()]
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
+        if text != self.error:
+            log.warning("cluster.registry_unreachable", node=self.cluster.node, error=text)
+        self.error = text
+
+    # ------------------------------------------------------------------ everyone's entries
+
+    async def _watch_loop(self) -> None:
+        while True:
+            try:
+                await self._read()
+            except _FAILURES as exc:
+                self._failed("read", exc)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _read(self) -> None:
+        assert self.etcd is not None
+        base = registry.prefix(self.stack)
+        entries: dict[str, NodeEntry] = {}
+        lost: dict[str, LostRecord] = {}
+        leader: str | None = None
+        down: dict[str, Any] | None = None
+        acks: dict[str, dict[str, Any]] = {}
+        for kv in await self.etcd.get_prefix(base):
+            rest = kv.key[len(base) :]
+            kind, _, name = rest.partition("/")
+            try:
+                if kind == "nodes":
+                    entries[name] = NodeEntry.decode(kv.value)
+                elif kind == "lost":
+                    lost[name] = LostRecord.decode(kv.value)
+                elif kind == "leader":
+                    leader = kv.value.decode()
+                elif kind == "down":
+                    down = _json(kv.value)
+                elif kind == "down-acks":
+                    acks[name] = _json(kv.value)
+            except (ValueError, TypeError, KeyError) as exc:
+                log.warning("cluster.bad_record", key=kv.key, error=str(exc))
+        before = self.entries
+        self.entries, self.lost, self.leader = entries, lost, leader
+        self.down_request, self.down_acks = down, acks
+        self.seen |= set(entries)
+        if not self._read_once:  # a request older than this daemon is not for it
+            self._read_once = True
+            self._stale_down_id = str(down.get("id")) if down else None
+        await self._handle_down()
+        if (
+            leader is None
+            and self.lease is not None
+            and self._running()
+            and await self.etcd.put_if(
+                registry.leader_key(self.stack), self.cluster.node, 0, self.lease
+            )
+        ):
+            self.leader = self.cluster.node
+            log.info("cluster.leader", node=self.cluster.node)
+        if self.leader == self.cluster.node:
+            stopping = down is not None and str(down.get("id")) != self._stale_down_id
+            for name in registry.newly_lost(before, entries, stopping=stopping):
+                await self._mark_lost(name, before[name])
+
+    def _running(self) -> bool:
+        assert self.daemon is not None
+        return str(self.daemon.phase) in {"starting", "up", "degraded"}
+
+    async def _mark_lost(self, name: str, entry: NodeEntry) -> None:
+        """Its lease expired: revoke its shards' registrations and record it lost."""
+        assert self.etcd is not None
+        started = time.monotonic()
+        revoked: list[str] = []
+        for unit in entry.units:
+            for instance in unit.instance_ids:
+                with contextlib.suppress(*_FAILURES):
+                    await dynamo.revoke_instance(self.etcd, instance)
+                    revoked.append(f"{instance:x}")
+        record = LostRecord(
+            node=name,
+            since=time.time(),
+            by=self.cluster.node,
+            shards=[registry.shard_id(name, u.name) for u in entry.shards()],
+            revoked=revoked,
+        )
+        await self.etcd.put(registry.lost_key(self.stack, name), record.encode())
+        self.lost[name] = record
+        log.warning(
+            "cluster.node_lost",
+            node=name,
+            shards=record.shards,
+            revoked=revoked,
+            ms=round((time.monotonic() - started) * 1000, 1),
+        )
+
+    async def others_live(self) -> set[int]:
+        """Instance ids of the live workers of the other nodes (never swept here)."""
+        await self._read()
+        return {
+            instance
+            for name, entry in self.entries.items()
+            if name != self.cluster.node
+            for unit in entry.units
+            for instance in unit.instance_ids
+        }
+
+    # ------------------------------------------------------------------ down --cluster
+
+    async def _handle_down(self) -> None:
+        request = self.down_request
+        if request is None or str(request.get("id")) == self._stale_down_id:
+            return
+        step = str(request.get("step"))
+        key = (str(request.get("id")), step)
+        if key in self._handled_down or self.cluster.node not in request.get("nodes", []):
+            return
+        self._handled_down.add(key)
+        from dynamod.cluster.shutdown import carry_out
+
+        asyncio.get_running_loop().create_task(carry_out(self, request))
+
+    # ------------------------------------------------------------------ policy across nodes
+
+    async def _follow_loop(self) -> None:
+        assert self.policy is not None
+        while True:
+            await asyncio.sleep(LEDGER_FOLLOW_S)
+            if not self._running():
+                continue
+            with contextlib.suppress(*_FAILURES):
+                if await self.policy.follow_ledger() is not None:
+                    self._dirty.set()
+
+    async def await_other_nodes(self, step: int) -> dict[str, Any]:
+        """After a push committed here: wait until every shard of the other nodes that are
+        not lost holds `step` (their own daemons replay it), up to the policy's
+        route_timeout. Returns `nodes` (node -> its shards' versions) and `behind`."""
+        assert self.policy is not None
+        deadline = time.monotonic() + self.policy.spec.route_timeout
+        while True:
+            with contextlib.suppress(*_FAILURES):
+                await self._read()
+            others = {n: e for n, e in self.entries.items() if n != self.cluster.node}
+            late = registry.behind(others, step)
+            if not late or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.1)
+        return {
+            "nodes": {
+                name: {registry.shard_id(name, u.name): u.policy_version for u in e.shards()}
+                for name, e in others.items()
+            },
+            "behind": sorted(s for shards in late.values() for s in shards),
+            "lost_nodes": sorted(set(self.lost) - set(self.entries)),
+        }
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    import json
+
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data

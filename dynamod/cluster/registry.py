@@ -1,0 +1,188 @@
+"""The cluster registry's keys and records, and the cluster view built from them. Pure
+logic (no I/O): what each node's daemon writes, how it is read back, and which nodes count
+as up, lost or behind. Keys, under `dynamod/<stack>/cluster/`:
+
+    nodes/<node>      NodeEntry (JSON) on the node's own lease (`lease_ttl`)
+    lost/<node>       LostRecord: the node's lease expired; its shards and what was revoked
+    leader            the node that handles losses, on its own lease
+    down              a cluster-wide stop request: {"id", "step", "units", "by"}
+    down-acks/<node>  {"id", "step", "stopped": [...]} per node
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+_DETAIL_MAX = 200
+
+
+def prefix(stack: str) -> str:
+    return f"dynamod/{stack}/cluster/"
+
+
+def node_key(stack: str, node: str) -> str:
+    return f"{prefix(stack)}nodes/{node}"
+
+
+def lost_key(stack: str, node: str) -> str:
+    return f"{prefix(stack)}lost/{node}"
+
+
+def leader_key(stack: str) -> str:
+    return f"{prefix(stack)}leader"
+
+
+def down_key(stack: str) -> str:
+    return f"{prefix(stack)}down"
+
+
+def down_ack_key(stack: str, node: str) -> str:
+    return f"{prefix(stack)}down-acks/{node}"
+
+
+def shard_id(node: str, unit: str) -> str:
+    """A shard's name across the cluster (ledger acks, status): `<node>/worker@0`."""
+    return f"{node}/{unit}"
+
+
+class NodeState(StrEnum):
+    UP = "up"  # its entry is there, on a live lease
+    LOST = "lost"  # its lease expired (or a lost record says so and no entry came back)
+    UNKNOWN = "unknown"  # configured, never seen in this daemon's life
+
+
+@dataclass(frozen=True)
+class UnitEntry:
+    name: str
+    unit: str
+    state: str
+    pid: int | None
+    ports: dict[str, int]
+    detail: str
+    policy_version: int | None = None
+    instance_ids: list[int] = field(default_factory=list)
+    shard: bool = False
+
+
+@dataclass(frozen=True)
+class NodeEntry:
+    node: str
+    address: str
+    daemon_pid: int
+    run_id: str
+    phase: str
+    head: bool
+    units: list[UnitEntry]
+    policy_current: int | None = None
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> NodeEntry:
+        data = json.loads(raw)
+        units = [UnitEntry(**u) for u in data.pop("units", [])]
+        return cls(units=units, **data)
+
+    def shards(self) -> list[UnitEntry]:
+        return [u for u in self.units if u.shard]
+
+
+def short_detail(text: str) -> str:
+    first = text.splitlines()[0] if text else ""
+    return first if len(first) <= _DETAIL_MAX else first[: _DETAIL_MAX - 3] + "..."
+
+
+@dataclass(frozen=True)
+class LostRecord:
+    node: str
+    since: float  # wall clock, for people
+    by: str  # the node that noticed
+    shards: list[str]
+    revoked: list[str]  # instance ids (hex) whose Dynamo registration was revoked
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> LostRecord:
+        return cls(**json.loads(raw))
+
+
+def node_state(
+    name: str, entries: dict[str, NodeEntry], lost: dict[str, LostRecord], seen: set[str]
+) -> NodeState:
+    if name in entries:
+        return NodeState.UP
+    if name in lost or name in seen:
+        return NodeState.LOST
+    return NodeState.UNKNOWN
+
+
+def newly_lost(
+    before: dict[str, NodeEntry], now: dict[str, NodeEntry], stopping: bool
+) -> list[str]:
+    """Nodes whose entry vanished between two reads (their lease expired). None while the
+    cluster is being stopped: entries vanish then because daemons exit."""
+    if stopping:
+        return []
+    return sorted(set(before) - set(now))
+
+
+def behind(entries: dict[str, NodeEntry], current: int | None) -> dict[str, list[str]]:
+    """Node -> its shards (`<node>/<unit>`) that do not hold the current version."""
+    if current is None:
+        return {}
+    result: dict[str, list[str]] = {}
+    for name, entry in entries.items():
+        late = [shard_id(name, u.name) for u in entry.shards() if u.policy_version != current]
+        if late:
+            result[name] = late
+    return result
+
+
+def view(
+    nodes: dict[str, str],
+    head: str,
+    this_node: str,
+    entries: dict[str, NodeEntry],
+    lost: dict[str, LostRecord],
+    seen: set[str],
+    leader: str | None,
+    error: str | None,
+) -> dict[str, Any]:
+    """The `cluster` key of `status --json`: every configured node with its state and units."""
+    current = max(
+        (e.policy_current for e in entries.values() if e.policy_current is not None), default=None
+    )
+    late = behind(entries, current)
+    rows = []
+    for name, address in nodes.items():
+        state = node_state(name, entries, lost, seen)
+        entry = entries.get(name)
+        record = lost.get(name)
+        rows.append(
+            {
+                "name": name,
+                "address": address,
+                "head": name == head,
+                "state": str(state),
+                "daemon_pid": entry.daemon_pid if entry else None,
+                "phase": entry.phase if entry else None,
+                "units": [asdict(u) for u in entry.units] if entry else [],
+                "behind": late.get(name, []),
+                "lost": asdict(record) if record and state is NodeState.LOST else None,
+            }
+        )
+    return {
+        "this_node": this_node,
+        "head": head,
+        "leader": leader,
+        "policy_current": current,
+        "nodes": rows,
+        "behind": sorted(late),
+        "error": error,
+    }

@@ -1,0 +1,53 @@
+"""The registry's records and the cluster view (pure): encode/decode, which nodes count
+as lost, which shards are behind, and the rendered tree."""
+
+from dynamod.cluster import registry
+from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
+from dynamod.control.render import cluster_tree
+
+NODES = {"head": "10.1.0.1", "n1": "10.1.0.2", "n2": "10.1.0.3"}
+
+
+def entry(node: str, version: int | None, current: int | None = 3) -> NodeEntry:
+    units = [
+        UnitEntry("worker@0", "worker", "ready", 42, {"system": 21000}, "ok", version, [0xAB],
+                  shard=True),
+        UnitEntry("model", "model", "completed", None, {}, "exited with status 0"),
+    ]
+    return NodeEntry(node, NODES[node], 100, "run", "up", node == "head", units, current)
+
+
+def test_entries_and_lost_records_round_trip() -> None:
+    e = entry("n1", 3)
+    assert NodeEntry.decode(e.encode()) == e
+    lost = LostRecord("n2", 1.0, "head", ["n2/worker@0"], ["ab"])
+    assert LostRecord.decode(lost.encode()) == lost
+    assert registry.node_key("s", "n1") == "dynamod/s/cluster/nodes/n1"
+    assert registry.shard_id("n1", "worker@0") == "n1/worker@0"
+
+
+def test_a_vanished_entry_is_lost_except_while_the_cluster_stops() -> None:
+    before = {n: entry(n, 3) for n in NODES}
+    now = {n: before[n] for n in ("head", "n1")}
+    assert registry.newly_lost(before, now, stopping=False) == ["n2"]
+    assert registry.newly_lost(before, now, stopping=True) == []
+    assert registry.newly_lost(now, before, stopping=False) == []
+    seen = set(NODES)
+    assert registry.node_state("n2", now, {}, seen) is registry.NodeState.LOST
+    assert registry.node_state("n2", now, {}, set()) is registry.NodeState.UNKNOWN
+    assert registry.node_state("n1", now, {}, seen) is registry.NodeState.UP
+
+
+def test_the_view_marks_lost_nodes_and_names_shards_behind() -> None:
+    entries = {"head": entry("head", 3), "n1": entry("n1", 2)}
+    lost = {"n2": LostRecord("n2", 1.0, "head", ["n2/worker@0"], ["ab"])}
+    view = registry.view(NODES, "head", "n1", entries, lost, set(NODES), "head", None)
+    rows = {n["name"]: n for n in view["nodes"]}
+    assert [rows[n]["state"] for n in NODES] == ["up", "up", "lost"]
+    assert rows["n2"]["lost"]["revoked"] == ["ab"] and rows["n2"]["units"] == []
+    assert view["policy_current"] == 3 and view["behind"] == ["n1"]
+    assert rows["n1"]["behind"] == ["n1/worker@0"] and rows["head"]["behind"] == []
+    text = "\n".join(cluster_tree(view))
+    assert "behind the current policy version: n1" in text
+    assert "└─ n2" in text and "lost" in text and "marked lost by head" in text
+    assert "├─ head (head)" in text and "v2" in text
