@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +43,8 @@ class UnitHooks(Protocol):
 
 
 Listener = Callable[["Unit", UnitState, UnitState], None]
+# Extra environment for a unit at spawn (secrets): never rendered into its spec or status.
+EnvSource = Callable[[UnitSpec], Mapping[str, str]]
 ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
 
 
@@ -120,6 +122,7 @@ class Engine:
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
         self.probe_listeners: list[ProbeListener] = []
+        self.env_sources: list[EnvSource] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
@@ -402,7 +405,7 @@ class Engine:
 
     def _spawn(self, unit: Unit) -> bool:
         spec = unit.spec
-        env = process.base_environment(self.run_id, unit.name, spec.env)
+        env = process.base_environment(self.run_id, unit.name, self._env(spec))
         read_fd, write_fd = os.pipe()
         try:
             cgroup = self.containment.unit(unit.name)
@@ -436,12 +439,18 @@ class Engine:
         self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
         return True
 
+    def _env(self, spec: UnitSpec) -> dict[str, str]:
+        env = dict(spec.env)
+        for source in self.env_sources:
+            env.update(source(spec))
+        return env
+
     def _probe_context(self, unit: Unit) -> ProbeContext:
         return ProbeContext(
             session=self.session,
             reaper=self.reaper,
             sink=unit.sink,
-            env=process.base_environment(self.run_id, f"{unit.name}:probe", unit.spec.env),
+            env=process.base_environment(self.run_id, f"{unit.name}:probe", self._env(unit.spec)),
         )
 
     async def _await_ready(self, unit: Unit, child: Process) -> tuple[bool, str]:
