@@ -1,0 +1,1 @@
+"""Multi-node: the node registry, cluster status, credentials, replicated etcd and NATS."""
