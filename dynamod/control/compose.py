@@ -7,6 +7,10 @@ revocation on worker death, shard admission and policy updates when the stack ha
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from dynamod.cluster.exposure import ExposureWatch
+from dynamod.cluster.secrets_env import SecretsEnv
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
@@ -16,11 +20,21 @@ from dynamod.rollout.policy import PolicyManager
 from dynamod.rollout.registrations import DynamoRegistrations
 
 
+def _secrets_dir(stack: Stack) -> str | None:
+    """The [cluster] table's `secrets` (CLUSTER's spec model; absent before it lands)."""
+    cluster = getattr(stack, "cluster", None)
+    return getattr(cluster, "secrets", None) or None
+
+
 def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list[Extension]:
-    """Dynamo registrations always (a no-op without Dynamo units); the policy manager for a
+    """Dynamo registrations and the exposure watch always (the former a no-op without
+    Dynamo units); a cluster stack's secrets for its Dynamo units; the policy manager for a
     stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
     frontend_probe.register()
-    extensions: list[Extension] = [DynamoRegistrations()]
+    extensions: list[Extension] = [DynamoRegistrations(), ExposureWatch()]
+    secrets_dir = _secrets_dir(stack)
+    if secrets_dir:
+        extensions.append(SecretsEnv(Path(secrets_dir)))
     if stack.policy is not None:
         extensions.append(PolicyManager(stack.policy))
     notifier = SystemdNotifier.from_environment()
