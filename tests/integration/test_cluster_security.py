@@ -6,8 +6,10 @@ was refused; losing the head's member keeps etcd writable."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -285,3 +287,106 @@ def test_losing_the_heads_member_keeps_etcd_writable(cluster: Cluster) -> None:
         return got.stdout.strip() == "after-cut" or got.stderr
 
     _wait("the head's member serving the write made while it was away", caught_up, deadline=30)
+
+
+MODEL = "tiny-cpu"
+MODEL_DIR = (
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dynamod" / "models" / MODEL
+)
+
+
+def _dynamo_env(cluster: Cluster, node: str, **extra: str) -> dict[str, str]:
+    from dynamod.cluster.secrets_env import dynamo_env
+
+    address = cluster.nodes[node]
+    env = cluster.env() | {
+        "ETCD_ENDPOINTS": cluster.endpoint(node),
+        "NATS_SERVER": f"nats://{address}:{NATS_CLIENT}",
+        "DYN_NAMESPACE": "sec",
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+        "DYN_HTTP_RPC_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        # the two TCP planes cross nodes: on the node's address, with mutual TLS
+        "DYN_TCP_RPC_HOST": address,
+        "DYN_TCP_RESPONSE_STREAM_HOST": address,
+        **extra,
+    }
+    return env | dynamo_env(cluster.secrets, node, env)
+
+
+def _tls_subject(cluster: Cluster, node: str, host: str, port: int) -> str:
+    """The subject of the certificate a TLS server at host:port presents (openssl s_client)."""
+    done = cluster.sh(node, [
+        "openssl", "s_client", "-connect", f"{host}:{port}",
+        "-CAfile", str(cluster.secrets.ca_cert),
+        "-cert", str(cluster.secrets.node(node).client_cert),
+        "-key", str(cluster.secrets.node(node).client_key),
+    ], timeout=10)  # fmt: skip
+    return done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason=f"no model at {MODEL_DIR}")
+def test_dynamo_serves_across_nodes_over_authenticated_etcd_and_tls(cluster: Cluster) -> None:
+    """A CPU worker on n1 and the frontend on the head, both with the credentials SecretsEnv
+    gives: they register through etcd's auth (the role's prefixes suffice), and a request is
+    served across the nodes over the TCP request plane with DYN_TCP_TLS_*."""
+    from dynamod.cluster import exposure
+
+    logs = cluster.state
+    worker = cluster.box.run(1, [
+        sys.executable, "-m", "dynamod.workers.cpu", "--model-path", str(MODEL_DIR),
+        "--model-name", MODEL, "--discovery-backend", "etcd", "--block-size", "16",
+        "--engine", "mocker",
+    ], env=_dynamo_env(cluster, "n1", DYN_SYSTEM_PORT="9345"),
+       stdout=open(logs / "worker.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115  # fmt: skip
+    frontend = cluster.box.run(0, [
+        sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port",
+        "8000", "--router-mode", "round-robin", "--discovery-backend", "etcd",
+    ], env=_dynamo_env(cluster, "head"),
+       stdout=open(logs / "frontend.log", "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115  # fmt: skip
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4})
+
+    def served() -> bool | str:
+        if worker.poll() is not None or frontend.poll() is not None:
+            return True
+        got = cluster.sh("head", [
+            "curl", "-s", "-m", "5", "-H", "Content-Type: application/json", "-d", body,
+            "http://127.0.0.1:8000/v1/completions",
+        ])  # fmt: skip
+        return '"choices"' in got.stdout or got.stdout
+
+    try:
+        _wait(
+            "a completion served by n1's worker through the head's frontend", served, deadline=150
+        )
+        assert worker.poll() is None, (logs / "worker.log").read_text()[-3000:]
+        assert frontend.poll() is None, (logs / "frontend.log").read_text()[-3000:]
+        # Dynamo's keys are all under the role's prefixes, written as the stack's user.
+        keys = cluster.etcdctl("n2", "get", "", "--prefix", "--keys-only", user=(
+            f"root:{cluster.secrets.credentials.etcd_root_password}")).stdout.split()  # fmt: skip
+        assert any(k.startswith("v1/instances/sec/") for k in keys), keys
+        assert all(k.startswith(("v1/", f"dynamod/{STACK}/")) for k in keys), keys
+        # The worker's request plane on n1's address speaks TLS with n1's server certificate.
+        planes = [x for x in exposure.listeners([worker.pid, *_children(worker.pid)])
+                  if x.address == cluster.nodes["n1"]]  # fmt: skip
+        assert planes, "the worker listens on nothing at n1's address"
+        subjects = [_tls_subject(cluster, "head", x.address, x.port) for x in planes]
+        assert any(
+            "CN = dynamod-server-n1" in s or "CN=dynamod-server-n1" in s for s in subjects
+        ), subjects
+    finally:
+        for proc in (frontend, worker):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in (frontend, worker):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    from dynamod.cluster.exposure import group_pids
+
+    return group_pids(pid)
