@@ -46,15 +46,21 @@ def ss_listeners(pids: set[int]) -> set[tuple[str, int]]:
     return found
 
 
-def zmq_publisher_ports(status: dict[str, Any]) -> set[int]:
-    """Ports of the ZMQ event publishers the workers advertise (etcd v1/event_channels/)."""
+def advertised_ports(status: dict[str, Any], prefix: str) -> set[int]:
+    """Ports named in the values under `prefix` in the stack's etcd (what Dynamo advertises)."""
     etcd = next(u for u in status["units"] if u["name"] == "etcd")["ports"]["client"]
     out = subprocess.run(
         [str(Path(sys.executable).parent / "etcdctl"), "--endpoints", f"127.0.0.1:{etcd}",
-         "get", "--prefix", "v1/event_channels/", "--print-value-only"],
+         "get", "--prefix", prefix, "--print-value-only"],
         capture_output=True, text=True, timeout=10,
     ).stdout  # fmt: skip
-    return {int(port) for port in re.findall(r"tcp://[^\"/]+:(\d+)", out)}
+    print(f"{prefix}: {out[:2000]}")
+    return {int(port) for port in re.findall(r"127\.0\.0\.1:(\d+)", out)}
+
+
+def zmq_publisher_ports(status: dict[str, Any]) -> set[int]:
+    """Ports of the ZMQ event publishers the workers advertise (etcd v1/event_channels/)."""
+    return advertised_ports(status, "v1/event_channels/")
 
 
 def test_default_stack_listens_on_loopback_only(dm: Dynamod) -> None:
@@ -70,6 +76,7 @@ def test_default_stack_listens_on_loopback_only(dm: Dynamod) -> None:
     # sets only the address it advertises in etcd under v1/event_channels/).
     publishers = zmq_publisher_ports(status)
     print(f"advertised ZMQ event publishers: {publishers}")
+    print(f"advertised instance endpoints: {advertised_ports(status, 'v1/instances/')}")
     outside = [
         f"{unit}: {x}"
         for unit, xs in found.items()
