@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,16 @@ def render(path: Path, unit: str, context: dict[str, Any]) -> tuple[list[str], d
     return command, {k: fill(v) for k, v in table.get("env", {}).items()}
 
 
-def test_a_ray_worker_joins_the_head_across_nodes(tmp_path: Path) -> None:
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Ray's socket paths under its temp dir must fit AF_UNIX's 107 bytes: not tmp_path."""
+    path = Path(tempfile.mkdtemp(prefix="dr", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_ray_worker_joins_the_head_across_nodes(short_dir: Path) -> None:
+    tmp_path = short_dir
     with Sandbox(2, prefix="dmray") as box:
         head, worker = box.addresses
         env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -58,10 +70,13 @@ def test_a_ray_worker_joins_the_head_across_nodes(tmp_path: Path) -> None:
             "state_dir": str(tmp_path / "w"),
         })  # fmt: skip
         logs = [open(tmp_path / f"{n}.log", "wb") for n in ("head", "worker")]  # noqa: SIM115
-        box.run(0, head_cmd, env=env | head_env, stdout=logs[0], stderr=subprocess.STDOUT)
+        ray_head = box.run(0, head_cmd, env=env | head_env, stdout=logs[0],
+                           stderr=subprocess.STDOUT)  # fmt: skip
         deadline = time.monotonic() + 240
         while "Ray runtime started" not in (tmp_path / "head.log").read_text(errors="replace"):
-            assert time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and ray_head.poll() is None, (
+                tmp_path / "head.log"
+            ).read_text()[-3000:]
             time.sleep(0.5)
         box.run(1, worker_cmd, env=env | worker_env, stdout=logs[1], stderr=subprocess.STDOUT)
         alive = ""
