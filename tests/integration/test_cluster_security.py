@@ -326,6 +326,12 @@ def _tls_subject(cluster: Cluster, node: str, host: str, port: int) -> str:
 
 
 @pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason=f"no model at {MODEL_DIR}")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="Dynamo 1.6.1's etcd client does not accept the cluster CA from ETCD_AUTH_CA: "
+    "etcd logs 'remote error: tls: unknown certificate authority' (README, Security)",
+)
 def test_dynamo_serves_across_nodes_over_authenticated_etcd_and_tls(cluster: Cluster) -> None:
     """A CPU worker on n1 and the frontend on the head, both with the credentials SecretsEnv
     gives: they register through etcd's auth (the role's prefixes suffice), and a request is
@@ -349,6 +355,10 @@ def test_dynamo_serves_across_nodes_over_authenticated_etcd_and_tls(cluster: Clu
     def served() -> bool | str:
         if worker.poll() is not None or frontend.poll() is not None:
             return True
+        for name in NAMES:  # a TLS refusal never heals by itself: fail at once, naming it
+            for line in (logs / f"etcd-{name}.log").read_text(errors="replace").splitlines():
+                if "unknown certificate authority" in line:
+                    raise AssertionError(f"etcd member {name} refused Dynamo's TLS: {line}")
         got = cluster.sh("head", [
             "curl", "-s", "-m", "5", "-H", "Content-Type: application/json", "-d", body,
             "http://127.0.0.1:8000/v1/completions",
