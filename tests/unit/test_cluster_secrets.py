@@ -163,3 +163,21 @@ def test_nats_config_file_is_written_owner_only(tmp_path: Path) -> None:
     path = tmp_path / "nats" / "nats.conf"
     nats_member.write_owner_only(path, "secret")
     assert os.stat(path).st_mode & 0o777 == 0o600 and path.read_text() == "secret"
+
+
+def test_etcdctl_refusals_are_read_from_its_noise() -> None:
+    from dynamod.cluster.etcd_auth import _said
+
+    noise = (
+        '{"level":"warn","msg":"retrying of unary invoker failed","error":"rpc error"}\n'
+        "Error: etcdserver: authentication failed, invalid user ID or password\n"
+    )
+    assert _said(noise) == "etcdserver: authentication failed, invalid user ID or password"
+    tls = (
+        'WARNING: grpc: addrConn.createTransport failed to connect: desc = "transport: '
+        'authentication handshake failed: remote error: tls: bad certificate". Reconnecting...\n'
+        "Error: context deadline exceeded\n"
+    )
+    assert _said(tls) == (
+        "TLS handshake refused (remote error: tls: bad certificate); context deadline exceeded"
+    )
