@@ -51,6 +51,8 @@ class NodeFiles:
     server_key: Path
     client_cert: Path
     client_key: Path
+    stack_cert: Path  # CN = the stack's etcd user: a login by certificate (Dynamo's)
+    stack_key: Path
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,9 @@ class Secrets:
             )
         base = self.path / NODES_DIR / name
         return NodeFiles(
-            base / "server.pem", base / "server.key", base / "client.pem", base / "client.key"
-        )
+            base / "server.pem", base / "server.key", base / "client.pem", base / "client.key",
+            base / "stack.pem", base / "stack.key",
+        )  # fmt: skip
 
 
 def parse_nodes(spec: str) -> dict[str, str]:
@@ -157,6 +160,11 @@ def init(path: Path, nodes: dict[str, str], *, stack_user: str = STACK_USER) -> 
         _write_new(base / "server.key", server.key)
         _write_new(base / "client.pem", client.cert)
         _write_new(base / "client.key", client.key)
+        # Dynamo 1.6.1 cannot combine a password with TLS (see secrets_env), so it logs in
+        # to etcd by this certificate: etcd takes a client certificate's CN as the user.
+        stack = tls.issue(ca, stack_user, [], server=False)
+        _write_new(base / "stack.pem", stack.cert)
+        _write_new(base / "stack.key", stack.key)
     document = {"nodes": nodes, **credentials.__dict__}
     _write_new(path / CREDENTIALS, json.dumps(document, indent=2).encode() + b"\n")
     return load(path)

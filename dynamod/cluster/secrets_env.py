@@ -1,9 +1,9 @@
 """The `SecretsEnv` extension: hands a cluster stack's credentials to Dynamo's processes in
 their environment at spawn (Extension.spawn_env), so no secret enters a rendered command
 line, `status`, a log or a state file. A unit that talks to etcd (it has ETCD_ENDPOINTS)
-gets ETCD_AUTH_USERNAME / ETCD_AUTH_PASSWORD and ETCD_AUTH_CA / _CLIENT_CERT / _CLIENT_KEY
-as PEM *contents* (what Dynamo 1.6.1 reads), and the TCP request plane's DYN_TCP_TLS_*
-paths (server identity, client identity, and the CA for both directions: mutual TLS); one
+gets ETCD_AUTH_CA / _CLIENT_CERT / _CLIENT_KEY as PEM *contents* (what Dynamo 1.6.1 reads;
+the certificate's CN is the stack's etcd user, its login: no password, see below), and
+the TCP request plane's DYN_TCP_TLS_* paths (server identity, client identity, and the CA for both directions: mutual TLS); one
 that talks to NATS (NATS_SERVER) gets NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD. The node is
 the unit's DYNAMOD_NODE (the cluster's first node without one)."""
 
@@ -25,11 +25,13 @@ def dynamo_env(loaded: secrets.Secrets, node: str, unit_env: Mapping[str, str]) 
     ca = str(loaded.ca_cert)
     if "ETCD_ENDPOINTS" in unit_env:
         env |= {
-            "ETCD_AUTH_USERNAME": creds.etcd_user,
-            "ETCD_AUTH_PASSWORD": creds.etcd_password,
+            # Dynamo 1.6.1 with ETCD_AUTH_USERNAME/PASSWORD *and* TLS fails its handshake
+            # ("unknown certificate authority": its login connection drops the CA), while
+            # TLS alone works. So it logs in by certificate: the node's stack certificate,
+            # whose CN is the stack's etcd user (etcd's client-cert-auth maps CN -> user).
             "ETCD_AUTH_CA": loaded.ca_cert.read_text(),
-            "ETCD_AUTH_CLIENT_CERT": files.client_cert.read_text(),
-            "ETCD_AUTH_CLIENT_KEY": files.client_key.read_text(),
+            "ETCD_AUTH_CLIENT_CERT": files.stack_cert.read_text(),
+            "ETCD_AUTH_CLIENT_KEY": files.stack_key.read_text(),
             # The request plane: serve with the node's certificate and require a client
             # certificate from the CA; dial peers presenting this node's client certificate.
             "DYN_TCP_TLS_CERT_PATH": str(files.server_cert),

@@ -326,12 +326,6 @@ def _tls_subject(cluster: Cluster, node: str, host: str, port: int) -> str:
 
 
 @pytest.mark.skipif(not (MODEL_DIR / "config.json").exists(), reason=f"no model at {MODEL_DIR}")
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Dynamo 1.6.1's etcd client does not accept the cluster CA from ETCD_AUTH_CA: "
-    "etcd logs 'remote error: tls: unknown certificate authority' (README, Security)",
-)
 def test_dynamo_serves_across_nodes_over_authenticated_etcd_and_tls(cluster: Cluster) -> None:
     """A CPU worker on n1 and the frontend on the head, both with the credentials SecretsEnv
     gives: they register through etcd's auth (the role's prefixes suffice), and a request is

@@ -28,7 +28,7 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> secrets.Secrets:
 def test_init_makes_every_file_owner_only(made: secrets.Secrets) -> None:
     assert os.stat(made.path).st_mode & 0o777 == 0o700
     paths = list(made.path.rglob("*"))
-    assert len([p for p in paths if p.is_file()]) == 3 + 4 * len(NODES)
+    assert len([p for p in paths if p.is_file()]) == 3 + 6 * len(NODES)
     for path in paths:
         assert os.stat(path).st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
 
@@ -118,7 +118,11 @@ def test_etcd_auth_is_none_without_secrets_and_pem_contents_with(made: secrets.S
 
 def test_dynamo_env_gives_pem_contents_and_tls_paths(made: secrets.Secrets) -> None:
     env = dynamo_env(made, "n2", {"ETCD_ENDPOINTS": "https://x:2379", "NATS_SERVER": "nats://x"})
-    assert env["ETCD_AUTH_CLIENT_KEY"] == made.node("n2").client_key.read_text()
+    assert env["ETCD_AUTH_CLIENT_KEY"] == made.node("n2").stack_key.read_text()
+    assert "ETCD_AUTH_PASSWORD" not in env  # a login by certificate (Dynamo 1.6.1)
+    stack = x509.load_pem_x509_certificate(made.node("n2").stack_cert.read_bytes())
+    cn = stack.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value
+    assert cn == made.credentials.etcd_user
     assert env["ETCD_AUTH_CA"].startswith("-----BEGIN CERTIFICATE-----")
     assert env["DYN_TCP_TLS_CERT_PATH"] == str(made.node("n2").server_cert)
     assert env["NATS_AUTH_PASSWORD"] == made.credentials.nats_password
