@@ -3,9 +3,10 @@ their environment at spawn (Extension.spawn_env), so no secret enters a rendered
 line, `status`, a log or a state file. A unit that talks to etcd (it has ETCD_ENDPOINTS)
 gets ETCD_AUTH_CA / _CLIENT_CERT / _CLIENT_KEY as PEM *contents* (what Dynamo 1.6.1 reads;
 the certificate's CN is the stack's etcd user, its login: no password, see below), and
-the TCP request plane's DYN_TCP_TLS_* paths (server identity, client identity, and the
-CA for both directions: mutual TLS); one that talks to NATS (NATS_SERVER) gets NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD. The node is
-the unit's DYNAMOD_NODE (the cluster's first node without one)."""
+the TCP request plane's DYN_TCP_TLS_* paths (server identity, client identity, and the CA
+for both directions: mutual TLS); one that talks to NATS (NATS_SERVER) gets
+NATS_AUTH_USERNAME / NATS_AUTH_PASSWORD. The node is the unit's DYNAMOD_NODE (the
+cluster's first node without one)."""
 
 from __future__ import annotations
 
