@@ -136,6 +136,11 @@ def check(
     edges = {n: list(u.depends_on) for n, u in resolved.units.items()}
     for i, wave in enumerate(graph.levels(edges)):
         click.echo(f"  start wave {i}: {', '.join(wave)}")
+    from dynamod.cluster import exposure
+
+    tls = bool(getattr(getattr(resolved, "cluster", None), "secrets", None))
+    for warning in exposure.spec_warnings(resolved, tls_request_plane=tls):
+        click.echo(f"warning: {warning}", err=True)
 
 
 @main.command()

@@ -8,7 +8,11 @@ under systemd, metrics when asked for.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from dynamod.cluster.exposure import ExposureWatch
 from dynamod.cluster.membership import Membership
+from dynamod.cluster.secrets_env import SecretsEnv
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
@@ -18,12 +22,22 @@ from dynamod.rollout.policy import PolicyManager
 from dynamod.rollout.registrations import DynamoRegistrations
 
 
+def _secrets_dir(stack: Stack) -> str | None:
+    """The [cluster] table's `secrets` (CLUSTER's spec model; absent before it lands)."""
+    cluster = getattr(stack, "cluster", None)
+    return getattr(cluster, "secrets", None) or None
+
+
 def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list[Extension]:
-    """Dynamo registrations always (a no-op without Dynamo units); the policy manager for a
+    """Dynamo registrations and the exposure watch always (the former a no-op without
+    Dynamo units); a cluster stack's secrets for its Dynamo units; the policy manager for a
     stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
     frontend_probe.register()
     registrations = DynamoRegistrations()
-    extensions: list[Extension] = [registrations]
+    extensions: list[Extension] = [registrations, ExposureWatch()]
+    secrets_dir = _secrets_dir(stack)
+    if secrets_dir:
+        extensions.append(SecretsEnv(Path(secrets_dir)))
     policy = PolicyManager(stack.policy) if stack.policy is not None else None
     if policy is not None:
         extensions.append(policy)

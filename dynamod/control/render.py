@@ -85,6 +85,8 @@ def status_table(status: Mapping[str, Any]) -> str:
             f"logs: {_megabytes(status['logs']['dropped_bytes'])} dropped, "
             f"{status['logs']['reason']}"
         )
+    for warning in status.get("exposure") or []:
+        out.append(f"warning: {warning}")
     degraded = status.get("degraded") or {}
     if degraded:
         out.append("degraded: " + "; ".join(f"{name} {why}" for name, why in degraded.items()))

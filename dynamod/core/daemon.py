@@ -253,6 +253,7 @@ class Daemon:
                 hooks=[],
                 containment=self.containment,
             )
+            self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
             for extension in self.extensions:
                 await extension.start(self)
             app = api.build_app(self)

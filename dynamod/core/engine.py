@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +43,8 @@ class UnitHooks(Protocol):
 
 
 Listener = Callable[["Unit", UnitState, UnitState], None]
+# Extra environment for a unit at spawn (secrets): never rendered into its spec or status.
+EnvSource = Callable[[UnitSpec], Mapping[str, str]]
 ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
 LostListener = Callable[["Unit", str], None]  # unit, why: about to be killed as lost (hung)
 
@@ -124,6 +126,7 @@ class Engine:
         self.listeners: list[Listener] = []
         self.probe_listeners: list[ProbeListener] = []
         self.lost_listeners: list[LostListener] = []
+        self.env_sources: list[EnvSource] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
@@ -493,7 +496,7 @@ class Engine:
         recorded meanwhile). A stop that cancels the lifecycle during the spawn still
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
-        env = process.base_environment(self.run_id, unit.name, spec.env)
+        env = process.base_environment(self.run_id, unit.name, self._env(spec))
         read_fd, write_fd = os.pipe()
         cancelled = False
         try:
@@ -540,12 +543,18 @@ class Engine:
             raise asyncio.CancelledError
         return True
 
+    def _env(self, spec: UnitSpec) -> dict[str, str]:
+        env = dict(spec.env)
+        for source in self.env_sources:
+            env.update(source(spec))
+        return env
+
     def _probe_context(self, unit: Unit) -> ProbeContext:
         return ProbeContext(
             session=self.session,
             reaper=self.reaper,
             sink=unit.sink,
-            env=process.base_environment(self.run_id, f"{unit.name}:probe", unit.spec.env),
+            env=process.base_environment(self.run_id, f"{unit.name}:probe", self._env(unit.spec)),
         )
 
     async def _await_ready(self, unit: Unit, child: Process) -> tuple[bool, str]:

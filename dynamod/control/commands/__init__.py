@@ -7,6 +7,7 @@ import click
 from dynamod.control.commands.chaos import chaos_group
 from dynamod.control.commands.export import export_group
 from dynamod.control.commands.policy import policy_group
+from dynamod.control.commands.secrets import secrets_group
 from dynamod.control.commands.systemd import systemd_group
 
 
@@ -16,3 +17,4 @@ def register_commands(main: click.Group) -> None:
     main.add_command(export_group)
     main.add_command(policy_group)
     main.add_command(chaos_group)
+    main.add_command(secrets_group)

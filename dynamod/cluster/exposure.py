@@ -1,0 +1,277 @@
+"""Which of a stack's ports could be reached from beyond loopback without auth. For
+`dynamod check`, from the rendered spec: the bind addresses on each unit's command line
+(`--listen-*-urls`, `--host`, `-a`, ...) and in its `*_HOST` variables, and Dynamo modules
+that bind every interface unless told otherwise. For `dynamod status`, from /proc: every
+socket a unit's processes listen on (TCP) or hold bound (UDP), with its address. A listener
+beyond loopback counts as authenticated only where the unit enforces it by construction:
+the cluster's etcd and NATS members (they refuse to start without the secrets directory),
+an etcd with `--client-cert-auth`, Dynamo's TCP request plane when the stack hands it
+mutual TLS (a secrets directory)."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from dynamod.core import cgroups
+from dynamod.core.extensions import Extension
+from dynamod.core.spec import Stack, UnitSpec
+
+if TYPE_CHECKING:
+    from dynamod.core.daemon import Daemon
+
+BIND_FLAGS = frozenset({
+    "-a", "--addr", "--host", "--bind", "--http-host", "--node-ip-address", "--dashboard-host",
+    "--listen", "--listen-client-urls", "--listen-peer-urls", "--listen-metrics-urls",
+})  # fmt: skip
+# The modules that enforce auth themselves (they exit 2 without a secrets directory).
+AUTHENTICATED_MODULES = frozenset({"dynamod.cluster.etcd_member", "dynamod.cluster.nats_member"})
+# What Dynamo 1.6.1's runtime binds to every interface unless its variable names a host.
+DYNAMO_HOSTS = {
+    "DYN_TCP_RPC_HOST": "TCP request plane",
+    "DYN_TCP_RESPONSE_STREAM_HOST": "TCP response stream",
+    "DYN_HTTP_RPC_HOST": "HTTP request plane",
+    "DYN_EVENT_PLANE_HOST": "ZMQ event plane (KV events)",
+    "DYN_SYSTEM_HOST": "system port (/health, /engine/* admin routes)",
+}
+TLS_PLANES = {"DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST"}  # DYN_TCP_TLS_* applies
+# Modules that default every DYNAMO_HOSTS variable to 127.0.0.1 themselves.
+LOOPBACK_DEFAULT_MODULES = frozenset({"dynamod.workers.cpu"})
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name, "", or "*": it may resolve to anything
+
+
+def _hosts_in(value: str) -> list[str]:
+    hosts: list[str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" in part:
+            hosts.append(urlsplit(part).hostname or "")
+        elif part.count(":") == 1:
+            hosts.append(part.split(":", 1)[0])
+        else:
+            hosts.append(part)
+    return hosts
+
+
+_EXEC_MODULE = re.compile(r"""['"]-m['"],\s*['"]([\w.]+)['"]""")
+_ZMQ_EVERYWHERE = re.compile(r"tcp://(\*|0\.0\.0\.0|\[::\]):\d+")
+
+
+def _module(command: Sequence[str]) -> str | None:
+    """The Python module a command runs: `-m NAME`, or a `-c` wrapper that execs `-m NAME`."""
+    for i, word in enumerate(command[:-1]):
+        if word == "-m":
+            return command[i + 1]
+        if word == "-c":
+            match = _EXEC_MODULE.search(command[i + 1])
+            return match.group(1) if match else None
+    return None
+
+
+def _binds(command: Sequence[str]) -> list[tuple[str, str]]:
+    """(flag, host) for every bind address on a command line."""
+    found: list[tuple[str, str]] = []
+    for i, word in enumerate(command):
+        flag, sep, inline = word.partition("=")
+        if flag not in BIND_FLAGS:
+            continue
+        value = inline if sep else (command[i + 1] if i + 1 < len(command) else "")
+        found += [(flag, host) for host in _hosts_in(value)]
+    return found
+
+
+def spec_warnings(stack: Stack, *, tls_request_plane: bool = False) -> list[str]:
+    """One line per port of the rendered stack bound beyond loopback without auth."""
+    warnings: list[str] = []
+    for name, unit in stack.units.items():
+        warnings += [f"{name}: {w}" for w in _unit_warnings(unit, tls_request_plane)]
+    return warnings
+
+
+def _unit_warnings(unit: UnitSpec, tls_request_plane: bool) -> list[str]:
+    module = _module(unit.command)
+    if module in AUTHENTICATED_MODULES:
+        return []
+    exe = Path(unit.command[0]).name
+    cert_auth = exe == "etcd" and "--client-cert-auth" in unit.command
+    out: list[str] = []
+    for flag, host in _binds(unit.command):
+        if cert_auth and flag == "--listen-client-urls":
+            continue
+        if not is_loopback(host):
+            out.append(f"{flag} binds {host or 'every interface'!s} beyond loopback, without auth")
+    for word in unit.command:
+        for match in _ZMQ_EVERYWHERE.finditer(word):
+            out.append(f"{match.group(0)} binds a ZMQ socket on every interface, without auth")
+    for var, value in unit.env.items():
+        if var.endswith("_HOST") and not is_loopback(value):
+            if tls_request_plane and var in TLS_PLANES:
+                continue
+            what = DYNAMO_HOSTS.get(var, var)
+            out.append(f"{var}={value} puts the {what} beyond loopback, without auth")
+    if module and module.split(".")[0] == "dynamo" and module not in LOOPBACK_DEFAULT_MODULES:
+        for var, what in DYNAMO_HOSTS.items():
+            if var not in unit.env:
+                out.append(f"{var} is not set: Dynamo binds its {what} on every interface")
+    return out
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A socket a process listens on (TCP) or holds bound (UDP)."""
+
+    pid: int
+    process: str
+    proto: str  # tcp, tcp6, udp, udp6
+    address: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        return is_loopback(self.address)
+
+    def __str__(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"pid {self.pid} ({self.process}) {self.proto} {host}:{self.port}"
+
+
+def _address(hex_addr: str, proto: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    if proto.endswith("6"):
+        # /proc prints the 16 bytes as four host-order 32-bit words
+        words = [raw[i : i + 4][::-1] for i in range(0, 16, 4)]
+        return str(ipaddress.IPv6Address(b"".join(words)))
+    return str(ipaddress.IPv4Address(raw[::-1]))
+
+
+def _socket_table(pid: int) -> dict[str, tuple[str, str, int]]:
+    """inode -> (proto, address, port) of the listening/bound sockets in pid's namespace."""
+    table: dict[str, tuple[str, str, int]] = {}
+    for proto, wanted in (("tcp", "0A"), ("tcp6", "0A"), ("udp", "07"), ("udp6", "07")):
+        with contextlib.suppress(OSError):
+            lines = Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]
+            for line in lines:
+                fields = line.split()
+                if len(fields) < 10 or fields[3] != wanted:
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                if int(hex_port, 16) == 0:
+                    continue
+                table[fields[9]] = (proto, _address(hex_addr, proto), int(hex_port, 16))
+    return table
+
+
+def _process_name(pid: int) -> str:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    words = [w.decode(errors="replace") for w in argv if w]
+    if len(words) >= 3 and words[1] == "-m":
+        return f"{Path(words[0]).name} -m {words[2]}"
+    return Path(words[0]).name if words else "?"
+
+
+def listeners(pids: Iterable[int]) -> list[Listener]:
+    """Every listening (TCP) or bound (UDP) socket held by `pids`."""
+    found: list[Listener] = []
+    tables: dict[str, dict[str, tuple[str, str, int]]] = {}
+    for pid in sorted(set(pids)):
+        inodes: set[str] = set()
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+        if not inodes:
+            continue
+        try:
+            netns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        table = tables.get(netns)
+        if table is None:
+            table = tables[netns] = _socket_table(pid)
+        name = _process_name(pid)
+        for inode in sorted(inodes & table.keys()):
+            proto, address, port = table[inode]
+            found.append(Listener(pid, name, proto, address, port))
+    return found
+
+
+def process_warnings(
+    units: Mapping[str, Iterable[int]], authenticated: Mapping[str, bool] | None = None
+) -> list[str]:
+    """One line per socket of a unit's processes beyond loopback, unless that unit enforces
+    auth (`authenticated[unit]`)."""
+    warnings: list[str] = []
+    for unit, pids in units.items():
+        if authenticated and authenticated.get(unit):
+            continue
+        for listener in listeners(pids):
+            if not listener.loopback:
+                warnings.append(f"{unit}: {listener} is beyond loopback, without auth")
+    return warnings
+
+
+def unit_enforces_auth(unit: UnitSpec) -> bool:
+    """What `process_warnings` may skip: the cluster's etcd and NATS members."""
+    return _module(unit.command) in AUTHENTICATED_MODULES
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Pids whose process group is `pgid` (a unit's tree without a cgroup)."""
+    found: list[int] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[2]) == pgid:
+                found.append(int(entry.name))
+    return found
+
+
+class ExposureWatch(Extension):
+    """`status` gains `exposure`: a line per socket of the stack's processes that is beyond
+    loopback without auth (empty when everything listens on loopback)."""
+
+    def __init__(self) -> None:
+        self.daemon: Daemon | None = None
+
+    async def start(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def status(self) -> dict[str, Any]:
+        engine = self.daemon.engine if self.daemon is not None else None
+        if engine is None:
+            return {}
+        units: dict[str, list[int]] = {}
+        for name, unit in engine.units.items():
+            pid = unit.pid
+            if pid is None:
+                continue
+            cgroup = engine.containment.unit(name)
+            pids = cgroups.procs(cgroup) if cgroup is not None else group_pids(pid)
+            units[name] = pids or [pid]
+        enforced = {n: unit_enforces_auth(u.spec) for n, u in engine.units.items()}
+        return {"exposure": process_warnings(units, enforced)}

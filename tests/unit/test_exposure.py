@@ -1,0 +1,129 @@
+"""The exposure checks: bind addresses beyond loopback in a rendered spec are named (and
+must be, for each way of binding), loopback and authenticated members are not; /proc
+listeners are found with their address, for this very process's sockets."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from pathlib import Path
+
+from dynamod.cluster import exposure
+from dynamod.core import spec
+
+
+def stack(tmp_path: Path, units: str) -> spec.Stack:
+    path = tmp_path / "stack.toml"
+    path.write_text(units)
+    counter = itertools.count(40000)
+    return spec.load(path, state_dir=tmp_path / "s", allocate_port=lambda: next(counter))
+
+
+def test_etcd_on_every_interface_without_client_certs_warns(tmp_path: Path) -> None:
+    resolved = stack(tmp_path, """
+[units.etcd]
+command = ["etcd", "--listen-client-urls", "http://0.0.0.0:2379,http://127.0.0.1:2379",
+           "--listen-peer-urls", "http://10.1.2.3:2380"]
+""")  # fmt: skip
+    assert exposure.spec_warnings(resolved) == [
+        "etcd: --listen-client-urls binds 0.0.0.0 beyond loopback, without auth",
+        "etcd: --listen-peer-urls binds 10.1.2.3 beyond loopback, without auth",
+    ]
+
+
+def test_etcd_with_client_cert_auth_warns_only_for_its_plain_peers(tmp_path: Path) -> None:
+    resolved = stack(tmp_path, """
+[units.etcd]
+command = ["etcd", "--listen-client-urls=https://10.0.0.1:2379", "--client-cert-auth",
+           "--listen-peer-urls", "http://10.0.0.1:2380"]
+""")  # fmt: skip
+    assert exposure.spec_warnings(resolved) == [
+        "etcd: --listen-peer-urls binds 10.0.0.1 beyond loopback, without auth"
+    ]
+
+
+def test_nats_host_flag_and_dynamo_host_variables_warn(tmp_path: Path) -> None:
+    resolved = stack(tmp_path, """
+[units.nats]
+command = ["nats-server", "-a", "0.0.0.0", "-p", "4222"]
+[units.front]
+command = ["python", "-m", "dynamo.frontend", "--http-host", "127.0.0.1"]
+[units.front.env]
+DYN_TCP_RPC_HOST = "127.0.0.1"
+DYN_TCP_RESPONSE_STREAM_HOST = "127.0.0.1"
+DYN_HTTP_RPC_HOST = "127.0.0.1"
+DYN_EVENT_PLANE_HOST = "127.0.0.1"
+DYN_SYSTEM_HOST = "0.0.0.0"
+""")  # fmt: skip
+    assert exposure.spec_warnings(resolved) == [
+        "nats: -a binds 0.0.0.0 beyond loopback, without auth",
+        "front: DYN_SYSTEM_HOST=0.0.0.0 puts the system port (/health, /engine/* admin routes) "
+        "beyond loopback, without auth",
+    ]
+
+
+def test_a_dynamo_module_without_host_variables_warns_for_each_plane(tmp_path: Path) -> None:
+    resolved = stack(tmp_path, '[units.w]\ncommand = ["python", "-m", "dynamo.mocker"]\n')
+    warnings = exposure.spec_warnings(resolved)
+    assert len(warnings) == len(exposure.DYNAMO_HOSTS)
+    assert "w: DYN_TCP_RPC_HOST is not set: Dynamo binds its TCP request plane" in warnings[0]
+
+
+def test_zmq_bind_on_every_interface_warns(tmp_path: Path) -> None:
+    resolved = stack(tmp_path, """
+[units.w]
+command = ["python", "-c", "import os; os.execv('x', ['x', '-m', 'dynamod.workers.cpu'])",
+           "--kv-events-config", '{"endpoint": "tcp://*:12000"}']
+""")  # fmt: skip
+    assert exposure.spec_warnings(resolved) == [
+        "w: tcp://*:12000 binds a ZMQ socket on every interface, without auth"
+    ]
+
+
+def test_tls_request_plane_and_cluster_members_are_authenticated(tmp_path: Path) -> None:
+    resolved = stack(tmp_path, """
+[units.w]
+command = ["python", "-m", "dynamod.workers.cpu"]
+env = { DYN_TCP_RPC_HOST = "10.0.0.2", DYN_TCP_RESPONSE_STREAM_HOST = "10.0.0.2" }
+[units.etcd]
+command = ["python", "-m", "dynamod.cluster.etcd_member", "--listen", "10.0.0.2:2379"]
+""")  # fmt: skip
+    assert exposure.spec_warnings(resolved, tls_request_plane=True) == []
+    assert len(exposure.spec_warnings(resolved, tls_request_plane=False)) == 2
+
+
+def test_stock_default_stack_has_no_warning() -> None:
+    root = Path(__file__).resolve().parents[2]
+    counter = itertools.count(40000)
+    resolved = spec.load(
+        root / "units/stacks/local.toml", state_dir=Path("/tmp/x"),
+        allocate_port=lambda: next(counter),
+    )  # fmt: skip
+    assert exposure.spec_warnings(resolved) == []
+
+
+def test_listeners_found_in_proc_with_their_addresses() -> None:
+    with (
+        socket.socket() as everywhere,
+        socket.socket() as local,
+        socket.socket(socket.AF_INET6) as six,
+        socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp,
+    ):
+        everywhere.bind(("0.0.0.0", 0))
+        everywhere.listen()
+        local.bind(("127.0.0.1", 0))
+        local.listen()
+        six.bind(("::1", 0))
+        six.listen()
+        udp.bind(("0.0.0.0", 0))
+        found = {(x.proto, x.address, x.port) for x in exposure.listeners([os.getpid()])}
+        assert ("tcp", "0.0.0.0", everywhere.getsockname()[1]) in found
+        assert ("tcp", "127.0.0.1", local.getsockname()[1]) in found
+        assert ("tcp6", "::1", six.getsockname()[1]) in found
+        assert ("udp", "0.0.0.0", udp.getsockname()[1]) in found
+        warnings = exposure.process_warnings({"me": [os.getpid()]})
+        port = everywhere.getsockname()[1]
+        assert any(f"tcp 0.0.0.0:{port} is beyond loopback" in w for w in warnings)
+        assert not any(f":{local.getsockname()[1]} " in w for w in warnings)
+        assert exposure.process_warnings({"me": [os.getpid()]}, {"me": True}) == []
