@@ -17,6 +17,7 @@ from pathlib import Path
 
 from dynamod.cluster import tls
 from dynamod.core.errors import DynamodError, shown
+from dynamod.rollout.etcd import EtcdAuth
 
 CREDENTIALS = "credentials.json"
 CA_CERT = "ca.pem"
@@ -29,18 +30,6 @@ _NODE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,62}$")
 
 class SecretsError(DynamodError):
     """The secrets directory cannot be made, or is missing, malformed or readable by others."""
-
-
-@dataclass(frozen=True)
-class EtcdAuth:
-    """Credentials for dynamod's own etcd client (the shape of ETCDCLIENT's `EtcdAuth`):
-    a user and password, and PEM contents for TLS with a client certificate."""
-
-    user: str | None = None
-    password: str | None = None
-    ca_pem: bytes | None = None
-    cert_pem: bytes | None = None
-    key_pem: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -236,7 +225,7 @@ def load_etcd_auth(secrets_dir: str | Path | None, node: str | None = None) -> E
     return EtcdAuth(
         user=loaded.credentials.etcd_user,
         password=loaded.credentials.etcd_password,
-        ca_pem=loaded.ca_cert.read_bytes(),
-        cert_pem=files.client_cert.read_bytes(),
-        key_pem=files.client_key.read_bytes(),
+        ca_pem=loaded.ca_cert.read_text(),
+        cert_pem=files.client_cert.read_text(),
+        key_pem=files.client_key.read_text(),
     )

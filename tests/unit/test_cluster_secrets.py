@@ -112,8 +112,8 @@ def test_etcd_auth_is_none_without_secrets_and_pem_contents_with(made: secrets.S
     assert secrets.load_etcd_auth("") is None
     auth = secrets.load_etcd_auth(made.path, "n1")
     assert auth is not None and auth.user == "dynamod"
-    assert auth.cert_pem == made.node("n1").client_cert.read_bytes()
-    assert auth.ca_pem is not None and auth.ca_pem.startswith(b"-----BEGIN CERTIFICATE-----")
+    assert auth.cert_pem == made.node("n1").client_cert.read_text()
+    assert auth.ca_pem is not None and auth.ca_pem.startswith("-----BEGIN CERTIFICATE-----")
 
 
 def test_dynamo_env_gives_pem_contents_and_tls_paths(made: secrets.Secrets) -> None:
