@@ -22,6 +22,7 @@ from aiohttp import web
 
 from dynamod.cluster import registry
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
+from dynamod.cluster.secrets import load_etcd_auth
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
@@ -90,9 +91,13 @@ class Membership(Extension):
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
         engine = self.engine
-        # One endpoint until the etcd client takes several (the contract's list).
+        # Every registry endpoint (the client fails over between them), with the cluster's
+        # etcd credentials when the stack has a secrets directory.
         self.etcd = EtcdClient(
-            self.cluster.registry[0], session=engine.session, timeout_s=CALL_TIMEOUT_S
+            list(self.cluster.registry),
+            session=engine.session,
+            timeout_s=CALL_TIMEOUT_S,
+            auth=load_etcd_auth(self.cluster.secrets, self.cluster.node),
         )
         engine.listeners.append(self._on_change)
         self.registrations.others_live = self.others_live
