@@ -10,6 +10,7 @@ mutual TLS (a secrets directory)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
@@ -20,12 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from dynamod.core import cgroups
+from dynamod.core import cgroups, proctable
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack, UnitSpec
+from dynamod.core.state import UnitState
 
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
+    from dynamod.core.engine import Unit
 
 BIND_FLAGS = frozenset({
     "-a", "--addr", "--host", "--bind", "--http-host", "--node-ip-address", "--dashboard-host",
@@ -239,7 +242,8 @@ def unit_enforces_auth(unit: UnitSpec) -> bool:
 
 
 def group_pids(pgid: int) -> list[int]:
-    """Pids whose process group is `pgid` (a unit's tree without a cgroup)."""
+    """Pids whose process group is `pgid`: a full /proc pass, for tools and tests that look
+    at a stack from outside (the daemon itself uses `tree_pids` or the unit's cgroup)."""
     found: list[int] = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -251,27 +255,73 @@ def group_pids(pgid: int) -> list[int]:
     return found
 
 
+def tree_pids(pid: int) -> list[int]:
+    """A unit's main process and everything below it (a unit's tree without a cgroup),
+    from the kernel's child lists: the cost is the tree's size, not the host's."""
+    return [pid, *proctable.descendants(pid)]
+
+
+def _scan(running: Mapping[str, tuple[int, Any]], enforced: Mapping[str, bool]) -> list[str]:
+    units: dict[str, list[int]] = {}
+    for name, (pid, cgroup) in running.items():
+        pids = cgroups.procs(cgroup) if cgroup is not None else tree_pids(pid)
+        units[name] = pids or [pid]
+    return process_warnings(units, enforced)
+
+
+REFRESH_S = 5.0  # how often the daemon looks at its units' sockets again
+
+
 class ExposureWatch(Extension):
     """`status` gains `exposure`: a line per socket of the stack's processes that is beyond
-    loopback without auth (empty when everything listens on loopback)."""
+    loopback without auth (empty when everything listens on loopback). The sockets are read
+    every REFRESH_S in a worker thread, never on the event loop at `status` time (reading
+    /proc per process costs milliseconds a unit, and `status` is polled)."""
 
     def __init__(self) -> None:
         self.daemon: Daemon | None = None
+        self._warnings: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+        self._again = asyncio.Event()
 
     async def start(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        assert daemon.engine is not None
+        daemon.engine.listeners.append(self._on_change)
+        self._task = asyncio.get_running_loop().create_task(self._refresh(), name="exposure")
 
-    def status(self) -> dict[str, Any]:
+    def _on_change(self, unit: Unit, old: UnitState, new: UnitState) -> None:
+        if new is UnitState.READY:  # its sockets are open now: look again soon
+            self._again.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _snapshot(self) -> tuple[dict[str, tuple[int, Any]], dict[str, bool]]:
         engine = self.daemon.engine if self.daemon is not None else None
         if engine is None:
-            return {}
-        units: dict[str, list[int]] = {}
-        for name, unit in engine.units.items():
-            pid = unit.pid
-            if pid is None:
-                continue
-            cgroup = engine.containment.unit(name)
-            pids = cgroups.procs(cgroup) if cgroup is not None else group_pids(pid)
-            units[name] = pids or [pid]
+            return {}, {}
+        running = {
+            name: (unit.pid, engine.containment.unit(name))
+            for name, unit in engine.units.items()
+            if unit.pid is not None
+        }
         enforced = {n: unit_enforces_auth(u.spec) for n, u in engine.units.items()}
-        return {"exposure": process_warnings(units, enforced)}
+        return running, enforced
+
+    async def _refresh(self) -> None:
+        while True:
+            running, enforced = self._snapshot()
+
+            with contextlib.suppress(OSError):
+                self._warnings = await asyncio.to_thread(_scan, running, enforced)
+            self._again.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._again.wait(), REFRESH_S)
+
+    def status(self) -> dict[str, Any]:
+        return {"exposure": list(self._warnings)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,17 @@ def zmq_publisher_ports(status: dict[str, Any]) -> set[int]:
     return advertised_ports(status, "v1/event_channels/")
 
 
+def sampled_exposure(dm: Dynamod, *, within_s: float = 15) -> list[str]:
+    """`status`'s exposure lines once the daemon has sampled them (it reads the units'
+    sockets in the background, every few seconds and when a unit becomes ready)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        warned: list[str] = dm.status()["exposure"]
+        if warned or time.monotonic() > deadline:
+            return warned
+        time.sleep(0.2)
+
+
 def test_default_stack_listens_on_loopback_only(dm: Dynamod) -> None:
     dm.run("up", "--detach", "--var", "workers=1", "--timeout", "240", timeout=300, check=True)
     status = dm.status()
@@ -94,7 +106,7 @@ def test_default_stack_listens_on_loopback_only(dm: Dynamod) -> None:
     every = {(x.address, x.port) for xs in found.values() for x in xs if x.proto.startswith("tcp")}
     assert ss_listeners({p for ps in pids.values() for p in ps}) <= every
     # `status` warns about exactly that publisher, and nothing else.
-    warned = status["exposure"]
+    warned = sampled_exposure(dm)
     assert warned and all(
         w.startswith("worker@")
         and re.search(rf"tcp 0\.0\.0\.0:({'|'.join(map(str, publishers))}) ", w)
@@ -120,7 +132,7 @@ def test_status_warns_about_a_listener_beyond_loopback(dm: Dynamod, stack_file: 
     """)
     dm.run("up", "--detach", str(path), "--timeout", "60", timeout=90, check=True)
     unit = dm.unit("open")
-    warnings = dm.status()["exposure"]
+    warnings = sampled_exposure(dm)
     assert len(warnings) == 1 and warnings[0].startswith(f"open: pid {unit['pid']} (python")
     assert "tcp 0.0.0.0:" in warnings[0] and warnings[0].endswith("beyond loopback, without auth")
     assert f"warning: {warnings[0]}" in dm.run("status", check=True).stdout
