@@ -3,18 +3,21 @@
 The trainer (`WeightSender`) copies its tensors into one bucket buffer of `bucket_bytes`
 and sends, per bucket, where each tensor lies in it; every target shard's receiver
 (`WeightReceiver`, a sidecar thread inside the shard's worker process) maps the same
-buffer and hands the bucket's tensors to its `UpdateLoader`. The buffer travels once
-per update as torch.multiprocessing's reduction (`reduce_tensor`): a CUDA IPC handle for
-a CUDA buffer, a shared-memory file for a CPU one (the `file_system` sharing strategy:
-two unrelated processes cannot pass a file descriptor). A tensor larger than a bucket
-goes alone in a buffer of its own. The shapes follow verl 0.9.1's
-`BucketedWeightSender` / `BucketedWeightReceiver`, with two differences: the receiver
-binds (it outlives any one update, as the recipe's sidecar does) and the sender can feed
-several shards from one buffer; every reply says ok or why not, and the last one is the
-shard's acknowledgement (its step, what it loaded, its digest).
+buffer and hands the bucket's tensors to its `UpdateLoader`. The buffer's handle travels
+once per update: for a CUDA buffer, torch.multiprocessing's CUDA IPC reduction
+(`reduce_tensor`, rebuilt on the receiver's device as verl's `rebuild_ipc` does); for a
+CPU buffer, a file in /dev/shm that both sides map with `torch.from_file(shared=True)`.
+(torch's own CPU reduction, the `file_system` strategy, starts a torch_shm_manager that
+the shards keep alive: a process of the trainer's that outlives it. The default
+`file_descriptor` strategy cannot pass a descriptor between unrelated processes.) The
+sender unlinks the file when the update ends. A tensor larger than a bucket goes alone
+in a buffer of its own. The shapes follow verl 0.9.1's `BucketedWeightSender` /
+`BucketedWeightReceiver`, with three differences: the receiver binds (it outlives any
+one update, as the recipe's sidecar does), one buffer can feed several shards, and
+every reply says ok or why not; the last one is the shard's acknowledgement (its step,
+what it loaded, its digest).
 
-Messages (pickled; the sender's are made with ForkingPickler so handles are shared, not
-copied), each answered before the next is sent:
+Messages (pickled), each answered before the next is sent:
   {"op": "begin", "step": N, "buffer": handle}       -> {"ok": true}
   {"op": "bucket", "tensors": [meta...], "buffer": handle | None}  -> {"ok": true}
   {"op": "end"}                                       -> {"ok": true, "step": N, ...ack}
@@ -24,11 +27,12 @@ A receiver that sees `begin` mid-update drops the unfinished one (`loader.abort`
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import pickle
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,28 +133,50 @@ def transfer_digest(weights: Iterable[tuple[str, torch.Tensor]]) -> str:
     return digest.hexdigest()
 
 
-def _dumps(message: dict[str, Any]) -> bytes:
-    from multiprocessing.reduction import ForkingPickler
-
-    buffer = io.BytesIO()
-    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(message)
-    return buffer.getvalue()
+SHM_DIR = Path("/dev/shm")
 
 
-def _share(tensor: torch.Tensor) -> Any:
-    from torch.multiprocessing.reductions import reduce_tensor
+@dataclass(frozen=True)
+class HostBuffer:
+    """A CPU bucket buffer's handle: a file both processes map."""
 
-    if not tensor.is_cuda:
-        torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
-    return reduce_tensor(tensor)  # type: ignore[no-untyped-call]
+    path: str
+    size: int
+
+
+@dataclass
+class _Buffer:
+    tensor: torch.Tensor
+    handle: Any
+    file: Path | None = None
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+
+
+def _allocate(nbytes: int, device: torch.device) -> _Buffer:
+    if device.type == "cuda":
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return _Buffer(tensor, reduce_tensor(tensor))  # type: ignore[no-untyped-call]
+    folder = SHM_DIR if SHM_DIR.is_dir() else Path(tempfile.gettempdir())
+    file = folder / f"dynamod-weights-{os.getpid()}-{uuid.uuid4().hex}"
+    with file.open("wb") as fh:
+        fh.truncate(nbytes)
+    tensor = torch.from_file(str(file), shared=True, size=nbytes, dtype=torch.uint8)
+    return _Buffer(tensor, HostBuffer(str(file), nbytes), file)
 
 
 def _rebuild(handle: Any, device: torch.device | None) -> torch.Tensor:
+    if isinstance(handle, HostBuffer):
+        return torch.from_file(handle.path, shared=True, size=handle.size, dtype=torch.uint8)
     func, args = handle
     args = list(args)
     # CUDA IPC: the tensor's device index as the receiver numbers it (its own
     # CUDA_VISIBLE_DEVICES may differ from the trainer's), as verl's rebuild_ipc does.
-    if getattr(func, "__name__", "") == "rebuild_cuda_tensor" and device is not None:
+    if device is not None:
         args[6] = device.index if device.index is not None else 0
     tensor: torch.Tensor = func(*args)
     return tensor
@@ -180,10 +206,11 @@ class WeightSender:
     def send(self, weights: Iterable[tuple[str, torch.Tensor]], step: int,
              tap: Any = None) -> dict[str, dict[str, Any]]:
         """Send every tensor; `tap(name, tensor)` sees each on the way (the checkpoint's
-        copy). Returns each address's acknowledgement; failed ones are in `errors`."""
+        copy), even after every target failed. Returns each address's acknowledgement;
+        the failed ones are in `errors`."""
         context: zmq.Context[Any] = zmq.Context.instance()
         sockets = {a: self._connect(context, a) for a in self.addresses}
-        buffer: torch.Tensor | None = None
+        bucket: _Buffer | None = None
         pending: list[TensorMeta] = []
         offset = 0
         acks: dict[str, dict[str, Any]] = {}
@@ -192,29 +219,36 @@ class WeightSender:
                 tensor = tensor.detach()
                 if tap is not None:
                     tap(name, tensor)
-                if buffer is None:
-                    buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8,
-                                         device=tensor.device)
-                    self._all(sockets, {"op": "begin", "step": step, "buffer": _share(buffer)})
-                if tensor.nbytes > self.bucket_bytes:
+                if not sockets:  # every target failed: the tap still sees every tensor
+                    continue
+                if bucket is None:
+                    bucket = _allocate(self.bucket_bytes, tensor.device)
+                    self._all(sockets, {"op": "begin", "step": step, "buffer": bucket.handle})
+                if tensor.nbytes > self.bucket_bytes:  # in order: what is pending goes first
+                    self._flush(sockets, pending, bucket.tensor)
+                    pending, offset = [], 0
                     self._send_alone(sockets, name, tensor)
                     continue
                 offset = _aligned(offset, tensor.element_size())
                 if offset + tensor.nbytes > self.bucket_bytes:
-                    self._flush(sockets, pending, buffer)
+                    self._flush(sockets, pending, bucket.tensor)
                     pending, offset = [], 0
-                view = buffer[offset:offset + tensor.nbytes].view(tensor.dtype)
+                view = bucket.tensor[offset:offset + tensor.nbytes].view(tensor.dtype)
                 view.view(tensor.shape).copy_(tensor, non_blocking=True)
                 pending.append(TensorMeta(name, tensor.dtype, tuple(tensor.shape), offset))
                 offset += tensor.nbytes
-            if buffer is None:
-                raise WeightTransferError(f"step {step}: the trainer sent no tensors")
-            self._flush(sockets, pending, buffer)
+            if bucket is None:
+                if sockets:
+                    raise WeightTransferError(f"step {step}: the trainer sent no tensors")
+                return acks
+            self._flush(sockets, pending, bucket.tensor)
             for address, reply in self._all(sockets, {"op": "end"}).items():
                 acks[address] = reply
         finally:
             for sock in sockets.values():
                 sock.close(linger=0)
+            if bucket is not None:
+                bucket.release()
         return acks
 
     def _connect(self, context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
@@ -237,11 +271,20 @@ class WeightSender:
 
     def _send_alone(self, sockets: dict[str, zmq.Socket[Any]], name: str,
                     tensor: torch.Tensor) -> None:
-        own = tensor.contiguous() if tensor.is_cuda else tensor.clone().contiguous()
-        meta = TensorMeta(name, own.dtype, tuple(own.shape), 0)
-        if own.is_cuda:
+        meta = TensorMeta(name, tensor.dtype, tuple(tensor.shape), 0)
+        if tensor.is_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            own = tensor.contiguous()
             torch.cuda.synchronize(own.device)
-        self._all(sockets, {"op": "bucket", "tensors": [meta], "buffer": _share(own)})
+            alone = _Buffer(own, reduce_tensor(own))  # type: ignore[no-untyped-call]
+        else:
+            alone = _allocate(tensor.nbytes, tensor.device)
+            alone.tensor.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        try:
+            self._all(sockets, {"op": "bucket", "tensors": [meta], "buffer": alone.handle})
+        finally:
+            alone.release()
         self.buckets += 1
         self.bytes_sent += meta.nbytes
 
@@ -250,10 +293,8 @@ class WeightSender:
         """Send to every live target, then wait for each reply; a target that fails is
         dropped (its error kept) and the update goes on to the others."""
         if not sockets:
-            raise WeightTransferError(
-                "the update reached no shard: " + "; ".join(f"{a}: {e}" for a, e in
-                                                           self.errors.items()))
-        data = _dumps(message)
+            return {}
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
         sent = []
         for address, sock in list(sockets.items()):
             try:
@@ -274,10 +315,6 @@ class WeightSender:
                 self._drop(sockets, address, f"{message['op']}: {error}")
                 continue
             replies[address] = reply
-        if not sockets:
-            raise WeightTransferError(
-                "the update reached no shard: " + "; ".join(f"{a}: {e}" for a, e in
-                                                           self.errors.items()))
         return replies
 
     def _drop(self, sockets: dict[str, zmq.Socket[Any]], address: str, error: str) -> None:
