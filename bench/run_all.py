@@ -34,6 +34,7 @@ BENCHMARKS = [
     "load_kill",
     "outages",
     "tokens",
+    "verl_checkpoint",
 ]
 
 
