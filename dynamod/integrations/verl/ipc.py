@@ -153,6 +153,10 @@ class _Buffer:
     def release(self) -> None:
         if self.file is not None:
             self.file.unlink(missing_ok=True)
+        elif self.tensor.is_cuda:
+            # The receivers' handles are closed (each replied to the last message): let
+            # CUDA free the blocks it kept for them, as verl's sender does.
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
 
 
 def _allocate(nbytes: int, device: torch.device) -> _Buffer:

@@ -77,15 +77,23 @@ class CpuSurface:
         super().dynamod_abort_update(reason)  # type: ignore[misc]
 
 
-def host_extension(dotted: str, worker: CpuWorker, loop: asyncio.AbstractEventLoop,
-                   local_rank: int = 0) -> Any:
-    """An instance of extension class `dotted` (module.Class) mixed with CpuSurface."""
+def extension_class(dotted: str) -> type:
+    """The class `dotted` (module.Class) names; WorkerError if it cannot be imported."""
     module_name, _, class_name = dotted.rpartition(".")
     try:
-        extension = getattr(importlib.import_module(module_name), class_name)
+        found = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError) as exc:
         raise WorkerError(f"--worker-extension-cls {dotted}: cannot import it ({exc})") from exc
-    host_class: Any = type(f"Cpu{class_name}", (CpuSurface, extension), {})
+    if not isinstance(found, type):
+        raise WorkerError(f"--worker-extension-cls {dotted}: not a class")
+    return found
+
+
+def host_extension(dotted: str, worker: CpuWorker, loop: asyncio.AbstractEventLoop,
+                   local_rank: int = 0) -> Any:
+    """An instance of extension class `dotted` mixed with CpuSurface."""
+    extension = extension_class(dotted)
+    host_class: Any = type(f"Cpu{extension.__name__}", (CpuSurface, extension), {})
     try:
         host = host_class.__new__(host_class, local_rank=local_rank)
     except DynamodError as exc:  # e.g. its receiver cannot bind

@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         ours, mocker = parse_args(sys.argv[1:] if argv is None else argv)
         check_model_dir(Path(mocker.model_path))
         check_system_port()
+        if ours.worker_extension_cls:
+            from dynamod.workers.cpu.extension import extension_class
+
+            extension_class(ours.worker_extension_cls)  # refused before anything starts
     except (WorkerError, ModelDirError) as exc:
         print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
         return 2
