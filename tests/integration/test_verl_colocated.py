@@ -242,3 +242,16 @@ def test_a_shard_that_missed_the_update_is_held_and_replayed(stack: Dynamod) -> 
         assert {e["weight_digest"] for e in served} == {expected}
         instances |= {e["instance_id"] for e in served}
     assert instances & worker1, "the replayed shard never served the step's traffic"
+
+
+def test_cpu_worker_refuses_an_extension_it_cannot_import() -> None:
+    model = cache_dir() / "models" / "tiny-cpu"
+    result = subprocess.run(
+        [sys.executable, "-m", "dynamod.workers.cpu", "--model-path", str(model),
+         "--worker-extension-cls", "nosuch.Extension"],
+        env={**os.environ, "DYN_SYSTEM_PORT": "20001"}, capture_output=True, text=True,
+        timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "dynamod.workers.cpu: error: --worker-extension-cls nosuch.Extension: cannot import it "
+        "(No module named 'nosuch')"]
