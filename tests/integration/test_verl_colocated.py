@@ -6,6 +6,7 @@ The stack is the default one without its trainer (no Ray: the transport needs no
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pickle
@@ -28,6 +29,8 @@ import torch
 from dynamod.control.client import Client
 from dynamod.core.paths import cache_dir
 from dynamod.core.proctable import marked_pids
+from dynamod.integrations.verl.colocated import ColocatedSync
+from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.ipc import WeightSender, socket_address, transfer_digest
 from dynamod.workers.weights import load_checkpoint, state_dict_digest
 from tests.conftest import Dynamod, unit_by_name
@@ -216,6 +219,19 @@ def test_update_over_ipc_reaches_every_shard_and_is_published(stack: Dynamod) ->
     assert load_checkpoint(Path(result["checkpoint"])).digest == expected
     lines = (stack.state_dir / "verl" / "updates.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == step
+
+
+def test_shards_without_a_receiver_are_refused_with_what_to_set(stack: Dynamod,
+                                                               tmp_path: Path) -> None:
+    before = Client(stack.state_dir).policy_status()["current"]
+    sync = ColocatedSync(stack.state_dir, tmp_path / "ckpt", tmp_path / "elsewhere")
+    try:
+        with pytest.raises(StackNotReadyError, match="worker_extension_cls and weight_ipc_dir"):
+            asyncio.run(sync.update(iter([("w", torch.ones(2))]), before + 1))
+    finally:
+        sync.close()
+    assert Client(stack.state_dir).policy_status()["current"] == before
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_a_shard_that_missed_the_update_is_held_and_replayed(stack: Dynamod) -> None:

@@ -77,6 +77,18 @@ class ColocatedSync:
             )
         addresses = {s.name: socket_address(self.ipc_dir, s.name) for s in targets}
         errors: dict[str, str] = {}
+        listening = {n for n, a in addresses.items() if Path(a.removeprefix("ipc://")).exists()}
+        if targets and not listening:
+            raise StackNotReadyError(
+                f"weight_sync=ipc, but no shard of stack {view.stack!r} has a weight receiver "
+                f"in {self.ipc_dir} (looked for {sorted(addresses.values())}): run the shards "
+                "with dynamod's worker extension (stack vars worker_extension_cls and "
+                "weight_ipc_dir; set in units/stacks/verl-cpu.toml and units/dynamo-vllm.toml), "
+                "or set engine_kwargs.dynamod.ipc_dir to their weight_ipc_dir"
+            )
+        for name in sorted(set(addresses) - listening):
+            errors[name] = f"no weight receiver at {addresses[name]}"
+        targets = [s for s in targets if s.name in listening]
         async with aiohttp.ClientSession() as session:
             paused = await self._each(session, targets, "pause_generation", {"mode": "keep"},
                                       errors)
