@@ -47,12 +47,12 @@ TRAINER = textwrap.dedent("""
     from dynamod.core.paths import cache_dir
     from dynamod.integrations.verl.colocated import ColocatedSync
 
-    state, step, scale, bucket, timeout = (Path(sys.argv[1]), int(sys.argv[2]),
-                                           float(sys.argv[3]), int(sys.argv[4]),
-                                           float(sys.argv[5]))
+    state, step, scale, bucket, timeout, rank, world = (
+        Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]),
+        float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))
     boot = load_file(str(cache_dir() / "models" / "tiny-cpu" / "model.safetensors"))
     sync = ColocatedSync(state, state / "verl" / "checkpoints", state / "weight-ipc",
-                         bucket_bytes=bucket, timeout_s=timeout)
+                         bucket_bytes=bucket, timeout_s=timeout, rank=rank, world=world)
     result = asyncio.run(sync.update(((k, v * scale) for k, v in boot.items()), step))
     sync.close()  # the background checkpoint write ends before the process does
     print(json.dumps(result))
@@ -66,11 +66,16 @@ def scaled(scale: float) -> dict[str, torch.Tensor]:
     return {k: v * scale for k, v in boot.items()}
 
 
+def trainer_command(state: Path, step: int, scale: float, timeout: float = 30.0,
+                    rank: int = 0, world: int = 1) -> list[str]:
+    return [sys.executable, "-c", TRAINER, str(state), str(step), str(scale), str(BUCKET),
+            str(timeout), str(rank), str(world)]
+
+
 def trainer_update(state: Path, step: int, scale: float, timeout: float = 30.0) -> Any:
     """One update from a trainer process of its own, as verl's trainer rank would send it."""
-    result = subprocess.run(
-        [sys.executable, "-c", TRAINER, str(state), str(step), str(scale), str(BUCKET),
-         str(timeout)], capture_output=True, text=True, timeout=180)
+    result = subprocess.run(trainer_command(state, step, scale, timeout), capture_output=True,
+                            text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -219,6 +224,25 @@ def test_update_over_ipc_reaches_every_shard_and_is_published(stack: Dynamod) ->
     assert load_checkpoint(Path(result["checkpoint"])).digest == expected
     lines = (stack.state_dir / "verl" / "updates.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["step"] == step
+
+
+def test_two_trainer_ranks_each_feed_their_shard_and_rank0_publishes(stack: Dynamod) -> None:
+    """The GPU layout: trainer rank r colocated with shard r; rank 1 hands its
+    acknowledgement to rank 0, which publishes the step for both."""
+    step = Client(stack.state_dir).policy_status()["current"] + 1
+    expected = state_dict_digest(scaled(1.015))
+    ranks = [subprocess.Popen(trainer_command(stack.state_dir, step, 1.015, rank=r, world=2),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outputs = [p.communicate(timeout=180) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    rank0, rank1 = (json.loads(out.strip().splitlines()[-1]) for out, _ in outputs)
+    assert rank1["acks"] == {"worker@1": expected}  # rank 1 fed worker@1 only
+    assert rank0["acks"] == {"worker@0": expected, "worker@1": expected}
+    assert rank0["stale"] == [] and rank0["publish"]["version"] == step
+    for shard in ("worker@0", "worker@1"):
+        assert engine(stack, shard, "get_weight_version")["digest"] == expected
+    assert not (stack.state_dir / "verl" / "checkpoints" / "acks" / f"step-{step}").exists()
 
 
 def test_shards_without_a_receiver_are_refused_with_what_to_set(stack: Dynamod,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -191,6 +192,7 @@ class ColocatedSync:
                 await asyncio.sleep(0.05)
         for rank in waiting:
             errors[f"rank{rank}"] = f"no acknowledgement file within {ACK_WAIT_S:g}s"
+        shutil.rmtree(folder, ignore_errors=True)
         return acks
 
     def close(self) -> None:
