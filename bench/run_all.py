@@ -36,6 +36,7 @@ BENCHMARKS = [
     "outages",
     "tokens",
     "cluster",
+    "verl_checkpoint",
 ]
 
 

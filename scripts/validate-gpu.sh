@@ -15,16 +15,35 @@
 #   tokens      boundary 1: token ids and logprobs match in length and order; completed,
 #               aborted and failed attempts counted apart
 #   train       one training iteration through rollout `dynamod` (2 steps: optimizer step,
-#               policy sync through the ledger, generation after the update)
+#               policy sync, generation after the update). WEIGHT_SYNC=ipc (default): the
+#               colocated CUDA IPC path into dynamod's worker extension in each dynamo.vllm
+#               shard, then `policy publish` with each shard's acknowledgement and a
+#               background replay checkpoint per step; WEIGHT_SYNC=push: a checkpoint per
+#               step and `policy push`
+#   updates     boundary 2, per update (ipc only): every admitted shard acknowledged the
+#               trainer's step, one digest, publish held none (<state>/verl/updates.jsonl)
 #   steps       boundary 2: every shard at the trainer's step, post-update generation served
 #   routing-*   boundary 3: round-robin and kv, same prompts, concurrency and a cold cache
 #               (a fresh stack each), same update cadence (no update during either run);
 #               completion tokens/s and KV hit rate. Reward comes from the train check's log.
 #   teardown    dynamod down leaves nothing
+#
+# Without 2 GPUs, or without a vLLM that dynamo.vllm and dynamod's worker extension can
+# import, it refuses with one line on stderr and exit status 2, before it runs or writes
+# anything (on CPU, run the verl tests instead: README, section verl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPORT=${1:-validate-gpu-report.txt}
 PY=${PYTHON:-.venv/bin/python}
+refuse() { echo "validate-gpu.sh: refused, nothing run: $1" >&2; exit 2; }
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+[ "${gpus:-0}" -ge 2 ] || refuse "needs 2 NVIDIA GPUs; nvidia-smi lists ${gpus:-0}"
+VLLM_PY=${VLLM_PYTHON:-$PY}
+"$VLLM_PY" -c 'import vllm, dynamo.vllm' >/dev/null 2>&1 \
+    || refuse "$VLLM_PY cannot import vllm and dynamo.vllm (install ai-dynamo[vllm]==1.6.1 there, or set VLLM_PYTHON)"
+"$VLLM_PY" -c 'import dynamod.integrations.verl.worker_extension' >/dev/null 2>&1 \
+    || refuse "$VLLM_PY cannot import dynamod's worker extension (pip install -e . into it)"
+WEIGHT_SYNC=${WEIGHT_SYNC:-ipc}
 DM=(.venv/bin/dynamod --state-dir "${STATE_DIR:-/tmp/dynamod-validate}")
 STATE=${STATE_DIR:-/tmp/dynamod-validate}
 : "${MODEL_PATH:?set MODEL_PATH to a local model directory}"
@@ -61,8 +80,10 @@ check train env RAY_ADDRESS="$RAY_ADDRESS" RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 D
     actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
     ++actor_rollout_ref.rollout.engine_kwargs.dynamod.state_dir="$STATE" \
     ++actor_rollout_ref.rollout.engine_kwargs.dynamod.router_mode=kv \
+    ++actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync="$WEIGHT_SYNC" \
     trainer.n_gpus_per_node=2 trainer.nnodes=1 trainer.total_training_steps=2 \
     trainer.logger=console trainer.val_before_train=false
+[ "$WEIGHT_SYNC" = ipc ] && check updates validate updates
 STEP=$("$PY" -c "import sys; from pathlib import Path; from dynamod.client import Client; print(Client(Path(sys.argv[1])).policy_status()['current'])" "$STATE")
 if [ "$STEP" -ge 1 ] 2>/dev/null; then check steps validate steps --step "$STEP"
 else report "FAIL steps: the ledger is at version ${STEP:-?}: no update went through"; fi

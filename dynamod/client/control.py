@@ -91,11 +91,16 @@ class Client:
         )
         return result
 
-    def policy_publish(self, step: int, path: str | Path, timeout: float = 300) -> dict[str, Any]:
-        """Record that the trainer loaded `step` into the shards itself; dynamod verifies."""
-        result: dict[str, Any] = self.request(
-            "POST", "/policy/publish", {"step": step, "path": str(path)}, timeout=timeout
-        )
+    def policy_publish(
+        self, step: int, path: str | Path, timeout: float = 300,
+        acks: dict[str, str | None] | None = None,
+    ) -> dict[str, Any]:
+        """Record that the trainer loaded `step` into the shards itself; dynamod verifies.
+        `acks`: shard -> the digest it acknowledged; an admitted shard missing is stale."""
+        body: dict[str, Any] = {"step": step, "path": str(path)}
+        if acks is not None:
+            body["acks"] = acks
+        result: dict[str, Any] = self.request("POST", "/policy/publish", body, timeout=timeout)
         return result
 
     def policy_status(self) -> dict[str, Any]:

@@ -5,8 +5,9 @@ A rollout shard serves traffic only at the ledger's current policy version:
   push:    on every admitted shard in parallel: pause -> update_weights_from_disk ->
            flush_cache -> verify version (+ digest) -> taint `dynamod.policy/<v>` -> resume.
            The ledger advances once the push completes; shards that failed are stale.
-  publish: the trainer loaded the weights itself; dynamod records the version and
-           verifies every shard; a mismatch is stale.
+  publish: the trainer loaded the weights itself; dynamod records the version (and the
+           digest the shards acknowledged), verifies, taints and resumes every admitted
+           shard; a mismatch, or a shard the trainer has no acknowledgement from, is stale.
   rejoin:  a shard that (re)starts, or is stale, is `held` (paused, no current taint)
            while the ledger's current version is replayed into it, its KV cache reset and
            its version verified; only then is it admitted. Retries with backoff, forever
@@ -24,7 +25,8 @@ import json
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,13 +111,20 @@ def check_checkpoint(path: Path) -> list[Path]:
     return files
 
 
+def agreed_digest(acks: Mapping[str, str | None] | None) -> str | None:
+    """The digest most acknowledging shards computed (None without digests)."""
+    counts = Counter(d for d in (acks or {}).values() if d)
+    return counts.most_common(1)[0][0] if counts else None
+
+
 class PolicyManager(Extension):
     """Daemon extension + engine hook: the ledger, pushes, publishes and rejoins.
 
     Control socket routes:
       GET  /policy           the policy ledger and every shard's applied version
       POST /policy/push      {"step": N, "path": DIR}: load into every admitted shard
-      POST /policy/publish   {"step": N, "path": DIR}: the trainer loaded it; verify shards
+      POST /policy/publish   {"step": N, "path": DIR, "acks": {shard: digest}}: the trainer
+                             loaded it; verify shards
       POST /policy/spares    {"sleep": true|false}: spares sleep (control/sleep) or wake
     """
 
@@ -164,6 +173,16 @@ class PolicyManager(Extension):
             except (ValueError, KeyError, TypeError):
                 raise DynamodError('expected a JSON body {"step": N, "path": "DIR"}') from None
 
+        async def acks_of(request: web.Request) -> dict[str, str | None] | None:
+            acks = (await request.json()).get("acks")
+            if acks is None:
+                return None
+            if not isinstance(acks, dict) or not all(
+                isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in acks.items()
+            ):
+                raise DynamodError('"acks" must map shard names to digests (or null)')
+            return acks
+
         def running() -> None:
             assert self.daemon is not None
             self.daemon.require_running("a policy update")
@@ -174,7 +193,8 @@ class PolicyManager(Extension):
 
         async def publish(request: web.Request) -> web.Response:
             running()
-            return web.json_response(await self.publish(*await step_and_path(request)))
+            step, path = await step_and_path(request)
+            return web.json_response(await self.publish(step, path, await acks_of(request)))
 
         async def status(_: web.Request) -> web.Response:
             return web.json_response(await self.status_full())
@@ -596,45 +616,106 @@ class PolicyManager(Extension):
             with contextlib.suppress(PolicyError):
                 await self._call(unit, "resume_generation", {})
 
-    async def publish(self, step: int, path: str) -> dict[str, Any]:
+    async def publish(
+        self, step: int, path: str, acks: Mapping[str, str | None] | None = None
+    ) -> dict[str, Any]:
+        """The trainer loaded `step` into the shards itself (`path`: where a replay loads it
+        from). With `acks` (shard -> the digest it computed, from the trainer's transfer),
+        an admitted shard without one missed the update, and one whose digest differs from
+        the others' (or from what it reports) is stale; the agreed digest is the ledger's.
+        Each shard that passes is tainted with the step, resumed and router-verified."""
         started = time.monotonic()
+        digest = agreed_digest(acks)
         async with self._lock:
             ledger = self.ledger()
-            target = PolicyVersion(step, str(Path(path).absolute()), None, time.time(), "publish")
+            current = await ledger.current()
+            if current is not None and step < current.version:
+                raise PolicyError(
+                    f"step {step} is older than the current policy version "
+                    f"{current.version}; publishes must move forward"
+                )
+            target = PolicyVersion(
+                step, str(Path(path).absolute()), digest, time.time(), "publish"
+            )
             await ledger.advance(target, self.spec.keep)
             self._note_current(target)
-            acks: dict[str, Any] = {}
+            shards = self.admitted_shards()
+            results = await asyncio.gather(
+                *(self._verify_published(u, step, digest, acks) for u in shards),
+                return_exceptions=True,
+            )
+            answers: dict[str, Any] = {}
             stale: dict[str, str] = {}
-            for unit in self.admitted_shards():
-                try:
-                    seen = await self._call(unit, "get_weight_version", {})
-                    if seen.get("version") != step:
-                        raise ShardError(
-                            unit.name, "verify", f"shard reports version {seen.get('version')!r}"
-                        )
-                    await self._call(
-                        unit, "update/model_taints", {"taints": [f"{self.spec.taint_prefix}{step}"]}
-                    )
-                except PolicyError as exc:
-                    stale[unit.name] = str(exc)
-                    acks[unit.name] = {"ok": False, "error": str(exc)}
-                    continue
-                ack = ShardAck(unit.name, step, seen.get("digest"))
-                acks[unit.name] = ack.as_dict()
-                await self._record_ack(unit, ack)
+            for unit, result in zip(shards, results, strict=True):
+                if isinstance(result, ShardAck):
+                    answers[unit.name] = result.as_dict()
+                    await self._record_ack(unit, result)
+                elif isinstance(result, PolicyError):
+                    stale[unit.name] = str(result)
+                    answers[unit.name] = {"ok": False, "error": str(result)}
+                else:
+                    raise result
         for name, error in stale.items():
+            await self._record_failure(self.engine.units[name], error)
             self.spares.lost(self.engine.units[name], Reason.VERIFICATION, error)
             self._start_rejoin(
                 self.engine.units[name], f"stale after publish of step {step}: {error}"
             )
         self.spares.refresh()
-        return {
+        answer = {
             "ok": True,
             "version": step,
-            "acks": acks,
+            "path": target.path,
+            "digest": digest,
+            "acks": answers,
             "stale": sorted(stale),
             "seconds": round(time.monotonic() - started, 3),
         }
+        log.info(
+            "policy.published",
+            version=step,
+            seconds=answer["seconds"],
+            acks={k: v.get("total_ms", v.get("error")) for k, v in answers.items()},
+        )
+        return answer
+
+    async def _verify_published(
+        self, unit: Unit, step: int, digest: str | None, acks: Mapping[str, str | None] | None
+    ) -> ShardAck:
+        timings: dict[str, float] = {}
+        if acks is not None and unit.name not in acks:
+            raise ShardError(
+                unit.name, "acknowledge", "missed the update: the trainer has no acknowledgement"
+            )
+        acked = acks.get(unit.name) if acks is not None else None
+        if digest and acked and acked != digest:
+            raise ShardError(
+                unit.name, "acknowledge", f"acknowledged digest {acked}, the others {digest}"
+            )
+        started = time.monotonic()
+        seen = await self._call(unit, "get_weight_version", {})
+        timings["verify"] = (time.monotonic() - started) * 1000
+        if seen.get("version") != step:
+            raise ShardError(unit.name, "verify", f"shard reports version {seen.get('version')!r}")
+        if acked and seen.get("digest") and seen["digest"] != acked:
+            raise ShardError(
+                unit.name, "verify", f"shard reports digest {seen['digest']}, acknowledged {acked}"
+            )
+        taints = self.spares.taints(unit, step)
+        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
+        own = [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
+        for name, route, body in (
+            ("taint", "update/model_taints", {"taints": [*taints, *own]}),
+            ("resume", "resume_generation", {}),
+        ):
+            started = time.monotonic()
+            await self._call(unit, route, body)
+            timings[name] = (time.monotonic() - started) * 1000
+        if taints:
+            started = time.monotonic()
+            await self._await_routed(unit, step, [*taints, *own[:1]], set(instance_ids))
+            timings["route"] = (time.monotonic() - started) * 1000
+        return ShardAck(unit.name, step, seen.get("digest") or acked, timings)
 
     async def status_full(self) -> dict[str, Any]:
         ledger = self.ledger()

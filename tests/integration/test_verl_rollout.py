@@ -116,15 +116,21 @@ def tiny_weights(scale: float) -> list[tuple[str, Any]]:
     return [(k, v * scale) for k, v in load_file(str(boot)).items()]
 
 
-def push_through_verl(stack: Dynamod, step: int, scale: float) -> Any:
+def push_through_verl(stack: Dynamod, step: int, scale: float, **settings: Any) -> Any:
     """verl's naive sync: the trainer rank's rollout object gets update_weights(...)."""
     from verl.workers.rollout.base import get_rollout_class
 
     config = verl_config(stack.state_dir)
+    config.actor_rollout_ref.rollout.engine_kwargs = {
+        "dynamod": {"state_dir": str(stack.state_dir), **settings}}
     adapter_cls = get_rollout_class("dynamod", "async")
     adapter = adapter_cls(config=config.actor_rollout_ref.rollout,
                           model_config=config.actor_rollout_ref.model, device_mesh=None)
-    return asyncio.run(adapter.update_weights(iter(tiny_weights(scale)), global_steps=step))
+    try:
+        return asyncio.run(adapter.update_weights(iter(tiny_weights(scale)), global_steps=step))
+    finally:
+        if adapter.colocated is not None:
+            adapter.colocated.close()  # its background checkpoint write ends first
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -185,6 +191,24 @@ def test_update_weights_reaches_every_shard_and_the_ledger(stack: Dynamod, manag
     assert policy["current_path"].endswith(f"verl/checkpoints/step-{step}")
     assert {s["name"]: s["policy_version"] for s in policy["shards"]} == {
         "worker@0": step, "worker@1": step}
+    outputs = generate(manager, [[1, 2, 3]] * 4)
+    assert {o.extra_fields["weight_version"] for o in outputs} == {step}
+
+
+def test_colocated_update_over_ipc_is_published_with_every_shards_ack(
+    stack: Dynamod, manager: Any
+) -> None:
+    from dynamod.workers.weights import state_dict_digest
+
+    step = Client(stack.state_dir).policy_status()["current"] + 1
+    answer = push_through_verl(stack, step, scale=1.03, weight_sync="ipc")
+    expected = state_dict_digest(dict(tiny_weights(1.03)))
+    assert answer["acks"] == {"worker@0": expected, "worker@1": expected}
+    assert answer["stale"] == []
+    policy = Client(stack.state_dir).policy_status()
+    assert policy["current"] == step and policy["current_digest"] == expected
+    assert policy["history"][-1]["how"] == "publish"
+    assert policy["current_path"].endswith(f"verl/checkpoints/step-{step}")
     outputs = generate(manager, [[1, 2, 3]] * 4)
     assert {o.extra_fields["weight_version"] for o in outputs} == {step}
 

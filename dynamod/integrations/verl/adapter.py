@@ -7,8 +7,10 @@ Here that ends in the policy ledger: rank 0 writes the tensors as
 pauses, loads, flushes its KV cache, is verified and re-tainted, resumes); the other ranks
 drain the generator (it may gather shards collectively) and return. The step lands in the
 ledger, so a shard that missed it, or restarts later, is held and replayed by dynamod
-from that checkpoint. `resume` and `release` are no-ops: the shards' memory is theirs,
-reached through the replica's sleep/wake_up.
+from that checkpoint. With `weight_sync: ipc` (colocated GPUs) every rank sends its
+tensors to its shards' worker extension instead and rank 0 publishes the step
+(`colocated.ColocatedSync`). `resume` and `release` are no-ops: the shards' memory is
+theirs, reached through the replica's sleep/wake_up.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from verl.workers.rollout.base import BaseRollout
 
 from dynamod.integrations.verl import checkpoint
 from dynamod.integrations.verl.attach import state_dir_of
+from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.config import parse_settings
 from dynamod.integrations.verl.errors import VerlIntegrationError
 
@@ -47,6 +50,18 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
         self.replica_rank = self.rank // world
         self.is_leader_rank = self.rank % world == 0
         self.last_push: dict[str, Any] | None = None
+        self.colocated: ColocatedSync | None = None
+        if self.settings.weight_sync == "ipc":
+            self.colocated = ColocatedSync(
+                state_dir=self.state_dir,
+                checkpoint_dir=self.checkpoint_dir,
+                ipc_dir=self.settings.ipc_dir or self.state_dir / "weight-ipc",
+                rank=self.rank,
+                world=int(os.environ.get("WORLD_SIZE", "1")),
+                keep=self.settings.checkpoint_keep,
+                bucket_bytes=self.settings.ipc_bucket_mb << 20,
+                background_write=self.settings.checkpoint_write == "background",
+            )
 
     async def resume(self, tags: list[str]) -> None:
         return None
@@ -63,6 +78,13 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
                 f"rollout 'dynamod' takes full named tensors, not {wire_format!r}: set "
                 "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )
+        if self.colocated is not None:
+            if global_steps is None:
+                from dynamod.client import Client
+
+                status = await asyncio.to_thread(Client(self.state_dir).policy_status)
+                global_steps = int(status["current"]) + 1
+            return await self.colocated.update(weights, global_steps)
         if self.rank != 0:
             for _ in weights:
                 pass

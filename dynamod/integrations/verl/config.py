@@ -66,10 +66,12 @@ _BOOLS = {
     "force_logprobs_for_token_ids",
     "include_payload_request_id",
 }
-_STRINGS = {"namespace", "served_model_name", "router_mode", "state_dir", "checkpoint_dir"}
+_STRINGS = {"namespace", "served_model_name", "router_mode", "state_dir", "checkpoint_dir",
+            "ipc_dir"}
+_CHOICES = {"weight_sync": ("push", "ipc"), "checkpoint_write": ("background", "inline")}
 _POSITIVE = {"request_timeout_s"}
-_INTS = {"checkpoint_keep"}
-KNOWN = _BOOLS | _STRINGS | _POSITIVE | _INTS | {"thunderagent"}
+_INTS = {"checkpoint_keep", "ipc_bucket_mb"}
+KNOWN = _BOOLS | _STRINGS | _POSITIVE | _INTS | set(_CHOICES) | {"thunderagent"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,12 @@ class RolloutSettings:
     state_dir: Path | None = None
     checkpoint_dir: Path | None = None
     checkpoint_keep: int = 2
+    # How verl's update_weights reaches the shards: "push" (a checkpoint, `policy push`)
+    # or "ipc" (the colocated transfer to the worker extension, then `policy publish`).
+    weight_sync: str = "push"
+    ipc_dir: Path | None = None  # default: <state_dir>/weight-ipc (the stacks' weight_ipc_dir)
+    ipc_bucket_mb: int = 512
+    checkpoint_write: str = "background"  # the ipc path's per-step replay checkpoint
     request_completion_token_ids: bool = True
     request_engine_data: bool = True
     return_tokens_as_token_ids: bool = False
@@ -143,8 +151,14 @@ def parse_settings(engine_kwargs: Mapping[str, Any] | None) -> RolloutSettings:
             values[key] = number
         elif key in _INTS:
             values[key] = _int(name, value)
-        elif key in {"state_dir", "checkpoint_dir"}:
+        elif key in {"state_dir", "checkpoint_dir", "ipc_dir"}:
             values[key] = Path(str(value))
+        elif key in _CHOICES:
+            if value not in _CHOICES[key]:
+                raise RolloutConfigError(
+                    name, f"{value!r} is not one of {', '.join(_CHOICES[key])}"
+                )
+            values[key] = value
         else:
             values[key] = str(value)
     mode = values.get("router_mode")

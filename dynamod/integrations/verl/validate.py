@@ -8,6 +8,9 @@
   ids; completed, aborted and failed attempts are counted apart.
 * `steps --step S`: the ledger is at S, every shard reports S and is admitted, and a
   request sent after the update is served at S.
+* `updates`: the colocated path (`weight_sync: ipc`): after every update the module
+  logged (`<state_dir>/verl/updates.jsonl`), every shard it found admitted acknowledged
+  the trainer's step with one digest, and publish held none; steps move forward.
 * `routing --label L`: a fixed prompt set at fixed concurrency; prints useful output
   (completion tokens/s, KV hit rate = cached / prompt tokens) as one JSON line to append
   to the report, so the round-robin and kv runs can be compared side by side.
@@ -60,6 +63,41 @@ def judge_steps(policy: Mapping[str, Any], step: int, served: Sequence[Any]) -> 
     return True, f"{len(shards)} shards at step {step}; {len(served)} post-update requests ok"
 
 
+def judge_updates(records: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
+    if not records:
+        return False, "no colocated update was logged (is weight_sync=ipc set?)"
+    previous = None
+    for record in records:
+        step, shards, acks = record.get("step"), record.get("shards") or [], record.get("acks")
+        where = f"update to step {step}"
+        if not isinstance(step, int) or (previous is not None and step <= previous):
+            return False, f"{where}: steps do not move forward (after {previous})"
+        previous = step
+        if not shards:
+            return False, f"{where}: no admitted shard at the time"
+        missing = sorted(set(shards) - set(acks or {}))
+        if missing:
+            why = {n: (record.get("errors") or {}).get(n, "?") for n in missing}
+            return False, f"{where}: no acknowledgement from {missing}: {why}"
+        digests = sorted({str(d) for d in (acks or {}).values()})
+        if len(digests) != 1:
+            return False, f"{where}: shards acknowledged different digests {digests}"
+        if record.get("stale"):
+            return False, f"{where}: publish held {record['stale']}"
+    shards = sorted({n for r in records for n in r.get("shards") or []})
+    return True, (f"{len(records)} updates (steps {records[0]['step']}..{previous}): every shard "
+                  f"of {shards} acknowledged each step")
+
+
+def read_updates(state_dir: Path) -> list[dict[str, Any]]:
+    from dynamod.integrations.verl.colocated import UPDATES_LOG
+
+    path = state_dir / "verl" / UPDATES_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 async def _requests(state_dir: Path, prompts: list[list[int]], concurrency: int,
                     max_tokens: int) -> tuple[list[Completion | Exception], list[Any], float]:
     import aiohttp
@@ -106,7 +144,7 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dynamod.integrations.verl.validate")
-    parser.add_argument("check", choices=["tokens", "steps", "routing"])
+    parser.add_argument("check", choices=["tokens", "steps", "updates", "routing"])
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--step", type=int)
     parser.add_argument("--label", default="")
@@ -115,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.check == "updates":
+        ok, detail = judge_updates(read_updates(args.state_dir))
+        print(f"{'PASS' if ok else 'FAIL'} updates: {detail}")
+        return 0 if ok else 1
     prompts = _prompts(args.requests, args.prompt_len)
     results, usages, elapsed = asyncio.run(
         _requests(args.state_dir, prompts, args.concurrency, args.max_tokens))

@@ -30,6 +30,8 @@ what matters to the stack is which weights, which version, which digest.
 Modules, one job each: `errors` (the worker's error, Dynamo's typed engine death),
 `mocker` (the replaceable engine on a private runtime), `kv_events` (the KV event relay
 to the router), `admission` (admission, pause, weights and the RL admin routes),
-`routes` (registering handlers, upstream's taint route), `args` (the command line and
-the environment), `serve` (the public runtime, wiring it all together).
+`routes` (registering handlers, upstream's taint route), `extension` (hosting a vLLM
+worker extension class, `--worker-extension-cls`: verl's colocated weight path), `args`
+(the command line and the environment), `serve` (the public runtime, wiring it all
+together).
 """

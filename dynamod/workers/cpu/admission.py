@@ -334,26 +334,40 @@ class CpuWorker:
                     "status": "error",
                     "message": f"weights not loaded, old weights kept: {exc}",
                 }
-            self.engine.use_weights(self.weights if self.serve_previous_weights else weights)
-            self.weights = weights
-            if declared:
-                self.version, self.version_declared = version, True
-            # Weights changed: cached prefixes were computed under the old ones.
-            try:
-                await self._reset_engine()
-            except WorkerError as exc:
-                return {"status": "error", "message": f"weights loaded but {exc}"}
-            log.info(
-                "[RL] Weights loaded from %s (version=%s, digest=%s)", path, version, weights.digest
-            )
-            return {
-                "status": "ok",
-                "version": version,
-                "version_declared": declared,
-                "digest": weights.digest,
-                "model_path": str(weights.source),
-                "num_tensors": weights.num_tensors,
-            }
+            return await self._install(weights, version, declared)
+
+    async def install_weights(self, weights: WeightSet, version: Any) -> dict[str, Any]:
+        """Weights that arrived otherwise (a worker extension's colocated transfer), taken
+        as `update_weights_from_disk` takes a checkpoint: only while paused and awake."""
+        async with self._lock:
+            if not self._paused:
+                return {"status": "error", "message": PAUSE_REQUIRED}
+            if self._sleeping:
+                return {"status": "error", "message": ASLEEP}
+            return await self._install(weights, version, True)
+
+    async def _install(self, weights: WeightSet, version: Any, declared: bool) -> dict[str, Any]:
+        self.engine.use_weights(self.weights if self.serve_previous_weights else weights)
+        self.weights = weights
+        if declared:
+            self.version, self.version_declared = version, True
+        # Weights changed: cached prefixes were computed under the old ones.
+        try:
+            await self._reset_engine()
+        except WorkerError as exc:
+            return {"status": "error", "message": f"weights loaded but {exc}"}
+        log.info(
+            "[RL] Weights loaded from %s (version=%s, digest=%s)",
+            weights.source, version, weights.digest,
+        )
+        return {
+            "status": "ok",
+            "version": version,
+            "version_declared": declared,
+            "digest": weights.digest,
+            "model_path": str(weights.source),
+            "num_tensors": weights.num_tensors,
+        }
 
     async def get_weight_version(self, body: Any) -> dict[str, Any]:
         if body is not None and not isinstance(body, dict):

@@ -64,6 +64,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
         default=60.0,
         help="seconds a cache flush waits for requests to leave the engine (default 60)",
     )
+    own.add_argument(
+        "--worker-extension-cls",
+        help=(
+            "a vLLM worker extension class (module.Class), hosted as vLLM's GPU worker "
+            "hosts it: its load_weights feeds this worker's update path"
+        ),
+    )
     ours, rest = own.parse_known_args(argv)
     if ours.torch_threads < 1 or ours.cache_blocks < 1:
         raise WorkerError("--torch-threads and --cache-blocks must be at least 1")

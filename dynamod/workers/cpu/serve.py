@@ -102,6 +102,11 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         serve_previous_weights=ours.test_serve_previous_weights,
     )
     worker.instance_id = endpoint.connection_id()
+    extension = None
+    if ours.worker_extension_cls:
+        from dynamod.workers.cpu.extension import host_extension
+
+        extension = host_extension(ours.worker_extension_cls, worker, loop)
     for name, handler in worker.routes().items():
         runtime.register_engine_route(name, catching(name, handler))
     # As upstream, a bad taint list raises: the system server answers HTTP 500.
@@ -149,6 +154,8 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
             worker.generate, health_check_payload=health_check_payload(model_dir)
         )
     finally:
+        if extension is not None:
+            await asyncio.to_thread(extension.dynamod_close)
         await engine.close()
     if fatal:
         print(f"dynamod.workers.cpu: {fatal[0]}", file=sys.stderr)
@@ -163,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         ours, mocker = parse_args(sys.argv[1:] if argv is None else argv)
         check_model_dir(Path(mocker.model_path))
         check_system_port()
+        if ours.worker_extension_cls:
+            from dynamod.workers.cpu.extension import extension_class
+
+            extension_class(ours.worker_extension_cls)  # refused before anything starts
     except (WorkerError, ModelDirError) as exc:
         print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
         return 2
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["DYN_FILE_KV"] = discovery
         try:
             return uvloop.run(serve(ours, mocker))
-        except CheckpointError as exc:
+        except (CheckpointError, WorkerError) as exc:
             print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
             return 2
         finally:

@@ -1,0 +1,199 @@
+"""The colocated weight update under dynamod: the trainer's own IPC transfer, then `publish`.
+
+One update of step N from trainer rank r of `world` (verl calls `update_weights` on every
+rank; rank r owns the admitted shards whose index in name order is r modulo `world`, so
+with colocated GPUs rank r feeds the shard on its GPU, and a single trainer process
+feeds them all):
+
+1. pause each owned shard (`pause_generation`, mode keep), as a disk update requires;
+2. send the tensors over the transport (`ipc.WeightSender`) to every owned shard at once;
+   rank 0 keeps a host copy on the way (the replay source);
+3. `flush_cache` and `set_weight_version N` on every shard that acknowledged;
+4. rank 0 writes the step's checkpoint (background by default), gathers every rank's
+   acknowledgements (files under `<checkpoint_dir>/acks/step-N/`), and runs
+   `policy publish N` with the checkpoint's path and each shard's digest: dynamod
+   records it (how = "publish"), verifies, taints and resumes the shards, and holds the
+   ones that missed it (no acknowledgement, other digest) to replay them from the file.
+
+Every update appends one line to `<state_dir>/verl/updates.jsonl` (step, owned shards,
+acknowledgements, what publish held, timings), which scripts/validate-gpu.sh judges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+
+from dynamod.integrations.verl.checkpoint import CheckpointWriter, HostCopy
+from dynamod.integrations.verl.engine import call_route
+from dynamod.integrations.verl.errors import EngineCallError, StackNotReadyError
+from dynamod.integrations.verl.ipc import DEFAULT_BUCKET_BYTES, WeightSender, socket_address
+from dynamod.integrations.verl.stack import Shard, read_stack
+
+log = structlog.get_logger("dynamod.integrations.verl")
+
+UPDATES_LOG = "updates.jsonl"
+ACK_WAIT_S = 300.0
+
+
+@dataclass
+class ColocatedSync:
+    """One trainer rank's side of the colocated path, kept for the whole run."""
+
+    state_dir: Path
+    checkpoint_dir: Path
+    ipc_dir: Path
+    rank: int = 0
+    world: int = 1
+    keep: int = 2
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    background_write: bool = True
+    timeout_s: float = 120.0
+    writer: CheckpointWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.writer = CheckpointWriter(self.checkpoint_dir, self.keep)
+
+    def owned(self, shards: Iterable[Shard]) -> list[Shard]:
+        ordered = sorted(shards, key=lambda s: s.name)
+        return [s for i, s in enumerate(ordered) if i % self.world == self.rank]
+
+    async def update(self, weights: Iterable[tuple[str, Any]], step: int) -> dict[str, Any]:
+        started = time.monotonic()
+        view = read_stack(self.state_dir)
+        targets = self.owned(view.admitted)
+        if not targets and self.rank == 0:
+            raise StackNotReadyError(
+                f"no admitted rollout shard to update to step {step}: "
+                f"{[(s.name, s.state) for s in view.shards]}"
+            )
+        addresses = {s.name: socket_address(self.ipc_dir, s.name) for s in targets}
+        errors: dict[str, str] = {}
+        listening = {n for n, a in addresses.items() if Path(a.removeprefix("ipc://")).exists()}
+        if targets and not listening:
+            raise StackNotReadyError(
+                f"weight_sync=ipc, but no shard of stack {view.stack!r} has a weight receiver "
+                f"in {self.ipc_dir} (looked for {sorted(addresses.values())}): run the shards "
+                "with dynamod's worker extension (stack vars worker_extension_cls and "
+                "weight_ipc_dir; set in units/stacks/verl-cpu.toml and units/dynamo-vllm.toml), "
+                "or set engine_kwargs.dynamod.ipc_dir to their weight_ipc_dir"
+            )
+        for name in sorted(set(addresses) - listening):
+            errors[name] = f"no weight receiver at {addresses[name]}"
+        targets = [s for s in targets if s.name in listening]
+        async with aiohttp.ClientSession() as session:
+            paused = await self._each(session, targets, "pause_generation", {"mode": "keep"},
+                                      errors)
+            copy = HostCopy() if self.rank == 0 else None
+            sender = WeightSender([addresses[s.name] for s in paused], self.bucket_bytes,
+                                  self.timeout_s)
+            sent_at = time.monotonic()
+            by_address = await asyncio.to_thread(sender.send, weights, step, copy)
+            send_s = time.monotonic() - sent_at
+            for name, address in addresses.items():
+                if address in sender.errors:
+                    errors[name] = sender.errors[address]
+            acked = [s for s in paused if addresses[s.name] in by_address]
+            for route, body in (("flush_cache", {}), ("set_weight_version",
+                                                      {"weight_version": step})):
+                acked = await self._each(session, acked, route, body, errors)
+        acks = {s.name: by_address[addresses[s.name]].get("digest") for s in acked}
+        if self.rank != 0:
+            self._leave_acks(step, acks, errors)
+            return {"step": step, "acks": acks, "errors": errors}
+        assert copy is not None
+        written_at = time.monotonic()
+        if self.background_write:
+            path = await asyncio.to_thread(self.writer.submit, copy.tensors, step)
+        else:
+            path = await asyncio.to_thread(self.writer.write, copy.tensors, step)
+        write_stall_s = time.monotonic() - written_at
+        acks.update(await self._gather_acks(step, errors))
+        from dynamod.client import Client
+
+        published = await asyncio.to_thread(
+            Client(self.state_dir).policy_publish, step, path, acks=acks
+        )
+        record = {
+            "step": step,
+            "shards": sorted(s.name for s in view.admitted),
+            "acks": acks,
+            "errors": errors,
+            "stale": published.get("stale", []),
+            "digest": published.get("digest"),
+            "checkpoint": str(path),
+            "background_write": self.background_write,
+            "bytes": sender.bytes_sent,
+            "buckets": sender.buckets,
+            "send_s": round(send_s, 3),
+            "host_copy_s": round(copy.seconds, 3),
+            "write_stall_s": round(write_stall_s, 3),
+            "seconds": round(time.monotonic() - started, 3),
+        }
+        log_file = self.state_dir / "verl" / UPDATES_LOG
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        with log_file.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        log.info("verl.colocated_update", **{k: v for k, v in record.items() if k != "acks"})
+        return {**record, "publish": published}
+
+    async def _each(self, session: aiohttp.ClientSession, shards: list[Shard], route: str,
+                    body: dict[str, Any], errors: dict[str, str]) -> list[Shard]:
+        """`route` on every shard; the ones that answered ok (others' errors kept)."""
+        results = await asyncio.gather(*(call_route(session, s, route, body) for s in shards),
+                                       return_exceptions=True)
+        good = []
+        for shard, result in zip(shards, results, strict=True):
+            if isinstance(result, EngineCallError):
+                errors[shard.name] = str(result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                good.append(shard)
+        return good
+
+    def _ack_dir(self, step: int) -> Path:
+        return self.checkpoint_dir / "acks" / f"step-{step}"
+
+    def _leave_acks(self, step: int, acks: dict[str, str | None], errors: dict[str, str]
+                    ) -> None:
+        folder = self._ack_dir(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".rank{self.rank}.json.partial"
+        partial.write_text(json.dumps({"acks": acks, "errors": errors}))
+        partial.rename(folder / f"rank{self.rank}.json")
+
+    async def _gather_acks(self, step: int, errors: dict[str, str]) -> dict[str, str | None]:
+        """The other ranks' acknowledgements; a rank that never reports counts as none."""
+        if self.world == 1:
+            return {}
+        folder = self._ack_dir(step)
+        deadline = time.monotonic() + ACK_WAIT_S
+        acks: dict[str, str | None] = {}
+        waiting = set(range(1, self.world))
+        while waiting and time.monotonic() < deadline:
+            for rank in sorted(waiting):
+                file = folder / f"rank{rank}.json"
+                if file.exists():
+                    data = json.loads(file.read_text())
+                    acks.update(data["acks"])
+                    errors.update(data["errors"])
+                    waiting.discard(rank)
+            if waiting:
+                await asyncio.sleep(0.05)
+        for rank in waiting:
+            errors[f"rank{rank}"] = f"no acknowledgement file within {ACK_WAIT_S:g}s"
+        shutil.rmtree(folder, ignore_errors=True)
+        return acks
+
+    def close(self) -> None:
+        self.writer.close()
