@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
 # Install everything dynamod and its default stack need into ./.venv.
-# PyPI packages only; nothing is downloaded at run time. Idempotent.
+# PyPI packages (and, where missing, three Debian tool packages); nothing is downloaded at
+# run time. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
+fi
+# The multi-node tests make network namespaces (ip, nsenter) and look at sockets and
+# certificates (ss, openssl): Debian's iproute2, util-linux and openssl, installed here
+# when missing and we may (root with apt-get); without them those tests skip, saying why.
+missing=()
+for tool in ip:iproute2 ss:iproute2 nsenter:util-linux openssl:openssl; do
+    command -v "${tool%%:*}" >/dev/null || missing+=("${tool##*:}")
+done
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt=(apt-get install -y -q --no-install-recommends "${missing[@]}")
+    "${apt[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt[@]}" >/dev/null; } \
+        || echo "note: apt-get could not install ${missing[*]}; the multi-node tests will skip" >&2
 fi
 pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # torch first and pinned: 2.13.0 resolves to a CPU build here, anything else pulls CUDA.
