@@ -188,7 +188,10 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     # /health probe miss: the slow-etcd runbook.)
     frontend = [(round(t - cut_wall, 2), new, detail[:120]) for t, new, detail
                 in _transitions(dm, "frontend", log_from) if t >= cut_wall]
-    early = [e for e in frontend if e[0] < 25 and (e[1] == "degraded" or "liveness" in e[2])]
+    # A refused connection is a frontend closing its listener on the way out (under load
+    # Dynamo may give up its lease before 25 s); a hang shows as "no answer within".
+    early = [e for e in frontend if e[0] < 25 and (e[1] == "degraded" or "liveness" in e[2])
+             and "cannot connect" not in e[2]]
     assert not early, frontend
     units = {u["name"]: u for u in up["units"]}
     not_serving = {n: u["state"] for n, u in units.items()
