@@ -114,19 +114,6 @@ def crowd(n: int) -> Iterator[list[int]]:
             proc.wait()
 
 
-@contextmanager
-def containment(mode: str) -> Iterator[None]:
-    old = os.environ.get(CONTAINMENT_ENV)
-    os.environ[CONTAINMENT_ENV] = mode
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(CONTAINMENT_ENV, None)
-        else:
-            os.environ[CONTAINMENT_ENV] = old
-
-
 def host_processes() -> int:
     return sum(1 for e in os.scandir("/proc") if e.name.isdigit())
 
@@ -139,8 +126,8 @@ def _ready_pid(dm: Dynamod, name: str, old: int | None) -> int | None:
 
 
 def run_dynamod(kills: int, polled: int, stops: int, mode: str) -> dict[str, Any]:
-    with state_dir("det") as state, containment(mode):
-        dm = Dynamod(state)
+    with state_dir("det") as state:
+        dm = Dynamod(state, env={CONTAINMENT_ENV: mode})
         try:
             dm.up(write_stack(state, UNITS), timeout=120)
             in_force = dm.status()["containment"]["summary"]

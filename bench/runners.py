@@ -32,9 +32,13 @@ from bench.procs import (
 class Dynamod:
     """The real `dynamod` CLI against one state dir, plus fast status over its socket."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, env: dict[str, str] | None = None) -> None:
         bench_mark()
         self.state = state
+        # Extra environment for the CLI (and so the daemon it starts). Passed per call,
+        # never set in os.environ: other threads spawn processes meanwhile, and a putenv
+        # racing their fork+exec hands the child a freed environ (EFAULT from execve).
+        self.env = env
         from dynamod.client import Client
 
         self.client = Client(state)
@@ -43,7 +47,8 @@ class Dynamod:
         self, *args: str, timeout: float = 300, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         cmd = [str(BIN / "dynamod"), "--state-dir", str(self.state), *args]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        env = {**os.environ, **self.env} if self.env else None
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if check and result.returncode != 0:
             raise RuntimeError(
                 f"{' '.join(cmd)} exited {result.returncode}\n"
