@@ -3,10 +3,12 @@ expected `generate` instances and `/v1/models` lists the model (its `/health` is
 zero workers, so that alone means nothing). Registered with the core's probe registry.
 While a daemon runs Dynamo workers, only the instances of its live workers count (the
 registrations extension provides them), so a dead worker's leftover registration never
-makes the frontend look ready."""
+makes the frontend look ready, and a probe that fails names the running workers that have
+no registration (the operator's first question when the frontend never becomes ready)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import aiohttp
@@ -16,13 +18,16 @@ from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.rollout import dynamo
 
 CurrentInstances = Callable[[str], set[int]]  # namespace -> live workers' instance ids
+Unregistered = Callable[[str], list[str]]  # namespace -> running workers with no registration
 _current: CurrentInstances | None = None
+_unregistered: Unregistered | None = None
 
 
-def count_only(provider: CurrentInstances | None) -> None:
-    """Count only the instances `provider` names (None: every instance in the view)."""
-    global _current
-    _current = provider
+def count_only(provider: CurrentInstances | None, unregistered: Unregistered | None = None) -> None:
+    """Count only the instances `provider` names (None: every instance in the view);
+    `unregistered` names the workers a failing probe should point at."""
+    global _current, _unregistered
+    _current, _unregistered = provider, unregistered
 
 
 class DynamoFrontendProber:
@@ -32,7 +37,12 @@ class DynamoFrontendProber:
 
     async def check(self) -> ProbeResult:
         current = _current(self.spec.namespace) if _current is not None else None
-        return await timed(self.spec, dynamo.frontend_ready(self.session, self.spec, current))
+        result = await timed(self.spec, dynamo.frontend_ready(self.session, self.spec, current))
+        missing = _unregistered(self.spec.namespace) if _unregistered is not None else []
+        if not result.ok and missing:
+            named = f"{result.detail}; running without a Dynamo registration: {', '.join(missing)}"
+            return dataclasses.replace(result, detail=named)
+        return result
 
     def close(self) -> None:
         pass

@@ -73,7 +73,7 @@ class DynamoRegistrations(Extension):
         daemon.engine.hooks.append(self)
         if any(u.spec.dynamo for u in daemon.engine.units.values()):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_routed())
-            frontend_probe.count_only(self.live_instances)
+            frontend_probe.count_only(self.live_instances, self.unregistered)
 
     def live_instances(self, namespace: str) -> set[int]:
         """Instance ids of this stack's running Dynamo workers in `namespace`."""
@@ -87,6 +87,22 @@ class DynamoRegistrations(Extension):
             and unit.pid is not None
             for instance in unit.extra.get("dynamo", {}).get("instance_ids", [])
         }
+
+    def unregistered(self, namespace: str) -> list[str]:
+        """This stack's Dynamo workers in `namespace` that are up (past their readiness
+        probe, or their min_uptime without one) but whose registration dynamod looked
+        for and could not find. Workers still starting are not named: they may yet."""
+        assert self.daemon is not None and self.daemon.engine is not None
+        return sorted(
+            unit.name
+            for unit in self.daemon.engine.units.values()
+            if unit.spec.dynamo is not None
+            and unit.spec.dynamo.namespace == namespace
+            and unit.state.running
+            and unit.pid is not None
+            and "dynamo" in unit.extra
+            and not unit.extra["dynamo"].get("instance_ids")
+        )
 
     async def stop(self) -> None:
         frontend_probe.count_only(None)
