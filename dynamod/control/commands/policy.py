@@ -46,40 +46,112 @@ def policy_group() -> None:
     """Policy (weight) updates for the rollout shards, and the ledger."""
 
 
-def _update_command(name: str, path_help: str, doc: str) -> None:
-    """`push` and `publish` take the same arguments and report the same way."""
+def _ctx() -> click.Context | None:
+    return click.get_current_context(silent=True)
 
-    @policy_group.command(name, help=doc)
-    @click.option(
-        "--step",
-        type=click.IntRange(0, 2**63 - 1),
-        required=True,
-        help="Policy version (trainer step).",
-    )
-    @click.option("--path", "path", type=click.Path(path_type=Path), required=True, help=path_help)
-    @click.option("--json", "as_json", is_flag=True)
-    @click.pass_context
-    def command(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
-        client = _client(ctx)
-        send = client.policy_push if name == "push" else client.policy_publish
+
+def _acks(pairs: tuple[str, ...], acks_file: Path | None) -> dict[str, str | None] | None:
+    """`--ack SHARD=DIGEST` pairs and an `--acks FILE` (a JSON object, shard -> digest or
+    null) merged; None when neither is given. Raises click.UsageError with one line."""
+    if not pairs and acks_file is None:
+        return None
+    acks: dict[str, str | None] = {}
+    if acks_file is not None:
         try:
-            result = send(step, path.absolute())
-        except DaemonError as exc:
-            click.echo(f"dynamod: policy {name} failed: {exc}", err=True)
-            sys.exit(1)
-        _report(result, as_json)
+            data = json.loads(acks_file.read_text())
+        except OSError as exc:
+            raise click.UsageError(
+                f"--acks {acks_file}: cannot read it: {exc.strerror}", _ctx()
+            ) from None
+        except ValueError as exc:
+            raise click.UsageError(f"--acks {acks_file}: not JSON: {exc}", _ctx()) from None
+        if not isinstance(data, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, str)) for k, v in data.items()
+        ):
+            raise click.UsageError(
+                f"--acks {acks_file}: must be a JSON object of shard name -> digest (or null)",
+                _ctx(),
+            )
+        acks.update(data)
+    for pair in pairs:
+        shard, sep, digest = pair.partition("=")
+        if not sep or not shard or not digest:
+            raise click.UsageError(
+                f"--ack {pair!r}: expected SHARD=DIGEST, e.g. worker@0=3f2a...", _ctx()
+            )
+        acks[shard] = digest
+    return acks
 
 
-_update_command(
-    "push",
-    "Checkpoint directory holding the step's *.safetensors.",
-    "Load a checkpoint into every admitted shard (pause, load, reset KV, verify, resume).",
+def _send(ctx: click.Context, name: str, call: Any, as_json: bool) -> None:
+    try:
+        result = call(_client(ctx))
+    except DaemonError as exc:
+        click.echo(f"dynamod: policy {name} failed: {exc}", err=True)
+        sys.exit(1)
+    _report(result, as_json)
+
+
+_STEP = click.option(
+    "--step",
+    type=click.IntRange(0, 2**63 - 1),
+    required=True,
+    help="Policy version (trainer step).",
 )
-_update_command(
-    "publish",
-    "Where the step's weights can be loaded from (for replays).",
-    "Record a step the trainer loaded itself; verify the shards, hold mismatches.",
+
+
+@policy_group.command("push")
+@_STEP
+@click.option(
+    "--path",
+    "path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Checkpoint directory holding the step's *.safetensors.",
 )
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def push(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
+    """Load a checkpoint into every admitted shard (pause, load, reset KV, verify, resume)."""
+    _send(ctx, "push", lambda c: c.policy_push(step, path.absolute()), as_json)
+
+
+@policy_group.command("publish")
+@_STEP
+@click.option(
+    "--path",
+    "path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="Where the step's weights can be loaded from (for replays).",
+)
+@click.option(
+    "--ack",
+    "ack_pairs",
+    multiple=True,
+    metavar="SHARD=DIGEST",
+    help="A shard's acknowledgement: the digest it reported loading (repeatable). With any "
+    "ack given, an admitted shard without one is stale.",
+)
+@click.option(
+    "--acks",
+    "acks_file",
+    type=click.Path(path_type=Path),
+    help="JSON file of shard -> acknowledged digest (or null), merged with --ack.",
+)
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_context
+def publish(
+    ctx: click.Context,
+    step: int,
+    path: Path,
+    ack_pairs: tuple[str, ...],
+    acks_file: Path | None,
+    as_json: bool,
+) -> None:
+    """Record a step the trainer loaded itself; verify the shards, hold mismatches."""
+    acks = _acks(ack_pairs, acks_file)
+    _send(ctx, "publish", lambda c: c.policy_publish(step, path.absolute(), acks=acks), as_json)
 
 
 @policy_group.command("status")
