@@ -21,6 +21,8 @@ import torch
 from transformers import LlamaConfig as HFConfig
 from transformers import LlamaForCausalLM
 
+from dynamod.trainer.learner import Learner
+from dynamod.trainer.scoring import completion_logprobs, load_policy
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.llama import Llama, LlamaConfig
 from dynamod.workers.cpu.torch_engine import TorchEngine
@@ -261,6 +263,52 @@ def test_engine_greedy_matches_transformers_generate(tiny_dir: Path) -> None:
         assert completion == expected
 
 
+# ---------------------------------------------------------------- the trainer
+
+
+class HFPolicy:
+    """transformers' model behind the trainer's calling convention (logits, kv)."""
+
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[Any, None]:
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask).logits, None
+
+
+PROMPTS = [[1, 30, 31, 32, 33], [1, 40], [1, 50, 51]]
+COMPLETIONS = [[60, 61, 62], [70, 71, 72, 73, 74, 75], [80]]
+
+
+def test_trainer_scoring_matches_transformers(tiny_dir: Path) -> None:
+    ours, pad_id = load_policy(tiny_dir)
+    _, hf = tiny_pair(tiny_dir)
+    got = completion_logprobs(ours, PROMPTS, COMPLETIONS, pad_id)
+    expected = completion_logprobs(HFPolicy(hf), PROMPTS, COMPLETIONS, pad_id)
+    assert [len(row) for row in got] == [len(c) for c in COMPLETIONS]
+    for row, hf_row in zip(got, expected, strict=True):
+        assert row == pytest.approx(hf_row, abs=ATOL, rel=0)
+
+
+def test_learner_step_has_transformers_loss_and_gradients(tiny_dir: Path) -> None:
+    learner = Learner(tiny_dir, lr=1e-3, seed=0)
+    twin = Learner(tiny_dir, lr=1e-3, seed=0)
+    _, hf = tiny_pair(tiny_dir)
+    hf.train()
+    twin.model = HFPolicy(hf)  # type: ignore[assignment]
+    twin.optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-3)
+    advantages = [1.0, -0.5, 0.25]
+    loss = learner.step(PROMPTS, COMPLETIONS, advantages)
+    assert loss == pytest.approx(twin.step(PROMPTS, COMPLETIONS, advantages), abs=ATOL)
+    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
+    for name, param in learner.model.named_parameters():
+        assert param.grad is not None and hf_grads[name] is not None, name
+        torch.testing.assert_close(param.grad, hf_grads[name], atol=ATOL, rtol=1e-4)
+    assert any(
+        float(p.grad.abs().max()) > 0 for p in learner.model.parameters() if p.grad is not None
+    )
+
+
 # ---------------------------------------------------------------- the import
 
 
@@ -268,12 +316,20 @@ SERVING_PROBE = """
 import asyncio, sys
 from pathlib import Path
 from dynamod.workers.cpu.serve import main  # what python -m dynamod.workers.cpu imports
+from dynamod.workers.cpu.args import engine_args_for, parse_args
 from dynamod.workers.cpu.torch_engine import TorchEngine
 from dynamod.workers.weights import load_checkpoint
+# what serve() imports of Dynamo before it serves
+from dynamo.common.configuration.groups.router_args import build_router_config
+from dynamo.llm import register_model
+from dynamo.mocker.config import build_runtime_config
+from dynamo.runtime import DistributedRuntime
 {extra}
 
 async def build() -> None:
     model_dir = Path(sys.argv[1])
+    _, mocker = parse_args(["--engine", "torch", "--model-path", str(model_dir)])
+    build_runtime_config(engine_args_for(mocker))
     engine = TorchEngine(model_dir, load_checkpoint(model_dir), 4, 8, print)
     await engine.start()
     await engine.close()
