@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -358,3 +359,26 @@ def test_serving_path_does_not_import_transformers(tiny_dir: Path) -> None:
 
 def test_the_import_check_sees_transformers_when_it_is_imported(tiny_dir: Path) -> None:
     assert serving_imports_transformers(tiny_dir, extra="import transformers")
+
+
+def test_worker_refuses_an_unsupported_config_with_one_line_and_exit_2(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "scaled"
+    shutil.copytree(tiny_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "dynamod.workers.cpu", "--model-path", str(model_dir)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "DYN_SYSTEM_PORT": "20001"},
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if "dynamod.workers.cpu: error" in line]
+    assert len(errors) == 1, done.stderr
+    assert f"{model_dir / 'config.json'}: field 'rope_parameters'" in errors[0]
+    assert "Traceback" not in done.stderr
