@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -208,6 +209,11 @@ def test_transformers_4_rope_theta_field_is_read(tmp_path: Path) -> None:
     assert config.rope_theta == 123.0
 
 
+def test_null_key_value_heads_means_one_per_head() -> None:
+    config = LlamaConfig.from_dict({**RANDOM_GQA, "num_key_value_heads": None})
+    assert config.num_key_value_heads == config.num_attention_heads
+
+
 def test_wrong_shaped_state_dict_is_refused(tiny_dir: Path) -> None:
     tensors = dict(load_checkpoint(tiny_dir).tensors)
     tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(64, 64)
@@ -340,13 +346,16 @@ print("transformers" in sys.modules)
 """
 
 
-def serving_imports_transformers(model_dir: Path, extra: str = "") -> bool:
+def serving_imports_transformers(model_dir: Path, extra: str = "", path: str = "") -> bool:
     done = subprocess.run(
         [sys.executable, "-c", SERVING_PROBE.format(extra=extra), str(model_dir)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        env={
+            "PYTHONPATH": os.pathsep.join(filter(None, [path, str(ROOT)])),
+            "PATH": "/usr/bin:/bin",
+        },
         timeout=120,
         check=True,
     )
@@ -357,8 +366,14 @@ def test_serving_path_does_not_import_transformers(tiny_dir: Path) -> None:
     assert not serving_imports_transformers(tiny_dir)
 
 
-def test_the_import_check_sees_transformers_when_it_is_imported(tiny_dir: Path) -> None:
-    assert serving_imports_transformers(tiny_dir, extra="import transformers")
+def test_the_import_check_sees_transformers_when_it_is_imported(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """As if a serving module imported it again (an empty stand-in: the real import costs
+    seconds, and only its presence in sys.modules is under test)."""
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("")
+    assert serving_imports_transformers(tiny_dir, "import transformers", str(tmp_path))
 
 
 def test_worker_refuses_an_unsupported_config_with_one_line_and_exit_2(

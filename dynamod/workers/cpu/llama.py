@@ -87,7 +87,9 @@ class LlamaConfig:
         theta = _rope_theta(raw, where)
 
         def integer(name: str, default: int | None = None) -> int:
-            value = raw.get(name, default)
+            value = raw.get(name)
+            if value is None:  # absent or null: HF's default
+                value = default
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise refuse(name, "a positive integer")
             return value
