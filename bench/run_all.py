@@ -35,6 +35,7 @@ BENCHMARKS = [
     "load_kill",
     "outages",
     "tokens",
+    "worker_start",
     "cluster",
     "verl_checkpoint",
 ]

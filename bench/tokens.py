@@ -152,7 +152,7 @@ def main() -> None:
     report.notes.append(
         "The mocker computes nothing: its TTFT is the floor of the path through the frontend "
         "and Dynamo's runtime. The torch engine decodes all running requests in one forward "
-        "pass per token; at 8 concurrent its limit is that pass (HF LlamaForCausalLM, mostly "
+        "pass per token; at 8 concurrent its limit is that pass (dynamod's own Llama, mostly "
         "Python overhead on one thread) plus one chunk per token through the runtime."
     )
     report.data = results

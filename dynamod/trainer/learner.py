@@ -11,22 +11,24 @@ from dynamod.workers.weights import load_checkpoint
 
 
 class Learner:
-    """`transformers.LlamaForCausalLM` built from the model directory's config, holding
+    """The worker's Llama (`dynamod.workers.cpu.llama`, the same network and tensor names
+    as `transformers.LlamaForCausalLM`) built from the model directory's config, holding
     the weights a checkpoint (or the directory itself) gives it. Offline: nothing is
     fetched, the config and tensors are read from disk."""
 
     def __init__(self, model_dir: Path, lr: float, seed: int) -> None:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dynamod.workers.cpu.llama import Llama, LlamaConfig
 
         # One thread: the trainer shares the cores with the workers, and torch's spinning
         # intra-op threads slow everyone down more than they speed up a model this small.
         torch.set_num_threads(1)
         torch.manual_seed(seed)
-        config = LlamaConfig.from_json_file(str(model_dir / "config.json"))
-        self.model = LlamaForCausalLM(config)
-        self.vocab_size = int(config.vocab_size)
-        self.pad_id = int(config.pad_token_id or 0)
+        config = LlamaConfig.from_file(model_dir / "config.json")
+        self.model = Llama(config)
+        self.vocab_size = config.vocab_size
+        self.pad_id = config.pad_token_id or 0
         self.load(model_dir)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
@@ -35,7 +37,7 @@ class Learner:
         """Replace every weight with the checkpoint's (strict: same names, same shapes);
         returns the checkpoint's digest."""
         weights = load_checkpoint(checkpoint)
-        self.model.load_state_dict(dict(weights.tensors), strict=True)
+        self.model.load(weights.tensors, str(weights.source))
         return weights.digest
 
     def tensors(self) -> dict[str, Any]:
@@ -58,7 +60,7 @@ class Learner:
         rows = [p + c for p, c in zip(prompts, completions, strict=True)]
         input_ids, attention = padded_rows(rows, self.pad_id)
         length = int(input_ids.shape[1])
-        logits = self.model(input_ids=input_ids, attention_mask=attention).logits
+        logits, _ = self.model(input_ids, attention_mask=attention)
         logprobs = grpo.token_logprobs(logits, input_ids)
         mask = grpo.completion_mask(
             [len(p) for p in prompts], [len(c) for c in completions], length

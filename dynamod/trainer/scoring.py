@@ -37,7 +37,7 @@ def completion_logprobs(
     rows = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
     input_ids, attention = padded_rows(rows, pad_id)
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=attention).logits
+        logits, _ = model(input_ids, attention_mask=attention)
         logprobs = grpo.token_logprobs(logits, input_ids)
     out: list[list[float]] = []
     for row, (p, c) in enumerate(zip(prompts, completions, strict=True)):
@@ -46,13 +46,9 @@ def completion_logprobs(
 
 
 def load_policy(model_dir: Path, checkpoint: Path | None = None) -> tuple[Any, int]:
-    """(LlamaForCausalLM in eval mode, pad id) from the model directory's config, at the
+    """(the worker's Llama in eval mode, pad id) from the model directory's config, at the
     weights of `checkpoint` (default: the model directory's own)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from dynamod.workers.cpu.llama import Llama
 
-    config = LlamaConfig.from_json_file(str(model_dir / "config.json"))
-    model = LlamaForCausalLM(config)
-    weights = load_checkpoint(checkpoint or model_dir)
-    model.load_state_dict(dict(weights.tensors), strict=True)
-    model.eval()
-    return model, int(config.pad_token_id or 0)
+    model = Llama.from_dir(model_dir, load_checkpoint(checkpoint or model_dir).tensors)
+    return model, int(model.config.pad_token_id or 0)

@@ -45,21 +45,22 @@ def test_the_tolerance_is_the_boundary() -> None:
 
 
 def tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The trainer's model (the worker's Llama), randomly initialised."""
+    from dynamod.workers.cpu.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        pad_token_id=0,
+    config = LlamaConfig.from_dict(
+        {
+            "vocab_size": 32,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "pad_token_id": 0,
+        }
     )
-    model = LlamaForCausalLM(config)
-    model.eval()  # type: ignore[no-untyped-call]
-    return model
+    return Llama(config).eval()
 
 
 def test_completion_logprobs_equal_a_token_by_token_computation() -> None:
@@ -72,7 +73,7 @@ def test_completion_logprobs_equal_a_token_by_token_computation() -> None:
         for k, token in enumerate(completion):
             context = torch.tensor([row[: len(prompt) + k]])
             with torch.no_grad():
-                logits = model(input_ids=context).logits[0, -1]
+                logits = model(context)[0][0, -1]
             want = float(torch.log_softmax(logits, dim=-1)[token])
             assert got[k] == pytest.approx(want, abs=1e-5)
 

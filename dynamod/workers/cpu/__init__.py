@@ -28,7 +28,8 @@ replaced by `update_weights_from_disk`. The mocker's output does not depend on t
 what matters to the stack is which weights, which version, which digest.
 
 Modules, one job each: `errors` (the worker's error, Dynamo's typed engine death),
-`mocker` (the replaceable engine on a private runtime), `kv_events` (the KV event relay
+`torch_engine` (the default engine: the tiny model on CPU) and `llama` (its model, pure
+torch), `mocker` (the replaceable engine on a private runtime), `kv_events` (the KV event relay
 to the router), `admission` (admission, pause, weights and the RL admin routes),
 `routes` (registering handlers, upstream's taint route), `extension` (hosting a vLLM
 worker extension class, `--worker-extension-cls`: verl's colocated weight path), `args`

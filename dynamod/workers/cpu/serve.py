@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
             return 2
         finally:
-            # torch and transformers leave a large object graph; collecting it at exit
+            # torch leaves a large object graph; collecting it at exit
             # takes seconds on a busy machine and would stall a shutdown. Nothing in it
             # needs finalising (the runtime and the engine are already closed).
             gc.freeze()

@@ -21,7 +21,6 @@ import logging
 import queue
 import random
 import threading
-import warnings
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,7 @@ class _Sequence:
 
 
 class TorchEngine:
-    """`LlamaForCausalLM` from the model directory's config, at the weights given."""
+    """The model directory's Llama (`llama.Llama`, no transformers) at the weights given."""
 
     def __init__(
         self,
@@ -108,14 +107,12 @@ class TorchEngine:
 
     def _build(self) -> Any:
         import torch
-        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from dynamod.workers.cpu.llama import Llama
 
         torch.set_num_threads(self._threads)
-        config = LlamaConfig.from_json_file(str(self._model_dir / "config.json"))
-        self._max_len = int(config.max_position_embeddings)
-        model = LlamaForCausalLM(config)
-        model.load_state_dict(dict(self._weights.tensors), strict=True)
-        model.eval()
+        model = Llama.from_dir(self._model_dir, self._weights.tensors)
+        self._max_len = model.config.max_position_embeddings
         return model
 
     @property
@@ -221,8 +218,7 @@ class TorchEngine:
 
         torch.set_num_threads(self._threads)
         try:
-            with torch.inference_mode(), warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
+            with torch.inference_mode():
                 while self._turn():
                     pass
         except Exception as exc:
@@ -258,16 +254,6 @@ class TorchEngine:
             self._decode(list(self._running))
         return True
 
-    def _forward(self, tokens: list[int], cache: Any) -> Any:
-        import torch
-
-        out = self._model(
-            input_ids=torch.tensor([tokens], dtype=torch.long),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return out
-
     def _prefill(self, seq: _Sequence) -> None:
         import torch
 
@@ -276,12 +262,13 @@ class TorchEngine:
             seq.params.seed if seq.params.seed is not None else random.getrandbits(63)
         )
         blocks = self.cache.lookup(seq.prompt)
-        cache = _cache_from_blocks(blocks)
         seq.cached_tokens = len(blocks) * self.block_size
-        out = self._forward(seq.prompt[seq.cached_tokens :], cache)
-        seq.cache = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        logits, seq.cache = self._model(
+            torch.tensor([seq.prompt[seq.cached_tokens :]], dtype=torch.long),
+            past=_cache_from_blocks(blocks),
+        )
         self.cache.store(seq.prompt, lambda i: _block_kv(seq.cache, i, self.block_size))
-        self._emit_next(seq, out.logits[0, -1])
+        self._emit_next(seq, logits[0, -1])
 
     def _decode(self, batch: list[_Sequence]) -> None:
         """One token for every sequence in `batch`, in one forward pass.
@@ -296,23 +283,21 @@ class TorchEngine:
         mask = torch.zeros((len(batch), longest + 1), dtype=torch.long)
         for row, length in enumerate(lengths):
             mask[row, longest - length :] = 1
-        cache = _padded_cache([seq.cache for seq in batch], lengths, longest)
-        out = self._model(
-            input_ids=torch.tensor([[seq.generated[-1]] for seq in batch], dtype=torch.long),
+        logits, kv = self._model(
+            torch.tensor([[seq.generated[-1]] for seq in batch], dtype=torch.long),
+            past=_padded_cache([seq.cache for seq in batch], lengths, longest),
             attention_mask=mask,
             position_ids=torch.tensor([[length] for length in lengths], dtype=torch.long),
-            past_key_values=cache,
-            use_cache=True,
         )
         for row, seq in enumerate(batch):
             seq.cache = [
                 (
-                    torch.cat([keys, layer.keys[row : row + 1, :, -1:, :]], dim=2),
-                    torch.cat([values, layer.values[row : row + 1, :, -1:, :]], dim=2),
+                    torch.cat([keys, new_keys[row : row + 1, :, -1:, :]], dim=2),
+                    torch.cat([values, new_values[row : row + 1, :, -1:, :]], dim=2),
                 )
-                for (keys, values), layer in zip(seq.cache, out.past_key_values.layers, strict=True)
+                for (keys, values), (new_keys, new_values) in zip(seq.cache, kv, strict=True)
             ]
-            self._emit_next(seq, out.logits[row, -1])
+            self._emit_next(seq, logits[row, -1])
 
     def _emit_next(self, seq: _Sequence, logits: Any) -> None:
         params = seq.params
@@ -347,26 +332,28 @@ class TorchEngine:
             seq.emit(_END)
 
 
-def _cache_from_blocks(blocks: list[Any]) -> Any:
-    """A fresh DynamicCache holding the concatenated KV of cached blocks (or empty)."""
+def _cache_from_blocks(blocks: list[Any]) -> list[tuple[Any, Any]] | None:
+    """The concatenated per-layer KV of cached blocks (None when there are none)."""
     import torch
-    from transformers import DynamicCache
 
-    cache = DynamicCache()
-    if blocks:
-        for layer in range(len(blocks[0])):
-            keys = torch.cat([b[layer][0] for b in blocks], dim=2)
-            values = torch.cat([b[layer][1] for b in blocks], dim=2)
-            cache.update(keys, values, layer)
-    return cache
+    if not blocks:
+        return None
+    return [
+        (
+            torch.cat([b[layer][0] for b in blocks], dim=2),
+            torch.cat([b[layer][1] for b in blocks], dim=2),
+        )
+        for layer in range(len(blocks[0]))
+    ]
 
 
-def _padded_cache(caches: list[Any], lengths: list[int], longest: int) -> Any:
-    """One DynamicCache for a batch: each row's per-layer KV left-padded to `longest`."""
+def _padded_cache(
+    caches: list[list[tuple[Any, Any]]], lengths: list[int], longest: int
+) -> list[tuple[Any, Any]]:
+    """One batch KV: each row's per-layer keys and values left-padded to `longest`."""
     import torch
-    from transformers import DynamicCache
 
-    cache = DynamicCache()
+    padded = []
     for layer in range(len(caches[0])):
         keys0 = caches[0][layer][0]
         shape = (len(caches), keys0.shape[1], longest, keys0.shape[3])
@@ -375,8 +362,8 @@ def _padded_cache(caches: list[Any], lengths: list[int], longest: int) -> Any:
         for row, (kv, length) in enumerate(zip(caches, lengths, strict=True)):
             keys[row, :, longest - length :, :] = kv[layer][0][0]
             values[row, :, longest - length :, :] = kv[layer][1][0]
-        cache.update(keys, values, layer)
-    return cache
+        padded.append((keys, values))
+    return padded
 
 
 def _block_kv(kv: list[tuple[Any, Any]], index: int, block_size: int) -> list[tuple[Any, Any]]:
