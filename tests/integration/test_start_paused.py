@@ -154,6 +154,9 @@ def test_a_restarted_worker_serves_no_plain_request_before_it_is_admitted(
     assert pinned and {r["instance"] for r in pinned} == {new_instance}, burst.rows[:5]
     assert {r["digest"] for r in pinned} == {pushed["digest"]}
     assert [r for r in stream.rows if r["status"] != 200] == [], "plain requests were lost"
+    waits = sorted(r["done"] - r["sent"] for r in pinned)
+    print(f"pinned to the new instance: {len(pinned)} served of {len(burst.rows)}, "
+          f"longest wait {waits[-1]:.3f} s, median {waits[len(waits) // 2]:.3f} s")
     assert "paused until resume_generation admits it" in (
         dm.state_dir / "logs" / "worker@1.log"
     ).read_text()
