@@ -14,7 +14,10 @@ A rollout shard serves traffic only at the ledger's current policy version:
            while the process lives; a shard that cannot catch up stays out and says why.
 
 Trainer traffic requires the current version's taint (`nvext.routing_constraints`), so
-the kv router never sends it to a held or stale shard, whatever the timing.
+the kv router never sends it to a held or stale shard, whatever the timing. Plain traffic
+(no constraint) is kept off a (re)started shard by the shard itself: every shard is spawned
+with DYNAMOD_WORKER_START_PAUSED=1, so the CPU worker registers with Dynamo already
+paused and what the router sends it waits until the rejoin's resume admits it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dynamod.rollout.spares import Reason, Role, SparePool
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.spec import UnitSpec
 
 log = structlog.get_logger("dynamod.rollout.policy")
 
@@ -61,6 +65,10 @@ _ROUTE_RETRY_FIRST_S = 0.01
 # that rejoins is admitted without the current weights being replayed into it, so the
 # stale-serving checker has a real violation to catch. Read once, here only.
 ADMIT_WITHOUT_REPLAY = os.environ.get("DYNAMOD_TEST_ADMIT_WITHOUT_REPLAY") == "1"
+# Set on every shard spawned: the CPU worker (dynamod/workers/cpu/args.py, which names it
+# too: neither layer may import the other) starts paused, so it serves nothing before its
+# rejoin admits it. Other engines ignore it.
+START_PAUSED_ENV = "DYNAMOD_WORKER_START_PAUSED"
 
 
 class PolicyError(DynamodError):
@@ -164,6 +172,11 @@ class PolicyManager(Extension):
         for task in list(self._rejoins.values()):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    def spawn_env(self, unit: UnitSpec) -> Mapping[str, str]:
+        """A shard comes up paused, so it serves nothing before its rejoin admits it (the
+        rejoin's own pause is then a no-op and its resume the first admission)."""
+        return {START_PAUSED_ENV: "1"} if unit.name in self.shard_names else {}
 
     def routes(self) -> list[web.RouteDef]:
         async def step_and_path(request: web.Request) -> tuple[int, str]:

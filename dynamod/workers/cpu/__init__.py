@@ -1,7 +1,7 @@
 """CPU rollout worker: Dynamo's mocker engine behind dynamo.vllm's RL admin routes.
 
     python -m dynamod.workers.cpu --model-path DIR [--model-name NAME] [dynamo.mocker flags]
-                                  [--initial-version V] [--drain-timeout S]
+                                  [--initial-version V] [--drain-timeout S] [--start-paused]
 
 Two Dynamo runtimes share this process and its event loop:
 
@@ -14,7 +14,9 @@ Two Dynamo runtimes share this process and its event loop:
   with the same request and response shapes.
 
 Standing between the frontend and the engine is what makes those routes real:
-`pause_generation` stops admission (new requests wait until `resume_generation`),
+`pause_generation` stops admission (new requests wait until `resume_generation`; a
+worker started with `--start-paused`, as dynamod starts its shards, is paused from the
+moment it registers until dynamod's rejoin resumes it),
 `flush_cache` replaces the engine with a fresh one, which has no cached prefix
 blocks (the mocker offers no other reset; the public instance id stays the same),
 and every response carries the weight version it was admitted under, the weights'

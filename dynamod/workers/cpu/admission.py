@@ -63,6 +63,7 @@ class CpuWorker:
         version_declared: bool = False,
         drain_timeout: float = 60.0,
         serve_previous_weights: bool = False,
+        start_paused: bool = False,
     ) -> None:
         self.engine = engine
         self.weights = weights
@@ -75,7 +76,10 @@ class CpuWorker:
         self.instance_id: int | None = None
         self._lock = asyncio.Lock()
         self._changed = asyncio.Condition()
-        self._paused = False  # new requests wait at admission
+        # New requests wait at admission. A supervised worker starts so: it registers
+        # with Dynamo before dynamod can hold it, and must not serve its boot weights to
+        # whatever the router sends it meanwhile; the rejoin's resume admits it.
+        self._paused = start_paused
         self._holding = False  # in-flight output is held back (pause mode "keep")
         self._swapping = False  # the engine is being replaced; nothing enters it
         self._closing = False  # shutting down: nothing waits any more

@@ -8,6 +8,13 @@ from typing import Any
 
 from dynamod.workers.cpu.errors import WorkerError
 
+# Set to "1" by dynamod's policy manager on every rollout shard it spawns: the worker
+# starts paused and serves nothing until dynamod's rejoin (replay, KV reset, verify,
+# taint) ends with resume_generation. Same as --start-paused; stacks without a [policy]
+# (nothing would ever resume the worker) do not get it. dynamod/rollout/policy.py names it
+# too (neither layer may import the other; a unit test holds them equal).
+START_PAUSED_ENV = "DYNAMOD_WORKER_START_PAUSED"
+
 
 def parse_version(text: str) -> int | str:
     """`--initial-version` as the JSON value a trainer would send: an integer step or text."""
@@ -57,6 +64,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     own.add_argument(
         "--initial-version",
         help="weight version declared at start (an integer step or text); default: undeclared",
+    )
+    own.add_argument(
+        "--start-paused",
+        action="store_true",
+        default=os.environ.get(START_PAUSED_ENV) == "1",
+        help=(
+            "start paused: a request that reaches the worker waits until "
+            "resume_generation admits it (dynamod sets this on the shards it supervises, "
+            f"via {START_PAUSED_ENV}=1); health probes pass. Default: serve at once"
+        ),
     )
     own.add_argument(
         "--drain-timeout",

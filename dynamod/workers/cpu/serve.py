@@ -100,6 +100,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         version_declared=ours.initial_version is not None,
         drain_timeout=ours.drain_timeout,
         serve_previous_weights=ours.test_serve_previous_weights,
+        start_paused=ours.start_paused,
     )
     worker.instance_id = endpoint.connection_id()
     extension = None
@@ -143,11 +144,12 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, shutdown)
 
     log.info(
-        "serving %s as instance %s (etcd lease %x), version %s",
+        "serving %s as instance %s (etcd lease %x), version %s%s",
         mocker.endpoint,
         worker.instance_id,
         worker.instance_id or 0,
         worker.version if worker.version_declared else "undeclared",
+        ", paused until resume_generation admits it" if ours.start_paused else "",
     )
     try:
         await endpoint.serve_endpoint(
