@@ -102,6 +102,13 @@ class DynamoRegistrations(Extension):
         assert self.daemon is not None
         return self.daemon.stack.name
 
+    @property
+    def node(self) -> str | None:
+        """This daemon's node in a cluster stack (its lease records are keyed by it)."""
+        assert self.daemon is not None
+        cluster = self.daemon.stack.cluster
+        return cluster.node if cluster is not None else None
+
     async def _sweep_stale(self) -> None:
         """Once, before any Dynamo worker unit has started: revoke every registration in the
         stack's namespaces that belongs to no live unit (`stale_leases`), and forget this
@@ -122,12 +129,13 @@ class DynamoRegistrations(Extension):
                 async with EtcdClient(
                     endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S
                 ) as etcd:
-                    store = LeaseRecords(etcd, self.stack)
+                    store = LeaseRecords(etcd, self.stack, self.node)
                     records = [r for r in await store.every_stack() if r.namespace == namespace]
                     # other nodes' live workers (a multi-node stack) are never revoked here
                     keep = await self.others_live() if self.others_live is not None else set()
-                    ours = {i for r in records if r.stack == self.stack for i in r.instance_ids}
-                    others = {i for r in records if r.stack != self.stack for i in r.instance_ids}
+                    mine = [r for r in records if r.owned_by(self.stack, self.node)]
+                    ours = {i for r in mine for i in r.instance_ids}
+                    others = {i for r in records if r not in mine for i in r.instance_ids}
                     registered = {
                         inst.lease_id or inst.instance_id
                         for inst in await dynamo.list_instances(etcd, namespace)
@@ -136,9 +144,8 @@ class DynamoRegistrations(Extension):
                     leases = sorted(stale_leases(registered, ours - keep, others))
                     for lease in leases:
                         await dynamo.revoke_instance(etcd, lease)
-                    for record in records:
-                        if record.stack == self.stack:
-                            await store.forget(record.unit)
+                    for record in mine:
+                        await store.forget(record)
             except (TimeoutError, EtcdError):
                 return
             kept = sorted(registered & others)
@@ -210,7 +217,7 @@ class DynamoRegistrations(Extension):
         assert self.daemon is not None and self.daemon.engine is not None
         try:
             async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
-                await LeaseRecords(etcd, self.stack).record(name, namespace, ids)
+                await LeaseRecords(etcd, self.stack, self.node).record(name, namespace, ids)
         except (TimeoutError, EtcdError) as exc:
             log.warning(
                 "dynamo.lease_record_failed",
@@ -231,7 +238,7 @@ class DynamoRegistrations(Extension):
                 for instance_id in ids:
                     keys = await dynamo.revoke_instance(etcd, instance_id)
                     revoked[f"{instance_id:x}"] = len(keys)
-                await LeaseRecords(etcd, self.stack).forget_if(name, ids)
+                await LeaseRecords(etcd, self.stack, self.node).forget_if(name, ids)
         except (TimeoutError, EtcdError) as exc:
             log.error(
                 "dynamo.revoke_failed",
