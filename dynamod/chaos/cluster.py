@@ -1,8 +1,10 @@
 """A simulated cluster for tests and benchmarks: a netns `Sandbox` with one node per name
 (the first is the head), the cluster stack file rewritten with the sandbox's addresses,
-one `dynamod up --node NAME --detach` per node with its own state dir, CLI calls against
-each node's daemon, load from a thread inside the head's namespace, and a `close` that
-stops every daemon it started and removes the sandbox."""
+the secrets directory a stack with `[cluster] secrets` needs (made for those addresses by
+`dynamod secrets init`), one `dynamod up --node NAME --detach` per node with its own state
+dir, CLI calls against each node's daemon, load from a thread inside the head's namespace,
+a unit's process frozen and thawed (SIGSTOP / SIGCONT), and a `close` that stops every
+daemon it started and removes the sandbox."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +34,7 @@ from dynamod.rollout import dynamo
 
 NODE_NAMES = ("head", "n1", "n2", "n3", "n4")
 _NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
+_SECRETS_LINE = re.compile(r'^secrets = "([^"]+)"', re.MULTILINE)
 
 
 class ClusterError(DynamodError):
@@ -70,9 +74,21 @@ class ClusterRig:
             raise ClusterError(f"{self.source}: no `nodes = {{...}}` line to rewrite")
         text = _NODES_LINE.sub(f"nodes = {{ {nodes} }}", text, count=1)
         # includes are relative to the stock stack's folder
-        text = text.replace('include = ["../', f'include = ["{self.source.parent.parent}/')
+        text = re.sub(r'"\.\./', f'"{self.source.parent.parent}/', text)
         self.stack_file.write_text(text)
+        secrets_dir = _SECRETS_LINE.search(text)
+        if secrets_dir:  # relative to the stack file, as `up` reads it
+            self._init_secrets(self.work_dir / secrets_dir.group(1))
         return self
+
+    def _init_secrets(self, path: Path) -> None:
+        nodes = ",".join(f"{n}={self.address(n)}" for n in self.names)
+        made = subprocess.run(
+            [sys.executable, "-m", "dynamod", "secrets", "init", str(path), "--nodes", nodes],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        if made.returncode != 0:
+            raise ClusterError(f"dynamod secrets init {path} failed: {made.stderr[-2000:]}")
 
     def _cli(self, node: str, *args: str) -> list[str]:
         return [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir(node)), *args]
@@ -174,6 +190,23 @@ class ClusterRig:
         view = self.status(self.names[0])["cluster"]
         entry = next(n for n in view["nodes"] if n["name"] == node)
         return {i for u in entry["units"] for i in u["instance_ids"]}
+
+    def unit_pid(self, node: str, unit: str) -> int:
+        pid = next(u for u in self.status(node)["units"] if u["name"] == unit)["pid"]
+        if pid is None:
+            raise ClusterError(f"{unit} on {node} runs no process")
+        return int(pid)
+
+    def freeze(self, node: str, unit: str) -> int:
+        """SIGSTOP the unit's process (it holds its sockets and answers nothing, as a
+        member cut off would); returns the pid for `thaw`."""
+        pid = self.unit_pid(node, unit)
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def thaw(self, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # restarted meanwhile: nothing frozen
+            os.kill(pid, signal.SIGCONT)
 
     def cut(self, node: str) -> None:
         assert self.sandbox is not None

@@ -41,7 +41,7 @@ from dynamod.core.restart import Exit
 from dynamod.core.spec import DynamoFrontendProbe, PolicySpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
 from dynamod.rollout.spares import Reason, Role, SparePool
 
@@ -128,8 +128,9 @@ class PolicyManager(Extension):
       POST /policy/spares    {"sleep": true|false}: spares sleep (control/sleep) or wake
     """
 
-    def __init__(self, spec: PolicySpec) -> None:
+    def __init__(self, spec: PolicySpec, *, etcd_auth: EtcdAuth | None = None) -> None:
         self.spec = spec
+        self.etcd_auth = etcd_auth  # a cluster stack's credentials for its ledger's etcd
         self.daemon: Daemon | None = None
         self._lock = asyncio.Lock()  # one policy operation at a time
         self._rejoins: dict[str, asyncio.Task[None]] = {}
@@ -153,7 +154,9 @@ class PolicyManager(Extension):
         daemon.engine.lost_listeners.append(self.spares.on_lost)
         if self.spec.store == "etcd":
             assert self.spec.etcd
-            self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
+            self._etcd = EtcdClient(
+                self.spec.etcd, session=daemon.engine.session, auth=self.etcd_auth
+            )
         else:
             self._file = FileLedger(daemon.state.path / "policy.json")
 

@@ -30,7 +30,7 @@ from dynamod.core.restart import Exit
 from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, frontend_probe
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import LeaseRecords
 
 if TYPE_CHECKING:
@@ -56,8 +56,9 @@ def stale_leases(registered: set[int], ours: set[int], others: set[int]) -> set[
 class DynamoRegistrations(Extension):
     """A daemon extension that is also the engine hook for Dynamo worker units."""
 
-    def __init__(self) -> None:
+    def __init__(self, etcd_auth: EtcdAuth | None = None) -> None:
         self.daemon: Daemon | None = None
+        self.etcd_auth = etcd_auth  # a cluster stack's credentials for the workers' etcd
         self._refresher: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
         # key -> (unit name, etcd endpoint, instance ids) whose revocation failed; retried
@@ -127,7 +128,8 @@ class DynamoRegistrations(Extension):
         for endpoint, namespace in sorted(targets):
             try:
                 async with EtcdClient(
-                    endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S
+                    endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S,
+                    auth=self.etcd_auth,
                 ) as etcd:
                     store = LeaseRecords(etcd, self.stack, self.node)
                     records = [r for r in await store.every_stack() if r.namespace == namespace]
@@ -172,7 +174,7 @@ class DynamoRegistrations(Extension):
         session = self.daemon.engine.session
         ids: list[int] = []
         error = None
-        async with EtcdClient(spec.etcd, session=session) as etcd:
+        async with EtcdClient(spec.etcd, session=session, auth=self.etcd_auth) as etcd:
             for _ in range(_ID_ATTEMPTS):
                 try:
                     ids = await dynamo.instance_ids_for_worker(
@@ -216,7 +218,9 @@ class DynamoRegistrations(Extension):
         """Keep a live worker's lease ids where they outlive this daemon."""
         assert self.daemon is not None and self.daemon.engine is not None
         try:
-            async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
+            async with EtcdClient(
+                endpoint, session=self.daemon.engine.session, auth=self.etcd_auth
+            ) as etcd:
                 await LeaseRecords(etcd, self.stack, self.node).record(name, namespace, ids)
         except (TimeoutError, EtcdError) as exc:
             log.warning(
@@ -234,7 +238,9 @@ class DynamoRegistrations(Extension):
         started = time.monotonic()
         revoked: dict[str, Any] = {}
         try:
-            async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
+            async with EtcdClient(
+                endpoint, session=self.daemon.engine.session, auth=self.etcd_auth
+            ) as etcd:
                 for instance_id in ids:
                     keys = await dynamo.revoke_instance(etcd, instance_id)
                     revoked[f"{instance_id:x}"] = len(keys)
