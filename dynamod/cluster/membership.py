@@ -1,11 +1,13 @@
 """A node's membership in its cluster, as a daemon extension: it writes this node's entry
 in the registry on a lease of its own (refreshed three times per `lease_ttl`, rewritten on
-every unit state change), reads everyone's entries for `status`, and, while it holds the
-leader key, turns a node whose lease expired into a lost record and revokes that node's
-Dynamo registrations so the router stops using its shards. Back in contact after its own
-lease expired, it restarts the shards whose registrations were revoked (they rejoin held,
-at the ledger's current version); and it follows the ledger, so a push made on another node
-reaches this node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
+every unit state change), reads everyone's entries for `status` again at every change
+under the stack's registry prefix (a watch; a read every second besides, in case the watch
+is down), and, while it holds the leader key, turns a node whose lease expired into a lost
+record the moment etcd deletes its entry and revokes that node's Dynamo registrations so
+the router stops using its shards. Back in contact after its own lease expired, it
+restarts the shards whose registrations were revoked (they rejoin held, at the ledger's
+current version); and it follows the ledger, so a push made on another node reaches this
+node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dynamod.cluster.membership")
 
-WATCH_INTERVAL_S = 0.2
+READ_FALLBACK_S = 1.0  # a read without a change seen: covers a watch being re-opened
+WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
 LEDGER_FOLLOW_S = 0.5
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
@@ -73,6 +76,7 @@ class Membership(Extension):
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
         self._dirty = asyncio.Event()
+        self._changed = asyncio.Event()  # the watch saw a change under the registry prefix
         self._tasks: list[asyncio.Task[None]] = []
         self._restarting: set[str] = set()
 
@@ -107,6 +111,7 @@ class Membership(Extension):
         self._tasks = [
             loop.create_task(self._publish_loop(), name="cluster-publish"),
             loop.create_task(self._watch_loop(), name="cluster-watch"),
+            loop.create_task(self._read_loop(), name="cluster-read"),
         ]
         if self.policy is not None:
             self._tasks.append(loop.create_task(self._follow_loop(), name="cluster-ledger"))
@@ -273,12 +278,27 @@ class Membership(Extension):
     # ------------------------------------------------------------------ everyone's entries
 
     async def _watch_loop(self) -> None:
+        """Wake the reader at every change under the registry prefix: a node's entry
+        deleted by its lease's expiry is acted on at once, not at the next poll."""
+        assert self.etcd is not None
         while True:
+            try:
+                async for _ in self.etcd.watch_prefix(registry.prefix(self.stack)):
+                    self._changed.set()
+            except _FAILURES as exc:
+                self._failed("watch", exc)
+            self._changed.set()  # the stream ended: read now, changes may have been missed
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    async def _read_loop(self) -> None:
+        while True:
+            self._changed.clear()
             try:
                 await self._read()
             except _FAILURES as exc:
                 self._failed("read", exc)
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), READ_FALLBACK_S)
 
     async def _read(self) -> None:
         assert self.etcd is not None
