@@ -61,6 +61,18 @@ _ROUTE_RETRY_FIRST_S = 0.01
 # that rejoins is admitted without the current weights being replayed into it, so the
 # stale-serving checker has a real violation to catch. Read once, here only.
 ADMIT_WITHOUT_REPLAY = os.environ.get("DYNAMOD_TEST_ADMIT_WITHOUT_REPLAY") == "1"
+# Setting a shard's taints is Dynamo's own write to etcd (its model card). Dynamo 1.6.1's
+# etcd client fails a call in flight to a member that stopped answering ("Internal etcd
+# error: ... KeepAliveTimedOut", seen with the head's member of a 3-member etcd frozen) and
+# sends the next one to another member: the write is idempotent, so it is sent again.
+_ETCD_TRANSIENT = "Internal etcd error"
+_TAINT_ATTEMPTS = 4
+_TAINT_RETRY_S = 0.5
+
+
+def is_transient_etcd_failure(route: str, detail: str) -> bool:
+    """A failed taint write that another attempt may get through (Dynamo's etcd client)."""
+    return route == "update/model_taints" and _ETCD_TRANSIENT in detail
 
 
 class PolicyError(DynamodError):
@@ -343,7 +355,18 @@ class PolicyManager(Extension):
 
         async def step(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
             started = time.monotonic()
-            reply = await self._call(unit, route, payload)
+            for attempt in range(1, _TAINT_ATTEMPTS + 1):
+                try:
+                    reply = await self._call(unit, route, payload)
+                    break
+                except ShardError as exc:
+                    if attempt == _TAINT_ATTEMPTS or not is_transient_etcd_failure(
+                        route, exc.detail
+                    ):
+                        raise
+                    log.warning("policy.step_retried", unit=unit.name, step=name,
+                                attempt=attempt, error=exc.detail[:300])  # fmt: skip
+                    await asyncio.sleep(_TAINT_RETRY_S)
             timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
             return reply
 

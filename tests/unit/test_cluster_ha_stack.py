@@ -88,3 +88,13 @@ def test_login_wait_gives_up_when_its_time_is_spent(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(etcd_auth.time, "sleep", lambda _: None)
     with pytest.raises(etcd_auth.EtcdAuthError, match=r"checked for 0\.5 s"):
         etcd_auth.run_until([], None, "n1", "s", wait_s=0.5, binary="etcdctl")  # type: ignore[arg-type]
+
+
+def test_only_a_taint_write_that_dynamos_etcd_client_failed_is_sent_again() -> None:
+    from dynamod.rollout.policy import is_transient_etcd_failure
+
+    said = ('HTTP 500: {"message":"Python callback failed: Exception: Internal etcd error: '
+            'grpc request error: ... KeepAliveTimedOut"}')  # fmt: skip
+    assert is_transient_etcd_failure("update/model_taints", said)
+    assert not is_transient_etcd_failure("update_weights_from_disk", said)
+    assert not is_transient_etcd_failure("update/model_taints", "HTTP 500: bad taint name")
