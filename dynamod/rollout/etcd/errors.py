@@ -60,6 +60,10 @@ class Failure:
 
 # Markers in gRPC's details text: it reports a failed handshake as UNAVAILABLE, like a refusal.
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
+# A handshake the peer broke off by going away (a member killed, stopping, or its port reset)
+# is no verdict on our credentials: another member may answer.
+_GONE_MARKERS = ("connection reset", "endpoint closing", "broken pipe", "socket closed")
+_VERDICT_MARKERS = ("certificate", "bad_certificate", "unknown_ca", "wrong_version", "alert")
 
 
 # gRPC's prefix before the reason a connection failed: "failed to connect to all addresses;
@@ -86,6 +90,12 @@ def classify(
     low = text.lower()
     if code == "DEADLINE_EXCEEDED":
         return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s")
+    if (
+        code == "UNAVAILABLE"
+        and any(m in low for m in _GONE_MARKERS)
+        and not any(m in low for m in _VERDICT_MARKERS)
+    ):
+        return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
     if code == "UNAVAILABLE" and any(m in low for m in _TLS_MARKERS):
         return Failure(FailureKind.TLS, _tls_detail(low, text, client_cert))
     if code == "UNAVAILABLE" and "timed out" in low:
