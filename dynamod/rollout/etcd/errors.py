@@ -103,6 +103,13 @@ def classify(
         return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s ({text})")
     if code == "UNAVAILABLE":
         return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
+    if "authentication is not enabled" in low:
+        # Our login, refused because this member has auth off: before the cluster's auth
+        # is on (all members say so), or a member that has not caught up (seen: one member
+        # kept saying so for a minute while the others served logins): try another.
+        return Failure(
+            FailureKind.UNREACHABLE, "it has authentication off, so our login cannot be used"
+        )
     if code == "UNAUTHENTICATED" and "invalid auth token" in low:
         return Failure(FailureKind.TOKEN_EXPIRED, "the auth token expired")
     if "authentication failed" in low:
