@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -29,7 +30,7 @@ from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
@@ -42,6 +43,7 @@ log = structlog.get_logger("dynamod.cluster.membership")
 READ_FALLBACK_S = 1.0  # a read without a change seen: covers a watch being re-opened
 WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
+ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 
@@ -79,6 +81,8 @@ class Membership(Extension):
         self._changed = asyncio.Event()  # the watch saw a change under the registry prefix
         self._tasks: list[asyncio.Task[None]] = []
         self._restarting: set[str] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        self._auth: EtcdAuth | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -97,12 +101,8 @@ class Membership(Extension):
         engine = self.engine
         # Every registry endpoint (the client fails over between them), with the cluster's
         # etcd credentials when the stack has a secrets directory.
-        self.etcd = EtcdClient(
-            list(self.cluster.registry),
-            session=engine.session,
-            timeout_s=CALL_TIMEOUT_S,
-            auth=load_etcd_auth(self.cluster.secrets, self.cluster.node),
-        )
+        self._auth = load_etcd_auth(self.cluster.secrets, self.cluster.node)
+        self.etcd = self._new_client()
         engine.listeners.append(self._on_change)
         self.registrations.others_live = self.others_live
         if self.policy is not None:
@@ -115,6 +115,28 @@ class Membership(Extension):
         ]
         if self.policy is not None:
             self._tasks.append(loop.create_task(self._follow_loop(), name="cluster-ledger"))
+
+    def _new_client(self) -> EtcdClient:
+        return EtcdClient(
+            list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth
+        )
+
+    async def _bounded(self, what: str, round_: Awaitable[None]) -> None:
+        """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own
+        deadline, yet the cluster-ha test saw a node's rounds stop for good after the
+        start-up TLS and auth failures with nothing logged. A round that overruns gets a
+        fresh client (new connections); the old one is closed behind it."""
+        try:
+            await asyncio.wait_for(round_, ROUND_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("cluster.registry_stuck", node=self.cluster.node, round=what,
+                        seconds=ROUND_TIMEOUT_S, action="new etcd client")  # fmt: skip
+            old, self.etcd = self.etcd, self._new_client()
+            if old is not None:
+                task = asyncio.get_running_loop().create_task(old.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            raise
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -197,7 +219,7 @@ class Membership(Extension):
         period = self.cluster.lease_ttl / 3
         while True:
             try:
-                await self._publish()
+                await self._bounded("publish", self._publish())
             except Exception as exc:  # a loop that died would leave this node unseen
                 self._failed("publish", exc)
             with contextlib.suppress(TimeoutError):
@@ -301,7 +323,7 @@ class Membership(Extension):
         while True:
             self._changed.clear()
             try:
-                await self._read()
+                await self._bounded("read", self._read())
             except Exception as exc:  # as in _publish_loop
                 self._failed("read", exc)
             with contextlib.suppress(TimeoutError):
