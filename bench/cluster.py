@@ -145,8 +145,8 @@ def main() -> None:
     report.notes.append(
         "Detection is bounded below by the registry lease: a cut node's entry expires "
         "2-3 s after its last keep-alive (every ttl/3), plus up to 0.5 s until etcd's "
-        "lessor revokes it, plus the 0.2 s poll; then the leader revokes its Dynamo leases "
-        "and the router drops them within milliseconds."
+        "lessor revokes it; the leader's registry watch sees the delete at once, revokes "
+        "the node's Dynamo leases and the router drops them within milliseconds."
     )
     emit(report, args.json)
 

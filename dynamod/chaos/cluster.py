@@ -1,8 +1,11 @@
 """A simulated cluster for tests and benchmarks: a netns `Sandbox` with one node per name
 (the first is the head), the cluster stack file rewritten with the sandbox's addresses,
-one `dynamod up --node NAME --detach` per node with its own state dir, CLI calls against
-each node's daemon, load from a thread inside the head's namespace, and a `close` that
-stops every daemon it started and removes the sandbox."""
+the secrets directory a stack with `[cluster] secrets` needs (made for those addresses by
+`dynamod secrets init`), one `dynamod up --node NAME --detach` per node with its own state
+dir, CLI calls against each node's daemon, load from a thread inside the head's namespace,
+a unit held down (killed, its port taken by a socket that resets every connection, so it
+cannot come back and its clients fail over at once), and a `close` that stops every daemon
+it started and removes the sandbox."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ import asyncio
 import contextlib
 import os
 import re
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -31,6 +37,7 @@ from dynamod.rollout import dynamo
 
 NODE_NAMES = ("head", "n1", "n2", "n3", "n4")
 _NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
+_SECRETS_LINE = re.compile(r'^secrets = "([^"]+)"', re.MULTILINE)
 
 
 class ClusterError(DynamodError):
@@ -70,9 +77,21 @@ class ClusterRig:
             raise ClusterError(f"{self.source}: no `nodes = {{...}}` line to rewrite")
         text = _NODES_LINE.sub(f"nodes = {{ {nodes} }}", text, count=1)
         # includes are relative to the stock stack's folder
-        text = text.replace('include = ["../', f'include = ["{self.source.parent.parent}/')
+        text = re.sub(r'"\.\./', f'"{self.source.parent.parent}/', text)
         self.stack_file.write_text(text)
+        secrets_dir = _SECRETS_LINE.search(text)
+        if secrets_dir:  # relative to the stack file, as `up` reads it
+            self._init_secrets(self.work_dir / secrets_dir.group(1))
         return self
+
+    def _init_secrets(self, path: Path) -> None:
+        nodes = ",".join(f"{n}={self.address(n)}" for n in self.names)
+        made = subprocess.run(
+            [sys.executable, "-m", "dynamod", "secrets", "init", str(path), "--nodes", nodes],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        if made.returncode != 0:
+            raise ClusterError(f"dynamod secrets init {path} failed: {made.stderr[-2000:]}")
 
     def _cli(self, node: str, *args: str) -> list[str]:
         return [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir(node)), *args]
@@ -175,6 +194,19 @@ class ClusterRig:
         entry = next(n for n in view["nodes"] if n["name"] == node)
         return {i for u in entry["units"] for i in u["instance_ids"]}
 
+    def hold_down(self, node: str, unit: str, port: str) -> PortHold:
+        """SIGKILL the unit's process and take its `port` on the node's address before
+        dynamod's restart can: the unit cannot start again (its bind fails) and every
+        connection to the port is reset, as to a member that is gone. `release` heals."""
+        entry = next(u for u in self.status(node)["units"] if u["name"] == unit)
+        if entry["pid"] is None:
+            raise ClusterError(f"{unit} on {node} runs no process")
+        number = int(entry["ports"][port])
+        address = self.address(node)
+        os.kill(int(entry["pid"]), signal.SIGKILL)
+        listener: socket.socket = self.in_node(node, lambda: _bind_when_free(address, number))
+        return PortHold(listener, f"{address}:{number}")
+
     def cut(self, node: str) -> None:
         assert self.sandbox is not None
         self.sandbox.cut(self.names.index(node))
@@ -208,6 +240,52 @@ class ClusterRig:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _bind_when_free(address: str, port: int, timeout: float = 5.0) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+            sock.listen(64)
+            return sock
+        except OSError as exc:
+            sock.close()
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"could not take {address}:{port}: {exc}") from None
+            time.sleep(0.002)
+
+
+class PortHold:
+    """A taken port that resets every connection (SO_LINGER 0), until `release`."""
+
+    def __init__(self, listener: socket.socket, where: str) -> None:
+        import threading
+
+        self.listener = listener
+        self.where = where
+        self.resets = 0
+        self._thread = threading.Thread(target=self._reset_all, name="port-hold", daemon=True)
+        self._thread.start()
+
+    def _reset_all(self) -> None:
+        linger = struct.pack("ii", 1, 0)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # released
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            conn.close()
+            self.resets += 1
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
+        self.listener.close()
+        self._thread.join(timeout=5)
 
 
 class NodeLoad(LoadGenerator):

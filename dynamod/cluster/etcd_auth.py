@@ -3,10 +3,12 @@ an idempotent oneshot on the head once the members are healthy): the root user, 
 user with a role limited to the stack's key prefixes (`v1/`, where Dynamo 1.6.1 registers
 instances, model cards, event channels and sources; `dynamod/<stack>/` for dynamod's
 ledger and registry), then `auth enable`; `--check` logs in as the stack's user and writes
-and reads a key under its prefix. It drives etcdctl (gRPC, TLS with the node's client
-certificate): etcd 3.5.1's JSON gateway refuses every request once auth and client
-certificates are both on. Passwords go to etcdctl on stdin or in ETCDCTL_USER, never on a
-command line. A refusal names the endpoint, the user and what etcd said."""
+and reads a key under its prefix (with `--wait S`, again until it works: every node's
+oneshot that its Dynamo units wait for, since the head turns auth on). It drives etcdctl
+(gRPC, TLS with the node's client certificate): etcd 3.5.1's JSON gateway refuses every
+request once auth and client certificates are both on. Passwords go to etcdctl on stdin or
+in ETCDCTL_USER, never on a command line. A refusal names the endpoint, the user and what
+etcd said."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,10 @@ _HANDSHAKE = re.compile(r"authentication handshake failed: ([^\"\\]+)")
 
 class EtcdAuthError(DynamodError):
     """etcd refused a credential or a change, or could not be reached."""
+
+
+class EtcdRefusal(EtcdAuthError):
+    """etcd refused a credential: an answer that no retry and no other member changes."""
 
 
 def stack_prefixes(stack: str) -> list[str]:
@@ -92,7 +99,7 @@ class Etcdctl:
             return said
         if "authentication failed" in said or "user name" in said or "TLS handshake" in said:
             who = user[0] if user else "(none)"
-            raise EtcdAuthError(f"etcd at {self.endpoint} refused user {who!r}: {said}")
+            raise EtcdRefusal(f"etcd at {self.endpoint} refused user {who!r}: {said}")
         raise EtcdAuthError(f"etcd at {self.endpoint}: {what} failed: {said}")
 
 
@@ -156,11 +163,27 @@ def run(endpoints: list[str], loaded: secrets.Secrets, node: str, stack: str, *,
         ctl = Etcdctl(endpoint, loaded, node, binary)
         try:
             return check(ctl, stack) if only_check else enable(ctl, stack)
+        except EtcdRefusal:
+            raise  # a refusal is an answer; another member would say the same
         except EtcdAuthError as exc:
-            if "refused" in str(exc):
-                raise  # a refusal is an answer; another member would say the same
             errors.append(str(exc))
     raise EtcdAuthError("; ".join(errors))
+
+
+def run_until(endpoints: list[str], loaded: secrets.Secrets, node: str, stack: str, *,
+              wait_s: float, binary: str) -> str:  # fmt: skip
+    """`--check` again every second until it passes (auth is not on yet, or no member
+    answers) or `wait_s` is spent; a refusal ends it at once (it would not change)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return run(endpoints, loaded, node, stack, only_check=True, binary=binary)
+        except EtcdRefusal:
+            raise
+        except EtcdAuthError as exc:
+            if time.monotonic() + 1.0 > deadline:
+                raise EtcdAuthError(f"{exc} (checked for {wait_s:g} s)") from None
+        time.sleep(1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,6 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="only log in as the stack's user and write/read a key under its prefix",
     )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --check: retry until it passes, for up to S seconds",
+    )
     args = parser.parse_args(argv)
     binary = shutil.which("etcdctl")
     if binary is None:
@@ -182,7 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         loaded = secrets.load(Path(args.secrets))
         endpoints = [e.strip().rstrip("/") for e in args.endpoints.split(",") if e.strip()]
-        print(run(endpoints, loaded, args.node, args.stack, only_check=args.check, binary=binary))
+        if args.check and args.wait > 0:
+            done = run_until(
+                endpoints, loaded, args.node, args.stack, wait_s=args.wait, binary=binary
+            )
+        else:
+            done = run(endpoints, loaded, args.node, args.stack, only_check=args.check,
+                       binary=binary)  # fmt: skip
+        print(done)
     except secrets.SecretsError as exc:
         print(f"dynamod.cluster.etcd_auth: {exc}", file=sys.stderr)
         return 2

@@ -1,11 +1,13 @@
 """A node's membership in its cluster, as a daemon extension: it writes this node's entry
 in the registry on a lease of its own (refreshed three times per `lease_ttl`, rewritten on
-every unit state change), reads everyone's entries for `status`, and, while it holds the
-leader key, turns a node whose lease expired into a lost record and revokes that node's
-Dynamo registrations so the router stops using its shards. Back in contact after its own
-lease expired, it restarts the shards whose registrations were revoked (they rejoin held,
-at the ledger's current version); and it follows the ledger, so a push made on another node
-reaches this node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
+every unit state change), reads everyone's entries for `status` again at every change
+under the stack's registry prefix (a watch; a read every second besides, in case the watch
+is down), and, while it holds the leader key, turns a node whose lease expired into a lost
+record the moment etcd deletes its entry and revokes that node's Dynamo registrations so
+the router stops using its shards. Back in contact after its own lease expired, it
+restarts the shards whose registrations were revoked (they rejoin held, at the ledger's
+current version); and it follows the ledger, so a push made on another node reaches this
+node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,7 +30,7 @@ from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
@@ -37,8 +40,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dynamod.cluster.membership")
 
-WATCH_INTERVAL_S = 0.2
+READ_FALLBACK_S = 1.0  # a read without a change seen: covers a watch being re-opened
+WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
+ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 
@@ -73,8 +78,11 @@ class Membership(Extension):
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
         self._dirty = asyncio.Event()
+        self._changed = asyncio.Event()  # the watch saw a change under the registry prefix
         self._tasks: list[asyncio.Task[None]] = []
         self._restarting: set[str] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        self._auth: EtcdAuth | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -93,12 +101,8 @@ class Membership(Extension):
         engine = self.engine
         # Every registry endpoint (the client fails over between them), with the cluster's
         # etcd credentials when the stack has a secrets directory.
-        self.etcd = EtcdClient(
-            list(self.cluster.registry),
-            session=engine.session,
-            timeout_s=CALL_TIMEOUT_S,
-            auth=load_etcd_auth(self.cluster.secrets, self.cluster.node),
-        )
+        self._auth = load_etcd_auth(self.cluster.secrets, self.cluster.node)
+        self.etcd = self._new_client()
         engine.listeners.append(self._on_change)
         self.registrations.others_live = self.others_live
         if self.policy is not None:
@@ -107,9 +111,32 @@ class Membership(Extension):
         self._tasks = [
             loop.create_task(self._publish_loop(), name="cluster-publish"),
             loop.create_task(self._watch_loop(), name="cluster-watch"),
+            loop.create_task(self._read_loop(), name="cluster-read"),
         ]
         if self.policy is not None:
             self._tasks.append(loop.create_task(self._follow_loop(), name="cluster-ledger"))
+
+    def _new_client(self) -> EtcdClient:
+        return EtcdClient(
+            list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth
+        )
+
+    async def _bounded(self, what: str, round_: Awaitable[None]) -> None:
+        """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own
+        deadline, yet the cluster-ha test saw a node's rounds stop for good after the
+        start-up TLS and auth failures with nothing logged. A round that overruns gets a
+        fresh client (new connections); the old one is closed behind it."""
+        try:
+            await asyncio.wait_for(round_, ROUND_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("cluster.registry_stuck", node=self.cluster.node, round=what,
+                        seconds=ROUND_TIMEOUT_S, action="new etcd client")  # fmt: skip
+            old, self.etcd = self.etcd, self._new_client()
+            if old is not None:
+                task = asyncio.get_running_loop().create_task(old.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            raise
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -192,8 +219,8 @@ class Membership(Extension):
         period = self.cluster.lease_ttl / 3
         while True:
             try:
-                await self._publish()
-            except _FAILURES as exc:
+                await self._bounded("publish", self._publish())
+            except Exception as exc:  # a loop that died would leave this node unseen
                 self._failed("publish", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), period)
@@ -265,20 +292,42 @@ class Membership(Extension):
         return [self.engine.units[n] for n in self.daemon.stack.shards()]
 
     def _failed(self, what: str, exc: BaseException) -> None:
+        """Record a failed registry call. The background loops survive every exception: one
+        that is not an etcd failure would otherwise end its loop silently and leave this
+        node's view, or its entry, frozen for good (the cluster-ha test once saw every node
+        stay `unknown` with no registry error logged after the start-up TLS failures; the
+        exception was not captured, so `unexpected` now says when one is not etcd's)."""
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         if text != self.error:
-            log.warning("cluster.registry_unreachable", node=self.cluster.node, error=text)
+            unexpected = not isinstance(exc, _FAILURES)
+            log.warning("cluster.registry_unreachable", node=self.cluster.node, error=text,
+                        unexpected=unexpected)  # fmt: skip
         self.error = text
 
     # ------------------------------------------------------------------ everyone's entries
 
     async def _watch_loop(self) -> None:
+        """Wake the reader at every change under the registry prefix: a node's entry
+        deleted by its lease's expiry is acted on at once, not at the next poll."""
+        assert self.etcd is not None
         while True:
             try:
-                await self._read()
-            except _FAILURES as exc:
+                async for _ in self.etcd.watch_prefix(registry.prefix(self.stack)):
+                    self._changed.set()
+            except Exception as exc:  # as in _publish_loop
+                self._failed("watch", exc)
+            self._changed.set()  # the stream ended: read now, changes may have been missed
+            await asyncio.sleep(WATCH_RETRY_S)
+
+    async def _read_loop(self) -> None:
+        while True:
+            self._changed.clear()
+            try:
+                await self._bounded("read", self._read())
+            except Exception as exc:  # as in _publish_loop
                 self._failed("read", exc)
-            await asyncio.sleep(WATCH_INTERVAL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), READ_FALLBACK_S)
 
     async def _read(self) -> None:
         assert self.etcd is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dynamod.cluster.exposure import ExposureWatch
 from dynamod.cluster.membership import Membership
+from dynamod.cluster.secrets import load_etcd_auth
 from dynamod.cluster.secrets_env import SecretsEnv
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
@@ -33,12 +34,20 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
     Dynamo units); a cluster stack's secrets for its Dynamo units; the policy manager for a
     stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
     frontend_probe.register()
-    registrations = DynamoRegistrations()
-    extensions: list[Extension] = [registrations, ExposureWatch()]
     secrets_dir = _secrets_dir(stack)
+    # dynamod's own etcd clients (lease revocation, the ledger) log in as the stack's user
+    etcd_auth = (
+        load_etcd_auth(secrets_dir, stack.cluster.node if stack.cluster else None)
+        if secrets_dir
+        else None
+    )
+    registrations = DynamoRegistrations(etcd_auth)
+    extensions: list[Extension] = [registrations, ExposureWatch()]
     if secrets_dir:
         extensions.append(SecretsEnv(Path(secrets_dir)))
-    policy = PolicyManager(stack.policy) if stack.policy is not None else None
+    policy = (
+        PolicyManager(stack.policy, etcd_auth=etcd_auth) if stack.policy is not None else None
+    )
     if policy is not None:
         extensions.append(policy)
     if stack.cluster is not None:

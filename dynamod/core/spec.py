@@ -80,6 +80,20 @@ def _http_url(value: str) -> str:
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
 
 
+def _http_urls(value: str) -> str:
+    """One http(s) URL or a comma-separated list of them (as ETCD_ENDPOINTS holds: every
+    member of a replicated etcd, so a client fails over between them); each is checked."""
+    items = [item.strip() for item in value.split(",")]
+    if not all(items):
+        raise ValueError(f"expected comma-separated http(s) URLs, got {value!r}")
+    for item in items:
+        _http_url(item)
+    return value
+
+
+HttpUrls = Annotated[str, AfterValidator(_http_urls)]
+
+
 class _ProbeBase(_Model):
     interval: float = _seconds(0.2, positive=True, description="seconds between attempts")
     timeout: float = _seconds(2.0, positive=True, description="seconds one attempt may take")
@@ -201,7 +215,7 @@ class StopSpec(_Model):
 class DynamoWorkerSpec(_Model):
     """Marks a unit as a Dynamo worker: on death its etcd registration is revoked at once."""
 
-    etcd: HttpUrl
+    etcd: HttpUrls
     namespace: str
     system_url: HttpUrl
 
@@ -210,7 +224,9 @@ class PolicySpec(_Model):
     """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
 
     store: Literal["etcd", "file"] = "etcd"
-    etcd: HttpUrl | None = Field(None, description="etcd endpoint when store = 'etcd'")
+    etcd: HttpUrls | None = Field(
+        None, description="etcd endpoint(s), comma-separated, when store = 'etcd'"
+    )
     shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
     keep: int = _count(
         3, minimum=1, maximum=1000, description="policy versions kept in the ledger's history"

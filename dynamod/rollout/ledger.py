@@ -7,11 +7,14 @@ without etcd, in a JSON file in the state dir. Keys (etcd):
     dynamod/<stack>/policy/history/<v:012>  the same, one per kept version (last K)
     dynamod/<stack>/shards/<name>           {"applied_version", "digest", "acked_at", "last_error"}
     dynamod/<stack>/leases/<unit>           {"namespace", "instance_ids", "recorded_at"}
+    dynamod/<stack>/leases/<node>/<unit>    the same, in a cluster stack (one key a node's unit)
 
 The `leases` keys (`LeaseRecords`) are kept in the etcd the workers register in, for every
 Dynamo stack, with or without a ledger: each live worker unit's Dynamo instance ids (= its
 etcd lease ids), so a daemon started after one that was SIGKILLed knows which
-registrations its own dead units left, and which belong to another stack's live units.
+registrations its own dead units left, and which belong to another stack's live units. In
+a cluster stack every node has workers of the same unit names (`worker@0`), so the key
+names the node too; a record of the single-node shape is still read (as no node's).
 """
 
 from __future__ import annotations
@@ -125,27 +128,54 @@ class LeaseRecord:
     unit: str
     namespace: str
     instance_ids: tuple[int, ...]
+    node: str | None = None  # None: a single-node stack's record (or one from before nodes)
+
+    def owned_by(self, stack: str, node: str | None) -> bool:
+        """Whether the daemon of `stack` on `node` owns this record: its stack's, and its
+        node's or of the single-node shape (which only a single node, or the same node
+        before its stack had a [cluster] table, wrote)."""
+        return self.stack == stack and self.node in (None, node)
+
+
+def lease_key(stack: str, node: str | None, unit: str) -> str:
+    """The key of a unit's lease record (`leases/<unit>`, or `leases/<node>/<unit>`)."""
+    return stack_prefix(stack) + "leases/" + (f"{node}/{unit}" if node else unit)
+
+
+def parse_lease_key(key: str) -> tuple[str, str | None, str] | None:
+    """(stack, node or None, unit) of a lease record's key; None for any other key."""
+    stack, sep, rest = key.removeprefix("dynamod/").partition("/leases/")
+    if not key.startswith("dynamod/") or not sep or "/" in stack or not stack or not rest:
+        return None
+    node, slash, unit = rest.partition("/")
+    if not slash:
+        return stack, None, rest
+    if not node or not unit or "/" in unit:
+        return None
+    return stack, node, unit
 
 
 class LeaseRecords:
-    """Each live Dynamo worker unit's lease ids, in etcd beside the ledger (one key a unit)."""
+    """Each live Dynamo worker unit's lease ids, in etcd beside the ledger (one key a unit,
+    per node in a cluster stack)."""
 
-    def __init__(self, etcd: EtcdClient, stack: str) -> None:
+    def __init__(self, etcd: EtcdClient, stack: str, node: str | None = None) -> None:
         self.etcd = etcd
         self.stack = stack
-        self.prefix = stack_prefix(stack) + "leases/"
+        self.node = node
 
     async def record(self, unit: str, namespace: str, instance_ids: list[int]) -> None:
         data = {"namespace": namespace, "instance_ids": instance_ids, "recorded_at": now()}
-        await self.etcd.put(self.prefix + unit, json.dumps(data))
+        await self.etcd.put(lease_key(self.stack, self.node, unit), json.dumps(data))
 
-    async def forget(self, unit: str) -> None:
-        await self.etcd.delete(self.prefix + unit)
+    async def forget(self, record: LeaseRecord) -> None:
+        await self.etcd.delete(lease_key(record.stack, record.node, record.unit))
 
     async def forget_if(self, unit: str, instance_ids: list[int]) -> None:
         """Forget the unit's record if it still names these ids (a restarted unit may have
         recorded its new ones already)."""
-        raw = await self.etcd.get(self.prefix + unit)
+        key = lease_key(self.stack, self.node, unit)
+        raw = await self.etcd.get(key)
         if raw is None:
             return
         try:
@@ -153,14 +183,14 @@ class LeaseRecords:
         except (ValueError, KeyError, TypeError):
             held = set()
         if not held or held <= set(instance_ids):
-            await self.etcd.delete(self.prefix + unit)
+            await self.etcd.delete(key)
 
     async def every_stack(self) -> list[LeaseRecord]:
         """The records of every stack that keeps them in this etcd (this one included)."""
         records = []
         for kv in await self.etcd.get_prefix("dynamod/"):
-            stack, sep, unit = kv.key[len("dynamod/") :].partition("/leases/")
-            if not sep or "/" in stack or not unit:
+            parsed = parse_lease_key(kv.key)
+            if parsed is None:
                 continue
             try:
                 data = json.loads(kv.value)
@@ -168,7 +198,8 @@ class LeaseRecords:
                 namespace = str(data["namespace"])
             except (ValueError, KeyError, TypeError):
                 continue  # not ours to judge: a foreign key under dynamod/
-            records.append(LeaseRecord(stack, unit, namespace, ids))
+            stack, node, unit = parsed
+            records.append(LeaseRecord(stack, unit, namespace, ids, node))
         return records
 
 

@@ -44,7 +44,7 @@ from dynamod.core.restart import Exit
 from dynamod.core.spec import DynamoFrontendProbe, PolicySpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
 from dynamod.rollout.spares import Reason, Role, SparePool
 
@@ -69,6 +69,19 @@ ADMIT_WITHOUT_REPLAY = os.environ.get("DYNAMOD_TEST_ADMIT_WITHOUT_REPLAY") == "1
 # too: neither layer may import the other) starts paused, so it serves nothing before its
 # rejoin admits it. Other engines ignore it.
 START_PAUSED_ENV = "DYNAMOD_WORKER_START_PAUSED"
+
+# Setting a shard's taints is Dynamo's own write to etcd (its model card). Dynamo 1.6.1's
+# etcd client fails a call in flight to a member that stopped answering ("Internal etcd
+# error: ... KeepAliveTimedOut", seen with the head's member of a 3-member etcd frozen) and
+# sends the next one to another member: the write is idempotent, so it is sent again.
+_ETCD_TRANSIENT = "Internal etcd error"
+_TAINT_ATTEMPTS = 4
+_TAINT_RETRY_S = 0.5
+
+
+def is_transient_etcd_failure(route: str, detail: str) -> bool:
+    """A failed taint write that another attempt may get through (Dynamo's etcd client)."""
+    return route == "update/model_taints" and _ETCD_TRANSIENT in detail
 
 
 class PolicyError(DynamodError):
@@ -136,8 +149,9 @@ class PolicyManager(Extension):
       POST /policy/spares    {"sleep": true|false}: spares sleep (control/sleep) or wake
     """
 
-    def __init__(self, spec: PolicySpec) -> None:
+    def __init__(self, spec: PolicySpec, *, etcd_auth: EtcdAuth | None = None) -> None:
         self.spec = spec
+        self.etcd_auth = etcd_auth  # a cluster stack's credentials for its ledger's etcd
         self.daemon: Daemon | None = None
         self._lock = asyncio.Lock()  # one policy operation at a time
         self._rejoins: dict[str, asyncio.Task[None]] = {}
@@ -161,7 +175,9 @@ class PolicyManager(Extension):
         daemon.engine.lost_listeners.append(self.spares.on_lost)
         if self.spec.store == "etcd":
             assert self.spec.etcd
-            self._etcd = EtcdClient(self.spec.etcd, session=daemon.engine.session)
+            self._etcd = EtcdClient(
+                self.spec.etcd, session=daemon.engine.session, auth=self.etcd_auth
+            )
         else:
             self._file = FileLedger(daemon.state.path / "policy.json")
 
@@ -353,7 +369,18 @@ class PolicyManager(Extension):
 
         async def step(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
             started = time.monotonic()
-            reply = await self._call(unit, route, payload)
+            for attempt in range(1, _TAINT_ATTEMPTS + 1):
+                try:
+                    reply = await self._call(unit, route, payload)
+                    break
+                except ShardError as exc:
+                    if attempt == _TAINT_ATTEMPTS or not is_transient_etcd_failure(
+                        route, exc.detail
+                    ):
+                        raise
+                    log.warning("policy.step_retried", unit=unit.name, step=name,
+                                attempt=attempt, error=exc.detail[:300])  # fmt: skip
+                    await asyncio.sleep(_TAINT_RETRY_S)
             timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
             return reply
 

@@ -30,7 +30,7 @@ from dynamod.core.restart import Exit
 from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, frontend_probe
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import LeaseRecords
 
 if TYPE_CHECKING:
@@ -56,8 +56,9 @@ def stale_leases(registered: set[int], ours: set[int], others: set[int]) -> set[
 class DynamoRegistrations(Extension):
     """A daemon extension that is also the engine hook for Dynamo worker units."""
 
-    def __init__(self) -> None:
+    def __init__(self, etcd_auth: EtcdAuth | None = None) -> None:
         self.daemon: Daemon | None = None
+        self.etcd_auth = etcd_auth  # a cluster stack's credentials for the workers' etcd
         self._refresher: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
         # key -> (unit name, etcd endpoint, instance ids) whose revocation failed; retried
@@ -118,6 +119,13 @@ class DynamoRegistrations(Extension):
         assert self.daemon is not None
         return self.daemon.stack.name
 
+    @property
+    def node(self) -> str | None:
+        """This daemon's node in a cluster stack (its lease records are keyed by it)."""
+        assert self.daemon is not None
+        cluster = self.daemon.stack.cluster
+        return cluster.node if cluster is not None else None
+
     async def _sweep_stale(self) -> None:
         """Once, before any Dynamo worker unit has started: revoke every registration in the
         stack's namespaces that belongs to no live unit (`stale_leases`), and forget this
@@ -136,14 +144,16 @@ class DynamoRegistrations(Extension):
         for endpoint, namespace in sorted(targets):
             try:
                 async with EtcdClient(
-                    endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S
+                    endpoint, session=engine.session, timeout_s=_SWEEP_TIMEOUT_S,
+                    auth=self.etcd_auth,
                 ) as etcd:
-                    store = LeaseRecords(etcd, self.stack)
+                    store = LeaseRecords(etcd, self.stack, self.node)
                     records = [r for r in await store.every_stack() if r.namespace == namespace]
                     # other nodes' live workers (a multi-node stack) are never revoked here
                     keep = await self.others_live() if self.others_live is not None else set()
-                    ours = {i for r in records if r.stack == self.stack for i in r.instance_ids}
-                    others = {i for r in records if r.stack != self.stack for i in r.instance_ids}
+                    mine = [r for r in records if r.owned_by(self.stack, self.node)]
+                    ours = {i for r in mine for i in r.instance_ids}
+                    others = {i for r in records if r not in mine for i in r.instance_ids}
                     registered = {
                         inst.lease_id or inst.instance_id
                         for inst in await dynamo.list_instances(etcd, namespace)
@@ -152,9 +162,8 @@ class DynamoRegistrations(Extension):
                     leases = sorted(stale_leases(registered, ours - keep, others))
                     for lease in leases:
                         await dynamo.revoke_instance(etcd, lease)
-                    for record in records:
-                        if record.stack == self.stack:
-                            await store.forget(record.unit)
+                    for record in mine:
+                        await store.forget(record)
             except (TimeoutError, EtcdError):
                 return
             kept = sorted(registered & others)
@@ -181,7 +190,7 @@ class DynamoRegistrations(Extension):
         session = self.daemon.engine.session
         ids: list[int] = []
         error = None
-        async with EtcdClient(spec.etcd, session=session) as etcd:
+        async with EtcdClient(spec.etcd, session=session, auth=self.etcd_auth) as etcd:
             for _ in range(_ID_ATTEMPTS):
                 try:
                     ids = await dynamo.instance_ids_for_worker(
@@ -225,8 +234,10 @@ class DynamoRegistrations(Extension):
         """Keep a live worker's lease ids where they outlive this daemon."""
         assert self.daemon is not None and self.daemon.engine is not None
         try:
-            async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
-                await LeaseRecords(etcd, self.stack).record(name, namespace, ids)
+            async with EtcdClient(
+                endpoint, session=self.daemon.engine.session, auth=self.etcd_auth
+            ) as etcd:
+                await LeaseRecords(etcd, self.stack, self.node).record(name, namespace, ids)
         except (TimeoutError, EtcdError) as exc:
             log.warning(
                 "dynamo.lease_record_failed",
@@ -243,11 +254,13 @@ class DynamoRegistrations(Extension):
         started = time.monotonic()
         revoked: dict[str, Any] = {}
         try:
-            async with EtcdClient(endpoint, session=self.daemon.engine.session) as etcd:
+            async with EtcdClient(
+                endpoint, session=self.daemon.engine.session, auth=self.etcd_auth
+            ) as etcd:
                 for instance_id in ids:
                     keys = await dynamo.revoke_instance(etcd, instance_id)
                     revoked[f"{instance_id:x}"] = len(keys)
-                await LeaseRecords(etcd, self.stack).forget_if(name, ids)
+                await LeaseRecords(etcd, self.stack, self.node).forget_if(name, ids)
         except (TimeoutError, EtcdError) as exc:
             log.error(
                 "dynamo.revoke_failed",

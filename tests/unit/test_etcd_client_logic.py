@@ -104,3 +104,24 @@ def test_auth_repr_hides_secrets() -> None:
     auth = EtcdAuth("dynamod", "pw", "-----BEGIN CA", "-----BEGIN CERT", "-----BEGIN KEY")
     assert repr(auth) == "EtcdAuth(user='dynamod')"
     assert auth.tls and not EtcdAuth("u", "p").tls
+
+
+def test_a_handshake_the_member_broke_off_by_going_away_fails_over() -> None:
+    for gone in (
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.1.0.1:2379: "
+        "Handshake read failed (recvmsg:Connection reset by peer (104))",
+        "Handshake read failed (Endpoint closing)",
+    ):
+        failure = classify("UNAVAILABLE", gone, user="dynamod", timeout_s=1)
+        assert failure.kind is FailureKind.UNREACHABLE and failure.try_another_endpoint, gone
+    # a verdict on our certificate stays a refusal, even when the connection then drops
+    alert = "Ssl handshake failed: SSLV3_ALERT_BAD_CERTIFICATE; Connection reset by peer"
+    assert classify("UNAVAILABLE", alert, user="dynamod", timeout_s=1).kind is FailureKind.TLS
+
+
+def test_a_member_with_auth_off_is_passed_over_for_another() -> None:
+    failure = classify("FAILED_PRECONDITION", "etcdserver: authentication is not enabled",
+                       user="dynamod", timeout_s=1)  # fmt: skip
+    assert failure.try_another_endpoint and "authentication off" in failure.detail
+    other = classify("FAILED_PRECONDITION", "etcdserver: something else", user="d", timeout_s=1)
+    assert not other.try_another_endpoint

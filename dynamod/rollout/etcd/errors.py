@@ -60,6 +60,10 @@ class Failure:
 
 # Markers in gRPC's details text: it reports a failed handshake as UNAVAILABLE, like a refusal.
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
+# A handshake the peer broke off by going away (a member killed, stopping, or its port reset)
+# is no verdict on our credentials: another member may answer.
+_GONE_MARKERS = ("connection reset", "endpoint closing", "broken pipe", "socket closed")
+_VERDICT_MARKERS = ("certificate", "bad_certificate", "unknown_ca", "wrong_version", "alert")
 
 
 # gRPC's prefix before the reason a connection failed: "failed to connect to all addresses;
@@ -86,6 +90,12 @@ def classify(
     low = text.lower()
     if code == "DEADLINE_EXCEEDED":
         return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s")
+    if (
+        code == "UNAVAILABLE"
+        and any(m in low for m in _GONE_MARKERS)
+        and not any(m in low for m in _VERDICT_MARKERS)
+    ):
+        return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
     if code == "UNAVAILABLE" and any(m in low for m in _TLS_MARKERS):
         return Failure(FailureKind.TLS, _tls_detail(low, text, client_cert))
     if code == "UNAVAILABLE" and "timed out" in low:
@@ -93,6 +103,13 @@ def classify(
         return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s ({text})")
     if code == "UNAVAILABLE":
         return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
+    if "authentication is not enabled" in low:
+        # Our login, refused because this member has auth off: before the cluster's auth
+        # is on (all members say so), or a member that has not caught up (seen: one member
+        # kept saying so for a minute while the others served logins): try another.
+        return Failure(
+            FailureKind.UNREACHABLE, "it has authentication off, so our login cannot be used"
+        )
     if code == "UNAUTHENTICATED" and "invalid auth token" in low:
         return Failure(FailureKind.TOKEN_EXPIRED, "the auth token expired")
     if "authentication failed" in low:
