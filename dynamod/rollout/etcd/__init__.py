@@ -4,6 +4,7 @@ the job: `client` (the calls), `connection` (one member, TLS and tokens), `endpo
 and failover order), `errors` (what failed, in one line), `records` (the values).
 """
 
+from dynamod.rollout.etcd import nofork  # noqa: F401  (first: before anything imports grpc)
 from dynamod.rollout.etcd.client import DEFAULT_TIMEOUT_S, EtcdClient
 from dynamod.rollout.etcd.endpoints import Endpoint, EndpointError, parse_endpoints
 from dynamod.rollout.etcd.errors import EtcdAuthError, EtcdError
