@@ -47,6 +47,7 @@ Listener = Callable[["Unit", UnitState, UnitState], None]
 EnvSource = Callable[[UnitSpec], Mapping[str, str]]
 ProbeListener = Callable[["Unit", str, ProbeResult], None]  # unit, "ready" | "live", result
 LostListener = Callable[["Unit", str], None]  # unit, why: about to be killed as lost (hung)
+RestackListener = Callable[[Stack], None]  # the stack re-rendered (a port moved at a spawn)
 
 
 @dataclass(eq=False)  # identity: one object per supervised instance
@@ -126,6 +127,7 @@ class Engine:
         self.listeners: list[Listener] = []
         self.probe_listeners: list[ProbeListener] = []
         self.lost_listeners: list[LostListener] = []
+        self.restack_listeners: list[RestackListener] = []
         self.env_sources: list[EnvSource] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
@@ -474,10 +476,9 @@ class Engine:
             f"port {n} {old} taken by {_owners(owners.get(n, []))}, moved to {new}"
             for n, (old, new) in moved.ports.items()
         )
-        if moved.stack.policy != self.stack.policy:
-            log.warning("unit.ports_moved_policy_stale", unit=unit.name,
-                        consequence="the [policy] table references the old port until `up` again")
         self.stack = moved.stack
+        for listener in self.restack_listeners:  # e.g. the [policy] table's etcd endpoint
+            listener(moved.stack)
         for name in [unit.name, *moved.referencing]:
             self.units[name].spec = moved.stack.units[name]
         log.warning("unit.ports_moved", unit=unit.name, moved=what, re_rendered=moved.referencing)

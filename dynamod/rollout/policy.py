@@ -41,7 +41,7 @@ from aiohttp import web
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
-from dynamod.core.spec import DynamoFrontendProbe, PolicySpec
+from dynamod.core.spec import DynamoFrontendProbe, PolicySpec, Stack
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
@@ -157,6 +157,7 @@ class PolicyManager(Extension):
         self._rejoins: dict[str, asyncio.Task[None]] = {}
         self.current_version: int | None = None  # None until the ledger was first read
         self._etcd: EtcdClient | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # etcd clients left for a moved port
         self._file: FileLedger | None = None
         self.shard_names: set[str] = set()
         self.spares = SparePool(self, spec.spares)
@@ -173,13 +174,29 @@ class PolicyManager(Extension):
         daemon.engine.hooks.append(self)
         daemon.engine.hooks.insert(0, self.spares)
         daemon.engine.lost_listeners.append(self.spares.on_lost)
+        daemon.engine.restack_listeners.append(self.restacked)
         if self.spec.store == "etcd":
-            assert self.spec.etcd
-            self._etcd = EtcdClient(
-                self.spec.etcd, session=daemon.engine.session, auth=self.etcd_auth
-            )
+            self._etcd = self._etcd_client()
         else:
             self._file = FileLedger(daemon.state.path / "policy.json")
+
+    def _etcd_client(self) -> EtcdClient:
+        assert self.spec.etcd and self.daemon is not None and self.daemon.engine is not None
+        return EtcdClient(self.spec.etcd, session=self.daemon.engine.session, auth=self.etcd_auth)
+
+    def restacked(self, stack: Stack) -> None:
+        """The engine re-rendered the stack (a port it references moved): the ledger's etcd
+        endpoint follows, so the next push, publish or replay talks to where etcd is now."""
+        if stack.policy is None or stack.policy == self.spec:
+            return
+        moved = stack.policy.etcd != self.spec.etcd
+        self.spec = stack.policy
+        if moved and self._etcd is not None:
+            old, self._etcd = self._etcd, self._etcd_client()
+            task = asyncio.get_running_loop().create_task(old.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            log.info("policy.etcd_moved", etcd=str(self.spec.etcd))
 
     async def stop(self) -> None:
         await self.spares.stop()

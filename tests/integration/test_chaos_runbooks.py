@@ -90,8 +90,10 @@ def verdict_problems(stock: Runbook, journal: dict[str, Any]) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("group", GROUPS, ids=[
-    g[0].name + (f"+{len(g) - 1}" if len(g) > 1 else "") for g in GROUPS])
+# Each stack group is its own xdist group: `make test` (-n 2) spreads them over both workers.
+@pytest.mark.parametrize("group", [
+    pytest.param(g, marks=pytest.mark.xdist_group(f"chaos-{g[0].name}"),
+                 id=g[0].name + (f"+{len(g) - 1}" if len(g) > 1 else "")) for g in GROUPS])
 def test_every_runbook_quick_profile(group: list[Runbook], tmp_path: Path) -> None:
     journals = [j.as_dict() for j in runner.run_group(
         [with_broken_checks(rb) for rb in group], Profile.QUICK, tmp_path, echo=print)]

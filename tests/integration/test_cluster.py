@@ -21,7 +21,10 @@ from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
 
 REASON = can_create_namespaces()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+    pytest.mark.xdist_group("netns"),  # one simulated cluster at a time (make test runs -n 2)
+]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/unified")
 

@@ -27,7 +27,10 @@ from dynamod.chaos.node_loss import make_checkpoint
 from dynamod.core import paths
 
 REASON = can_create_namespaces()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+    pytest.mark.xdist_group("netns"),  # one simulated cluster at a time (make test runs -n 2)
+]
 
 STACK = paths.units_dir() / "stacks" / "cluster-ha.toml"
 SECRET_FIELDS = ("etcd_root_password", "etcd_password", "nats_password", "nats_route_password")

@@ -21,7 +21,7 @@ import pytest
 
 from dynamod.chaos.netns import Sandbox, can_create_namespaces
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("netns")]
 BIN = Path(sys.executable).parent
 UNITS = Path(__file__).resolve().parents[2] / "units"
 REASON = can_create_namespaces()

@@ -23,7 +23,10 @@ from dynamod.chaos.netns import Sandbox, can_create_namespaces
 from dynamod.cluster import secrets, tls
 
 REASON = can_create_namespaces()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+    pytest.mark.xdist_group("netns"),  # one simulated cluster at a time (make test runs -n 2)
+]
 
 NAMES = ["head", "n1", "n2"]
 CLIENT, PEER, METRICS = 2379, 2380, 2381

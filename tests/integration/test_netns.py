@@ -13,7 +13,10 @@ import pytest
 from dynamod.chaos.netns import Sandbox, SandboxError, can_create_namespaces
 
 REASON = can_create_namespaces()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=f"no network namespaces: {REASON}"),
+    pytest.mark.xdist_group("netns"),  # one simulated cluster at a time (make test runs -n 2)
+]
 
 
 PORT = 7070

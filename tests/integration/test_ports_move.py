@@ -86,3 +86,45 @@ def test_a_port_taken_before_a_restart_is_allocated_again(dm: Dynamod, tmp_path:
             assert unit_by_name(status, name)["ports"] == unit_by_name(first, name)["ports"]
     finally:
         foreign.close()
+
+
+def test_etcd_moved_to_a_new_port_takes_the_policy_ledger_with_it(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    """etcd's client port taken between its death and its restart: etcd moves, the units
+    that name the port restart against it, and the [policy] ledger (kept in etcd, its
+    endpoint templated from that port) follows, so a push after the move commits."""
+    from tests.integration.policystack import checkpoint, model_dir, push, write_stack
+
+    units = ROOT / "units"
+    etcd = (units / "etcd.toml").read_text().replace(
+        "[units.etcd.restart]\n", f"[units.etcd.restart]\nfirst_delay = {RESTART_DELAY_S}\n"
+    )
+    assert f"first_delay = {RESTART_DELAY_S}" in etcd
+    (tmp_path / "etcd.toml").write_text(etcd)
+    path = write_stack(tmp_path / "policy-ports.toml", "policyports")
+    path.write_text(path.read_text().replace(f'"{units / "etcd.toml"}"', f'"{tmp_path}/etcd.toml"'))
+    assert f"{tmp_path}/etcd.toml" in path.read_text()
+    dm.run("up", str(path), "--detach", timeout=300, check=True)
+    first = dm.status()
+    before = unit_by_name(first, "etcd")
+    port = before["ports"]["client"]
+    os.kill(before["pid"], signal.SIGKILL)
+    dm.wait_for(lambda s: unit_by_name(s, "etcd")["state"] == "backoff", timeout=10,
+                what="etcd in backoff")
+    foreign = socket.socket()  # accepts and never answers: a client left on it hangs
+    foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    foreign.bind(("127.0.0.1", port))
+    foreign.listen()
+    try:
+        after = dm.wait_ready_again("etcd", before["pid"], timeout=60)
+        assert after["ports"]["client"] != port, after
+        dm.wait_for(lambda s: s["phase"] == "up" and all(
+            unit_by_name(s, f"worker@{i}").get("policy", {}).get("admitted") for i in (0, 1)),
+            timeout=120, what="the stack up again with both shards admitted")
+        pushed = push(dm, 1, checkpoint(model_dir(first), tmp_path / "ckpt-1", 1.01))
+        assert pushed["version"] == 1 and not pushed.get("stale"), pushed
+        assert all(ack["ok"] for ack in pushed["acks"].values()), pushed
+        assert "policy.etcd_moved" in dm.daemon_log()
+    finally:
+        foreign.close()
