@@ -70,7 +70,9 @@ def test_a_tcp_probe_fails_when_the_handshake_never_completes(
 ) -> None:
     """A TCP probe passes when the handshake completes, whether or not the server ever
     calls accept(); a listener whose accept queue is full drops the SYN, so no
-    handshake completes and each attempt ends at its timeout."""
+    handshake completes and each attempt ends at its timeout. The probe waits 1 s between
+    attempts: one that lands while the fixture is still filling its queue completes (seen
+    at a 0.1 s interval under load), and the fill takes milliseconds."""
     stack = stack_file(f"""
         [units.full]
         command = [{PROC}, "tcp-full", "{{ports.tcp}}"]
@@ -80,7 +82,7 @@ def test_a_tcp_probe_fails_when_the_handshake_never_completes(
         kind = "tcp"
         port = "{{ports.tcp}}"
         timeout = 1
-        interval = 0.1
+        interval = 1
         deadline = 5
     """)
     result = _up(dm, stack)
