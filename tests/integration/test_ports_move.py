@@ -42,6 +42,15 @@ workers = 2
     return path
 
 
+def take(port: int) -> socket.socket:
+    """A foreign listener on `port` (this test's own process)."""
+    foreign = socket.socket()
+    foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    foreign.bind(("127.0.0.1", port))
+    foreign.listen()
+    return foreign
+
+
 def test_a_port_taken_before_a_restart_is_allocated_again(dm: Dynamod, tmp_path: Path) -> None:
     dm.run("up", str(stack(tmp_path)), "--detach", timeout=300, check=True)
     first = dm.status()
@@ -50,10 +59,7 @@ def test_a_port_taken_before_a_restart_is_allocated_again(dm: Dynamod, tmp_path:
     os.kill(before["pid"], signal.SIGKILL)
     dm.wait_for(lambda s: unit_by_name(s, "worker@0")["state"] == "backoff", timeout=10,
                 what="worker@0 in backoff")
-    foreign = socket.socket()
-    foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    foreign.bind(("127.0.0.1", port))
-    foreign.listen()
+    foreign = take(port)
     try:
         after = dm.wait_ready_again("worker@0", before["pid"], timeout=90)
         moved = after["ports"]["system"]
@@ -112,10 +118,7 @@ def test_etcd_moved_to_a_new_port_takes_the_policy_ledger_with_it(
     os.kill(before["pid"], signal.SIGKILL)
     dm.wait_for(lambda s: unit_by_name(s, "etcd")["state"] == "backoff", timeout=10,
                 what="etcd in backoff")
-    foreign = socket.socket()  # accepts and never answers: a client left on it hangs
-    foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    foreign.bind(("127.0.0.1", port))
-    foreign.listen()
+    foreign = take(port)  # accepts and never answers: a client left on it hangs
     try:
         after = dm.wait_ready_again("etcd", before["pid"], timeout=60)
         assert after["ports"]["client"] != port, after

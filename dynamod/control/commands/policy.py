@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -100,15 +101,18 @@ _STEP = click.option(
 )
 
 
+FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+def _path(help_text: str) -> Callable[[FC], FC]:
+    return click.option(
+        "--path", "path", type=click.Path(path_type=Path), required=True, help=help_text
+    )
+
+
 @policy_group.command("push")
 @_STEP
-@click.option(
-    "--path",
-    "path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Checkpoint directory holding the step's *.safetensors.",
-)
+@_path("Checkpoint directory holding the step's *.safetensors.")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
 def push(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
@@ -118,13 +122,7 @@ def push(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
 
 @policy_group.command("publish")
 @_STEP
-@click.option(
-    "--path",
-    "path",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="Where the step's weights can be loaded from (for replays).",
-)
+@_path("Where the step's weights can be loaded from (for replays).")
 @click.option(
     "--ack",
     "ack_pairs",
