@@ -214,6 +214,59 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     assert live <= registered
 
 
+
+def test_etcd_frozen_past_the_lease_heals_with_nothing_given_up(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    """The other shape of "etcd gone": its process stopped (SIGSTOP) for 45 s, so every
+    connection hangs instead of being refused, past Dynamo's 30 s lease. (etcd-server has
+    no liveness probe here, so nothing restarts it: it stays stopped until SIGCONT.)
+    Afterwards every unit is ready, completions succeed and no dead registration is left."""
+    stack = outage_stack(tmp_path / "outage.toml", tmp_path / "cut")
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    status = dm.status()
+    url = frontend_url(status)
+    server = unit_by_name(status, "etcd-server")
+    old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    assert len(old_ids) == 2
+    with Load(url) as load:
+        time.sleep(3)
+        os.kill(server["pid"], signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            phases = set()
+            while time.monotonic() - stopped_at < CUT_S:
+                with contextlib.suppress(AssertionError):
+                    phases.add(dm.status()["phase"])
+                time.sleep(1)
+        finally:
+            os.kill(server["pid"], signal.SIGCONT)
+        resumed_at = time.monotonic()
+        up = dm.wait_for(lambda s: s["phase"] == "up" and s, timeout=120, what="stack up again")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            since = load.full_service_since(resumed_at)
+            if since is not None and time.monotonic() - since > 5:
+                break
+            time.sleep(0.5)
+    since = load.full_service_since(resumed_at)
+    print(f"\netcd stopped {CUT_S:.0f}s; phases seen: {phases}; full service "
+          f"{(since - resumed_at) if since else float('nan'):.1f}s after SIGCONT")
+    assert "degraded" in phases, phases  # the lease was lost: the stack said so
+    units = {u["name"]: u for u in up["units"]}
+    assert unit_by_name(up, "etcd-server")["pid"] == server["pid"]  # the same, resumed
+    not_serving = {n: u["state"] for n, u in units.items()
+                   if u["state"] not in {"ready", "completed"}}
+    assert not_serving == {}
+    assert since is not None, "completions never all succeeded again after etcd resumed"
+    live = {i for u in units.values() if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+    etcd_port = unit_by_name(up, "etcd")["ports"]["client"]
+    registered = {int(k.rsplit("/", 1)[1], 16)
+                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+    assert len(live) == 2 and live <= registered
+    assert not registered - live, f"registrations of no live worker: {registered - live}"
+
+
 def _events(dm: Dynamod, since_line: int) -> list[dict[str, Any]]:
     events = []
     for line in dm.daemon_log().splitlines()[since_line:]:
