@@ -183,7 +183,8 @@ class Engine:
         """Wait for the next state change (or the timeout)."""
         event = self._changed
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
 
     def all_up(self) -> bool:
         return all(u.state in {UnitState.READY, UnitState.COMPLETED} for u in self.units.values())
@@ -605,10 +606,13 @@ class Engine:
             work = prober.check()
             if deadline is None:
                 return await _race(work, child.exited)
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for returns the result
+            # when its inner task finishes as the outer one is cancelled, so a `down`
+            # that landed then was swallowed and the unit went on restarting (seen: a
+            # frontend cycling in backoff 17 min after its stack was told to stop).
             try:
-                return await asyncio.wait_for(
-                    _race(work, child.exited), max(deadline - time.monotonic(), 0.0)
-                )
+                async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                    return await _race(work, child.exited)
             except TimeoutError:
                 return _DEADLINE
         finally:

@@ -70,8 +70,9 @@ def _short(text: str, limit: int = 200) -> str:
 
 async def timed(spec: Probe, attempt: Any) -> ProbeResult:
     start = time.monotonic()
-    try:
-        ok, detail = await asyncio.wait_for(attempt, timeout=spec.timeout)
+    try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a stop's cancel
+        async with asyncio.timeout(spec.timeout):
+            ok, detail = await attempt
     except TimeoutError:
         ok, detail = False, f"no answer within {spec.timeout:g}s"
     return ProbeResult(ok, detail, time.monotonic() - start)
@@ -159,7 +160,8 @@ class ExecProber:
             return ProbeResult(False, f"exec {self.spec.command[0]}: {exc}", 0.0)
         os.close(write_fd)
         try:
-            result = await asyncio.wait_for(asyncio.shield(child.exited), self.spec.timeout)
+            async with asyncio.timeout(self.spec.timeout):
+                result = await asyncio.shield(child.exited)
         except TimeoutError:
             await _end(child, read_fd)
             return ProbeResult(
