@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from dynamod.chaos.faults import listen_when_free
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import Sandbox
@@ -243,19 +244,10 @@ class ClusterRig:
 
 
 def _bind_when_free(address: str, port: int, timeout: float = 5.0) -> socket.socket:
-    deadline = time.monotonic() + timeout
-    while True:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-            sock.listen(64)
-            return sock
-        except OSError as exc:
-            sock.close()
-            if time.monotonic() >= deadline:
-                raise ClusterError(f"could not take {address}:{port}: {exc}") from None
-            time.sleep(0.002)
+    try:
+        return listen_when_free(port, timeout, address=address, backlog=64)
+    except OSError as exc:
+        raise ClusterError(f"could not take {address}:{port}: {exc}") from None
 
 
 class PortHold:

@@ -325,21 +325,24 @@ def disk_full(ctx: RunContext, step: DiskFullStep) -> dict[str, Any]:
     return out
 
 
-def _listen_when_free(port: int, timeout: float) -> socket.socket:
-    """A loopback listener on `port` as soon as the killed unit's socket is gone."""
+def listen_when_free(
+    port: int, timeout: float, address: str = "127.0.0.1", backlog: int = 16
+) -> socket.socket:
+    """A listener on `address:port` (never accepting: a client connects and hears nothing)
+    as soon as the socket of the process that held it is gone; OSError after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
-            sock.listen(16)  # never accepted: a client connects and hears nothing
+            sock.bind((address, port))
+            sock.listen(backlog)
             return sock
-        except OSError as exc:
+        except OSError:
             sock.close()
             if time.monotonic() >= deadline:
-                raise StepFailed(f"could not take port {port}: {exc}") from None
-            time.sleep(0.005)
+                raise
+            time.sleep(0.002)
 
 
 def take_port(ctx: RunContext, step: TakePortStep) -> dict[str, Any]:
@@ -352,7 +355,10 @@ def take_port(ctx: RunContext, step: TakePortStep) -> dict[str, Any]:
     if victim is not None:
         os.kill(victim, signal.SIGKILL)
         ctx.hit_pids[step.unit] = victim
-    sock = _listen_when_free(int(port), timeout=5)
+    try:
+        sock = listen_when_free(int(port), timeout=5)
+    except OSError as exc:
+        raise StepFailed(f"could not take port {port}: {exc}") from None
     owner = Path("/proc/self/comm").read_text().strip()
     index = ctx.mark(f"port {step.port}={port} of {step.unit} taken", step.unit)
     take = PortTake(ctx.now(), step.unit, step.port, int(port), os.getpid(), owner)
