@@ -120,6 +120,16 @@ class Load:
                 await asyncio.sleep(1 / self.rate)
             await asyncio.gather(*tasks)
 
+    def wait_full_service(self, after: float, timeout: float = 60) -> None:
+        """Until every request has succeeded for 5 s since some point after `after`
+        (or `timeout` passes: the caller's assertions then say what was seen)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            since = self.full_service_since(after)
+            if since is not None and time.monotonic() - since > 5:
+                return
+            time.sleep(0.5)
+
     def full_service_since(self, after: float) -> float | None:
         """Start of the first request after `after` from which every later one succeeded."""
         later = sorted(e for e in self.events if e[0] >= after)
@@ -164,12 +174,7 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
         healed_at = time.monotonic()
         up = dm.wait_for(lambda s: s["phase"] == "up" and s, timeout=90, what="stack up again")
         up_after = time.monotonic() - healed_at
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            since = load.full_service_since(healed_at)
-            if since is not None and time.monotonic() - since > 5:
-                break
-            time.sleep(0.5)
+        load.wait_full_service(healed_at)
     since = load.full_service_since(healed_at)
     failed_after = [e for e in load.events if e[0] >= healed_at and e[1] != 200]
     print(f"\ncut {CUT_S:.0f}s; states seen during the cut: {seen_states}")
@@ -243,12 +248,7 @@ def test_etcd_frozen_past_the_lease_heals_with_nothing_given_up(
             os.kill(server["pid"], signal.SIGCONT)
         resumed_at = time.monotonic()
         up = dm.wait_for(lambda s: s["phase"] == "up" and s, timeout=120, what="stack up again")
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            since = load.full_service_since(resumed_at)
-            if since is not None and time.monotonic() - since > 5:
-                break
-            time.sleep(0.5)
+        load.wait_full_service(resumed_at)
     since = load.full_service_since(resumed_at)
     print(f"\netcd stopped {CUT_S:.0f}s; phases seen: {phases}; full service "
           f"{(since - resumed_at) if since else float('nan'):.1f}s after SIGCONT")
