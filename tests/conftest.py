@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from dynamod.client import Client
+from dynamod.core.errors import DaemonError
 from dynamod.core.proctable import marked_pids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +55,14 @@ class Dynamod:
         return result
 
     def status(self) -> dict[str, Any]:
-        out = self.run("status", "--json", check=True).stdout
-        data: dict[str, Any] = json.loads(out)
+        """What `status --json` prints (the CLI prints this answer as it is), asked over the
+        control socket from this process: tests poll it every 0.1 s, and a CLI start per poll
+        cost ~0.25 CPU-s, most of a core while a test waited. The CLI's own `status` has its
+        tests (test_cli.py, test_local_stack.py)."""
+        try:
+            data: dict[str, Any] = Client(self.state_dir).status()
+        except DaemonError as exc:
+            raise AssertionError(f"dynamod status failed: {exc}") from None
         return data
 
     def unit(self, name: str) -> dict[str, Any]:

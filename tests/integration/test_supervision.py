@@ -294,6 +294,9 @@ def test_status_tree_and_json_fields(dm: Dynamod, stack_file: Any) -> None:
     for unit in status["units"]:
         assert {"name", "state", "pid", "restarts", "ports", "depends_on"} <= set(unit)
     assert unit_by_name(status, "w@1")["depends_on"] == {"base": "ready"}
+    printed = json.loads(dm.run("status", "--json", check=True).stdout)  # the CLI's own --json
+    assert [(u["name"], u["pid"]) for u in printed["units"]] == [
+        (u["name"], u["pid"]) for u in status["units"]]
     text = dm.run("status").stdout
     assert re.search(r"^w@0\s+ready", text, re.M)
     assert re.search(r"^└─ base\s+ready", text, re.M)
