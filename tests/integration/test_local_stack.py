@@ -159,8 +159,8 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
     dead_ids = set(victim["dynamo"]["instance_ids"])
 
     async def scenario() -> tuple[float, float]:
-        load = asyncio.create_task(steady_load(url, rate=5, seconds=30, events=events))
-        await asyncio.sleep(10)
+        load = asyncio.create_task(steady_load(url, rate=5, seconds=16, events=events))
+        await asyncio.sleep(5)
         killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         # The frontend's own view drops the dead worker at once (its lease is revoked),
@@ -181,7 +181,7 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
     outcomes = Counter(code for _, code, _ in events)
     failures = [e for e in events if e[1] != 200]
     print(f"\n{len(events)} requests, outcomes {dict(outcomes)}; failures: {failures[:5]}")
-    assert len(events) == 150
+    assert len(events) == 80
     assert failures == [], f"{len(failures)} client-visible failures after kill -9"
     assert any(t > killed_at for t, _, _ in events)
     again = dm.wait_ready_again("worker@1", victim["pid"], timeout=60)
