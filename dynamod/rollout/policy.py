@@ -608,30 +608,7 @@ class PolicyManager(Extension):
             self._note_current(target)
             for ack in good:
                 await self._record_ack(self.engine.units[ack.shard], ack)
-        for name, error in bad.items():
-            unit = self.engine.units[name]
-            await self._record_failure(unit, error)
-            self.spares.lost(unit, Reason.VERIFICATION, error)
-            self._start_rejoin(unit, f"stale after failed push of step {step}: {error}")
-        self.spares.refresh()
-        others = await self.after_commit(step) if self.after_commit is not None else {}
-        answer = {
-            "ok": True,
-            "version": step,
-            "path": str(checkpoint),
-            "digest": target.digest,
-            "acks": acks,
-            "stale": sorted(bad),
-            **others,
-            "seconds": round(time.monotonic() - started, 3),
-        }
-        log.info(
-            "policy.pushed",
-            version=step,
-            seconds=answer["seconds"],
-            acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
-        )
-        return answer
+        return await self._committed("pushed", target, acks, bad, started)
 
     async def _already_committed(
         self, current: PolicyVersion, path: str, started: float
@@ -712,27 +689,41 @@ class PolicyManager(Extension):
                     answers[unit.name] = {"ok": False, "error": str(result)}
                 else:
                     raise result
+        return await self._committed("published", target, answers, stale, started)
+
+    async def _committed(
+        self,
+        how: str,
+        target: PolicyVersion,
+        acks: dict[str, Any],
+        stale: dict[str, str],
+        started: float,
+    ) -> dict[str, Any]:
+        """After a push or a publish committed `target`: each shard that did not take it
+        is recorded, given up as a spare candidate and sent to rejoin; the spares are
+        brought along; other nodes are awaited (`after_commit`); then the answer."""
         for name, error in stale.items():
-            await self._record_failure(self.engine.units[name], error)
-            self.spares.lost(self.engine.units[name], Reason.VERIFICATION, error)
-            self._start_rejoin(
-                self.engine.units[name], f"stale after publish of step {step}: {error}"
-            )
+            unit = self.engine.units[name]
+            await self._record_failure(unit, error)
+            self.spares.lost(unit, Reason.VERIFICATION, error)
+            self._start_rejoin(unit, f"stale after the {how} step {target.version}: {error}")
         self.spares.refresh()
+        others = await self.after_commit(target.version) if self.after_commit is not None else {}
         answer = {
             "ok": True,
-            "version": step,
+            "version": target.version,
             "path": target.path,
-            "digest": digest,
-            "acks": answers,
+            "digest": target.digest,
+            "acks": acks,
             "stale": sorted(stale),
+            **others,
             "seconds": round(time.monotonic() - started, 3),
         }
         log.info(
-            "policy.published",
-            version=step,
+            f"policy.{how}",
+            version=target.version,
             seconds=answer["seconds"],
-            acks={k: v.get("total_ms", v.get("error")) for k, v in answers.items()},
+            acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
         )
         return answer
 
