@@ -4,6 +4,7 @@ shown lines belong to; `--follow` keeps reading across further rotations."""
 from __future__ import annotations
 
 import glob
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -42,8 +43,15 @@ def rotated(path: Path) -> list[Path]:
 def history(path: Path, lines: int) -> list[str]:
     """The last `lines` lines across the rotated files. If they begin inside a spawn, the
     spawn's header line (`--- dynamod: start #N pid ...`) comes first, wherever it is."""
+    return _history(path, lines)[0]
+
+
+def _history(path: Path, lines: int) -> tuple[list[str], tuple[int, int] | None]:
+    """`history`, and where reading stopped in the live file (inode, offset): a follow
+    goes on from there, so a line written in between is neither lost nor shown twice."""
     window: deque[tuple[str, str | None]] = deque(maxlen=lines)
     header: str | None = None
+    where: tuple[int, int] | None = None
     for part in rotated(path):
         try:
             fh = part.open("rb")
@@ -55,13 +63,15 @@ def history(path: Path, lines: int) -> list[str]:
                 if line.startswith(HEADER):
                     header = line
                 window.append((line, header))
+            if part == path:
+                where = (os.fstat(fh.fileno()).st_ino, fh.tell())
     if not window:
-        return []
+        return [], where
     first, its_header = window[0]
     shown = [line for line, _ in window]
     if its_header is not None and first != its_header:
         shown.insert(0, its_header)
-    return shown
+    return shown, where
 
 
 def show(
@@ -74,19 +84,19 @@ def show(
     poll: float = 0.2,
 ) -> None:
     path = log_path(state_dir, unit)
-    for line in history(path, lines):
+    shown, where = _history(path, lines)
+    for line in shown:
         out(line)
     if not follow:
         return
-    stat = path.stat()
-    inode, position = stat.st_ino, stat.st_size
+    inode, position = where if where is not None else (-1, 0)
     while True:
         try:
             stat = path.stat()
         except FileNotFoundError:
             time.sleep(poll)
             continue
-        if stat.st_ino != inode or stat.st_size < position:  # rotated
+        if stat.st_ino != inode or stat.st_size < position:  # rotated (or new)
             inode, position = stat.st_ino, 0
         if stat.st_size > position:
             with path.open("rb") as fh:

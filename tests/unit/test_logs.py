@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -258,3 +258,43 @@ def test_daemon_log_lines_that_cannot_be_written_do_not_raise(
         structlog.get_logger().info("unit.state", unit="etcd")  # must not raise
         structlog.get_logger().info("unit.state", unit="nats")
     assert stream.dropped_lines == 2 and "No space left" in (stream.last_error or "")
+
+
+def test_follow_starts_where_the_history_stopped(tmp_path: Path) -> None:
+    """A line written after the history was read and before following began is shown once
+    (the follow went on from the stat of the file, and lost such a line)."""
+    path = tmp_path / "logs" / "etcd.log"
+    log = LogFile(path, max_bytes=1 << 20, keep=1)
+    log.write(b"one\n")
+    seen: list[str] = []
+    real_history = logview._history
+
+    def history_then_a_write(p: Path, lines: int) -> tuple[list[str], tuple[int, int] | None]:
+        got = real_history(p, lines)
+        log.write(b"two\n")  # in the gap between the history and the follow
+        return got
+
+    def out(line: str) -> None:
+        seen.append(line)
+        if line == "three":
+            raise _Seen
+
+    logview._history = history_then_a_write  # type: ignore[assignment]
+    try:
+        reader = threading.Thread(target=lambda: _follow_until_seen(tmp_path, out), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 5
+        while "two" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        log.write(b"three\n")
+        reader.join(timeout=5)
+    finally:
+        logview._history = real_history  # type: ignore[assignment]
+        log.close()
+    assert not reader.is_alive()
+    assert seen == ["one", "two", "three"]
+
+
+def _follow_until_seen(state_dir: Path, out: Callable[[str], None]) -> None:
+    with contextlib.suppress(_Seen):
+        logview.show(state_dir, "etcd", lines=10, follow=True, out=out, poll=0.01)
