@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -241,6 +241,31 @@ class ClusterRig:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def running_cluster(
+    n_nodes: int = 3,
+    *,
+    stack: Path | None = None,
+    variables: dict[str, str] | None = None,
+    timeout: float = 240,
+) -> Iterator[ClusterRig]:
+    """A started cluster for a test module or a benchmark: every node up, then, whatever
+    happened, every daemon stopped and the sandbox removed; raises ClusterError naming what
+    was left behind (a process, a namespace). The daemons' logs stay in `rig.work_dir`."""
+    rig = ClusterRig(n_nodes, stack=stack, variables=variables)
+    rig.open()
+    assert rig.sandbox is not None
+    names = [rig.sandbox.switch, *rig.sandbox.nodes]
+    try:
+        rig.up(timeout=timeout)
+        yield rig
+    finally:
+        problems = rig.close()
+        problems += [f"namespace {n} left" for n in names if Path("/run/netns", n).exists()]
+        if problems:
+            raise ClusterError(f"cluster in {rig.work_dir} not cleaned up: {problems}")
 
 
 def _bind_when_free(address: str, port: int, timeout: float = 5.0) -> socket.socket:

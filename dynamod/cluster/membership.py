@@ -16,7 +16,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -45,6 +45,7 @@ WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
 ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
+LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 
 
@@ -83,6 +84,7 @@ class Membership(Extension):
         self._restarting: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._auth: EtcdAuth | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,19 +109,41 @@ class Membership(Extension):
         self.registrations.others_live = self.others_live
         if self.policy is not None:
             self.policy.after_commit = self.await_other_nodes
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._publish_loop(), name="cluster-publish"),
-            loop.create_task(self._watch_loop(), name="cluster-watch"),
-            loop.create_task(self._read_loop(), name="cluster-read"),
-        ]
+        loops = {
+            "cluster-publish": self._publish_loop,
+            "cluster-watch": self._watch_loop,
+            "cluster-read": self._read_loop,
+        }
         if self.policy is not None:
-            self._tasks.append(loop.create_task(self._follow_loop(), name="cluster-ledger"))
+            loops["cluster-ledger"] = self._follow_loop
+        for name, body in loops.items():
+            self._spawn(name, body)
+
+    def _spawn(self, name: str, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        task = asyncio.get_running_loop().create_task(body(), name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda done: self._loop_ended(done, name, body))
+
+    def _loop_ended(
+        self, task: asyncio.Task[None], name: str, body: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """A loop never ends while this daemon runs: one that does is logged and started
+        again (a node whose loop ended would stay unseen, or frozen, for good)."""
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if self._stopping:
+            return
+        why = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error("cluster.loop_ended", node=self.cluster.node, loop=name, why=why,
+                  action=f"started again in {LOOP_RESTART_S:g}s")  # fmt: skip
+        asyncio.get_running_loop().call_later(LOOP_RESTART_S, self._respawn, name, body)
+
+    def _respawn(self, name: str, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if not self._stopping:
+            self._spawn(name, body)
 
     def _new_client(self) -> EtcdClient:
-        return EtcdClient(
-            list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth
-        )
+        return EtcdClient(list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth)
 
     async def _bounded(self, what: str, round_: Awaitable[None]) -> None:
         """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own
@@ -139,9 +163,10 @@ class Membership(Extension):
             raise
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.etcd is not None and self.lease is not None:
@@ -220,7 +245,7 @@ class Membership(Extension):
         while True:
             try:
                 await self._bounded("publish", self._publish())
-            except Exception as exc:  # a loop that died would leave this node unseen
+            except (Exception, asyncio.CancelledError) as exc:  # see _failed
                 self._failed("publish", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), period)
@@ -245,6 +270,8 @@ class Membership(Extension):
             self.last_published is not None and now - self.last_published > self.cluster.lease_ttl
         )
         self.last_published = now
+        if self.error is not None:
+            log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error)
         self.error = None
         if lease_lost or away:
             log.warning(
@@ -292,11 +319,14 @@ class Membership(Extension):
         return [self.engine.units[n] for n in self.daemon.stack.shards()]
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        """Record a failed registry call. The background loops survive every exception: one
-        that is not an etcd failure would otherwise end its loop silently and leave this
-        node's view, or its entry, frozen for good (the cluster-ha test once saw every node
-        stay `unknown` with no registry error logged after the start-up TLS failures; the
-        exception was not captured, so `unexpected` now says when one is not etcd's)."""
+        """Record a failed registry round. The loops survive every exception, and a
+        CancelledError that is no cancel of this task: gRPC raises one in a call whose
+        channel another call closed, and it used to end the publish loop silently (the
+        cluster-ha test's nodes that stayed `unknown`). A real cancel (stop) goes on up."""
+        if isinstance(exc, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise exc
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         if text != self.error:
             unexpected = not isinstance(exc, _FAILURES)
@@ -314,7 +344,7 @@ class Membership(Extension):
             try:
                 async for _ in self.etcd.watch_prefix(registry.prefix(self.stack)):
                     self._changed.set()
-            except Exception as exc:  # as in _publish_loop
+            except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("watch", exc)
             self._changed.set()  # the stream ended: read now, changes may have been missed
             await asyncio.sleep(WATCH_RETRY_S)
@@ -324,7 +354,7 @@ class Membership(Extension):
             self._changed.clear()
             try:
                 await self._bounded("read", self._read())
-            except Exception as exc:  # as in _publish_loop
+            except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("read", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), READ_FALLBACK_S)

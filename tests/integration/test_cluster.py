@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from dynamod.chaos.cluster import ClusterRig
+from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
@@ -31,16 +31,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/unified")
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[ClusterRig]:
-    cluster = ClusterRig(3, variables={"workers": "1", "trainer_steps": "0"})
-    cluster.open()
-    try:
-        cluster.up(timeout=240)
+    with running_cluster(3, variables={"workers": "1", "trainer_steps": "0"},
+                         timeout=240) as cluster:  # fmt: skip
         yield cluster
-    finally:
-        names = [cluster.sandbox.switch, *cluster.sandbox.nodes] if cluster.sandbox else []
-        problems = cluster.close()
-        assert not problems, problems
-        assert not [n for n in names if Path("/run/netns", n).exists()]
 
 
 @pytest.fixture(scope="module")
