@@ -3,7 +3,7 @@
     python -m bench.cluster [--quick] [--json]
 
 Three network namespaces as nodes (root needed), one dynamod each, one CPU shard per node,
-etcd, NATS and the frontend on the head (units/stacks/cluster.toml, lease_ttl 3 s). Each
+etcd, NATS and the frontend on the head (units/stacks/cluster.toml, its lease_ttl). Each
 round, under load from inside the head (half the requests require the current policy
 version): cut a worker node's link; time until the head's registry view says `lost` and
 until the head's router lists none of its shards; push a new version during the cut; heal;
@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+import tomllib
 
 import structlog
 
@@ -26,12 +27,15 @@ from dynamod.chaos.cluster import ClusterRig
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
+from dynamod.core import paths
 
-LEASE_TTL_S = 3.0  # units/stacks/cluster.toml
+STACK = paths.units_dir() / "stacks" / "cluster.toml"
+
 
 
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
+    lease_ttl_s = float(tomllib.loads(STACK.read_text())["cluster"]["lease_ttl"])
     # the harness logs (sandbox up, cut, heal) go to stderr: stdout is the report
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("cluster", "Node loss and return on a 3-node cluster", args.quick)
@@ -71,6 +75,7 @@ def main() -> None:
             "failed before re-route",
             "failed after re-route (require current)",
             "refused at the outgoing version during the push",
+            "nodes marked lost that were not cut",
         ],
         digits=2,
     )
@@ -87,6 +92,7 @@ def main() -> None:
                 len(r.failed_during_cut()),
                 len(r.failed_after_reroute()),
                 len(r.refused_at_outgoing_version()),
+                len(r.falsely_lost()),
             ]
         )
     report.tables.append(table)
@@ -99,7 +105,7 @@ def main() -> None:
                 "router dropped the node / registry lease ttl",
                 "router dropped the node / Dynamo's own lease (30 s)",
             ],
-            [[max(rerouted) / LEASE_TTL_S, max(rerouted) / 30.0]],
+            [[max(rerouted) / lease_ttl_s, max(rerouted) / 30.0]],
             2,
         )
     )
@@ -118,6 +124,12 @@ def main() -> None:
         0,
         "requests",
     )
+    report.target(
+        "nodes falsely marked lost (not cut, or twice) under load",
+        sum(len(r.falsely_lost()) for r in results),
+        0,
+        "nodes",
+    )
     report.data = {
         "up_s": up_s,
         "down_cluster_s": down_s,
@@ -131,6 +143,7 @@ def main() -> None:
                 "admitted_s": r.admitted_s,
                 "requests": len(r.requests),
                 "failed_before_reroute": len(r.failed_during_cut()),
+                "marked_lost": r.marked_lost,
                 "failed_after_reroute": [vars(q) for q in r.failed_after_reroute()],
             }
             for r in results

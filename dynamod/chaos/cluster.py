@@ -208,6 +208,24 @@ class ClusterRig:
         listener: socket.socket = self.in_node(node, lambda: _bind_when_free(address, number))
         return PortHold(listener, f"{address}:{number}")
 
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        """Every `event` record in the nodes' daemon logs (JSON lines), by timestamp."""
+        import json
+
+        found = []
+        for node in self.names:
+            path = self.state_dir(node) / "daemon.log"
+            if not path.exists():
+                continue
+            for line in path.read_text(errors="replace").splitlines():
+                if f'"{event}"' not in line:
+                    continue
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if record.get("event") == event:
+                        found.append({"logged_by": node, **record})
+        return sorted(found, key=lambda r: str(r.get("timestamp")))
+
     def cut(self, node: str) -> None:
         assert self.sandbox is not None
         self.sandbox.cut(self.names.index(node))

@@ -3,10 +3,11 @@ in the registry on a lease of its own (refreshed three times per `lease_ttl`, re
 every unit state change), reads everyone's entries for `status` again at every change
 under the stack's registry prefix (a watch; a read every second besides, in case the watch
 is down), and, while it holds the leader key, turns a node whose lease expired into a lost
-record the moment etcd deletes its entry and revokes that node's Dynamo registrations so
-the router stops using its shards. Back in contact after its own lease expired, it
-restarts the shards whose registrations were revoked (they rejoin held, at the ledger's
-current version); and it follows the ledger, so a push made on another node reaches this
+record the moment etcd deletes its entry and withdraws that node's Dynamo registrations
+(cluster/parking.py) so the router stops using its shards. Back in contact after its own
+lease expired, it puts its shards' registrations back (each paused, then replayed at the
+ledger's current version before it is admitted) or, where a registration is gone for good,
+restarts the shard; and it follows the ledger, so a push made on another node reaches this
 node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from dynamod.cluster import registry
+from dynamod.cluster import parking, registry
+from dynamod.cluster.parking import ParkedKey
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
+from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
@@ -85,6 +88,7 @@ class Membership(Extension):
         self._closing: set[asyncio.Task[None]] = set()
         self._auth: EtcdAuth | None = None
         self._stopping = False
+        self._returning = False  # back after our lease expired: registrations to restore
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -278,14 +282,21 @@ class Membership(Extension):
                 "cluster.back_in_contact",
                 node=self.cluster.node,
                 lease_expired=lease_lost,
-                why="this node may have been marked lost; its revoked shards restart",
+                why="this node may have been marked lost: its shards' registrations come back",
             )
+            self._returning = True
+        if self._returning:  # until it went through: a failed round tries again
             await self._after_return()
 
     async def _after_return(self) -> None:
-        """Restart every running shard whose Dynamo registration is gone (the leader revoked
-        it while we were away): it comes back held and replays the current version."""
+        """Back after our lease expired (the leader may have withdrawn our shards' instance
+        keys): put back the keys it parked for shards whose Dynamo lease lived through it,
+        each shard paused first and then replayed (held until admitted); restart every
+        running shard whose registration is gone all the same."""
         assert self.etcd is not None
+        raw = await self.etcd.get(registry.lost_key(self.stack, self.cluster.node))
+        parked = [ParkedKey.from_dict(p) for p in LostRecord.decode(raw).parked] if raw else []
+        rejoining = [await self._put_back(unit, parked) for unit in self._local_shards()]
         namespaces = {u.spec.dynamo.namespace for u in self._local_shards() if u.spec.dynamo}
         registered: set[int] = set()
         for namespace in namespaces:
@@ -299,12 +310,33 @@ class Membership(Extension):
                 and unit.name not in self._restarting
             ):
                 log.warning(
-                    "cluster.shard_restart", unit=unit.name, why="its registration was revoked"
+                    "cluster.shard_restart", unit=unit.name, why="its registration is gone"
                 )
                 self._restarting.add(unit.name)
                 asyncio.get_running_loop().create_task(self._restart(unit.name))
-        with contextlib.suppress(*_FAILURES):
-            await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+        for unit in filter(None, rejoining):
+            if self.policy is not None and unit.state.running:
+                self.policy.rejoin(unit, "its node was lost; back, replaying the current policy")
+        await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+        self._returning = False
+
+    async def _put_back(self, unit: Unit, parked: list[ParkedKey]) -> Unit | None:
+        """The shard's parked keys back on its lease, it paused first; the unit if done."""
+        assert self.etcd is not None
+        ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+        mine = [key for key in parked if key.instance_id in ids]
+        if not mine or not unit.state.running:
+            return None
+        if self.policy is not None and unit.hold_reason is None:  # held: its replay owns it
+            try:  # not one request before its replay
+                await self.policy.call(unit, "pause_generation", {})
+            except DynamodError as exc:
+                log.warning("cluster.put_back_skipped", unit=unit.name, why=str(exc))
+                return None
+        restored, gone = await parking.put_back(self.etcd, mine)
+        log.info("cluster.registration_put_back", unit=unit.name,
+                 keys=[k.key for k in restored], lease_gone=[k.key for k in gone])  # fmt: skip
+        return unit if restored else None
 
     async def _restart(self, name: str) -> None:
         try:
@@ -411,21 +443,22 @@ class Membership(Extension):
         return str(self.daemon.phase) in {"starting", "up", "degraded"}
 
     async def _mark_lost(self, name: str, entry: NodeEntry) -> None:
-        """Its lease expired: revoke its shards' registrations and record it lost."""
+        """Its lease expired: withdraw its shards' registrations (their instance keys, kept
+        in the lost record for the node to put back) and record it lost."""
         assert self.etcd is not None
         started = time.monotonic()
-        revoked: list[str] = []
-        for unit in entry.units:
-            for instance in unit.instance_ids:
-                with contextlib.suppress(*_FAILURES):
-                    await dynamo.revoke_instance(self.etcd, instance)
-                    revoked.append(f"{instance:x}")
+        parked: list[ParkedKey] = []
+        with contextlib.suppress(*_FAILURES):
+            parked = await parking.withdraw(
+                self.etcd, [i for unit in entry.units for i in unit.instance_ids]
+            )
         record = LostRecord(
             node=name,
             since=time.time(),
             by=self.cluster.node,
             shards=[registry.shard_id(name, u.name) for u in entry.shards()],
-            revoked=revoked,
+            revoked=sorted({f"{key.instance_id:x}" for key in parked}),
+            parked=[key.as_dict() for key in parked],
         )
         await self.etcd.put(registry.lost_key(self.stack, name), record.encode())
         self.lost[name] = record
@@ -433,7 +466,7 @@ class Membership(Extension):
             "cluster.node_lost",
             node=name,
             shards=record.shards,
-            revoked=revoked,
+            revoked=record.revoked,
             ms=round((time.monotonic() - started) * 1000, 1),
         )
 

@@ -341,6 +341,11 @@ class PolicyManager(Extension):
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.spec.replay_backoff_max)
 
+    def rejoin(self, unit: Unit, reason: str) -> None:
+        """Hold a live shard, replay the current version into it and admit it again (the
+        cluster's membership: a shard whose node was lost and is back)."""
+        self._start_rejoin(unit, reason)
+
     def _start_rejoin(self, unit: Unit, reason: str) -> None:
         """A live shard went stale: hold it and replay in the background, then admit."""
         if unit.name in self._rejoins or not unit.state.running:

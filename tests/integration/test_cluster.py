@@ -76,6 +76,7 @@ def test_a_cut_node_is_marked_lost_and_routed_around_and_serving_continues(
           f"{len(r.requests)} requests, {len(r.failed_during_cut())} failed before re-routing, "
           f"{len(r.refused_at_outgoing_version())} refused at the outgoing version")
     assert r.rerouted_s is not None and r.rerouted_s < 10  # the target (3 s) is bench/cluster.py's
+    assert r.marked_lost == ["n2"], f"only the cut node is marked lost, once: {r.marked_lost}"
     assert r.lost_s is not None and r.lost_s < 10
     after = [q for q in r.requests if r.rerouted_at is not None and q.sent >= r.rerouted_at]
     assert len(after) >= 10 and sum(q.ok for q in after) >= 10, "serving must go on"
@@ -91,6 +92,11 @@ def test_the_healed_node_rejoins_at_the_pushed_version(
     loss_round: NodeLossRound, rig: ClusterRig
 ) -> None:
     assert loss_round.rejoined_version == 1
+    # its Dynamo lease lived through the cut: the shard's registration was put back and
+    # the same worker replayed the push, no cold restart
+    back = rig.logged("cluster.registration_put_back")
+    assert [(e["logged_by"], e["unit"], e["lease_gone"]) for e in back] == [("n2", "worker@0", [])]
+    assert not rig.logged("cluster.shard_restart")
     n2 = _cluster(rig.status("head"))["n2"]
     assert n2["state"] == "up" and n2["lost"] is None
     assert [u["policy_version"] for u in n2["units"] if u["shard"]] == [1]

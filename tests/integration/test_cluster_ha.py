@@ -155,3 +155,6 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
           f"{push_done - push_started:.2f}s; {len(during)} requests meanwhile, "
           f"{len(failed)} failed; {refused} refused by design")  # fmt: skip
     assert not failed, [(q.sent, q.status, q.error) for q in failed[:5]]
+    lost = rig.logged("cluster.node_lost")
+    assert not lost, f"no node may be marked lost while only an etcd member is down: {lost}"
+
