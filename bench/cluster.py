@@ -15,6 +15,7 @@ require the current version).
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -32,7 +33,6 @@ from dynamod.core import paths
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
 
 
-
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     lease_ttl_s = float(tomllib.loads(STACK.read_text())["cluster"]["lease_ttl"])
@@ -45,6 +45,7 @@ def main() -> None:
         emit(report, args.json)
         return
     rounds = 1 if args.quick else 3
+    load_at_start = os.getloadavg()
     load = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
     results: list[NodeLossRound] = []
     rig = ClusterRig(3, variables={"workers": "1", "trainer_steps": "0"})
@@ -62,6 +63,7 @@ def main() -> None:
         down_s = time.monotonic() - down_started
     finally:
         problems = rig.close()
+    load_at_end = os.getloadavg()
     table = Table(
         "Per round: a worker node's link cut under load, a push during the cut, the link back",
         [
@@ -149,17 +151,31 @@ def main() -> None:
             for r in results
         ],
         "median_rerouted_s": statistics.median(rerouted),
+        "load_average_start": load_at_start,
+        "load_average_end": load_at_end,
         "close_problems": problems,
     }
+    report.notes.append(
+        "load average (1/5/15 min) at the start "
+        + "/".join(f"{x:.2f}" for x in load_at_start)
+        + ", at the end "
+        + "/".join(f"{x:.2f}" for x in load_at_end)
+        + (
+            ": provisional, re-run on a quiet machine"
+            if max(load_at_start[0], load_at_end[0]) > 1
+            else ""
+        )
+    )
     report.notes.append(
         f"cluster up in {up_s:.1f}s; down --cluster in {down_s:.1f}s "
         f"(exit {down.returncode}); leftovers: {problems or 'none'}"
     )
     report.notes.append(
         "Detection is bounded below by the registry lease: a cut node's entry expires "
-        "2-3 s after its last keep-alive (every ttl/3), plus up to 0.5 s until etcd's "
-        "lessor revokes it; the leader's registry watch sees the delete at once, revokes "
-        "the node's Dynamo leases and the router drops them within milliseconds."
+        "between 2/3 and 1 lease_ttl after the cut (kept alive every ttl/3), plus up to 0.5 s "
+        "until etcd's lessor revokes it; the leader's registry watch sees the delete at "
+        "once, withdraws the node's Dynamo instance keys and the router drops them within "
+        "milliseconds. Back, the node puts the keys back (its shards paused) and replays."
     )
     emit(report, args.json)
 
