@@ -242,7 +242,7 @@ class EtcdClient:
                     raise
                 failure = (
                     _CLOSED_UNDER_CALL
-                    if isinstance(err, asyncio.CancelledError | _StreamEnded)
+                    if isinstance(err, asyncio.CancelledError | _StreamEnded | grpc.aio.UsageError)
                     else self._failure(err)
                 )
                 if failure is None:
@@ -324,6 +324,8 @@ class EtcdClient:
             except asyncio.CancelledError:
                 if _cancelled():
                     raise
+                failure = _CLOSED_UNDER_CALL
+            except grpc.aio.UsageError:  # the channel closed before the call reached it
                 failure = _CLOSED_UNDER_CALL
             except Exception as err:
                 failure = self._failure(err)
