@@ -97,24 +97,22 @@ class ClusterRig:
     def _cli(self, node: str, *args: str) -> list[str]:
         return [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir(node)), *args]
 
-    def up(self, nodes: Sequence[str] | None = None, timeout: float = 240) -> None:
-        """Start the nodes' daemons in parallel; raise naming every node that failed."""
+    def up(
+        self, nodes: Sequence[str] | None = None, timeout: float = 240, join: str | None = None
+    ) -> None:
+        """Start the nodes' daemons in parallel; raise naming every node that failed. With
+        `join` (the head's etcd, host:port), by `up --join` alone: no stack file, no --node."""
         assert self.sandbox is not None
         wanted = list(nodes or self.names)
         var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]
         procs = {}
         for node in wanted:
-            argv = self._cli(
-                node,
-                "up",
-                str(self.stack_file),
-                "--node",
-                node,
-                "--detach",
-                "--timeout",
-                str(int(timeout)),
-                *var_args,
+            what = (
+                ["--join", join]
+                if join is not None
+                else [str(self.stack_file), "--node", node, *var_args]
             )
+            argv = self._cli(node, "up", *what, "--detach", "--timeout", str(int(timeout)))
             procs[node] = self.sandbox.run(
                 self.names.index(node),
                 argv,

@@ -24,7 +24,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from dynamod.cluster import parking, registry
+from dynamod.cluster import join, parking, registry
 from dynamod.cluster.parking import ParkedKey
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
@@ -269,6 +269,8 @@ class Membership(Extension):
         )
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+            if self.cluster.is_head:  # what `up --join` on another node reads
+                await self.etcd.put(join.spec_key(self.stack), self._bundle().encode())
         now = time.monotonic()
         away = (
             self.last_published is not None and now - self.last_published > self.cluster.lease_ttl
@@ -287,6 +289,12 @@ class Membership(Extension):
             self._returning = True
         if self._returning:  # until it went through: a failed round tries again
             await self._after_return()
+
+    def _bundle(self) -> join.StackBundle:
+        assert self.daemon is not None
+        stack = self.daemon.stack
+        variables = stack.source.raw.vars if stack.source is not None else {}
+        return join.bundle(stack.path, self.stack, variables, self.cluster.nodes)
 
     async def _after_return(self) -> None:
         """Back after our lease expired (the leader may have withdrawn our shards' instance

@@ -19,6 +19,7 @@ from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
+from tests.integration.rawstack import free_port
 
 REASON = can_create_namespaces()
 pytestmark = [
@@ -122,6 +123,27 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
         now = shards(node)["worker@0"]
         assert (now["pid"], now["restarts"]) == (old["pid"], old["restarts"]), node
     assert others <= rig.routed(), "n1's start-up sweep must leave the other nodes' shards alone"
+
+
+def test_a_node_joins_by_the_head_s_etcd_address_alone(
+    rig: ClusterRig, loss_round: NodeLossRound
+) -> None:
+    """`up --join ADDR`: no stack file, no --node, no --var on n2: it reads the stack the
+    head published and finds its own node by the address it holds."""
+    stopped = rig.run("n2", "down", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    nowhere = rig.run("n2", "up", "--join", f"127.0.0.1:{free_port()}", timeout=60)
+    assert nowhere.returncode == 2 and nowhere.stderr.count("\n") == 1, nowhere.stderr
+    assert "--join 127.0.0.1:" in nowhere.stderr and "cannot reach etcd" in nowhere.stderr
+    rig.up(["n2"], timeout=180, join=f"{rig.address('head')}:2379")
+    rig.wait("n2 joined: up in the head's view and its shard routed",
+             lambda: _cluster(rig.status("head"))["n2"]["state"] == "up"
+             and rig.instance_ids("n2") & rig.routed(), 60)  # fmt: skip
+    status = rig.status("n2")
+    assert status["cluster"]["this_node"] == "n2" and status["stack"] == "cluster"
+    assert (rig.state_dir("n2") / "joined" / "cluster.toml").is_file()
+    workers = [u for u in status["units"] if u["name"].startswith("worker@")]
+    assert [u["name"] for u in workers] == ["worker@0"], "the head's --var workers=1 came along"
 
 
 def test_down_cluster_stops_every_node_and_leaves_nothing(
