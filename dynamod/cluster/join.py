@@ -103,21 +103,25 @@ async def fetch(address: str, stack: str | None) -> StackBundle:
 
 
 def unpack(bundle_: StackBundle, into: Path) -> Path:
-    """Write the bundle's files under `into`; returns the stack file's path."""
-    for relative, text in bundle_.files.items():
-        target = (into / relative).resolve()
-        if not target.is_relative_to(into.resolve()):
-            raise JoinError(f"the published stack names a file outside it: {relative!r}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-    main = into / bundle_.main
-    if "secrets" in tomllib.loads(main.read_text()).get("cluster", {}):
+    """Write the bundle's files under `into`; returns the stack file's path. Refused before
+    anything is written: a stack with secrets, or a file that would land outside `into`."""
+    main_text = bundle_.files.get(bundle_.main)
+    if main_text is None:
+        raise JoinError(f"the published stack {bundle_.stack!r} lacks its own file")
+    if "secrets" in tomllib.loads(main_text).get("cluster", {}):
         raise JoinError(
             f"stack {bundle_.stack!r} keeps its credentials in a secrets directory, which is "
             "never published: start this node from its own copy of the stack and its "
             "secrets (`dynamod up FILE --node NAME`)"
         )
-    return main
+    targets = {relative: (into / relative).resolve() for relative in bundle_.files}
+    outside = [r for r, t in targets.items() if not t.is_relative_to(into.resolve())]
+    if outside:
+        raise JoinError(f"the published stack names a file outside it: {outside[0]!r}")
+    for relative, target in targets.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(bundle_.files[relative])
+    return into / bundle_.main
 
 
 def this_node(bundle_: StackBundle) -> str:
@@ -132,10 +136,12 @@ def this_node(bundle_: StackBundle) -> str:
 
 
 def _is_local(address: str) -> bool:
+    """Whether `address` is this machine's: the kernel then sends to it from itself (a bind
+    test is fooled where `ip_nonlocal_bind` is on)."""
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with contextlib.closing(socket.socket(family, socket.SOCK_DGRAM)) as probe:
         try:
-            probe.bind((address, 0))
+            probe.connect((address, 9))  # UDP: no packet is sent
         except OSError:
             return False
-    return True
+        return bool(probe.getsockname()[0] == address)
