@@ -2,7 +2,9 @@
 head runs etcd, NATS, the frontend and one CPU shard; n1 and n2 one shard each. One shared
 cluster for the checks, in order: bring-up and the status tree seen from a non-head node;
 a worker node cut under load (detection, re-routing, serving continues, a push commits
-meanwhile); the link healed (its shard rejoins at the pushed version); `down --cluster`
+meanwhile, only that node is marked lost); the link healed (its shard gets its registration
+back and replays the pushed version, no restart); one node's dynamod restarted without
+disturbing the others; a node started again by `up --join ADDR` alone; `down --cluster`
 leaves no process, cgroup or namespace. Skipped, with the reason, only where network
 namespaces cannot be made."""
 
