@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -97,24 +97,22 @@ class ClusterRig:
     def _cli(self, node: str, *args: str) -> list[str]:
         return [sys.executable, "-m", "dynamod", "--state-dir", str(self.state_dir(node)), *args]
 
-    def up(self, nodes: Sequence[str] | None = None, timeout: float = 240) -> None:
-        """Start the nodes' daemons in parallel; raise naming every node that failed."""
+    def up(
+        self, nodes: Sequence[str] | None = None, timeout: float = 240, join: str | None = None
+    ) -> None:
+        """Start the nodes' daemons in parallel; raise naming every node that failed. With
+        `join` (the head's etcd, host:port), by `up --join` alone: no stack file, no --node."""
         assert self.sandbox is not None
         wanted = list(nodes or self.names)
         var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]
         procs = {}
         for node in wanted:
-            argv = self._cli(
-                node,
-                "up",
-                str(self.stack_file),
-                "--node",
-                node,
-                "--detach",
-                "--timeout",
-                str(int(timeout)),
-                *var_args,
+            what = (
+                ["--join", join]
+                if join is not None
+                else [str(self.stack_file), "--node", node, *var_args]
             )
+            argv = self._cli(node, "up", *what, "--detach", "--timeout", str(int(timeout)))
             procs[node] = self.sandbox.run(
                 self.names.index(node),
                 argv,
@@ -208,6 +206,24 @@ class ClusterRig:
         listener: socket.socket = self.in_node(node, lambda: _bind_when_free(address, number))
         return PortHold(listener, f"{address}:{number}")
 
+    def logged(self, event: str) -> list[dict[str, Any]]:
+        """Every `event` record in the nodes' daemon logs (JSON lines), by timestamp."""
+        import json
+
+        found = []
+        for node in self.names:
+            path = self.state_dir(node) / "daemon.log"
+            if not path.exists():
+                continue
+            for line in path.read_text(errors="replace").splitlines():
+                if f'"{event}"' not in line:
+                    continue
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if record.get("event") == event:
+                        found.append({"logged_by": node, **record})
+        return sorted(found, key=lambda r: str(r.get("timestamp")))
+
     def cut(self, node: str) -> None:
         assert self.sandbox is not None
         self.sandbox.cut(self.names.index(node))
@@ -241,6 +257,31 @@ class ClusterRig:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def running_cluster(
+    n_nodes: int = 3,
+    *,
+    stack: Path | None = None,
+    variables: dict[str, str] | None = None,
+    timeout: float = 240,
+) -> Iterator[ClusterRig]:
+    """A started cluster for a test module or a benchmark: every node up, then, whatever
+    happened, every daemon stopped and the sandbox removed; raises ClusterError naming what
+    was left behind (a process, a namespace). The daemons' logs stay in `rig.work_dir`."""
+    rig = ClusterRig(n_nodes, stack=stack, variables=variables)
+    rig.open()
+    assert rig.sandbox is not None
+    names = [rig.sandbox.switch, *rig.sandbox.nodes]
+    try:
+        rig.up(timeout=timeout)
+        yield rig
+    finally:
+        problems = rig.close()
+        problems += [f"namespace {n} left" for n in names if Path("/run/netns", n).exists()]
+        if problems:
+            raise ClusterError(f"cluster in {rig.work_dir} not cleaned up: {problems}")
 
 
 def _bind_when_free(address: str, port: int, timeout: float = 5.0) -> socket.socket:

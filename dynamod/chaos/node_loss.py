@@ -32,6 +32,7 @@ class NodeLossRound:
     push_started_at: float | None = None
     push_done_at: float | None = None
     step: int | None = None
+    marked_lost: list[str] = field(default_factory=list)  # nodes the leader marked lost meanwhile
 
     def _at_outgoing_version(self, r: Request) -> bool:
         """Required the version a push was replacing while that push was under way: the
@@ -65,6 +66,12 @@ class NodeLossRound:
             for r in self.requests
             if r.sent >= self.rerouted_at and not r.ok and self._at_outgoing_version(r)
         ]
+
+    def falsely_lost(self) -> list[str]:
+        """Nodes marked lost during the round that were not cut (a lease missed under load),
+        and the cut node marked lost more than once."""
+        others = [n for n in self.marked_lost if n != self.node]
+        return others + [self.node] * max(0, self.marked_lost.count(self.node) - 1)
 
     def failed_during_cut(self) -> list[Request]:
         end = self.rerouted_at if self.rerouted_at is not None else float("inf")
@@ -108,6 +115,7 @@ def run_round(
     ids = rig.instance_ids(node)
     if not ids:
         raise ClusterError(f"node {node} has no registered shard to cut off")
+    lost_before = len(rig.logged("cluster.node_lost"))
     gen.start()
     try:
         time.sleep(2.0)  # steady state first
@@ -174,6 +182,9 @@ def run_round(
     finally:
         gen.stop()
         result.requests = list(gen.requests)
+        result.marked_lost = [
+            str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]
+        ]
     return result
 
 

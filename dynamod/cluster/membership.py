@@ -3,10 +3,11 @@ in the registry on a lease of its own (refreshed three times per `lease_ttl`, re
 every unit state change), reads everyone's entries for `status` again at every change
 under the stack's registry prefix (a watch; a read every second besides, in case the watch
 is down), and, while it holds the leader key, turns a node whose lease expired into a lost
-record the moment etcd deletes its entry and revokes that node's Dynamo registrations so
-the router stops using its shards. Back in contact after its own lease expired, it
-restarts the shards whose registrations were revoked (they rejoin held, at the ledger's
-current version); and it follows the ledger, so a push made on another node reaches this
+record the moment etcd deletes its entry and withdraws that node's Dynamo registrations
+(cluster/parking.py) so the router stops using its shards. Back in contact after its own
+lease expired, it puts its shards' registrations back (each paused, then replayed at the
+ledger's current version before it is admitted) or, where a registration is gone for good,
+restarts the shard; and it follows the ledger, so a push made on another node reaches this
 node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import structlog
 from aiohttp import web
 
-from dynamod.cluster import registry
+from dynamod.cluster import join, parking, registry
+from dynamod.cluster.parking import ParkedKey
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
+from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
@@ -45,6 +48,7 @@ WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
 ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
+LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 
 
@@ -83,6 +87,8 @@ class Membership(Extension):
         self._restarting: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
         self._auth: EtcdAuth | None = None
+        self._stopping = False
+        self._returning = False  # back after our lease expired: registrations to restore
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -107,19 +113,41 @@ class Membership(Extension):
         self.registrations.others_live = self.others_live
         if self.policy is not None:
             self.policy.after_commit = self.await_other_nodes
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._publish_loop(), name="cluster-publish"),
-            loop.create_task(self._watch_loop(), name="cluster-watch"),
-            loop.create_task(self._read_loop(), name="cluster-read"),
-        ]
+        loops = {
+            "cluster-publish": self._publish_loop,
+            "cluster-watch": self._watch_loop,
+            "cluster-read": self._read_loop,
+        }
         if self.policy is not None:
-            self._tasks.append(loop.create_task(self._follow_loop(), name="cluster-ledger"))
+            loops["cluster-ledger"] = self._follow_loop
+        for name, body in loops.items():
+            self._spawn(name, body)
+
+    def _spawn(self, name: str, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        task = asyncio.get_running_loop().create_task(body(), name=name)
+        self._tasks.append(task)
+        task.add_done_callback(lambda done: self._loop_ended(done, name, body))
+
+    def _loop_ended(
+        self, task: asyncio.Task[None], name: str, body: Callable[[], Coroutine[Any, Any, None]]
+    ) -> None:
+        """A loop never ends while this daemon runs: one that does is logged and started
+        again (a node whose loop ended would stay unseen, or frozen, for good)."""
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if self._stopping:
+            return
+        why = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error("cluster.loop_ended", node=self.cluster.node, loop=name, why=why,
+                  action=f"started again in {LOOP_RESTART_S:g}s")  # fmt: skip
+        asyncio.get_running_loop().call_later(LOOP_RESTART_S, self._respawn, name, body)
+
+    def _respawn(self, name: str, body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if not self._stopping:
+            self._spawn(name, body)
 
     def _new_client(self) -> EtcdClient:
-        return EtcdClient(
-            list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth
-        )
+        return EtcdClient(list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth)
 
     async def _bounded(self, what: str, round_: Awaitable[None]) -> None:
         """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own
@@ -139,9 +167,10 @@ class Membership(Extension):
             raise
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.etcd is not None and self.lease is not None:
@@ -220,7 +249,7 @@ class Membership(Extension):
         while True:
             try:
                 await self._bounded("publish", self._publish())
-            except Exception as exc:  # a loop that died would leave this node unseen
+            except (Exception, asyncio.CancelledError) as exc:  # see _failed
                 self._failed("publish", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._dirty.wait(), period)
@@ -240,25 +269,42 @@ class Membership(Extension):
         )
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+            if self.cluster.is_head:  # what `up --join` on another node reads
+                await self.etcd.put(join.spec_key(self.stack), self._bundle().encode())
         now = time.monotonic()
         away = (
             self.last_published is not None and now - self.last_published > self.cluster.lease_ttl
         )
         self.last_published = now
+        if self.error is not None:
+            log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error)
         self.error = None
         if lease_lost or away:
             log.warning(
                 "cluster.back_in_contact",
                 node=self.cluster.node,
                 lease_expired=lease_lost,
-                why="this node may have been marked lost; its revoked shards restart",
+                why="this node may have been marked lost: its shards' registrations come back",
             )
+            self._returning = True
+        if self._returning:  # until it went through: a failed round tries again
             await self._after_return()
 
+    def _bundle(self) -> join.StackBundle:
+        assert self.daemon is not None
+        stack = self.daemon.stack
+        variables = stack.source.raw.vars if stack.source is not None else {}
+        return join.bundle(stack.path, self.stack, variables, self.cluster.nodes)
+
     async def _after_return(self) -> None:
-        """Restart every running shard whose Dynamo registration is gone (the leader revoked
-        it while we were away): it comes back held and replays the current version."""
+        """Back after our lease expired (the leader may have withdrawn our shards' instance
+        keys): put back the keys it parked for shards whose Dynamo lease lived through it,
+        each shard paused first and then replayed (held until admitted); restart every
+        running shard whose registration is gone all the same."""
         assert self.etcd is not None
+        raw = await self.etcd.get(registry.lost_key(self.stack, self.cluster.node))
+        parked = [ParkedKey.from_dict(p) for p in LostRecord.decode(raw).parked] if raw else []
+        rejoining = [await self._put_back(unit, parked) for unit in self._local_shards()]
         namespaces = {u.spec.dynamo.namespace for u in self._local_shards() if u.spec.dynamo}
         registered: set[int] = set()
         for namespace in namespaces:
@@ -272,12 +318,33 @@ class Membership(Extension):
                 and unit.name not in self._restarting
             ):
                 log.warning(
-                    "cluster.shard_restart", unit=unit.name, why="its registration was revoked"
+                    "cluster.shard_restart", unit=unit.name, why="its registration is gone"
                 )
                 self._restarting.add(unit.name)
                 asyncio.get_running_loop().create_task(self._restart(unit.name))
-        with contextlib.suppress(*_FAILURES):
-            await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+        for unit in filter(None, rejoining):
+            if self.policy is not None and unit.state.running:
+                self.policy.rejoin(unit, "its node was lost; back, replaying the current policy")
+        await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+        self._returning = False
+
+    async def _put_back(self, unit: Unit, parked: list[ParkedKey]) -> Unit | None:
+        """The shard's parked keys back on its lease, it paused first; the unit if done."""
+        assert self.etcd is not None
+        ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+        mine = [key for key in parked if key.instance_id in ids]
+        if not mine or not unit.state.running:
+            return None
+        if self.policy is not None and unit.hold_reason is None:  # held: its replay owns it
+            try:  # not one request before its replay
+                await self.policy.call(unit, "pause_generation", {})
+            except DynamodError as exc:
+                log.warning("cluster.put_back_skipped", unit=unit.name, why=str(exc))
+                return None
+        restored, gone = await parking.put_back(self.etcd, mine)
+        log.info("cluster.registration_put_back", unit=unit.name,
+                 keys=[k.key for k in restored], lease_gone=[k.key for k in gone])  # fmt: skip
+        return unit if restored else None
 
     async def _restart(self, name: str) -> None:
         try:
@@ -292,11 +359,14 @@ class Membership(Extension):
         return [self.engine.units[n] for n in self.daemon.stack.shards()]
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        """Record a failed registry call. The background loops survive every exception: one
-        that is not an etcd failure would otherwise end its loop silently and leave this
-        node's view, or its entry, frozen for good (the cluster-ha test once saw every node
-        stay `unknown` with no registry error logged after the start-up TLS failures; the
-        exception was not captured, so `unexpected` now says when one is not etcd's)."""
+        """Record a failed registry round. The loops survive every exception, and a
+        CancelledError that is no cancel of this task: gRPC raises one in a call whose
+        channel another call closed, and it used to end the publish loop silently (the
+        cluster-ha test's nodes that stayed `unknown`). A real cancel (stop) goes on up."""
+        if isinstance(exc, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise exc
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         if text != self.error:
             unexpected = not isinstance(exc, _FAILURES)
@@ -314,7 +384,7 @@ class Membership(Extension):
             try:
                 async for _ in self.etcd.watch_prefix(registry.prefix(self.stack)):
                     self._changed.set()
-            except Exception as exc:  # as in _publish_loop
+            except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("watch", exc)
             self._changed.set()  # the stream ended: read now, changes may have been missed
             await asyncio.sleep(WATCH_RETRY_S)
@@ -324,7 +394,7 @@ class Membership(Extension):
             self._changed.clear()
             try:
                 await self._bounded("read", self._read())
-            except Exception as exc:  # as in _publish_loop
+            except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("read", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), READ_FALLBACK_S)
@@ -381,21 +451,22 @@ class Membership(Extension):
         return str(self.daemon.phase) in {"starting", "up", "degraded"}
 
     async def _mark_lost(self, name: str, entry: NodeEntry) -> None:
-        """Its lease expired: revoke its shards' registrations and record it lost."""
+        """Its lease expired: withdraw its shards' registrations (their instance keys, kept
+        in the lost record for the node to put back) and record it lost."""
         assert self.etcd is not None
         started = time.monotonic()
-        revoked: list[str] = []
-        for unit in entry.units:
-            for instance in unit.instance_ids:
-                with contextlib.suppress(*_FAILURES):
-                    await dynamo.revoke_instance(self.etcd, instance)
-                    revoked.append(f"{instance:x}")
+        parked: list[ParkedKey] = []
+        with contextlib.suppress(*_FAILURES):
+            parked = await parking.withdraw(
+                self.etcd, [i for unit in entry.units for i in unit.instance_ids]
+            )
         record = LostRecord(
             node=name,
             since=time.time(),
             by=self.cluster.node,
             shards=[registry.shard_id(name, u.name) for u in entry.shards()],
-            revoked=revoked,
+            revoked=sorted({f"{key.instance_id:x}" for key in parked}),
+            parked=[key.as_dict() for key in parked],
         )
         await self.etcd.put(registry.lost_key(self.stack, name), record.encode())
         self.lost[name] = record
@@ -403,7 +474,7 @@ class Membership(Extension):
             "cluster.node_lost",
             node=name,
             shards=record.shards,
-            revoked=revoked,
+            revoked=record.revoked,
             ms=round((time.monotonic() - started) * 1000, 1),
         )
 

@@ -102,7 +102,10 @@ class LostRecord:
     since: float  # wall clock, for people
     by: str  # the node that noticed
     shards: list[str]
-    revoked: list[str]  # instance ids (hex) whose Dynamo registration was revoked
+    revoked: list[str]  # instance ids (hex) whose Dynamo registration was withdrawn
+    # the withdrawn `v1/instances` keys (cluster/parking.py ParkedKey), for the node to put
+    # back on return; a record written before they were kept has none
+    parked: list[dict[str, Any]] = field(default_factory=list)
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -160,6 +160,14 @@ def check(
 )
 @_metrics_option
 @_node_option
+@click.option(
+    "--join",
+    "join_address",
+    default=None,
+    metavar="ADDR",
+    help="Start this node's share of the cluster stack the head published in its etcd at "
+    "ADDR (host:port); STACK, if given, is the stack's name.",
+)
 @click.pass_context
 def up(
     ctx: click.Context,
@@ -169,6 +177,7 @@ def up(
     metrics_addr: str | None,
     timeout: float | None,
     node: str | None,
+    join_address: str | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
     state_dir = state_dir_of(ctx, will_create=True)
@@ -181,6 +190,8 @@ def up(
             f"{_daemon_named(other)} already runs with state dir {state_dir}; "
             "`dynamod status` shows it, `dynamod down` stops it"
         )
+    if join_address is not None:
+        stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
     resolved = load_stack(stack, state_dir, variables, node)
     _check_containment_setting()
     create_state_dir(state_dir)
@@ -192,6 +203,24 @@ def up(
     sys.exit(
         _run_daemon(resolved, state_dir, progress=True, metrics_addr=metrics_addr, run_id=run_id)
     )
+
+
+def _joined(
+    address: str, name: str | None, variables: tuple[str, ...], node: str | None, state_dir: Path
+) -> tuple[str, tuple[str, ...], str]:
+    """`up --join`: the stack the head published, written into the state dir; its
+    variables (this command's --var on top) and this node's name."""
+    from dynamod.cluster import join
+
+    try:
+        bundle = asyncio.run(join.fetch(address, name))
+        path = join.unpack(bundle, state_dir / "joined")
+        node = node or join.this_node(bundle)
+    except join.JoinError as exc:
+        fail(str(exc), BAD_INPUT)
+    click.echo(f"joining stack {bundle.stack!r} from {address} as node {node}", err=True)
+    published = tuple(f"{k}={v}" for k, v in bundle.variables.items())
+    return str(path), (*published, *variables), node
 
 
 def _daemon_named(status: dict[str, Any]) -> str:

@@ -2,7 +2,9 @@
 head runs etcd, NATS, the frontend and one CPU shard; n1 and n2 one shard each. One shared
 cluster for the checks, in order: bring-up and the status tree seen from a non-head node;
 a worker node cut under load (detection, re-routing, serving continues, a push commits
-meanwhile); the link healed (its shard rejoins at the pushed version); `down --cluster`
+meanwhile, only that node is marked lost); the link healed (its shard gets its registration
+back and replays the pushed version, no restart); one node's dynamod restarted without
+disturbing the others; a node started again by `up --join ADDR` alone; `down --cluster`
 leaves no process, cgroup or namespace. Skipped, with the reason, only where network
 namespaces cannot be made."""
 
@@ -15,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from dynamod.chaos.cluster import ClusterRig
+from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
+from tests.integration.rawstack import free_port
 
 REASON = can_create_namespaces()
 pytestmark = [
@@ -31,16 +34,9 @@ CGROUP_ROOT = Path("/sys/fs/cgroup/unified")
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[ClusterRig]:
-    cluster = ClusterRig(3, variables={"workers": "1", "trainer_steps": "0"})
-    cluster.open()
-    try:
-        cluster.up(timeout=240)
+    with running_cluster(3, variables={"workers": "1", "trainer_steps": "0"},
+                         timeout=240) as cluster:  # fmt: skip
         yield cluster
-    finally:
-        names = [cluster.sandbox.switch, *cluster.sandbox.nodes] if cluster.sandbox else []
-        problems = cluster.close()
-        assert not problems, problems
-        assert not [n for n in names if Path("/run/netns", n).exists()]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +79,7 @@ def test_a_cut_node_is_marked_lost_and_routed_around_and_serving_continues(
           f"{len(r.requests)} requests, {len(r.failed_during_cut())} failed before re-routing, "
           f"{len(r.refused_at_outgoing_version())} refused at the outgoing version")
     assert r.rerouted_s is not None and r.rerouted_s < 10  # the target (3 s) is bench/cluster.py's
+    assert r.marked_lost == ["n2"], f"only the cut node is marked lost, once: {r.marked_lost}"
     assert r.lost_s is not None and r.lost_s < 10
     after = [q for q in r.requests if r.rerouted_at is not None and q.sent >= r.rerouted_at]
     assert len(after) >= 10 and sum(q.ok for q in after) >= 10, "serving must go on"
@@ -98,6 +95,11 @@ def test_the_healed_node_rejoins_at_the_pushed_version(
     loss_round: NodeLossRound, rig: ClusterRig
 ) -> None:
     assert loss_round.rejoined_version == 1
+    # its Dynamo lease lived through the cut: the shard's registration was put back and
+    # the same worker replayed the push, no cold restart
+    back = rig.logged("cluster.registration_put_back")
+    assert [(e["logged_by"], e["unit"], e["lease_gone"]) for e in back] == [("n2", "worker@0", [])]
+    assert not rig.logged("cluster.shard_restart")
     n2 = _cluster(rig.status("head"))["n2"]
     assert n2["state"] == "up" and n2["lost"] is None
     assert [u["policy_version"] for u in n2["units"] if u["shard"]] == [1]
@@ -123,6 +125,27 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
         now = shards(node)["worker@0"]
         assert (now["pid"], now["restarts"]) == (old["pid"], old["restarts"]), node
     assert others <= rig.routed(), "n1's start-up sweep must leave the other nodes' shards alone"
+
+
+def test_a_node_joins_by_the_head_s_etcd_address_alone(
+    rig: ClusterRig, loss_round: NodeLossRound
+) -> None:
+    """`up --join ADDR`: no stack file, no --node, no --var on n2: it reads the stack the
+    head published and finds its own node by the address it holds."""
+    stopped = rig.run("n2", "down", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    nowhere = rig.run("n2", "up", "--join", f"127.0.0.1:{free_port()}", timeout=60)
+    assert nowhere.returncode == 2 and nowhere.stderr.count("\n") == 1, nowhere.stderr
+    assert "--join 127.0.0.1:" in nowhere.stderr and "cannot reach etcd" in nowhere.stderr
+    rig.up(["n2"], timeout=180, join=f"{rig.address('head')}:2379")
+    rig.wait("n2 joined: up in the head's view and its shard routed",
+             lambda: _cluster(rig.status("head"))["n2"]["state"] == "up"
+             and rig.instance_ids("n2") & rig.routed(), 60)  # fmt: skip
+    status = rig.status("n2")
+    assert status["cluster"]["this_node"] == "n2" and status["stack"] == "cluster"
+    assert (rig.state_dir("n2") / "joined" / "cluster.toml").is_file()
+    workers = [u for u in status["units"] if u["name"].startswith("worker@")]
+    assert [u["name"] for u in workers] == ["worker@0"], "the head's --var workers=1 came along"
 
 
 def test_down_cluster_stops_every_node_and_leaves_nothing(

@@ -410,3 +410,52 @@ async def test_every_member_unreachable_names_each() -> None:
     )
     for port in ports:
         assert f"127.0.0.1:{port}: cannot reach etcd" in text
+
+
+# -- connections closed under calls (the cluster-ha test's silent registry rounds) ---------------
+
+
+async def test_a_call_whose_connection_is_closed_under_it_fails_over_instead_of_cancelling(
+    cluster: tuple[RawStack, list[Member]], prefix: str
+) -> None:
+    """gRPC cancels the calls in flight on a channel it closes: the caller must not see a bare
+    CancelledError (which `except Exception` lets through: it ended the membership loops
+    silently); the call fails over to another member like one that timed out."""
+    _, members = cluster
+    client = EtcdClient([m.url for m in members], timeout_s=5)
+    await client.put(f"{prefix}warm", "x")
+    frozen = _member_in_use(client, members)
+    frozen.proc.signal_group(signal.SIGSTOP)
+    try:
+        call = asyncio.create_task(client.put(f"{prefix}k", "1"))
+        await asyncio.sleep(0.3)  # the put is in flight on the frozen member
+        await client.close()  # closes that member's channel under the put
+        await asyncio.wait_for(call, 4)
+        assert client.endpoint != frozen.url
+        assert await client.get(f"{prefix}k") == b"1"
+    finally:
+        frozen.proc.signal_group(signal.SIGCONT)
+        await client.close()
+
+
+async def test_a_watch_whose_connection_another_call_closed_resumes_on_another_member(
+    cluster: tuple[RawStack, list[Member]], prefix: str
+) -> None:
+    """A put that times out on a frozen member fails over and closes that member's channel,
+    the watch's too: the watch must go on from another member (it used to wait for good)."""
+    _, members = cluster
+    async with EtcdClient([m.url for m in members], timeout_s=2) as client:
+        await client.put(f"{prefix}warm", "x")
+        frozen = _member_in_use(client, members)
+        started = asyncio.Event()
+        watcher = asyncio.create_task(_collect(client, f"{prefix}w/", 2, started))
+        await started.wait()
+        await client.put(f"{prefix}w/1", "before")
+        frozen.proc.signal_group(signal.SIGSTOP)
+        try:
+            await client.put(f"{prefix}w/2", "after")  # times out there, then another member
+            assert client.endpoint != frozen.url
+            events = await asyncio.wait_for(watcher, 15)
+        finally:
+            frozen.proc.signal_group(signal.SIGCONT)
+    assert [e.key for e in events] == [f"{prefix}w/1", f"{prefix}w/2"]

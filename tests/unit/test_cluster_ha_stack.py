@@ -98,3 +98,14 @@ def test_only_a_taint_write_that_dynamos_etcd_client_failed_is_sent_again() -> N
     assert is_transient_etcd_failure("update/model_taints", said)
     assert not is_transient_etcd_failure("update_weights_from_disk", said)
     assert not is_transient_etcd_failure("update/model_taints", "HTTP 500: bad taint name")
+
+
+def test_a_transient_taint_write_is_sent_again_for_its_time_budget_then_given_up() -> None:
+    from dynamod.rollout.policy import send_again
+
+    said = ('HTTP 500: {"message":"Python callback failed: Exception: Internal etcd error: '
+            'grpc request error: ... tcp connect error ... Connection reset by peer"}')  # fmt: skip
+    assert send_again("update/model_taints", said, 0.0)
+    assert send_again("update/model_taints", said, 9.9)  # many quick failures in a row
+    assert not send_again("update/model_taints", said, 10.0)
+    assert not send_again("update/model_taints", "HTTP 500: bad taint name", 0.0)

@@ -111,6 +111,7 @@ def test_a_handshake_the_member_broke_off_by_going_away_fails_over() -> None:
         "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.1.0.1:2379: "
         "Handshake read failed (recvmsg:Connection reset by peer (104))",
         "Handshake read failed (Endpoint closing)",
+        "tcp handshaker shutdown",  # no route yet to a node whose link just came back
     ):
         failure = classify("UNAVAILABLE", gone, user="dynamod", timeout_s=1)
         assert failure.kind is FailureKind.UNREACHABLE and failure.try_another_endpoint, gone

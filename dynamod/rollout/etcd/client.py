@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -214,10 +215,16 @@ class EtcdClient:
                 await stream.add_callback(
                     start, events.put, range_end=end, start_revision=next_revision
                 )
+                # aetcd's stream task catches Exception only: when the channel is closed
+                # under it (another call failed over) it ends with CancelledError and tells
+                # no callback, which would leave this watch waiting for good.
+                stream._request_handler.add_done_callback(functools.partial(_ended, events))
                 while True:
                     item = await events.get()
                     if item is None:
                         return  # the stream was shut down (the client closed)
+                    if item is _STREAM_ENDED:
+                        raise _StreamEnded
                     if isinstance(item, BaseException):
                         raise item
                     failures.clear()
@@ -230,8 +237,14 @@ class EtcdClient:
                     f"{err.compacted_revision}): read {prefix!r} again and watch from there"
                 )
                 raise EtcdError(endpoint.url, "watch_prefix", prefix, detail) from None
-            except Exception as err:
-                failure = self._failure(err)
+            except (Exception, asyncio.CancelledError) as err:
+                if isinstance(err, asyncio.CancelledError) and _cancelled():
+                    raise
+                failure = (
+                    _CLOSED_UNDER_CALL
+                    if isinstance(err, asyncio.CancelledError | _StreamEnded | grpc.aio.UsageError)
+                    else self._failure(err)
+                )
                 if failure is None:
                     raise
                 if failure.kind is FailureKind.TOKEN_EXPIRED and not _seen(failures, failure):
@@ -305,8 +318,15 @@ class EtcdClient:
         failures: list[tuple[Endpoint, Failure]] = []
         for endpoint in self._rotation.attempt_order():
             conn = self._connection(endpoint)
+            failure: Failure | None
             try:
                 return await self._send_once(conn, operation, key, send)
+            except asyncio.CancelledError:
+                if _cancelled():
+                    raise
+                failure = _CLOSED_UNDER_CALL
+            except grpc.aio.UsageError:  # the channel closed before the call reached it
+                failure = _CLOSED_UNDER_CALL
             except Exception as err:
                 failure = self._failure(err)
                 if failure is None:
@@ -357,13 +377,15 @@ class EtcdClient:
     def _drop(self, endpoint: Endpoint) -> None:
         """Forget a member's connection (the next call opens a fresh one) and move past it.
 
-        Calls still in flight on it get `timeout_s` to finish before its channel closes.
+        Calls still in flight on it get time to finish before its channel closes: a login
+        and a call, each up to `timeout_s` (a call cut off by the close fails over).
         """
         self._rotation.advance(endpoint)
         conn = self._connections.pop(endpoint, None)
         if conn is None:
             return
-        task = asyncio.get_running_loop().create_task(conn.close_gracefully(self.timeout_s))
+        grace = _CLOSE_GRACE_CALLS * self.timeout_s
+        task = asyncio.get_running_loop().create_task(conn.close_gracefully(grace))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -404,6 +426,31 @@ class EtcdClient:
         where = ",".join(e.url for e, _ in failures)
         detail = "; ".join(f"{e.address}: {f.detail}" for e, f in failures)
         return EtcdError(where, operation, key, f"no endpoint answered ({detail})")
+
+
+class _StreamEnded(Exception):
+    """aetcd's watch stream task ended without telling its callbacks why."""
+
+
+_STREAM_ENDED = object()
+# gRPC cancels the calls still in flight on a channel it closes, and the caller sees a bare
+# CancelledError although nobody cancelled its task. Seen in the cluster-ha test: a call
+# failing over closed a connection another loop's call was using, and that loop ended
+# silently. Such a call is a failure like a timeout (it may have applied), never a cancel.
+_CLOSED_UNDER_CALL = Failure(
+    FailureKind.TIMEOUT, "its connection was closed under the call (it may have applied)"
+)
+_CLOSE_GRACE_CALLS = 3
+
+
+def _ended(events: asyncio.Queue[Any], _: object) -> None:
+    events.put_nowait(_STREAM_ENDED)
+
+
+def _cancelled() -> bool:
+    """Whether the running task was asked to stop (as opposed to gRPC closing a channel)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _seen(failures: list[tuple[Endpoint, Failure]], failure: Failure) -> bool:

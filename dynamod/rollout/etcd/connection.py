@@ -37,6 +37,7 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
         self.endpoint = endpoint
         self._auth = auth
         self._connect_lock = asyncio.Lock()
+        self._retired = False  # closed: calls still holding it fail, it never reconnects
 
     @property
     def tls(self) -> bool:
@@ -49,6 +50,8 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
         async with self._connect_lock:
             if self._connected.is_set():
                 return
+            if self._retired:
+                raise grpc.aio.UsageError("Channel is closed.")
             channel = self._open_channel()
             self.channel = channel
             self.auth_stub = rpc.AuthStub(channel)
@@ -58,9 +61,10 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
             self.maintenancestub = rpc.MaintenanceStub(channel)
             try:
                 await self.authenticate()
+                if self._retired:  # closed while we logged in: not connected after all
+                    raise grpc.aio.UsageError("Channel is closed.")
             except BaseException:
                 await channel.close()
-                self._init_channel_attrs()
                 raise
             self._connected.set()
 
@@ -81,12 +85,14 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
         )
 
     async def close_gracefully(self, grace_s: float) -> None:
-        """Close, letting calls already in flight finish within `grace_s`."""
-        channel = self.channel
-        self._init_channel_attrs()
+        """Close, letting calls already in flight finish within `grace_s`. The stubs stay:
+        a call that reaches one afterwards gets gRPC's UsageError ("Channel is closed"),
+        which the client takes as a call cut off, where a reset stub (None) made it an
+        AttributeError (seen: a push answered 500 in the cluster-ha test)."""
+        self._retired = True
         self._connected.clear()
-        if channel is not None:
-            await channel.close(grace=grace_s)
+        if self.channel is not None:
+            await self.channel.close(grace=grace_s)
 
     def _open_channel(self) -> Any:
         target = self.endpoint.address

@@ -61,8 +61,16 @@ class Failure:
 # Markers in gRPC's details text: it reports a failed handshake as UNAVAILABLE, like a refusal.
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
 # A handshake the peer broke off by going away (a member killed, stopping, or its port reset)
-# is no verdict on our credentials: another member may answer.
-_GONE_MARKERS = ("connection reset", "endpoint closing", "broken pipe", "socket closed")
+# is no verdict on our credentials: another member may answer. "tcp handshaker shutdown" is
+# gRPC giving up on the connection before any handshake (seen on a plain http:// endpoint
+# for a node whose link had just come back: no route yet).
+_GONE_MARKERS = (
+    "connection reset",
+    "endpoint closing",
+    "broken pipe",
+    "socket closed",
+    "tcp handshaker shutdown",
+)
 _VERDICT_MARKERS = ("certificate", "bad_certificate", "unknown_ca", "wrong_version", "alert")
 
 
