@@ -19,6 +19,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -231,6 +232,11 @@ class Daemon:
         reaper = process.Reaper()
         process.become_subreaper()
         reaper.install(loop)
+        # asyncio.to_thread's workers (sweeps, scans) never take SIGCHLD from the loop
+        executor = ThreadPoolExecutor(
+            thread_name_prefix="asyncio", initializer=process.block_child_signals
+        )
+        loop.set_default_executor(executor)
         self.guardian = Guardianship(
             self.run_id, self.containment.root, reaper, on_change=self._write_run
         )
