@@ -9,7 +9,9 @@
   dynamod: any child of dynamod the Reaper is not waiting for is such a leftover.
 - Children get PDEATHSIG=SIGKILL; a guardian process (dynamod.core.guardian) sweeps the rest
   if dynamod itself is SIGKILLed.
-- Exits arrive as events: one SIGCHLD handler reaps every child and resolves futures.
+- Exits arrive as events: a watched child's exit wakes the event loop through its pidfd
+  and is reaped in that same step; one SIGCHLD handler reaps everything else (orphans)
+  and is the fallback where there are no pidfds.
 - Units are forked on a spawner thread of their own (`Spawner`), so a kill that lands
   while another unit is being started is still reaped and recorded at once.
 """
@@ -68,6 +70,13 @@ class Reaper:
 
     Units, exec probes and orphans re-parented to the subreaper all end up here; callers
     that care about a pid get a future. Nothing else in dynamod may call waitpid.
+
+    A watched pid also gets a pidfd read by the loop: its exit wakes the loop's thread
+    directly, and it is reaped and recorded in that same turn of the loop. SIGCHLD (the
+    path for orphans, and the fallback without pidfds) needs asyncio's wakeup fd and one
+    more turn; and the kernel aims it at the thread that forked the child (the spawner),
+    so dynamod's worker threads block it (`block_child_signals`) and leave it to the
+    loop's thread: no other thread is woken to compete with it for the CPU and the GIL.
     """
 
     def __init__(self) -> None:
@@ -75,15 +84,21 @@ class Reaper:
         self._unclaimed: dict[int, Exit] = {}
         self._claimed: set[int] = set()  # orphans a stop is ending
         self._on_exit: dict[int, Callable[[Exit], None]] = {}
+        self._pidfds: dict[int, int] = {}  # watched pid -> its pidfd, read by the loop
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.orphans_reaped = 0
         self._spawning = 0  # spawns in flight (Spawner): their pids are not watched yet
         self._settled: asyncio.Event | None = None
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
         loop.add_signal_handler(signal.SIGCHLD, self.reap)
 
     def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.remove_signal_handler(signal.SIGCHLD)
+        for pid in list(self._pidfds):
+            self._unread(pid)
+        self._loop = None
 
     def spawn_began(self) -> None:
         self._spawning += 1
@@ -128,7 +143,39 @@ class Reaper:
             self._resolve(pid, future, self._unclaimed.pop(pid))
         else:
             self._waiters[pid] = future
+            self._read_exit(pid)
         return future
+
+    def _read_exit(self, pid: int) -> None:
+        """Have the loop read pid's pidfd: readable once pid is a zombie. Without pidfds
+        (an old kernel, out of fds) SIGCHLD still brings the exit, a moment later."""
+        if self._loop is None:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as exc:
+            log.debug("reaper.no_pidfd", pid=pid, error=str(exc))
+            return
+        self._pidfds[pid] = fd
+        self._loop.add_reader(fd, self._pidfd_ready, pid)
+
+    def _unread(self, pid: int) -> None:
+        fd = self._pidfds.pop(pid, None)
+        if fd is None:
+            return
+        if self._loop is not None:
+            self._loop.remove_reader(fd)
+        os.close(fd)
+
+    def _pidfd_ready(self, pid: int) -> None:
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already: the SIGCHLD path resolved it
+            got, status = 0, 0
+        if got == 0:  # not waitable yet (or gone): stop reading, SIGCHLD brings it
+            self._unread(pid)
+            return
+        self._reaped(pid, status)
 
     def _resolve(self, pid: int, future: asyncio.Future[Exit], result: Exit) -> None:
         callback = self._on_exit.pop(pid, None)
@@ -148,16 +195,20 @@ class Reaper:
                 return
             if pid == 0:
                 return
-            result = _exit_from_status(status)
-            self._claimed.discard(pid)
-            future = self._waiters.pop(pid, None)
-            if future is None:
-                self.orphans_reaped += 1
-                self._unclaimed[pid] = result
-                if len(self._unclaimed) > 1000:  # orphans nobody will ask about
-                    self._unclaimed.pop(next(iter(self._unclaimed)))
-            else:
-                self._resolve(pid, future, result)
+            self._reaped(pid, status)
+
+    def _reaped(self, pid: int, status: int) -> None:
+        result = _exit_from_status(status)
+        self._claimed.discard(pid)
+        future = self._waiters.pop(pid, None)
+        if future is None:
+            self.orphans_reaped += 1
+            self._unclaimed[pid] = result
+            if len(self._unclaimed) > 1000:  # orphans nobody will ask about
+                self._unclaimed.pop(next(iter(self._unclaimed)))
+        else:
+            self._resolve(pid, future, result)  # the exit is recorded first, then tidying
+        self._unread(pid)
 
 
 @dataclass
@@ -178,7 +229,16 @@ class Child:
         return await asyncio.shield(self.exited)
 
 
+def block_child_signals() -> None:
+    """Block SIGCHLD in the calling thread: for dynamod's own worker threads (the spawner,
+    the loop's executor), so the kernel hands SIGCHLD to the event loop's thread and never
+    wakes a worker that would then compete with the loop for the CPU and the GIL."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+
+
 def _child_setup(parent_pid: int, cgroup_fd: int | None) -> None:  # between fork and exec
+    # a child forked by the spawner thread inherits its mask: start it as the loop would
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     if cgroup_fd is not None:  # "0" moves the writer: the unit starts inside its cgroup
         os.write(cgroup_fd, b"0")
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -286,7 +346,9 @@ class Spawner:
         """Like `spawn`, without blocking the loop. Run it as a task of its own and
         shield it: cancelled while the thread forks, the child would exist unwatched."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynamod-spawner")
+            self._pool = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="dynamod-spawner", initializer=block_child_signals
+            )
         reaper.spawn_began()
         try:
             pid, ticks = await asyncio.wrap_future(
