@@ -94,6 +94,7 @@ async def measure(url: str, instance: int, quick: bool) -> dict[str, Any]:
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
+    load_at_start = os.getloadavg()
     report = Report("tokens", "8. Real tokens: throughput and TTFT per CPU worker", args.quick)
     results: dict[str, dict[str, Any]] = {}
     try:
@@ -157,7 +158,8 @@ def main() -> None:
         "mostly per-call overhead at this size) plus one chunk per token through the runtime."
     )
     report.notes.append(
-        f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"load average (1, 5, 15 min) at the start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
+        f", at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         "over 1 on this machine's cores the figures are provisional."
     )
     report.data = results

@@ -88,15 +88,18 @@ def export_tree(rev: str, into: Path) -> Path:
     return into
 
 
-def start_once(stack: Any, pythonpath: Path, log: Path) -> tuple[float, float]:
-    """(seconds, CPU-seconds) from spawning a worker from `pythonpath` to its /health ready."""
+def start_once(stack: Any, variant: str, pythonpath: Path, log: Path) -> tuple[float, float]:
+    """(seconds, CPU-seconds) from spawning a worker from `pythonpath` to its /health ready,
+    its `--engine` set to `variant` (the stock unit names this tree's engine)."""
     spec = stack.units["worker@0"]
+    command = list(spec.command)
+    command[command.index("--engine") + 1] = variant
     env = unit_env(spec)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     with log.open("ab") as out:
         started = time.monotonic()
         proc = subprocess.Popen(
-            list(spec.command),
+            command,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -109,10 +112,12 @@ def start_once(stack: Any, pythonpath: Path, log: Path) -> tuple[float, float]:
             lambda: ready(spec.ready.url) or proc.poll() is not None, 120, 0.02, "worker ready"
         )
         took = time.monotonic() - started
-        cpu = cpu_seconds(proc.pid)
         if proc.poll() is not None:
-            raise RuntimeError(f"worker from {pythonpath} exited {proc.returncode}; see {log}")
-        return took, cpu
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            raise RuntimeError(
+                f"worker from {pythonpath} exited {proc.returncode}: " + "\n".join(tail)
+            )
+        return took, cpu_seconds(proc.pid)
     finally:
         kill_group(proc.pid, signal.SIGTERM)
         if wait_dead([proc.pid], 15):
@@ -140,6 +145,7 @@ def main() -> None:
     )
     args: argparse.Namespace = parser.parse_args()
     bench_mark()
+    load_at_start = os.getloadavg()
     report = Report(
         "worker_start", "14. CPU worker start: torch worker vs numpy worker", args.quick
     )
@@ -163,7 +169,7 @@ def main() -> None:
                         wait_until(lambda url=url: ready_any(url), 60, 0.05, name)
                 for _ in range(rounds):
                     for variant in VARIANTS:
-                        took, cpu = start_once(stack, roots[variant], state / "worker.log")
+                        took, cpu = start_once(stack, variant, roots[variant], state / "worker.log")
                         starts[variant].append(took)
                         cpus[variant].append(cpu)
             finally:
@@ -216,7 +222,8 @@ def main() -> None:
     )
     report.tables.append(build_table)
     report.notes.append(
-        f"load average at the start: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+        f"load average (1, 5, 15 min) at the start: {', '.join(f'{x:.2f}' for x in load_at_start)}"
+        f", at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
         "over 1 on this machine's cores the figures are provisional. Dynamo's runtime and "
         "the registration in etcd are the same on both sides."
     )
