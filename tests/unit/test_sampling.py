@@ -96,3 +96,13 @@ def test_top_entries_carry_the_chosen_token_with_its_rank() -> None:
     assert entries[0] == {"rank": 3, "token_id": 2, "logprob": float(logprobs[2])}
     assert [(e["rank"], e["token_id"]) for e in entries[1:]] == [(1, 0), (2, 1)]
     assert [e["token_id"] for e in top_entries(logprobs, chosen=0, count=2)] == [0, 1]
+
+
+def test_draws_follow_the_sampling_distribution() -> None:
+    """4000 seeded draws: each token's share within 0.03 of its probability (top-k 3 at
+    temperature 0.8), and never a token the distribution gives nothing."""
+    params = SamplingParams(temperature=0.8, top_k=3)
+    expected = sampling_distribution(LOGITS, params)
+    counts = np.bincount(draws(params, seed=11, n=4000), minlength=LOGITS.size)
+    assert np.abs(counts / 4000 - expected).max() < 0.03
+    assert counts[expected == 0].sum() == 0 and (counts[expected > 0] > 0).all()
