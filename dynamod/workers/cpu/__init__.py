@@ -5,9 +5,9 @@
                                   [--initial-version V] [--drain-timeout S] [--start-paused]
 
 The default engine (`numpy_engine`) generates with the model directory's Llama in numpy at
-the weights the worker holds; the worker's process never imports torch (it cost ~2.5 of a
-start's ~2.7 CPU-seconds). `--engine mocker` runs Dynamo's mocker engine instead, and
-two Dynamo runtimes then share this process and its event loop:
+the weights the worker holds; the worker's process never imports torch (a start cost 2.8
+CPU-seconds with it, 0.56 without: bench.worker_start). `--engine mocker` runs Dynamo's
+mocker engine instead, and two Dynamo runtimes then share this process and its event loop:
 
 * the *engine* runtime (file discovery in a private directory, invisible outside) serves
   Dynamo's mocker engine exactly as `python -m dynamo.mocker` builds it

@@ -1,6 +1,6 @@
 """The worker's Llama decoder in numpy: `llama.Llama`'s forward without torch.
 
-Importing torch costs a worker start about 2.5 CPU-seconds; serving needs no autograd, so
+Importing torch cost a worker start over 2 CPU-seconds; serving needs no autograd, so
 the worker runs the same network here, in float32 numpy: embeddings, RMSNorm, rotary
 embeddings in HF's rotate_half convention (default rope only), grouped-query attention
 with an additive mask, a SiLU MLP and an untied lm_head, from the same state_dict names
