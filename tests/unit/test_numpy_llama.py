@@ -274,3 +274,13 @@ def test_engine_greedy_tokens_equal_the_torch_llamas(tiny_dir: Path) -> None:
     ]
     usage = again[-1]["completion_usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 8  # two blocks of 4
+
+
+@pytest.mark.parametrize("flag", ["--threads", "--torch-threads"])
+def test_threads_below_one_are_refused(tmp_path: Path, flag: str) -> None:
+    from dynamod.workers.cpu.args import parse_args
+
+    with pytest.raises(WorkerError, match="--threads and --cache-blocks must be at least 1"):
+        parse_args([flag, "0", "--model-path", str(tmp_path)])
+    ours, _ = parse_args([flag, "3", "--model-path", str(tmp_path)])
+    assert ours.threads == 3 and ours.engine == "numpy"
