@@ -284,3 +284,17 @@ def test_threads_below_one_are_refused(tmp_path: Path, flag: str) -> None:
         parse_args([flag, "0", "--model-path", str(tmp_path)])
     ours, _ = parse_args([flag, "3", "--model-path", str(tmp_path)])
     assert ours.threads == 3 and ours.engine == "numpy"
+
+
+def test_a_hosted_extensions_tensors_arrive_as_numpy_and_bfloat16_is_refused() -> None:
+    """verl's colocated path hands torch tensors to `load_weights`: kept as numpy arrays
+    with the digest the trainer computes; a bfloat16 one is refused by name."""
+    from dynamod.workers.cpu.extension import _CollectingModel
+
+    model = _CollectingModel()
+    sent = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+    assert model.load_weights(sent.items()) == {"w", "b"}
+    assert all(isinstance(a, np.ndarray) for a in model.received.values())
+    assert state_dict_digest(model.received) == state_dict_digest(sent)
+    with pytest.raises(WorkerError, match=r"weight 'h' has dtype torch\.bfloat16"):
+        model.load_weights([("h", torch.ones(2, dtype=torch.bfloat16))])
