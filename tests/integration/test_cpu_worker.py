@@ -7,6 +7,7 @@ the frontend (kv router) unless a test is about the worker's own admin routes.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -509,3 +510,23 @@ def wait_until_routed_to(stack: RawStack, workers: set[int], timeout: float = 30
         reply = complete(stack, f"spread {len(seen)} {time.monotonic()}")
         seen.add(reply["nvext"]["worker_id"]["decode_worker_id"])
     assert workers <= seen, f"the frontend routed only to {seen}, not to all of {workers}"
+
+
+# ------------------------------------------------------------------------ no torch
+
+
+def torch_mapped(pid: int) -> list[str]:
+    """The files of torch's package (libtorch*.so, its extension modules) mapped into `pid`."""
+    paths = {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()}
+    return sorted(p for p in paths if "/torch/" in p or Path(p).name.startswith("libtorch"))
+
+
+def test_the_worker_process_never_loads_torch(stack: RawStack, worker: Worker) -> None:
+    """After serving, updates, flushes and sleep (the tests above), the worker's memory
+    maps hold no torch library; the same check sees torch in a process that imported it."""
+    complete(stack)
+    assert worker.proc.alive()
+    assert torch_mapped(worker.proc.popen.pid) == []
+    import torch  # noqa: F401 - the control: this test process now has torch loaded
+
+    assert any("libtorch" in p for p in torch_mapped(os.getpid()))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +108,61 @@ def test_the_trainer_fails_loudly_when_the_engine_disagrees() -> None:
     trainer.learner = _Scorer(0.05)  # type: ignore[assignment]
     with pytest.raises(TrainerError, match="step 3: the engine's logprobs do not match"):
         trainer.check_boundary(3, _groups())
+
+
+async def _numpy_engine_completions(
+    model_dir: Path, prompts: list[list[int]]
+) -> list[tuple[list[int], list[float]]]:
+    """Sampled completions (temperature 1, top-k, seeded) and their logprobs, from the
+    worker's numpy engine, batched as the worker serves them."""
+    from dynamod.workers.cpu.numpy_engine import NumpyEngine
+    from dynamod.workers.weights import load_checkpoint
+
+    engine = NumpyEngine(model_dir, load_checkpoint(model_dir, "numpy"), 4, 64, print)
+    await engine.start()
+
+    async def one(seed: int, tokens: list[int]) -> tuple[list[int], list[float]]:
+        request = {
+            "token_ids": tokens,
+            "sampling_options": {"temperature": 1.0, "top_k": 50, "seed": seed},
+            "stop_conditions": {"max_tokens": 10, "ignore_eos": True},
+        }
+        chunks = [c async for c in engine.generate(request)]
+        return (
+            [t for c in chunks for t in c["token_ids"]],
+            [lp for c in chunks for lp in c["log_probs"]],
+        )
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await engine.close()
+
+
+def test_the_numpy_engines_logprobs_pass_the_trainers_check(tmp_path: Path) -> None:
+    """The worker (numpy) and the trainer (torch `llama.py`) agree within the boundary's
+    tolerance on the same weights; under other weights the same check fails."""
+    from dynamod.trainer.checkpoints import save_step
+    from dynamod.trainer.scoring import load_policy
+    from dynamod.workers.model import ensure_model
+    from dynamod.workers.weights import load_checkpoint
+
+    model_dir = ensure_model(tmp_path / "tiny")
+    prompts = [[1, 30, 31, 32, 33, 34], [1, 40], [1, 50, 51, 52, 53, 54, 55, 56, 57]]
+    served = asyncio.run(_numpy_engine_completions(model_dir, prompts))
+    model, pad_id = load_policy(model_dir)
+    recomputed = completion_logprobs(model, prompts, [c for c, _ in served], pad_id)
+    report = check(
+        [Scored(c, lps, r, cancelled=False) for (c, lps), r in zip(served, recomputed, strict=True)]
+    )
+    assert report.ok and report.tokens == 30, report.mismatches
+    other = save_step(
+        tmp_path / "ckpt",
+        1,
+        {n: t * 1.5 for n, t in load_checkpoint(model_dir).tensors.items()},
+    )
+    stale, _ = load_policy(model_dir, other)
+    wrong = completion_logprobs(stale, prompts, [c for c, _ in served], pad_id)
+    assert not check(
+        [Scored(c, lps, r, cancelled=False) for (c, lps), r in zip(served, wrong, strict=True)]
+    ).ok

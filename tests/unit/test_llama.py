@@ -1,10 +1,11 @@
-"""The worker's pure-torch Llama against `transformers.LlamaForCausalLM` with the same weights.
+"""The pure-torch Llama (the trainer's) against `transformers.LlamaForCausalLM`, same weights.
 
 Logits must agree to float32 rounding for a full prefill, a prefill on a cached prefix and
 a batched left-padded decode step, on the tiny model the builder writes and on a random
 grouped-query config with biases; configs and weights it does not implement are refused;
-greedy generation through the TorchEngine gives HF's greedy tokens; and the serving path
-never imports transformers.
+greedy generation through the worker's NumpyEngine gives HF's greedy tokens (the numpy
+model is held to this one in test_numpy_llama.py); and the serving path imports neither
+transformers nor torch.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dynamod.trainer.learner import Learner
 from dynamod.trainer.scoring import completion_logprobs, load_policy
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.llama import Llama, LlamaConfig
-from dynamod.workers.cpu.torch_engine import TorchEngine
+from dynamod.workers.cpu.numpy_engine import NumpyEngine
 from dynamod.workers.model import ensure_model
 from dynamod.workers.weights import load_checkpoint
 
@@ -236,7 +237,7 @@ async def engine_tokens(
     model_dir: Path, prompts: list[list[int]], max_tokens: int
 ) -> list[list[int]]:
     deaths: list[BaseException | None] = []
-    engine = TorchEngine(model_dir, load_checkpoint(model_dir), 4, 64, deaths.append)
+    engine = NumpyEngine(model_dir, load_checkpoint(model_dir, "numpy"), 4, 64, deaths.append)
     await engine.start()
 
     async def one(tokens: list[int]) -> list[int]:
@@ -324,29 +325,32 @@ import asyncio, sys
 from pathlib import Path
 from dynamod.workers.cpu.serve import main  # what python -m dynamod.workers.cpu imports
 from dynamod.workers.cpu.args import engine_args_for, parse_args
-from dynamod.workers.cpu.torch_engine import TorchEngine
-from dynamod.workers.weights import load_checkpoint
 # what serve() imports of Dynamo before it serves
 from dynamo.common.configuration.groups.router_args import build_router_config
 from dynamo.llm import register_model
 from dynamo.mocker.config import build_runtime_config
 from dynamo.runtime import DistributedRuntime
+numpy_before_args = "numpy" in sys.modules
 {extra}
 
 async def build() -> None:
     model_dir = Path(sys.argv[1])
-    _, mocker = parse_args(["--engine", "torch", "--model-path", str(model_dir)])
+    _, mocker = parse_args(["--engine", "numpy", "--model-path", str(model_dir)])
     build_runtime_config(engine_args_for(mocker))
-    engine = TorchEngine(model_dir, load_checkpoint(model_dir), 4, 8, print)
+    from dynamod.workers.cpu.numpy_engine import NumpyEngine
+    from dynamod.workers.weights import load_checkpoint
+    engine = NumpyEngine(model_dir, load_checkpoint(model_dir, "numpy"), 4, 8, print)
     await engine.start()
     await engine.close()
 
 asyncio.run(build())
-print("transformers" in sys.modules)
+print(sorted(m for m in ("transformers", "torch") if m in sys.modules), numpy_before_args)
 """
 
 
-def serving_imports_transformers(model_dir: Path, extra: str = "", path: str = "") -> bool:
+def serving_imports(model_dir: Path, extra: str = "", path: str = "") -> str:
+    """What the probe saw: the heavy modules loaded, and whether numpy came before the
+    arguments (then --threads could not reach BLAS)."""
     done = subprocess.run(
         [sys.executable, "-c", SERVING_PROBE.format(extra=extra), str(model_dir)],
         capture_output=True,
@@ -359,21 +363,54 @@ def serving_imports_transformers(model_dir: Path, extra: str = "", path: str = "
         timeout=120,
         check=True,
     )
-    return done.stdout.strip().splitlines()[-1] == "True"
+    return done.stdout.strip().splitlines()[-1]
 
 
-def test_serving_path_does_not_import_transformers(tiny_dir: Path) -> None:
-    assert not serving_imports_transformers(tiny_dir)
+def test_serving_path_imports_neither_transformers_nor_torch(tiny_dir: Path) -> None:
+    assert serving_imports(tiny_dir) == "[] False"
 
 
-def test_the_import_check_sees_transformers_when_it_is_imported(
-    tiny_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("module", ["transformers", "torch"])
+def test_the_import_check_sees_a_module_when_it_is_imported(
+    tiny_dir: Path, tmp_path: Path, module: str
 ) -> None:
     """As if a serving module imported it again (an empty stand-in: the real import costs
     seconds, and only its presence in sys.modules is under test)."""
-    (tmp_path / "transformers").mkdir()
-    (tmp_path / "transformers" / "__init__.py").write_text("")
-    assert serving_imports_transformers(tiny_dir, "import transformers", str(tmp_path))
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text("")
+    assert serving_imports(tiny_dir, f"import {module}", str(tmp_path)) == f"['{module}'] False"
+
+
+THREADS_PROBE = """
+import sys
+{before}
+from dynamod.workers.cpu.args import set_blas_threads
+set_blas_threads(int(sys.argv[1]))
+import numpy
+numpy.ones((64, 64)) @ numpy.ones((64, 64))
+print(open("/proc/self/status").read().split("Threads:")[1].split()[0])
+"""
+
+
+def blas_probe(threads: int, before: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", THREADS_PROBE.format(before=before), str(threads)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+
+
+def test_threads_reach_blas_and_numpy_loaded_too_early_is_refused() -> None:
+    """OpenBLAS starts threads - 1 helpers when numpy loads (at most one per core): the
+    process has `threads` threads. Unset, OpenBLAS would take every core."""
+    cores = len(os.sched_getaffinity(0))
+    counts = {n: blas_probe(n).stdout.strip() for n in {1, min(2, cores)}}
+    assert counts == {n: str(n) for n in counts}
+    early = blas_probe(1, before="import numpy")
+    assert early.returncode != 0 and "numpy was imported before --threads" in early.stderr
 
 
 def test_worker_refuses_an_unsupported_config_with_one_line_and_exit_2(

@@ -1,4 +1,4 @@
-"""The torch engine's prefix cache: chained block hashes, lookups, events, eviction."""
+"""The numpy engine's prefix cache: chained block hashes, lookups, events, eviction."""
 
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ class CpuWorker:
             declared = "weight_version" in body
             version = body.get("weight_version", "unknown")
             try:
-                weights = await asyncio.to_thread(load_checkpoint, Path(path))
+                weights = await asyncio.to_thread(load_checkpoint, Path(path), "numpy")
             except CheckpointError as exc:
                 log.error("[RL] update_weights_from_disk failed: %s", exc)
                 return {

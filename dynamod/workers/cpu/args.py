@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from dynamod.workers.cpu.errors import WorkerError
@@ -14,6 +15,9 @@ from dynamod.workers.cpu.errors import WorkerError
 # (nothing would ever resume the worker) do not get it. dynamod/rollout/policy.py names it
 # too (neither layer may import the other; a unit test holds them equal).
 START_PAUSED_ENV = "DYNAMOD_WORKER_START_PAUSED"
+
+# What OpenBLAS (numpy's wheels), OpenMP and MKL read once, when numpy loads.
+BLAS_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def parse_version(text: str) -> int | str:
@@ -29,7 +33,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     own = argparse.ArgumentParser(
         prog="python -m dynamod.workers.cpu",
         description=(
-            "CPU rollout worker: the tiny Llama generating with torch (or Dynamo's mocker "
+            "CPU rollout worker: the tiny Llama generating with numpy (or Dynamo's mocker "
             "engine) behind dynamo.vllm's RL admin routes. Also accepts the flags of "
             "`python -m dynamo.mocker` (--model-path, --model-name, --endpoint, "
             "--discovery-backend, --block-size, --speedup-ratio, ...)."
@@ -37,21 +41,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     )
     own.add_argument(
         "--engine",
-        choices=("torch", "mocker"),
-        default="torch",
-        help="torch: the model at the weights held (default); mocker: random tokens, for scale",
+        choices=("numpy", "mocker"),
+        default="numpy",
+        help="numpy: the model at the weights held (default); mocker: random tokens, for scale",
     )
     own.add_argument(
-        "--torch-threads",
+        "--threads",
+        "--torch-threads",  # its name while the engine ran on torch
+        dest="threads",
         type=int,
         default=1,
-        help="torch intra-op threads of the torch engine (default 1: one core per worker)",
+        help=(
+            "BLAS threads of the numpy engine (default 1: one core per worker); sets "
+            f"{', '.join(BLAS_THREAD_ENV)} before numpy loads"
+        ),
     )
     own.add_argument(
         "--cache-blocks",
         type=int,
         default=4096,
-        help="prefix cache capacity of the torch engine, in blocks (default 4096)",
+        help="prefix cache capacity of the numpy engine, in blocks (default 4096)",
     )
     own.add_argument(
         "--test-serve-previous-weights",
@@ -89,8 +98,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
         ),
     )
     ours, rest = own.parse_known_args(argv)
-    if ours.torch_threads < 1 or ours.cache_blocks < 1:
-        raise WorkerError("--torch-threads and --cache-blocks must be at least 1")
+    if ours.threads < 1 or ours.cache_blocks < 1:
+        raise WorkerError("--threads and --cache-blocks must be at least 1")
 
     from dynamo.mocker.args import parse_args as parse_mocker_args
 
@@ -107,6 +116,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     if not mocker.model_path:
         raise WorkerError("--model-path is required (a local model directory)")
     return ours, mocker
+
+
+def set_blas_threads(threads: int) -> None:
+    """Give BLAS `threads` threads: read by numpy's BLAS when numpy loads, so the worker's
+    `main` calls this before anything imports numpy (its engine does, when built)."""
+    if "numpy" in sys.modules:
+        raise WorkerError(
+            "numpy was imported before --threads could be applied (an import in "
+            "dynamod.workers.cpu loads it too early)"
+        )
+    for name in BLAS_THREAD_ENV:
+        os.environ[name] = str(threads)
 
 
 def check_system_port() -> None:

@@ -1,4 +1,4 @@
-"""What the admission layer needs of an engine: the torch engine and the mocker both fit."""
+"""What the admission layer needs of an engine: the numpy engine and the mocker both fit."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 vLLM mixes the extension into its GPU worker, whose `model_runner.model.load_weights`
 takes the tensors. Here the class is mixed with `CpuSurface`, which gives it the same
-surface: `load_weights` keeps a copy of each tensor, and at the end of an update the
-copies become the worker's weights through `CpuWorker.install_weights` on the worker's
+surface: `load_weights` keeps a numpy copy of each tensor (same digest), and at the end of
+an update the copies become the worker's weights through `CpuWorker.install_weights` on the worker's
 event loop (paused and awake only, a fresh engine, the version declared), exactly as a
 checkpoint loaded by `update_weights_from_disk` does. The class is named by its dotted
 path, so the worker imports nothing of the integration that supplies it.
@@ -30,9 +30,17 @@ class _CollectingModel:
         self.received: dict[str, Any] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy each torch tensor into a numpy array (the engine's); numpy has no
+        bfloat16, so such a tensor is refused by name rather than converted."""
         names = set()
         for name, tensor in weights:
-            self.received[name] = tensor.detach().to("cpu", copy=True)
+            try:
+                self.received[name] = tensor.detach().to("cpu", copy=True).numpy()
+            except TypeError as exc:
+                raise WorkerError(
+                    f"weight {name!r} has dtype {tensor.dtype}, which the numpy engine "
+                    f"cannot hold ({exc})"
+                ) from exc
             names.add(name)
         return names
 

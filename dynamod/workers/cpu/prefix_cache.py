@@ -1,4 +1,4 @@
-"""The torch engine's prefix cache: KV tensors of full token blocks, keyed by chained hashes.
+"""The numpy engine's prefix cache: KV arrays of full token blocks, keyed by chained hashes.
 
 A block is `block_size` consecutive prompt tokens starting at a multiple of `block_size`;
 its hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes

@@ -1,6 +1,7 @@
-"""Sampling for the torch engine: request options -> parameters, logits -> token + logprobs.
+"""Sampling for the numpy engine: request options -> parameters, logits -> token + logprobs.
 
-Pure functions over torch tensors (no model, no I/O). The logprob reported for a sampled
+Pure functions over 1-D numpy float32 logits (no model, no I/O, no torch); a seeded
+`numpy.random.Generator` (`generator_for`) fixes the draws. The logprob reported for a sampled
 token is the model's own: `log_softmax` of the raw logits, before temperature, top-k or
 top-p reshape the distribution (vLLM's default, `raw_logprobs`), so a trainer scoring the
 completion under the same weights computes the same number whatever the sampling options.
@@ -11,6 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+Logits = npt.NDArray[np.float32]
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -56,57 +62,68 @@ class SamplingParams:
         )
 
 
-def raw_logprobs(logits: Any) -> Any:
-    """log p over the vocabulary for each row of `logits` (float32)."""
-    import torch
-
-    return torch.log_softmax(logits.float(), dim=-1)
+def generator_for(seed: int | None) -> np.random.Generator:
+    """The draws of one request: fixed by its seed, fresh entropy without one."""
+    return np.random.default_rng(seed)
 
 
-def sampling_distribution(logits: Any, params: SamplingParams) -> Any:
+def raw_logprobs(logits: Logits) -> Logits:
+    """log p over the vocabulary (last axis) of `logits`, in float32."""
+    logits = np.asarray(logits, dtype=np.float32)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    result: Logits = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return result
+
+
+def sampling_distribution(logits: Logits, params: SamplingParams) -> Logits:
     """Probabilities to sample from after temperature, top-k and top-p (1-D logits)."""
-    import torch
-
-    scaled = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+    scaled = np.asarray(logits, dtype=np.float32) / np.float32(params.temperature)
+    if 0 < params.top_k < scaled.size:
+        kth = np.partition(scaled, scaled.size - params.top_k)[scaled.size - params.top_k]
+        scaled = np.where(scaled < kth, np.float32(-np.inf), scaled)
+    probs: Logits = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order]
+        before = np.cumsum(sorted_probs) - sorted_probs
         # Keep the smallest prefix whose mass reaches top_p (always the first token).
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        probs = probs / probs.sum()
+        sorted_probs = np.where(before >= params.top_p, np.float32(0.0), sorted_probs)
+        probs = np.zeros_like(probs)
+        probs[order] = sorted_probs
+        probs /= probs.sum()
     return probs
 
 
-def sample(logits: Any, params: SamplingParams, generator: Any, banned: Sequence[int] = ()) -> int:
+def sample(
+    logits: Logits, params: SamplingParams, generator: np.random.Generator,
+    banned: Sequence[int] = (),
+) -> int:
     """One token id from 1-D `logits`: greedy at temperature 0, else a draw from
     `sampling_distribution` with `generator` (so a seed fixes the draw)."""
-    import torch
-
     if banned:
-        logits = logits.clone()
-        logits[list(banned)] = float("-inf")
+        logits = np.array(logits, dtype=np.float32)
+        logits[list(banned)] = -np.inf
     if params.temperature <= 0.0:
-        return int(torch.argmax(logits).item())
-    probs = sampling_distribution(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        return int(np.argmax(logits))
+    probs = sampling_distribution(logits, params).astype(np.float64)
+    cumulative = np.cumsum(probs)
+    # Inverse CDF: side="right" never lands on a zero-probability token.
+    token = int(np.searchsorted(cumulative, generator.random() * cumulative[-1], side="right"))
+    return min(token, int(np.flatnonzero(probs)[-1]))
 
 
-def top_entries(logprobs: Any, chosen: int, count: int) -> list[dict[str, Any]]:
+def top_entries(logprobs: Logits, chosen: int, count: int) -> list[dict[str, Any]]:
     """The chosen token and the `count` most likely ones, as Dynamo's `top_logprobs`
     entries (`rank` 1 is the most likely; the chosen token carries its own rank)."""
-    import torch
-
     entries: list[dict[str, Any]] = []
-    chosen_rank = int((logprobs > logprobs[chosen]).sum().item()) + 1
+    chosen_rank = int((logprobs > logprobs[chosen]).sum()) + 1
     entries.append({"rank": chosen_rank, "token_id": chosen, "logprob": float(logprobs[chosen])})
     if count > 0:
-        values, ids = torch.topk(logprobs, count)
-        for rank, (value, token) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
+        ids = np.argsort(-logprobs, kind="stable")[:count]
+        for rank, token in enumerate(ids.tolist()):
             if int(token) != chosen:
-                entries.append({"rank": rank + 1, "token_id": int(token), "logprob": float(value)})
+                entries.append(
+                    {"rank": rank + 1, "token_id": int(token), "logprob": float(logprobs[token])}
+                )
     return entries

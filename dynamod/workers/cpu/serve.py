@@ -20,13 +20,13 @@ from dynamod.workers.cpu.args import (
     engine_args_for,
     parse_args,
     parse_version,
+    set_blas_threads,
 )
 from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
 from dynamod.workers.cpu.mocker import MockerEngine
 from dynamod.workers.cpu.routes import catching, prefix_cache_metrics, upstream_taint_route
-from dynamod.workers.cpu.torch_engine import TorchEngine
 from dynamod.workers.model import ModelDirError, check_model_dir
 from dynamod.workers.weights import CheckpointError, load_checkpoint
 
@@ -60,7 +60,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     model_dir = Path(mocker.model_path)
-    weights = await asyncio.to_thread(load_checkpoint, model_dir)
+    weights = await asyncio.to_thread(load_checkpoint, model_dir, "numpy")
     log.info("initial weights %s (digest %s)", weights.source, weights.digest)
     engine_args = engine_args_for(mocker)
 
@@ -78,9 +78,9 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
     if ours.engine == "mocker":
         engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
     else:
-        engine = TorchEngine(
-            model_dir, weights, block_size, ours.cache_blocks, engine_died, ours.torch_threads
-        )
+        from dynamod.workers.cpu.numpy_engine import NumpyEngine  # numpy after --threads
+
+        engine = NumpyEngine(model_dir, weights, block_size, ours.cache_blocks, engine_died)
         runtime_config.total_kv_blocks = ours.cache_blocks
     await engine.start()
 
@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     try:
         ours, mocker = parse_args(sys.argv[1:] if argv is None else argv)
+        set_blas_threads(ours.threads)
         check_model_dir(Path(mocker.model_path))
         check_system_port()
         if ours.worker_extension_cls:
@@ -193,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dynamod.workers.cpu: error: {exc}", file=sys.stderr)
             return 2
         finally:
-            # torch leaves a large object graph; collecting it at exit
-            # takes seconds on a busy machine and would stall a shutdown. Nothing in it
-            # needs finalising (the runtime and the engine are already closed).
+            # torch (imported by a --worker-extension-cls such as verl's) leaves a
+            # large object graph; collecting it at exit takes seconds on a busy
+            # machine and would stall a shutdown. Nothing in it needs finalising
+            # (the runtime and the engine are already closed).
             gc.freeze()
 
 

@@ -1,4 +1,4 @@
-"""The torch engine: the tiny Llama generating on CPU at the weights the worker holds.
+"""The numpy engine: the tiny Llama generating on CPU at the weights the worker holds.
 
 One thread owns the model and runs the schedule; the event loop only hands requests in
 and takes chunks out. Each turn admits every waiting request (prefill: cached prefix
@@ -9,8 +9,11 @@ its first token. A chunk per token carries `token_ids`, `log_probs` (see `sampli
 `top_logprobs` when asked for, and on the last one `finish_reason` and
 `completion_usage` with the prompt tokens found in the prefix cache (`cached_tokens`).
 
-Same interface as `MockerEngine`: a restart (flush, new weights) is a fresh model with
-an empty prefix cache; the router hears `AllBlocksCleared` through the KV event bridge.
+The model is `numpy_llama.NumpyLlama` (no torch in the worker's process: importing it
+cost most of a worker start); BLAS runs on the thread count `--threads` set before numpy
+loaded (see `args`). Same interface as `MockerEngine`: a restart (flush, new weights) is a
+fresh model with an empty prefix cache; the router hears `AllBlocksCleared` through the
+KV event bridge.
 """
 
 from __future__ import annotations
@@ -19,17 +22,25 @@ import asyncio
 import contextlib
 import logging
 import queue
-import random
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
+from dynamod.workers.cpu.numpy_llama import LayerKV, NumpyLlama
 from dynamod.workers.cpu.prefix_cache import KvEvent, PrefixCache
-from dynamod.workers.cpu.sampling import SamplingParams, raw_logprobs, sample, top_entries
+from dynamod.workers.cpu.sampling import (
+    SamplingParams,
+    generator_for,
+    raw_logprobs,
+    sample,
+    top_entries,
+)
 from dynamod.workers.weights import WeightSet
 
 log = logging.getLogger("dynamod.workers.cpu")
@@ -45,8 +56,8 @@ class _Sequence:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
-    generator: Any = None
-    cache: list[tuple[Any, Any]] = field(default_factory=list)  # per layer: keys, values
+    generator: np.random.Generator | None = None
+    cache: list[LayerKV] = field(default_factory=list)  # per layer: keys, values
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     cancelled: bool = False
@@ -55,8 +66,8 @@ class _Sequence:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
 
 
-class TorchEngine:
-    """The model directory's Llama (`llama.Llama`, no transformers) at the weights given."""
+class NumpyEngine:
+    """The model directory's Llama (`numpy_llama.NumpyLlama`) at the weights given."""
 
     def __init__(
         self,
@@ -65,15 +76,13 @@ class TorchEngine:
         block_size: int,
         cache_blocks: int,
         on_death: Callable[[BaseException | None], None],
-        threads: int = 1,
     ) -> None:
         self._model_dir = model_dir
         self._weights = weights
         self.block_size = block_size
         self._cache_blocks = cache_blocks
         self._on_death = on_death
-        self._threads = threads
-        self._model: Any = None
+        self._model: NumpyLlama | None = None
         self._max_len = 0
         self._thread: threading.Thread | None = None
         self._inbox: queue.SimpleQueue[_Sequence | None] = queue.SimpleQueue()
@@ -100,18 +109,13 @@ class TorchEngine:
             self._publishing = asyncio.create_task(self._publish())
         self._model = await asyncio.wait_for(asyncio.to_thread(self._build), timeout)
         self._inbox = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="torch-engine", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="numpy-engine", daemon=True)
         self._thread.start()
         self.generation += 1
-        log.info("torch engine %d serving (digest %s)", self.generation, self._weights.digest)
+        log.info("numpy engine %d serving (digest %s)", self.generation, self._weights.digest)
 
-    def _build(self) -> Any:
-        import torch
-
-        from dynamod.workers.cpu.llama import Llama
-
-        torch.set_num_threads(self._threads)
-        model = Llama.from_dir(self._model_dir, self._weights.tensors)
+    def _build(self) -> NumpyLlama:
+        model = NumpyLlama.from_dir(self._model_dir, self._weights.tensors)
         self._max_len = model.config.max_position_embeddings
         return model
 
@@ -123,7 +127,7 @@ class TorchEngine:
         """The prefix cache's state and counts since the worker started (kept over flushes)."""
         stats = self.cache.stats
         return {
-            "engine": "torch",
+            "engine": "numpy",
             "prefix_cache": {
                 "blocks": len(self.cache),
                 "capacity_blocks": self.cache.capacity,
@@ -195,7 +199,7 @@ class TorchEngine:
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[Any]:
         if not self.alive or self._loop is None:
-            raise WorkerError("torch engine is not running")
+            raise WorkerError("numpy engine is not running")
         prompt = [int(t) for t in request.get("token_ids") or []]
         if not prompt:
             raise WorkerError("request has no prompt tokens")
@@ -208,21 +212,17 @@ class TorchEngine:
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
-                    raise WorkerError(f"torch engine failed: {item}") from item
+                    raise WorkerError(f"numpy engine failed: {item}") from item
                 yield item
         finally:
             seq.cancelled = True
 
     def _serve(self) -> None:
-        import torch
-
-        torch.set_num_threads(self._threads)
         try:
-            with torch.inference_mode():
-                while self._turn():
-                    pass
+            while self._turn():
+                pass
         except Exception as exc:
-            log.exception("torch engine failed")
+            log.exception("numpy engine failed")
             for seq in self._running:
                 seq.emit(exc)
             self._running.clear()
@@ -254,17 +254,17 @@ class TorchEngine:
             self._decode(list(self._running))
         return True
 
-    def _prefill(self, seq: _Sequence) -> None:
-        import torch
+    def _forward(self) -> NumpyLlama:
+        if self._model is None:
+            raise WorkerError("numpy engine has no model (stopped)")
+        return self._model
 
-        seq.generator = torch.Generator()
-        seq.generator.manual_seed(
-            seq.params.seed if seq.params.seed is not None else random.getrandbits(63)
-        )
+    def _prefill(self, seq: _Sequence) -> None:
+        seq.generator = generator_for(seq.params.seed)
         blocks = self.cache.lookup(seq.prompt)
         seq.cached_tokens = len(blocks) * self.block_size
-        logits, seq.cache = self._model(
-            torch.tensor([seq.prompt[seq.cached_tokens :]], dtype=torch.long),
+        logits, seq.cache = self._forward()(
+            np.array([seq.prompt[seq.cached_tokens :]], dtype=np.int64),
             past=_cache_from_blocks(blocks),
         )
         self.cache.store(seq.prompt, lambda i: _block_kv(seq.cache, i, self.block_size))
@@ -276,24 +276,22 @@ class TorchEngine:
         Each sequence keeps its own KV; for the pass they are left-padded to the longest,
         with the padding masked out and each row at its own position.
         """
-        import torch
-
         lengths = [len(seq.prompt) + len(seq.generated) - 1 for seq in batch]
         longest = max(lengths)
-        mask = torch.zeros((len(batch), longest + 1), dtype=torch.long)
+        mask = np.zeros((len(batch), longest + 1), dtype=np.int64)
         for row, length in enumerate(lengths):
             mask[row, longest - length :] = 1
-        logits, kv = self._model(
-            torch.tensor([[seq.generated[-1]] for seq in batch], dtype=torch.long),
+        logits, kv = self._forward()(
+            np.array([[seq.generated[-1]] for seq in batch], dtype=np.int64),
             past=_padded_cache([seq.cache for seq in batch], lengths, longest),
             attention_mask=mask,
-            position_ids=torch.tensor([[length] for length in lengths], dtype=torch.long),
+            position_ids=np.array([[length] for length in lengths], dtype=np.int64),
         )
         for row, seq in enumerate(batch):
             seq.cache = [
                 (
-                    torch.cat([keys, new_keys[row : row + 1, :, -1:, :]], dim=2),
-                    torch.cat([values, new_values[row : row + 1, :, -1:, :]], dim=2),
+                    np.concatenate([keys, new_keys[row : row + 1, :, -1:, :]], axis=2),
+                    np.concatenate([values, new_values[row : row + 1, :, -1:, :]], axis=2),
                 )
                 for (keys, values), (new_keys, new_values) in zip(seq.cache, kv, strict=True)
             ]
@@ -303,6 +301,7 @@ class TorchEngine:
         params = seq.params
         logprobs = raw_logprobs(logits)
         banned = sorted(params.stop_token_ids) if len(seq.generated) < params.min_tokens else []
+        assert seq.generator is not None  # set by _prefill
         token = sample(logits, params, seq.generator, banned)
         finish: str | None = None
         if token in params.stop_token_ids:
@@ -332,33 +331,27 @@ class TorchEngine:
             seq.emit(_END)
 
 
-def _cache_from_blocks(blocks: list[Any]) -> list[tuple[Any, Any]] | None:
+def _cache_from_blocks(blocks: list[list[LayerKV]]) -> list[LayerKV] | None:
     """The concatenated per-layer KV of cached blocks (None when there are none)."""
-    import torch
-
     if not blocks:
         return None
     return [
         (
-            torch.cat([b[layer][0] for b in blocks], dim=2),
-            torch.cat([b[layer][1] for b in blocks], dim=2),
+            np.concatenate([b[layer][0] for b in blocks], axis=2),
+            np.concatenate([b[layer][1] for b in blocks], axis=2),
         )
         for layer in range(len(blocks[0]))
     ]
 
 
-def _padded_cache(
-    caches: list[list[tuple[Any, Any]]], lengths: list[int], longest: int
-) -> list[tuple[Any, Any]]:
+def _padded_cache(caches: list[list[LayerKV]], lengths: list[int], longest: int) -> list[LayerKV]:
     """One batch KV: each row's per-layer keys and values left-padded to `longest`."""
-    import torch
-
     padded = []
     for layer in range(len(caches[0])):
         keys0 = caches[0][layer][0]
         shape = (len(caches), keys0.shape[1], longest, keys0.shape[3])
-        keys = torch.zeros(shape, dtype=keys0.dtype)
-        values = torch.zeros(shape, dtype=keys0.dtype)
+        keys = np.zeros(shape, dtype=keys0.dtype)
+        values = np.zeros(shape, dtype=keys0.dtype)
         for row, (kv, length) in enumerate(zip(caches, lengths, strict=True)):
             keys[row, :, longest - length :, :] = kv[layer][0][0]
             values[row, :, longest - length :, :] = kv[layer][1][0]
@@ -366,7 +359,7 @@ def _padded_cache(
     return padded
 
 
-def _block_kv(kv: list[tuple[Any, Any]], index: int, block_size: int) -> list[tuple[Any, Any]]:
+def _block_kv(kv: list[LayerKV], index: int, block_size: int) -> list[LayerKV]:
     """Block `index`'s keys and values, per layer, copied out of a sequence's KV."""
     lo, hi = index * block_size, (index + 1) * block_size
-    return [(k[:, :, lo:hi, :].clone(), v[:, :, lo:hi, :].clone()) for k, v in kv]
+    return [(k[:, :, lo:hi, :].copy(), v[:, :, lo:hi, :].copy()) for k, v in kv]

@@ -1,0 +1,144 @@
+"""A Llama config.json, read and validated: the fields the CPU worker's models implement.
+
+Both models of the tiny Llama (`llama`, torch, for the trainer; `numpy_llama`, for the
+worker) read their config here, so they refuse the same things: any feature neither
+implements (rope scaling, another activation, tied embeddings, a dtype but float32) is a
+WorkerError naming the file and the field, rather than something computed differently.
+No torch, no numpy: plain JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynamod.workers.cpu.errors import WorkerError
+
+# config.json fields that must hold exactly these values (absent is fine: HF's default).
+_REQUIRED: dict[str, object] = {
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "pretraining_tp": 1,
+    "attention_dropout": 0.0,
+}
+_DTYPES = (None, "float32")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of a Llama config.json this module implements."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    attention_bias: bool
+    mlp_bias: bool
+    pad_token_id: int | None
+
+    @classmethod
+    def from_file(cls, path: Path) -> LlamaConfig:
+        """Read and validate `path`; WorkerError names the file and the field at fault."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise WorkerError(f"{path}: not a readable JSON file ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise WorkerError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], where: str = "config") -> LlamaConfig:
+        def refuse(name: str, expected: str) -> WorkerError:
+            return WorkerError(
+                f"{where}: field {name!r} is {raw.get(name)!r}, expected {expected} "
+                "(the CPU worker's Llama implements nothing else)"
+            )
+
+        model_type = raw.get("model_type", "llama")
+        if model_type != "llama":
+            raise refuse("model_type", "'llama'")
+        for name, value in _REQUIRED.items():
+            if name in raw and raw[name] != value:
+                raise refuse(name, repr(value))
+        for name in ("dtype", "torch_dtype"):
+            if raw.get(name) not in _DTYPES:
+                raise refuse(name, "'float32'")
+        theta = _rope_theta(raw, where)
+
+        def integer(name: str, default: int | None = None) -> int:
+            value = raw.get(name)
+            if value is None:  # absent or null: HF's default
+                value = default
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise refuse(name, "a positive integer")
+            return value
+
+        def flag(name: str) -> bool:
+            value = raw.get(name, False)
+            if not isinstance(value, bool):
+                raise refuse(name, "true or false")
+            return value
+
+        heads = integer("num_attention_heads")
+        hidden = integer("hidden_size")
+        kv_heads = integer("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise refuse("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+        head_dim = raw.get("head_dim") or hidden // heads
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim % 2:
+            raise refuse("head_dim", "an even positive integer")
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
+            raise refuse("rms_norm_eps", "a positive number")
+        pad = raw.get("pad_token_id")
+        if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
+            raise refuse("pad_token_id", "an integer or null")
+        return cls(
+            vocab_size=integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=integer("intermediate_size"),
+            num_hidden_layers=integer("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=integer("max_position_embeddings", 2048),
+            rms_norm_eps=float(eps),
+            rope_theta=theta,
+            attention_bias=flag("attention_bias"),
+            mlp_bias=flag("mlp_bias"),
+            pad_token_id=pad,
+        )
+
+
+def _rope_theta(raw: Mapping[str, Any], where: str) -> float:
+    """The rotary base, from transformers 5's `rope_parameters` or 4's `rope_theta`;
+    any rope type other than the original (no scaling) is refused."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    theta: object = raw.get("rope_theta", 10000.0)
+    for name, section in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise WorkerError(f"{where}: field {name!r} is {section!r}, expected an object")
+        kind = section.get("rope_type", section.get("type", "default"))
+        extra = set(section) - {"rope_type", "type", "rope_theta"}
+        if kind != "default" or extra:
+            raise WorkerError(
+                f"{where}: field {name!r} is {section!r}: only the original rotary embedding "
+                "(rope_type 'default', no scaling) is implemented by the CPU worker's Llama"
+            )
+        theta = section.get("rope_theta", theta)
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise WorkerError(f"{where}: field 'rope_theta' is {theta!r}, expected a positive number")
+    return float(theta)
