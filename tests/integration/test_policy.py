@@ -199,7 +199,7 @@ def test_stale_but_alive_shard_is_held_replayed_and_admitted(
     assert {r["version"] for r in served if r["sent"] > boundary + 0.2} == {2}
     assert all(r["version"] == 2 for r in served if r["required"] == 2)
     stuck_instance = stuck["dynamo"]["instance_ids"][0]
-    # The rejoined shard serves version 2. Asked directly: the torch engine answers this
+    # The rejoined shard serves version 2. Asked directly: the CPU engine answers this
     # short prompt in milliseconds, so at 8 req/s the kv router finds worker@0 idle every
     # time and need not spread the history's requests onto worker@1.
     assert served_by(frontend(status), stuck_instance) == (stuck_instance, 2)
