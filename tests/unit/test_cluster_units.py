@@ -5,6 +5,7 @@ secret in any command line. Needs the [cluster] spec (dynamod.core.placement) an
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import pytest
 from tests import cli_inprocess
 
 pytest.importorskip("dynamod.core.placement", reason="the [cluster] spec is not on this branch")
-if shutil.which("ray") is None:
+# `make test` runs .venv/bin/pytest without the venv on PATH: look beside the interpreter too.
+if shutil.which("ray") is None and not (Path(sys.executable).parent / "ray").exists():
     pytest.skip("ray is not installed (the verl extra)", allow_module_level=True)
 
 UNITS = Path(__file__).resolve().parents[2] / "units"
