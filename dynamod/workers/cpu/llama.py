@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamod.workers.cpu.errors import WorkerError
-from dynamod.workers.cpu.llama_config import LlamaConfig
+from dynamod.workers.cpu.llama_config import LlamaConfig, weight_problems
 
 __all__ = ["LayerKV", "Llama", "LlamaConfig"]
 
@@ -156,17 +156,7 @@ class Llama(nn.Module):
         """Every weight from `tensors`: the same names and shapes, or WorkerError."""
         expected = {name: tuple(t.shape) for name, t in self.state_dict().items()}
         given = {name: tuple(t.shape) for name, t in tensors.items()}
-        missing = sorted(set(expected) - set(given))
-        unexpected = sorted(set(given) - set(expected))
-        wrong = sorted(n for n in set(expected) & set(given) if expected[n] != given[n])
-        if missing or unexpected or wrong:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing[:5])}")
-            if unexpected:
-                parts.append(f"unexpected {', '.join(unexpected[:5])}")
-            for name in wrong[:5]:
-                parts.append(f"{name} has shape {given[name]}, the config needs {expected[name]}")
+        if parts := weight_problems(expected, given):
             raise WorkerError(f"{source}: weights do not fit the config: {'; '.join(parts)}")
         self.load_state_dict(dict(tensors), strict=True)
 

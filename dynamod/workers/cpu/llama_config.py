@@ -142,3 +142,21 @@ def _rope_theta(raw: Mapping[str, Any], where: str) -> float:
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
         raise WorkerError(f"{where}: field 'rope_theta' is {theta!r}, expected a positive number")
     return float(theta)
+
+
+def weight_problems(
+    expected: Mapping[str, tuple[int, ...]], given: Mapping[str, tuple[int, ...]]
+) -> list[str]:
+    """What keeps weights of these names and shapes from fitting the config's (at most five
+    of each kind), for both models' one-line refusal; empty when they fit."""
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(given) if expected[n] != given[n])
+    parts = []
+    if missing:
+        parts.append(f"missing {', '.join(missing[:5])}")
+    if unexpected:
+        parts.append(f"unexpected {', '.join(unexpected[:5])}")
+    for name in wrong[:5]:
+        parts.append(f"{name} has shape {given[name]}, the config needs {expected[name]}")
+    return parts

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dynamod.workers.cpu.errors import WorkerError
-from dynamod.workers.cpu.llama_config import LlamaConfig
+from dynamod.workers.cpu.llama_config import LlamaConfig, weight_problems
 
 Array = npt.NDArray[np.float32]
 # Per layer: (keys, values), each [batch, kv_heads, positions, head_dim], rotary applied.
@@ -119,20 +119,12 @@ class NumpyLlama:
         """The same names and shapes as the config needs, float32, or WorkerError."""
         expected = expected_shapes(self.config)
         given = {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}
-        missing = sorted(set(expected) - set(given))
-        unexpected = sorted(set(given) - set(expected))
-        wrong = sorted(n for n in set(expected) & set(given) if expected[n] != given[n])
         not_f32 = sorted(n for n in given if str(tensors[n].dtype) != "float32")
-        if missing or unexpected or wrong or not_f32:
-            parts = []
-            if missing:
-                parts.append(f"missing {', '.join(missing[:5])}")
-            if unexpected:
-                parts.append(f"unexpected {', '.join(unexpected[:5])}")
-            for name in wrong[:5]:
-                parts.append(f"{name} has shape {given[name]}, the config needs {expected[name]}")
-            for name in not_f32[:5]:
-                parts.append(f"{name} is {tensors[name].dtype}, the numpy engine needs float32")
+        parts = weight_problems(expected, given) + [
+            f"{name} is {tensors[name].dtype}, the numpy engine needs float32"
+            for name in not_f32[:5]
+        ]
+        if parts:
             raise WorkerError(f"{source}: weights do not fit the config: {'; '.join(parts)}")
 
     def _rms_norm(self, x: Array, weight: Array) -> Array:
