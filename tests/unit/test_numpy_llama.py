@@ -25,37 +25,15 @@ from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.llama import Llama, LlamaConfig
 from dynamod.workers.cpu.numpy_engine import NumpyEngine
 from dynamod.workers.cpu.numpy_llama import NumpyLlama
-from dynamod.workers.model import ensure_model
 from dynamod.workers.weights import (
     WEIGHTS_FILE,
     CheckpointError,
     load_checkpoint,
     state_dict_digest,
 )
+from tests.unit.llama_configs import RANDOM_GQA
 
 ATOL = 1e-5
-
-RANDOM_GQA = {
-    "model_type": "llama",
-    "vocab_size": 97,
-    "hidden_size": 48,
-    "intermediate_size": 80,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 6,
-    "num_key_value_heads": 2,
-    "head_dim": 12,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
-    "attention_bias": True,
-    "mlp_bias": True,
-    "pad_token_id": 0,
-}
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return ensure_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def tiny_pair(model_dir: Path) -> tuple[Llama, NumpyLlama]:
