@@ -5,28 +5,9 @@ lease while that lease lives, and reported gone, with nothing written, once it e
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-
-import pytest
 
 from dynamod.cluster import parking
 from dynamod.rollout.etcd import EtcdClient
-from tests.integration.rawstack import raw_stack
-
-
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root: Path = tmp_path_factory.mktemp("parking")
-    with raw_stack(root) as stack:
-        stack.start_etcd()
-        yield f"http://127.0.0.1:{stack.etcd_port}"
-
-
-@pytest.fixture
-async def etcd(etcd_url: str) -> AsyncIterator[EtcdClient]:
-    async with EtcdClient(etcd_url) as client:
-        yield client
 
 
 async def _worker(etcd: EtcdClient, namespace: str) -> tuple[int, list[str]]:

@@ -9,7 +9,7 @@ import contextlib
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd
@@ -31,20 +31,6 @@ from tests.integration.etcd_servers import PASSWORD, USER, Member, Pki
 from tests.integration.rawstack import RawStack, free_port, raw_stack
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root: Path = tmp_path_factory.mktemp("etcd-client")
-    with raw_stack(root) as stack:
-        stack.start_etcd()
-        yield f"http://127.0.0.1:{stack.etcd_port}"
-
-
-@pytest.fixture
-async def etcd(etcd_url: str) -> AsyncIterator[EtcdClient]:
-    async with EtcdClient(etcd_url) as client:
-        yield client
 
 
 @pytest.fixture
