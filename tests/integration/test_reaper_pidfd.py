@@ -52,23 +52,24 @@ SCRIPT = textwrap.dedent(
         env = {"PATH": os.environ["PATH"]}
         if scenario == "pidfd-only":
             loop.remove_signal_handler(signal.SIGCHLD)  # no SIGCHLD path: the pidfd alone
-            before = fds()
-            recorded = []
+        before = fds()
+        recorded = []
+
+        def spawn_and_kill():
             child = process.spawn(reaper, ["sleep", "1000"], env=env,
                                   on_exit=lambda c, exit: recorded.append(exit.describe()))
             out["pid"] = child.pid
             os.kill(child.pid, signal.SIGKILL)
+            return child
+
+        if scenario == "pidfd-only":
+            child = spawn_and_kill()
             exit = await guard(child.wait(), "the exit, through the pidfd")
             out["exit"] = exit.describe()
             out["recorded"] = recorded
             out["fds_left"] = fds() - before
         elif scenario == "sigchld-first":
-            before = fds()
-            recorded = []
-            child = process.spawn(reaper, ["sleep", "1000"], env=env,
-                                  on_exit=lambda c, exit: recorded.append(exit.describe()))
-            out["pid"] = child.pid
-            os.kill(child.pid, signal.SIGKILL)
+            child = spawn_and_kill()
             while not proctable.is_zombie(child.pid):  # blocking: the loop does not turn,
                 time.sleep(0.001)  # so the pidfd is not read before reap() below
             reaper.reap()  # the SIGCHLD path gets there first
