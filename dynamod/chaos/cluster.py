@@ -246,11 +246,38 @@ class ClusterRig:
                 if done.returncode not in (0,) and "no dynamod daemon" not in done.stderr:
                     problems.append(f"down on {node}: exit {done.returncode}: {done.stderr[-500:]}")
         if self.sandbox is not None:
-            stragglers = self.sandbox.pids()
+            stragglers = self._stragglers(self.sandbox)
             if stragglers:
                 problems.append(f"processes left in the sandbox: {stragglers}")
             self.sandbox.close()
         return problems
+
+    @staticmethod
+    def _stragglers(sandbox: Sandbox, grace: float = 5.0) -> dict[int, str]:
+        """What still runs in the sandbox once every `down` returned, by pid with its
+        command line, after `grace` seconds for processes already on their way out."""
+        own = sandbox.started_groups()  # `run` started them in groups of their own
+
+        def group(pid: int) -> int | None:
+            try:
+                return os.getpgid(pid)
+            except OSError:
+                return None
+
+        deadline = time.monotonic() + grace
+        while True:
+            left = [p for p in sandbox.pids() if group(p) not in own]
+            if not left or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+        found = {}
+        for pid in left:
+            try:
+                raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue  # gone meanwhile
+            found[pid] = raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+        return found
 
     def __enter__(self) -> ClusterRig:
         return self.open()

@@ -157,6 +157,10 @@ class Sandbox:
         self._procs.append(proc)
         return proc
 
+    def started_groups(self) -> set[int]:
+        """The process groups of what `run` started that still runs (`close` ends them)."""
+        return {proc.pid for proc in self._procs if proc.poll() is None}
+
     def enter(self, node: int | str) -> None:
         """Move the calling thread (never the main thread) into the node's network
         namespace: sockets it opens from then on are the node's. A network namespace is

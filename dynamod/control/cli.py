@@ -509,6 +509,9 @@ def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) 
             f"and stopped; check `dynamod status`"
         )
     _wait_pid_gone(int(asked["daemon_pid"]), 30)
+    guardian = (asked.get("guardian") or {}).get("pid")
+    if guardian:  # it exits once it has found nothing left: `down` is done after that
+        _wait_pid_gone(int(guardian), 10)
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
@@ -550,8 +553,8 @@ def _down_cluster(client: Client, as_json: bool, wait_s: float) -> None:
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> None:
-    """Until the daemon has exited. A zombie counts as gone: the detached daemon's parent
-    is whatever reaps orphans here, which may take its time."""
+    """Until the daemon (or its guardian) has exited. A zombie counts as gone: the detached
+    daemon's parent is whatever reaps orphans here, which may take its time."""
     from dynamod.core.proctable import is_zombie
 
     deadline = time.monotonic() + timeout
