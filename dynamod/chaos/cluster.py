@@ -195,8 +195,10 @@ class ClusterRig:
 
     def hold_down(self, node: str, unit: str, port: str) -> PortHold:
         """SIGKILL the unit's process and take its `port` on the node's address before
-        dynamod's restart can: the unit cannot start again (its bind fails) and every
-        connection to the port is reset, as to a member that is gone. `release` heals."""
+        dynamod's restart can: the unit cannot start again (its bind fails), and every
+        connection to that port is reset. Take a port the unit binds before the one its
+        clients use (etcd's peer port) and they are refused, as by a member that is gone;
+        take the clients' port and they meet a half-open one. `release` heals."""
         entry = next(u for u in self.status(node)["units"] if u["name"] == unit)
         if entry["pid"] is None:
             raise ClusterError(f"{unit} on {node} runs no process")

@@ -320,8 +320,9 @@ class ExposureWatch(Extension):
             with contextlib.suppress(OSError):
                 self._warnings = await asyncio.to_thread(_scan, running, enforced)
             self._again.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._again.wait(), REFRESH_S)
+            with contextlib.suppress(TimeoutError):  # not wait_for: 3.11's can lose a cancel
+                async with asyncio.timeout(REFRESH_S):
+                    await self._again.wait()
 
     def status(self) -> dict[str, Any]:
         return {"exposure": list(self._warnings)}

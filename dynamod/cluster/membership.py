@@ -49,6 +49,7 @@ CALL_TIMEOUT_S = 1.0
 ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
+STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 
 
@@ -153,9 +154,13 @@ class Membership(Extension):
         """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own
         deadline, yet the cluster-ha test saw a node's rounds stop for good after the
         start-up TLS and auth failures with nothing logged. A round that overruns gets a
-        fresh client (new connections); the old one is closed behind it."""
+        fresh client (new connections); the old one is closed behind it. asyncio.timeout,
+        not wait_for: Python 3.11's wait_for returns the round's result when the round ends
+        just as the loop is cancelled, and the loop then ran on after stop() (a daemon that
+        did not exit after `down`)."""
         try:
-            await asyncio.wait_for(round_, ROUND_TIMEOUT_S)
+            async with asyncio.timeout(ROUND_TIMEOUT_S):
+                await round_
         except TimeoutError:
             log.warning("cluster.registry_stuck", node=self.cluster.node, round=what,
                         seconds=ROUND_TIMEOUT_S, action="new etcd client")  # fmt: skip
@@ -167,15 +172,22 @@ class Membership(Extension):
             raise
 
     async def stop(self) -> None:
+        """End the loops and revoke this node's lease, in bounded time: the daemon exits
+        after this, whatever a loop or etcd does."""
         self._stopping = True
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=STOP_GRACE_S)
+            if stuck:
+                names = sorted(t.get_name() for t in stuck)
+                log.error("cluster.loops_not_stopped", node=self.cluster.node, loops=names,
+                          seconds=STOP_GRACE_S)  # fmt: skip
         if self.etcd is not None and self.lease is not None:
-            with contextlib.suppress(*_FAILURES):  # else it expires within lease_ttl
-                await self.etcd.lease_revoke(self.lease)
+            with contextlib.suppress(*_FAILURES, TimeoutError):  # else it expires in lease_ttl
+                async with asyncio.timeout(STOP_GRACE_S):
+                    await self.etcd.lease_revoke(self.lease)
 
     def routes(self) -> list[web.RouteDef]:
         from dynamod.cluster.shutdown import ClusterShutdown
@@ -246,13 +258,14 @@ class Membership(Extension):
 
     async def _publish_loop(self) -> None:
         period = self.cluster.lease_ttl / 3
-        while True:
+        while not self._stopping:
             try:
                 await self._bounded("publish", self._publish())
             except (Exception, asyncio.CancelledError) as exc:  # see _failed
                 self._failed("publish", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), period)
+                async with asyncio.timeout(period):
+                    await self._dirty.wait()
             self._dirty.clear()
             await asyncio.sleep(0.05)  # a burst of transitions makes one write
 
@@ -380,7 +393,7 @@ class Membership(Extension):
         """Wake the reader at every change under the registry prefix: a node's entry
         deleted by its lease's expiry is acted on at once, not at the next poll."""
         assert self.etcd is not None
-        while True:
+        while not self._stopping:
             try:
                 async for _ in self.etcd.watch_prefix(registry.prefix(self.stack)):
                     self._changed.set()
@@ -390,14 +403,15 @@ class Membership(Extension):
             await asyncio.sleep(WATCH_RETRY_S)
 
     async def _read_loop(self) -> None:
-        while True:
+        while not self._stopping:
             self._changed.clear()
             try:
                 await self._bounded("read", self._read())
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("read", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), READ_FALLBACK_S)
+                async with asyncio.timeout(READ_FALLBACK_S):
+                    await self._changed.wait()
 
     async def _read(self) -> None:
         assert self.etcd is not None
@@ -508,7 +522,7 @@ class Membership(Extension):
 
     async def _follow_loop(self) -> None:
         assert self.policy is not None
-        while True:
+        while not self._stopping:
             await asyncio.sleep(LEDGER_FOLLOW_S)
             if not self._running():
                 continue

@@ -41,6 +41,7 @@ from dynamod.core.state import UnitState
 log = structlog.get_logger("dynamod.core.daemon")
 
 _SERVING = {UnitState.READY, UnitState.COMPLETED}
+EXTENSION_STOP_S = 10.0  # after `down`: an extension that takes longer is left behind
 
 
 class Phase(StrEnum):
@@ -276,9 +277,15 @@ class Daemon:
             if runner is not None:
                 with contextlib.suppress(Exception):
                     await runner.cleanup()
-            for extension in self.extensions:
-                with contextlib.suppress(Exception):
-                    await extension.stop()
+            for extension in self.extensions:  # each in bounded time: the daemon exits
+                try:
+                    async with asyncio.timeout(EXTENSION_STOP_S):
+                        await extension.stop()
+                except TimeoutError:
+                    log.error("extension.stop_timeout", extension=type(extension).__name__,
+                              seconds=EXTENSION_STOP_S)  # fmt: skip
+                except Exception:
+                    log.exception("extension.stop_failed", extension=type(extension).__name__)
             await session.close()
             if census is not None:
                 census.cancel()

@@ -6,6 +6,9 @@ real cancel (stop) ends them for good."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -81,3 +84,76 @@ async def test_a_loop_that_ends_is_logged_and_started_again_until_stop(
     assert starts == 2 and not member._tasks
     ended = [e for e in logs if e["event"] == "cluster.loop_ended"]
     assert len(ended) == 1 and "a bug" in ended[0]["why"], ended
+
+
+class _CancelsAsItAnswers:
+    """Stands in for the etcd client: the read round is cancelled (stop) just as it
+    answers, the moment Python 3.11's wait_for took for a round's end and lost the cancel."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.reads = 0
+
+    async def get_prefix(self, prefix: str) -> list[Any]:
+        self.reads += 1
+        assert self.task is not None
+        self.task.cancel()
+        return []
+
+
+async def test_a_stop_that_lands_as_a_round_ends_still_ends_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(membership, "READ_FALLBACK_S", 0.01)
+    member = _membership()
+    member.daemon = SimpleNamespace(stack=SimpleNamespace(name="s"), phase="up")  # type: ignore[assignment]
+    etcd = _CancelsAsItAnswers()
+    member.etcd = etcd  # type: ignore[assignment]
+    task = asyncio.get_running_loop().create_task(member._read_loop())
+    etcd.task = task
+    done, _ = await asyncio.wait([task], timeout=1.0)
+    assert done and task.cancelled(), f"the loop ran on after its cancel ({etcd.reads} reads)"
+    assert etcd.reads == 1
+
+
+async def test_the_control_wait_for_loses_that_cancel() -> None:
+    """Why the loops use asyncio.timeout: the same round under wait_for, on this Python."""
+    etcd = _CancelsAsItAnswers()
+    rounds = 0
+
+    async def loop() -> None:
+        nonlocal rounds
+        while rounds < 5:
+            rounds += 1
+            await asyncio.wait_for(etcd.get_prefix("p"), 8.0)
+            await asyncio.sleep(0.01)
+
+    task = asyncio.get_running_loop().create_task(loop())
+    etcd.task = task
+    await asyncio.wait([task], timeout=1.0)
+    if sys.version_info >= (3, 12):
+        pytest.skip("wait_for keeps the cancel from Python 3.12 on")
+    assert rounds == 5 and not task.cancelled(), "3.11's wait_for returned the result"
+
+
+async def test_stop_is_bounded_when_a_loop_will_not_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(membership, "STOP_GRACE_S", 0.2)
+    member = _membership()
+    done = False
+
+    async def deaf() -> None:  # swallows every cancel, ends only when the test says so
+        while not done:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.01)
+
+    member._spawn("cluster-deaf", deaf)
+    await asyncio.sleep(0.02)
+    started = time.monotonic()
+    with capture_logs() as logs:
+        await member.stop()
+    took = time.monotonic() - started
+    done = True
+    await asyncio.sleep(0.05)
+    assert took < 1.0, took
+    stuck = [e for e in logs if e["event"] == "cluster.loops_not_stopped"]
+    assert stuck and stuck[0]["loops"] == ["cluster-deaf"], logs
