@@ -101,7 +101,7 @@ def test_every_node_runs_a_member_and_dynamo_gets_credentials_in_its_environment
         assert env["NATS_AUTH_PASSWORD"] == creds["nats_password"], node
         # Dynamo reaches etcd through the node's relay, to whichever member is there
         assert env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790", env["ETCD_ENDPOINTS"]
-        assert units["etcd-proxy"]["state"] == "ready", units["etcd-proxy"]
+        assert units["etcd-relay"]["state"] == "ready", units["etcd-relay"]
         cmdline = Path(f"/proc/{worker['pid']}/cmdline").read_bytes().decode(errors="replace")
         shown = rig.run(node, "status", "--json").stdout
         assert shown and not [s for s in secrets if s in shown or s in cmdline], node

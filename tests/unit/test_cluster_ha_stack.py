@@ -46,10 +46,10 @@ def test_every_node_renders_with_all_members_and_no_secret_in_argv(tmp_path: Pat
         worker = units["worker@0"]
         # Dynamo reaches etcd through the node's proxy, which has every member behind it
         assert worker.env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790"
-        assert worker.depends_on["etcd-proxy"] == "ready"
+        assert worker.depends_on["etcd-relay"] == "ready"
         if node == "head":
             assert units["frontend"].env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790"
-        relay = units["etcd-proxy"].command
+        relay = units["etcd-relay"].command
         assert relay[relay.index("--members") + 1] == members.replace("https://", "")
         assert worker.dynamo is not None
         assert worker.dynamo.etcd == members and worker.depends_on["etcd-login"] == "completed"

@@ -27,6 +27,15 @@ def _membership() -> Membership:
     return Membership(SPEC, registrations=Any, policy=None)  # type: ignore[arg-type]
 
 
+def _reading(monkeypatch: pytest.MonkeyPatch, etcd: object) -> Membership:
+    """A membership whose read loop polls fast and reads from `etcd`."""
+    monkeypatch.setattr(membership, "READ_FALLBACK_S", 0.01)
+    member = _membership()
+    member.daemon = SimpleNamespace(stack=SimpleNamespace(name="s"), phase="up")  # type: ignore[assignment]
+    member.etcd = etcd  # type: ignore[assignment]
+    return member
+
+
 class _ClosedUnderCalls:
     """Stands in for the etcd client: its first reads fail as gRPC fails a call whose
     channel another call closed (a bare CancelledError), then it answers."""
@@ -45,11 +54,8 @@ class _ClosedUnderCalls:
 async def test_a_stray_cancelled_error_is_a_failed_round_and_a_stop_still_ends_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(membership, "READ_FALLBACK_S", 0.01)
-    member = _membership()
-    member.daemon = SimpleNamespace(stack=SimpleNamespace(name="s"), phase="up")  # type: ignore[assignment]
     etcd = _ClosedUnderCalls(failures=3)
-    member.etcd = etcd  # type: ignore[assignment]
+    member = _reading(monkeypatch, etcd)
     with capture_logs() as logs:
         task = asyncio.get_running_loop().create_task(member._read_loop())
         await asyncio.sleep(0.2)
@@ -104,11 +110,8 @@ class _CancelsAsItAnswers:
 async def test_a_stop_that_lands_as_a_round_ends_still_ends_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(membership, "READ_FALLBACK_S", 0.01)
-    member = _membership()
-    member.daemon = SimpleNamespace(stack=SimpleNamespace(name="s"), phase="up")  # type: ignore[assignment]
     etcd = _CancelsAsItAnswers()
-    member.etcd = etcd  # type: ignore[assignment]
+    member = _reading(monkeypatch, etcd)
     task = asyncio.get_running_loop().create_task(member._read_loop())
     etcd.task = task
     done, _ = await asyncio.wait([task], timeout=1.0)

@@ -1,4 +1,4 @@
-"""The node's etcd relay (dynamod/cluster/etcd_proxy.py) on loopback sockets: a connection
+"""The node's etcd relay (dynamod/cluster/etcd_relay.py) on loopback sockets: a connection
 reaches the first member that accepts, passing over one that refuses, and stays with the
 member that accepted last; the members' list is checked."""
 
@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from dynamod.cluster import etcd_proxy
+from dynamod.cluster import etcd_relay
 
 
 def _closed_port() -> int:
@@ -35,7 +35,7 @@ async def _echo_member() -> tuple[asyncio.Server, int, list[int]]:
 async def test_a_connection_reaches_the_first_member_that_accepts() -> None:
     dead = _closed_port()
     server, port, accepted = await _echo_member()
-    relay = etcd_proxy.Relay([("127.0.0.1", dead), ("127.0.0.1", port)])
+    relay = etcd_relay.Relay([("127.0.0.1", dead), ("127.0.0.1", port)])
     front = await asyncio.start_server(relay.serve, "127.0.0.1", 0)
     front_port = front.sockets[0].getsockname()[1]
     async with server, front:
@@ -49,7 +49,7 @@ async def test_a_connection_reaches_the_first_member_that_accepts() -> None:
 
 
 async def test_no_member_accepting_ends_the_client_connection() -> None:
-    relay = etcd_proxy.Relay([("127.0.0.1", _closed_port())])
+    relay = etcd_relay.Relay([("127.0.0.1", _closed_port())])
     front = await asyncio.start_server(relay.serve, "127.0.0.1", 0)
     async with front:
         reader, writer = await asyncio.open_connection(
@@ -60,12 +60,12 @@ async def test_no_member_accepting_ends_the_client_connection() -> None:
 
 
 def test_members_are_checked() -> None:
-    assert etcd_proxy.parse_members("10.0.0.1:2379, 10.0.0.2:2379") == [
+    assert etcd_relay.parse_members("10.0.0.1:2379, 10.0.0.2:2379") == [
         ("10.0.0.1", 2379), ("10.0.0.2", 2379)
     ]  # fmt: skip
     for bad in ("10.0.0.1", "10.0.0.1:x", ":2379", "10.0.0.1:70000", "10.0.0.1:2379,"):
-        with pytest.raises(etcd_proxy.RelayError, match="--members"):
-            etcd_proxy.parse_members(bad)
+        with pytest.raises(etcd_relay.RelayError, match="--members"):
+            etcd_relay.parse_members(bad)
 
 
 async def test_a_member_that_accepts_and_resets_is_passed_over() -> None:
@@ -77,7 +77,7 @@ async def test_a_member_that_accepts_and_resets_is_passed_over() -> None:
 
     half_open = await asyncio.start_server(resets, "127.0.0.1", 0)
     server, port, accepted = await _echo_member()
-    relay = etcd_proxy.Relay(
+    relay = etcd_relay.Relay(
         [("127.0.0.1", int(half_open.sockets[0].getsockname()[1])), ("127.0.0.1", port)]
     )
     front = await asyncio.start_server(relay.serve, "127.0.0.1", 0)

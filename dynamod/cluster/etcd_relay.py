@@ -1,9 +1,9 @@
-"""The node's etcd relay (`python -m dynamod.cluster.etcd_proxy`): one address on
+"""The node's etcd relay (`python -m dynamod.cluster.etcd_relay`): one address on
 127.0.0.1 for Dynamo's processes, relaying each connection, as bytes, to the first member of
 the cluster's etcd that accepts it (the last one that did, first).
 
 Why: Dynamo 1.6.1's etcd client, given the members' list, keeps sending a share of its calls
-to a member that is gone, and answers each failure by reconnecting (13-22 times while the HA
+to a member that is gone, and answers each failure by reconnecting (13-25 times while the HA
 test held one member down); a watch it has just resynced before such a reconnect goes silent,
 so the frontend never saw a shard's new taints and the push failed its route check. Through
 the relay Dynamo has one endpoint: when its member goes, its connections end, and the next
@@ -118,7 +118,7 @@ async def run(members: list[tuple[str, int]], port: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dynamod.cluster.etcd_proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="dynamod.cluster.etcd_relay", description=__doc__)
     parser.add_argument("--members", required=True, help="HOST:PORT,... (every etcd member)")
     parser.add_argument("--port", type=int, default=23790, help="the relay's, on 127.0.0.1")
     args = parser.parse_args(argv)
@@ -127,12 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.port < 65536:
             raise RelayError(f"--port: expected 1-65535, got {args.port}")
     except RelayError as exc:
-        print(f"dynamod.cluster.etcd_proxy: {exc}", file=sys.stderr)
+        print(f"dynamod.cluster.etcd_relay: {exc}", file=sys.stderr)
         return 2
     try:
         asyncio.run(run(members, args.port))
     except OSError as exc:
-        print(f"dynamod.cluster.etcd_proxy: cannot listen on 127.0.0.1:{args.port}: {exc}",
+        print(f"dynamod.cluster.etcd_relay: cannot listen on 127.0.0.1:{args.port}: {exc}",
               file=sys.stderr)  # fmt: skip
         return 1
     return 0
