@@ -126,8 +126,8 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
         # Dynamo reaches etcd through the node's relay, which passes over such a member;
         # given the members' list itself, Dynamo 1.6.1's frontend kept reconnecting, and a
         # watch it resynced just before a reconnect went silent: it never saw the new
-        # taints and the push failed, truthfully, on its route check (4 of ~20 runs, CI's
-        # failure; also with the member's peer port held, so that clients are refused).
+        # taints and the push failed, truthfully, on its route check (CI's failure, and 4 of
+        # 32 runs here; also with the member's peer port held, so that clients were refused).
         hold = rig.hold_down("head", "etcd", "client")
         try:
             time.sleep(1.5)  # past the 3-member cluster's election (~1.2 s after its leader)
