@@ -59,8 +59,12 @@ class RunContext:
     def now(self) -> float:
         return time.monotonic() - self.origin
 
-    def mark(self, name: str, target: str | None) -> int:
-        self.faults.append(Fault(self.now(), name, target))
+    def mark(self, name: str, target: str | None, at: float | None = None) -> int:
+        """Record a fault at `at` (default now). A signal's fault is dated just before the
+        signal: the daemon may record the unit's exit before this thread gets back here
+        (seen under load: ready -> backoff 34 ms before the mark, and recovery_time then
+        found no exit after the fault)."""
+        self.faults.append(Fault(self.now() if at is None else at, name, target))
         return len(self.faults) - 1
 
     def healed(self, index: int) -> None:
@@ -95,18 +99,20 @@ def _signal_same(pid: int, started: str | None, sig: signal.Signals) -> bool:
 
 def kill(ctx: RunContext, step: KillStep) -> dict[str, Any]:
     pid = ctx.stack.pid_of(step.unit)
+    at = ctx.now()
     os.kill(pid, signal.Signals[step.signal])
     ctx.hit_pids[step.unit] = pid
-    ctx.mark(f"{step.signal} {step.unit}", step.unit)
+    ctx.mark(f"{step.signal} {step.unit}", step.unit, at)
     return {"unit": step.unit, "pid": pid, "signal": step.signal}
 
 
 def _pause(ctx: RunContext, unit: str) -> tuple[int, str | None, int]:
     pid = ctx.stack.pid_of(unit)
     started = _start_time(pid)
+    at = ctx.now()
     os.kill(pid, signal.SIGSTOP)
     ctx.hit_pids[unit] = pid
-    index = ctx.mark(f"SIGSTOP {unit}", unit)
+    index = ctx.mark(f"SIGSTOP {unit}", unit, at)
 
     def heal() -> str:
         ctx.healed(index)
@@ -204,9 +210,10 @@ def push(ctx: RunContext, step: PushStep) -> dict[str, Any]:
     sender.start()
     if step.kill_unit:
         time.sleep(step.kill_after)
+        at = ctx.now()
         os.kill(victim["pid"], signal.SIGKILL)
         ctx.hit_pids[step.kill_unit] = victim["pid"]
-        ctx.mark(f"SIGKILL {step.kill_unit} mid-push", step.kill_unit)
+        ctx.mark(f"SIGKILL {step.kill_unit} mid-push", step.kill_unit, at)
     if step.kill_daemon_after is not None:
         time.sleep(step.kill_daemon_after)
         index = ctx.mark("SIGKILL dynamod daemon mid-push", None)
@@ -352,6 +359,7 @@ def take_port(ctx: RunContext, step: TakePortStep) -> dict[str, Any]:
         raise StepFailed(f"unit {step.unit!r} has no port {step.port!r} "
                          f"(ports: {unit.get('ports') or {}})")
     victim = ctx.stack.pid_of(step.unit) if step.restart else None
+    at = ctx.now()
     if victim is not None:
         os.kill(victim, signal.SIGKILL)
         ctx.hit_pids[step.unit] = victim
@@ -360,7 +368,7 @@ def take_port(ctx: RunContext, step: TakePortStep) -> dict[str, Any]:
     except OSError as exc:
         raise StepFailed(f"could not take port {port}: {exc}") from None
     owner = Path("/proc/self/comm").read_text().strip()
-    index = ctx.mark(f"port {step.port}={port} of {step.unit} taken", step.unit)
+    index = ctx.mark(f"port {step.port}={port} of {step.unit} taken", step.unit, at)
     take = PortTake(ctx.now(), step.unit, step.port, int(port), os.getpid(), owner)
     ctx.port_takes.append(take)
 

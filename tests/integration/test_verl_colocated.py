@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
@@ -153,15 +154,31 @@ RECEIVER = textwrap.dedent("""
 """)
 
 
+def _wait_bound(receiver: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until the receiver prints its "bound" line, for `timeout` seconds at most. Its log
+    lines come first on the same pipe; a whole-suite run once hung here for 8 minutes with
+    the receiver already past its print, so no read waits without a deadline."""
+    assert receiver.stdout is not None
+    fd = receiver.stdout.fileno()
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while b"bound\n" not in seen:
+        left = deadline - time.monotonic()
+        ready, _, _ = select.select([fd], [], [], max(0.0, left))
+        chunk = os.read(fd, 4096) if ready else b""
+        if not chunk:
+            raise AssertionError(f"the receiver never said bound: {seen[-500:]!r} "
+                                 f"(exit {receiver.poll()})")  # fmt: skip
+        seen += chunk
+
+
 def test_transport_carries_every_tensor_between_processes_in_buckets(tmp_path: Path) -> None:
     address = socket_address(tmp_path, "shard")
     out = tmp_path / "kept.pkl"
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, address, str(out)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        assert receiver.stdout is not None
-        lines = iter(receiver.stdout.readline, "")
-        assert "bound" in (next(li for li in lines if li.strip() == "bound")), "never bound"
+        _wait_bound(receiver, 60)
         torch.manual_seed(0)
         weights = [("a.weight", torch.randn(300)), ("b.bf16", torch.randn(7, 5).bfloat16()),
                    ("c.big", torch.randn(4000)),  # 16 KB: larger than a 4 KB bucket, alone
