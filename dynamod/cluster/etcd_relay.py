@@ -35,12 +35,15 @@ class RelayError(ValueError):
 
 
 def parse_members(spec: str) -> list[tuple[str, int]]:
-    """'10.0.0.1:2379,10.0.0.2:2379' -> [('10.0.0.1', 2379), ('10.0.0.2', 2379)]."""
+    """'https://10.0.0.1:2379,10.0.0.2:2379' -> [('10.0.0.1', 2379), ('10.0.0.2', 2379)]:
+    the members' client URLs as the stack lists them for every other client (the scheme is
+    the members' business, the relay only carries bytes), or bare HOST:PORT."""
     members = []
     for part in spec.split(","):
-        host, sep, port = part.strip().rpartition(":")
+        address = part.strip().removeprefix("https://").removeprefix("http://")
+        host, sep, port = address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise RelayError(f"--members: expected HOST:PORT[,HOST:PORT...], got {part!r}")
+            raise RelayError(f"--members: expected [https://]HOST:PORT,..., got {part!r}")
         members.append((host, int(port)))
     return members
 
@@ -119,7 +122,7 @@ async def run(members: list[tuple[str, int]], port: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dynamod.cluster.etcd_relay", description=__doc__)
-    parser.add_argument("--members", required=True, help="HOST:PORT,... (every etcd member)")
+    parser.add_argument("--members", required=True, help="every etcd member's client URL")
     parser.add_argument("--port", type=int, default=23790, help="the relay's, on 127.0.0.1")
     args = parser.parse_args(argv)
     try:

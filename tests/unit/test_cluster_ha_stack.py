@@ -50,7 +50,7 @@ def test_every_node_renders_with_all_members_and_no_secret_in_argv(tmp_path: Pat
         if node == "head":
             assert units["frontend"].env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790"
         relay = units["etcd-relay"].command
-        assert relay[relay.index("--members") + 1] == members.replace("https://", "")
+        assert relay[relay.index("--members") + 1] == members
         assert worker.dynamo is not None
         assert worker.dynamo.etcd == members and worker.depends_on["etcd-login"] == "completed"
         assert resolved.policy is not None and resolved.policy.etcd == members

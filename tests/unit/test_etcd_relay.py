@@ -60,10 +60,11 @@ async def test_no_member_accepting_ends_the_client_connection() -> None:
 
 
 def test_members_are_checked() -> None:
-    assert etcd_relay.parse_members("10.0.0.1:2379, 10.0.0.2:2379") == [
+    assert etcd_relay.parse_members("https://10.0.0.1:2379, 10.0.0.2:2379") == [
         ("10.0.0.1", 2379), ("10.0.0.2", 2379)
     ]  # fmt: skip
-    for bad in ("10.0.0.1", "10.0.0.1:x", ":2379", "10.0.0.1:70000", "10.0.0.1:2379,"):
+    for bad in ("10.0.0.1", "10.0.0.1:x", ":2379", "10.0.0.1:70000", "10.0.0.1:2379,",
+                "https://10.0.0.1"):
         with pytest.raises(etcd_relay.RelayError, match="--members"):
             etcd_relay.parse_members(bad)
 
