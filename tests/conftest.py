@@ -27,6 +27,20 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PROC = FIXTURES / "proc.py"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keep each phase's report on the item, so a fixture's teardown knows it failed."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    return any(
+        getattr(getattr(request.node, f"report_{when}", None), "failed", False)
+        for when in ("setup", "call")
+    )
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under xdist (`make test` runs `-n 2 --dist loadgroup`) a module's tests stay on one
@@ -136,10 +150,12 @@ def wait_dead(pids: list[int], timeout: float = 10) -> list[int]:
 
 
 @pytest.fixture
-def dm() -> Iterator[Dynamod]:
+def dm(request: pytest.FixtureRequest) -> Iterator[Dynamod]:
     state = Path(tempfile.mkdtemp(prefix="dm-", dir="/tmp"))
     d = Dynamod(state)
     yield d
+    if _failed(request):  # the state dir goes below: say what the daemon saw (CI keeps this)
+        _print_tail(state / "daemon.log", lines=80)
     run_id = d.run_id()
     if (state / "dynamod.sock").exists():
         d.run("down", timeout=120)
@@ -147,6 +163,16 @@ def dm() -> Iterator[Dynamod]:
         for pid in marked_pids(run_id):
             os.kill(pid, signal.SIGKILL)
     shutil.rmtree(state, ignore_errors=True)
+
+
+def _print_tail(path: Path, lines: int) -> None:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        print(f"--- no {path}: {exc.strerror}")
+        return
+    print(f"--- last {min(lines, len(text))} of {len(text)} lines of {path}")
+    print("\n".join(text[-lines:]))
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ class Reaper:
     def orphans(self, children: Iterable[int]) -> list[int]:
         """Of `children` (live children of this process), those nobody waits for. Call it
         after `spawns_settled`, or a process being spawned may be among them."""
-        return [pid for pid in children if pid not in self._waiters]
+        return [pid for pid in children if pid not in self._waiters and _live_child(pid)]
 
     def claim_orphans(self, children: Iterable[int]) -> list[int]:
         """Of `children` (live children of this process), those nobody waits for and no
@@ -127,7 +127,11 @@ class Reaper:
         fallback's only way to find leftovers that dropped the marker. Which unit they came
         from is not known; the unit being stopped takes them. Call it after
         `spawns_settled`."""
-        found = [pid for pid in children if pid not in self._waiters and pid not in self._claimed]
+        found = [
+            pid
+            for pid in children
+            if pid not in self._waiters and pid not in self._claimed and _live_child(pid)
+        ]
         self._claimed.update(found)
         return found
 
@@ -209,6 +213,18 @@ class Reaper:
         else:
             self._resolve(pid, future, result)  # the exit is recorded first, then tidying
         self._unread(pid)
+
+
+def _live_child(pid: int) -> bool:
+    """Whether pid is still a running child of ours. `children` come from a /proc pass made
+    a moment earlier (in a worker thread): a unit's main process alive then may have died
+    and been reaped since, and is then no longer among the waiters, yet no orphan either
+    (an orphan claimed that way was reported as killed by the stop that claimed it)."""
+    try:
+        exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False  # not our child any more: reaped meanwhile
+    return exited is None  # None: running (or stopped); a result: a zombie about to be reaped
 
 
 @dataclass
@@ -524,9 +540,10 @@ async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float)
     left = await wait_gone(targets, timeout)
     escalated = False
     killed: list[int] = []
-    # Re-scan: a process may have forked while we waited.
+    # Re-scan: a process may have forked while we waited. What the /proc pass saw may
+    # have ended since: only what is alive now is reported killed.
     group, more = await _members(tree)
-    left = sorted(set(left) | group | set(more))
+    left = sorted(pid for pid in set(left) | group | set(more) if not is_zombie(pid))
     if left:
         escalated = sig != signal.SIGKILL
         killed = left

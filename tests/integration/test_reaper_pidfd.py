@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent(
     """\
-    import asyncio, json, os, signal, sys, threading, time
+    import asyncio, json, os, signal, subprocess, sys, threading, time
     from dynamod.core import process, proctable
 
     scenario = sys.argv[1]
@@ -79,6 +79,22 @@ SCRIPT = textwrap.dedent(
             out["exit"] = exit.describe()
             out["recorded"] = recorded
             out["fds_left"] = fds() - before
+        elif scenario == "claim-after-pass":
+            # a /proc pass (as a stop's scan makes in a worker thread) sees a watched unit
+            # alive and an unwaited child (an adopted orphan, as far as the Reaper knows)
+            unit = process.spawn(reaper, ["sleep", "1000"], env=env)
+            stray = subprocess.Popen(["sleep", "1000"])  # nobody waits for it
+            stray.returncode = 0  # the Reaper owns waiting, as in the daemon
+            seen = sorted(proctable.children(os.getpid()))
+            out["pid"], out["stray"] = unit.pid, stray.pid
+            out["seen"] = [p in seen for p in (unit.pid, stray.pid)]
+            os.kill(unit.pid, signal.SIGKILL)  # ... then the unit dies and is reaped
+            await guard(unit.wait(), "the unit's exit")
+            out["claimed"] = reaper.claim_orphans(seen)
+            out["orphans"] = reaper.orphans(seen)
+            os.kill(stray.pid, signal.SIGKILL)
+            while proctable.children(os.getpid()):
+                await asyncio.sleep(0.01)
         else:  # spawner: the thread blocks SIGCHLD, the unit it forks does not
             spawner = process.Spawner()
             child = await spawner.spawn(reaper, ["sleep", "1000"], env=env)
@@ -161,3 +177,14 @@ def _blocks_sigchld(status: Path) -> bool:
         if line.startswith("SigBlk:"):
             return bool(int(line.split()[1], 16) & (1 << (signal.SIGCHLD - 1)))
     raise AssertionError(f"no SigBlk line in {status}")
+
+
+def test_a_unit_reaped_after_a_proc_pass_is_not_claimed_as_an_orphan() -> None:
+    """A stop's scan reads /proc in a worker thread, then claims our unwaited children on
+    the loop. A unit that died and was reaped in between is neither waited for nor an
+    orphan; claimed, it was reported as killed by an unrelated unit's stop (CI, pgroup
+    containment: "had to kill 2 process(es): other: 485, escaper: 488")."""
+    out = _run("claim-after-pass")
+    assert out["seen"] == [True, True]
+    assert out["claimed"] == [out["stray"]]  # the live unwaited child, and only it
+    assert out["orphans"] == [out["stray"]]  # the guardian's census sees the same
