@@ -6,10 +6,15 @@ Times are monotonic seconds passed in by the caller, so tests need no clock.
 from __future__ import annotations
 
 import random
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 
 from dynamod.core.spec import RestartSpec
+
+# Looked up on the exit path, where a daemon just woken runs everything cold: a dict read,
+# not an enum construction.
+_SIGNAL_NAMES = {int(sig): sig.name for sig in signal.Signals}
 
 
 @dataclass(frozen=True)
@@ -24,14 +29,8 @@ class Exit:
         return self.code == 0
 
     def describe(self) -> str:
-        import signal as _signal
-
         if self.signal is not None:
-            try:
-                name = _signal.Signals(self.signal).name
-            except ValueError:
-                name = str(self.signal)
-            return f"killed by {name}"
+            return f"killed by {_SIGNAL_NAMES.get(self.signal) or self.signal}"
         return f"exited with status {self.code}"
 
 
@@ -72,11 +71,14 @@ class RestartTracker:
         if self.attempt == 0:
             base = self.spec.first_delay
         else:
-            base = min(
-                self.spec.backoff_max,
-                self.spec.backoff_initial * (self.spec.backoff_factor ** (self.attempt - 1)),
-            )
+            try:  # a unit that never stays up reset_after counts on without bound
+                grown = self.spec.backoff_initial * self.spec.backoff_factor ** (self.attempt - 1)
+            except OverflowError:
+                grown = self.spec.backoff_max
+            base = min(self.spec.backoff_max, grown)
         spread = base * self.spec.jitter
+        if not spread:
+            return max(0.0, base)
         return max(0.0, base + self.rng.uniform(-spread, spread))
 
     def decide(self, exit: Exit, *, now: float, uptime: float, premature: bool) -> Decision:

@@ -19,6 +19,22 @@ def test_backoff_grows_exponentially_up_to_the_cap() -> None:
     assert delays == [0.0, 0.1, 0.2, 0.4, 0.5, 0.5, 0.5]  # the first restart is immediate
 
 
+def test_a_unit_that_never_stays_up_keeps_the_capped_delay_past_a_thousand_restarts() -> None:
+    """The attempt count has no bound while the unit never stays up reset_after; the
+    backoff once overflowed a float (2.0 ** 1024) and the exit went unrecorded."""
+    t = tracker(backoff_initial=0.05, backoff_factor=2, backoff_max=0.05, limit_burst=10000)
+    delays = [t.decide(KILLED, now=i, uptime=0.1, premature=True).delay for i in range(1500)]
+    assert delays[0] == 0.0 and set(delays[1:]) == {0.05}
+    assert t.total == 1500
+
+
+def test_an_exit_names_its_signal() -> None:
+    assert KILLED.describe() == "killed by SIGKILL"
+    assert Exit(code=None, signal=6).describe() == "killed by SIGABRT"
+    assert Exit(code=None, signal=200).describe() == "killed by 200"
+    assert CRASH.describe() == "exited with status 1"
+
+
 def test_first_delay_is_configurable() -> None:
     t = tracker(first_delay=0.3, backoff_initial=1, limit_burst=100)
     delays = [t.decide(CRASH, now=i, uptime=0.1, premature=False).delay for i in range(3)]
