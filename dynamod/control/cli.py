@@ -261,7 +261,7 @@ def _run_daemon(
     from dynamod.core import logsetup
     from dynamod.core.daemon import Daemon, StateDir
 
-    logsetup.configure()
+    logsetup.configure(cache=True)
 
     async def main() -> int:
         daemon = Daemon(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -101,6 +102,14 @@ def _satisfied(state: UnitState, condition: Condition) -> bool:
 
 
 _DEAD_END = {UnitState.FAILED, UnitState.STOPPING, UnitState.STOPPED}
+
+# How long the end of a unit's output pipe has the Reaper look for the exit, yielding the
+# CPU between looks. The kernel closes a dying process's files (the pipe's EOF wakes the
+# loop) a moment before it makes it waitable, and the woken loop often runs on the dying
+# process's CPU: without the yield the exit did not come within 0.5 ms in 75 of 100 kills;
+# with it, it came in 98-100 of 100, and a second wake from idle (0.5-4 ms on this VM)
+# is saved. A unit that closes its output and runs on costs this once.
+EOF_SPIN = 0.0005
 
 
 class Engine:
@@ -539,7 +548,7 @@ class Engine:
         unit.child = child
         unit.ready_at = None
         unit.sink.header(f"start #{unit.starts} pid {child.pid}: {' '.join(spec.command)}")
-        unit.sink.attach(read_fd)
+        unit.sink.attach(read_fd, on_end=functools.partial(self.reaper.poll, child.pid, EOF_SPIN))
         self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
         if cancelled:
             raise asyncio.CancelledError

@@ -115,33 +115,51 @@ class OutputSink:
         self.tail: deque[str] = deque(maxlen=tail_lines)
         self._watchers: list[LineWatcher] = []
         self._partial = bytearray()
-        self._pumps: set[asyncio.Task[None]] = set()  # strong refs: tasks are weakly held
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pipes: dict[int, asyncio.Future[None]] = {}  # read fd -> done at its EOF
+        self._on_end: dict[int, Callable[[], object]] = {}
 
     def header(self, text: str) -> None:
         self.logfile.write(f"--- dynamod: {text}\n".encode())
 
-    def attach(self, read_fd: int) -> None:
-        task = asyncio.get_running_loop().create_task(self._pump(read_fd))
-        self._pumps.add(task)
-        task.add_done_callback(self._pumps.discard)
+    def attach(self, read_fd: int, on_end: Callable[[], object] | None = None) -> None:
+        """Read a new process's pipe straight from the loop: a callback per chunk, and at
+        EOF the fd is closed in that same callback, then `on_end` is called. No task and
+        no transport: a dying unit's pipe reports EOF a moment before its pidfd does, and
+        its exit should be recorded in that turn of the loop (`on_end`), or the loop be
+        back waiting for the pidfd, not stepping a reader task through two more turns."""
+        self._loop = loop = asyncio.get_running_loop()
+        os.set_blocking(read_fd, False)
+        self._pipes[read_fd] = loop.create_future()
+        if on_end is not None:
+            self._on_end[read_fd] = on_end
+        loop.add_reader(read_fd, self._readable, read_fd)
 
-    async def _pump(self, read_fd: int) -> None:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=1 << 20)
-        protocol = asyncio.StreamReaderProtocol(reader)
-        pipe = os.fdopen(read_fd, "rb", buffering=0)
-        transport, _ = await loop.connect_read_pipe(lambda: protocol, pipe)
+    def _readable(self, fd: int) -> None:
         try:
-            while True:
-                chunk = await reader.read(65536)
-                if not chunk:
-                    break
-                self.feed(chunk)
-        finally:
-            if self._partial:
-                self._emit(bytes(self._partial))
-                self._partial.clear()
-            transport.close()
+            chunk = os.read(fd, 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""  # the pipe is unreadable (EIO): as good as its end
+        if chunk:
+            self.feed(chunk)
+        else:
+            self._end(fd)
+
+    def _end(self, fd: int) -> None:
+        on_end = self._on_end.pop(fd, None)
+        if on_end is not None:  # first: it may record the exit of the pipe's process
+            on_end()
+        done = self._pipes.pop(fd)
+        if self._loop is not None:
+            self._loop.remove_reader(fd)
+        os.close(fd)
+        if self._partial:
+            self._emit(bytes(self._partial))
+            self._partial.clear()
+        if not done.done():
+            done.set_result(None)
 
     def feed(self, chunk: bytes) -> None:
         """Take one chunk of output: to the file as it is, to the tail line by line."""
@@ -195,11 +213,12 @@ class OutputSink:
         return any(pattern.search(line) for line in self.tail)
 
     async def drain(self, timeout: float = 1.0) -> None:
-        """Give the pumps a moment to read what the dead process left in the pipe."""
-        if self._pumps:
-            await asyncio.wait(list(self._pumps), timeout=timeout)
+        """Give the readers a moment to read what the dead process left in the pipe."""
+        if self._pipes:
+            await asyncio.wait(list(self._pipes.values()), timeout=timeout)
 
     def close(self) -> None:
-        for task in self._pumps:
-            task.cancel()
+        self._on_end.clear()
+        for fd in list(self._pipes):
+            self._end(fd)
         self.logfile.close()

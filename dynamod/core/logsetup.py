@@ -65,8 +65,16 @@ class TolerantStream:
 
 
 def configure(
-    stream: TextIO | None = None, *, json_output: bool | None = None, level: int = logging.INFO
+    stream: TextIO | None = None,
+    *,
+    json_output: bool | None = None,
+    level: int = logging.INFO,
+    cache: bool = False,
 ) -> TolerantStream:
+    """Route structlog to `stream`. `cache`: each module's logger is built once, on first
+    use, instead of at every call (tens of microseconds a line): for the daemon, whose
+    exit path logs the state change before anything else; never where a test captures
+    logs afterwards (a cached logger keeps the processors it was built with)."""
     raw = stream or sys.stderr
     if json_output is None:
         json_output = not raw.isatty()
@@ -87,6 +95,6 @@ def configure(
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(out),  # type: ignore[arg-type]
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=cache,
     )
     return out

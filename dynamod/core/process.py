@@ -191,6 +191,25 @@ class Reaper:
         if not future.done():
             future.set_result(result)
 
+    def poll(self, pid: int, spin: float = 0.0) -> bool:
+        """Reap pid now if it has exited, trying for up to `spin` seconds (yielding the CPU
+        between tries); True if it was reaped. For the end of a unit's output pipe: the
+        kernel closes a dying process's files just before it makes it waitable."""
+        if pid not in self._waiters:
+            return False
+        deadline = time.monotonic() + spin
+        while True:
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                return False
+            if got:
+                self._reaped(pid, status)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            os.sched_yield()
+
     def reap(self) -> None:
         while True:
             try:

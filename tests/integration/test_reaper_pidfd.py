@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +189,34 @@ def test_a_unit_reaped_after_a_proc_pass_is_not_claimed_as_an_orphan() -> None:
     assert out["seen"] == [True, True]
     assert out["claimed"] == [out["stray"]]  # the live unwaited child, and only it
     assert out["orphans"] == [out["stray"]]  # the guardian's census sees the same
+
+
+def test_a_unit_that_closes_its_output_and_runs_on_is_not_taken_for_dead(
+    dm: Dynamod, stack_file: Any
+) -> None:
+    """The end of a unit's output pipe has the Reaper look for its exit at once (a dying
+    process's files close just before it becomes waitable). A unit that closes stdout and
+    stderr and goes on running ends its pipe too: it stays up, under the same pid, and its
+    exit, when it comes, is recorded once, through its pidfd."""
+    stack = stack_file("""
+        [units.quiet]
+        command = ["sh", "-c", "echo about to close; exec >/dev/null 2>&1; exec sleep 1000"]
+        ready = { kind = "log", pattern = "about to close", deadline = 10 }
+        [units.quiet.restart]
+        first_delay = 0
+    """)
+    dm.run("up", str(stack), "--detach", check=True)
+    first = dm.unit("quiet")
+    time.sleep(1.0)  # long past the pipe's end and the spin that follows it
+    still = dm.unit("quiet")
+    assert (still["state"], still["pid"], still["restarts"]) == ("ready", first["pid"], 0)
+    os.kill(first["pid"], signal.SIGKILL)
+    second = dm.wait_ready_again("quiet", first["pid"], what="the restart after a kill")
+    assert second["last_exit"] == "killed by SIGKILL" and second["restarts"] == 1
+    exits = [
+        r for line in dm.daemon_log().splitlines() if line.strip()
+        if (r := json.loads(line))["event"] == "unit.state" and r["old"] == "ready"
+    ]
+    assert [(r["new"], r["detail"].split(";")[0]) for r in exits] == [
+        ("backoff", "killed by SIGKILL")
+    ]
