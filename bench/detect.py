@@ -15,6 +15,8 @@ and how long stopping one unit takes.
 - supervisord: the same stack exported with `dynamod export supervisord`, alone and with
   the crowd; its log line "exited: NAME (terminated by SIGKILL ...)" carries a millisecond
   timestamp; one program's stop is the `stopProcess` XML-RPC round trip.
+- floor: bench/floor_watch.py, no supervisor: a process blocked on its child's pidfd,
+  alone and with the crowd; what the machine allows anyone in the same run.
 - 5 s poller: bench/poll_watch.py, today's watchdog (waitpid every 5 s), kills spread
   uniformly over its polling window.
 """
@@ -284,6 +286,31 @@ def run_supervisord(kills: int, stops: int = 0) -> dict[str, Any]:
     return {"log_ms": ms, "stop_rtt_ms": stop_rtt_ms, "host_processes": processes}
 
 
+def run_floor(kills: int) -> dict[str, Any]:
+    """The machine's floor, killed the same way: bench.floor_watch's children."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.floor_watch", "--count", str(kills)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ms: list[float] = []
+    try:
+        assert proc.stdout is not None
+        for _ in range(kills):
+            pid = int(proc.stdout.readline().split()[1])
+            quiet()
+            t_kill = time.time()
+            os.kill(pid, signal.SIGKILL)
+            ms.append((float(proc.stdout.readline().split()[1]) - t_kill) * 1000)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return {"log_ms": ms}
+
+
 def run_poller(kills: int, window: float, interval: float = 5.0) -> dict[str, Any]:
     with state_dir("poll") as state:
         pids_file, seen_file = state / "pids", state / "seen"
@@ -364,6 +391,7 @@ def main() -> None:
                 for mode in ("cgroup", "pgroup"):
                     runs[f"{mode}/{load}"] = run_dynamod(kills, polled, stops, mode)
                 runs[f"supervisord/{load}"] = run_supervisord(kills, stops)
+                runs[f"floor/{load}"] = run_floor(kills)
         poller.join()
     finally:
         sweep()
@@ -406,6 +434,13 @@ def main() -> None:
                 f"supervisord ({sup['host_processes']} processes on the host; "
                 "supervisord.log 'exited:', ms stamps)",
                 sup["log_ms"],
+                base,
+            )
+        )
+        table.rows.append(
+            _row(
+                f"floor: no supervisor, a bare pidfd waiter ({load}; its wake)",
+                runs[f"floor/{load}"]["log_ms"],
                 base,
             )
         )
@@ -476,6 +511,9 @@ def main() -> None:
         "uniform in [0, 5 s] by construction.",
         "one unit's stop: `restart UNIT` (dynamod) / `stopProcess` (supervisord) on a "
         "`sleep infinity` unit, which exits at once on SIGTERM.",
+        "floor: bench.floor_watch, a process blocked in select on its one child's pidfd, "
+        "killed the same way; what this machine gives any supervisor in the same minutes "
+        "(its p99 is the machine's wake-up tail, not a supervisor's).",
     ]
     emit(report, args.json)
 

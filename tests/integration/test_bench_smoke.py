@@ -49,6 +49,8 @@ def test_quick_json(name: str) -> None:
     if name == "detect":
         rows = {row[0]: row for row in result["tables"][0]["rows"]}
         assert any(label.startswith("supervisord") for label in rows)
+        floors = [row for label, row in rows.items() if label.startswith("floor")]
+        assert len(floors) == 2 and all(row[1] == 10 and 0 < row[2] < 1000 for row in floors)
         assert result["data"]["summary"]["dynamod"]["n"] >= 10
     else:
         survivors = [row for row in result["tables"][0]["rows"] if row[1] == "dynamod"]
