@@ -172,14 +172,20 @@ class Reaper:
         os.close(fd)
 
     def _pidfd_ready(self, pid: int) -> None:
+        if not self._try_reap(pid):  # not waitable yet (or gone): stop reading, SIGCHLD brings it
+            self._unread(pid)
+
+    def _try_reap(self, pid: int) -> bool:
+        """Reap pid if it has exited; False if it has not, or was reaped already (the
+        SIGCHLD path resolved it)."""
         try:
             got, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # reaped already: the SIGCHLD path resolved it
-            got, status = 0, 0
-        if got == 0:  # not waitable yet (or gone): stop reading, SIGCHLD brings it
-            self._unread(pid)
-            return
+        except ChildProcessError:
+            return False
+        if got == 0:
+            return False
         self._reaped(pid, status)
+        return True
 
     def _resolve(self, pid: int, future: asyncio.Future[Exit], result: Exit) -> None:
         callback = self._on_exit.pop(pid, None)
@@ -198,17 +204,11 @@ class Reaper:
         if pid not in self._waiters:
             return False
         deadline = time.monotonic() + spin
-        while True:
-            try:
-                got, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                return False
-            if got:
-                self._reaped(pid, status)
-                return True
-            if time.monotonic() >= deadline:
-                return False
+        while not self._try_reap(pid):
+            if pid not in self._waiters or time.monotonic() >= deadline:
+                return False  # reaped by the SIGCHLD path meanwhile, or not exiting
             os.sched_yield()
+        return True
 
     def reap(self) -> None:
         while True:
