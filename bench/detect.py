@@ -164,7 +164,7 @@ def run_dynamod(kills: int, polled: int, stops: int, mode: str) -> dict[str, Any
                 plan.append((name, t_kill, poll))
                 if not poll:
                     quiet()  # the next unit's readiness is asked after the exit is noticed
-                if poll:
+                else:
                     exit_seen = state_seen = None
                     deadline = time.monotonic() + 5
                     while (exit_seen is None or state_seen is None) and time.monotonic() < deadline:

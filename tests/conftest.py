@@ -155,7 +155,9 @@ def dm(request: pytest.FixtureRequest) -> Iterator[Dynamod]:
     d = Dynamod(state)
     yield d
     if _failed(request):  # the state dir goes below: say what the daemon saw (CI keeps this)
-        _print_tail(state / "daemon.log", lines=80)
+        lines = d.daemon_log().splitlines()
+        print(f"--- last {min(80, len(lines))} of {len(lines)} lines of {state}/daemon.log")
+        print("\n".join(lines[-80:]))
     run_id = d.run_id()
     if (state / "dynamod.sock").exists():
         d.run("down", timeout=120)
@@ -163,16 +165,6 @@ def dm(request: pytest.FixtureRequest) -> Iterator[Dynamod]:
         for pid in marked_pids(run_id):
             os.kill(pid, signal.SIGKILL)
     shutil.rmtree(state, ignore_errors=True)
-
-
-def _print_tail(path: Path, lines: int) -> None:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError as exc:
-        print(f"--- no {path}: {exc.strerror}")
-        return
-    print(f"--- last {min(lines, len(text))} of {len(text)} lines of {path}")
-    print("\n".join(text[-lines:]))
 
 
 @pytest.fixture
