@@ -245,4 +245,27 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "git": rev or None,
         "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "damon": damon(),
     }
+
+
+DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
+
+
+def damon() -> list[str]:
+    """The kernel's DAMON monitors running on this host, as "kdamond N: OPS, ACTIONS".
+    A DAMON pageout scheme (this VM's) walks the reverse mappings of sampled pages; a
+    process exiting meanwhile can wait for its locks (docs/benchmarks.md, section 1)."""
+    found: list[str] = []
+    with contextlib.suppress(OSError):
+        for kd in sorted(DAMON.iterdir()):
+            if not kd.name.isdigit() or (kd / "state").read_text().strip() != "on":
+                continue
+            for ctx in sorted((kd / "contexts").glob("[0-9]*")):
+                ops = (ctx / "operations").read_text().strip()
+                actions = [
+                    (scheme / "action").read_text().strip()
+                    for scheme in sorted((ctx / "schemes").glob("[0-9]*"))
+                ]
+                found.append(f"kdamond {kd.name}: {ops}, schemes: {', '.join(actions) or '-'}")
+    return found

@@ -41,7 +41,10 @@ def check_shape(result: dict[str, Any], name: str) -> None:
 def test_quick_json(name: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", f"bench.{name}", "--quick", "--json"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -52,6 +55,16 @@ def test_quick_json(name: str) -> None:
         floors = [row for label, row in rows.items() if label.startswith("floor")]
         assert len(floors) == 2 and all(row[1] == 10 and 0 < row[2] < 1000 for row in floors)
         assert result["data"]["summary"]["dynamod"]["n"] >= 10
+        split = next(t for t in result["tables"] if t["title"].startswith("The same kills"))
+        assert len(split["rows"]) == 8
+        for key, run in result["data"]["runs"].items():
+            # every kill split in two at the reference clock, the parts adding up
+            assert len(run["exit_ms"]) == len(run["share_ms"]) == len(run["log_ms"]), key
+            for whole, kernel, share in zip(
+                run["log_ms"], run["exit_ms"], run["share_ms"], strict=True
+            ):
+                assert kernel > 0, (key, kernel)  # the exit completes after the kill
+                assert math.isclose(kernel + share, whole, abs_tol=1e-6), key
     else:
         survivors = [row for row in result["tables"][0]["rows"] if row[1] == "dynamod"]
         assert survivors and all(row[8] == 0 for row in survivors)
