@@ -44,6 +44,7 @@ from typing import Any
 
 from bench.exit_watch import ExitClock
 from bench.procs import (
+    ROOT,
     bench_mark,
     state_dir,
     sweep,
@@ -334,6 +335,7 @@ def run_floor(kills: int) -> dict[str, Any]:
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        cwd=ROOT,
     )
     clock = ExitClock()
     t_kills: list[float] = []

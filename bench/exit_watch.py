@@ -26,6 +26,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class ExitClock:
@@ -38,6 +41,7 @@ class ExitClock:
             stdout=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            cwd=ROOT,  # `-m bench...` from wherever the harness was started
         )
         self._lines: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -53,7 +57,11 @@ class ExitClock:
         try:
             return self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"bench.exit_watch said nothing for {timeout:g} s") from None
+            code = self.proc.poll()
+            why = f"exited with status {code}" if code is not None else "is still running"
+            raise RuntimeError(
+                f"bench.exit_watch said nothing for {timeout:g} s (it {why})"
+            ) from None
 
     def watch(self, pid: int) -> bool:
         """True once the pid is watched; False if it was already gone."""
