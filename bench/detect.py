@@ -108,9 +108,11 @@ def quiet() -> None:
 def split(
     t_kills: list[float], exits: list[float], seen: list[float], policy: str
 ) -> dict[str, Any]:
-    """Each kill's kill -> noticed, split at the reference clock's exit complete: the
-    kernel's share (kill -> exit complete) and the supervisor's (exit complete -> noticed)."""
+    """Each kill's kill -> noticed (`log_ms`), and the same split at the reference clock's
+    exit complete: the kernel's share (kill -> exit complete) and the supervisor's (exit
+    complete -> noticed)."""
     return {
+        "log_ms": [(s - t) * 1000 for t, s in zip(t_kills, seen, strict=True)],
         "exit_ms": [(e - t) * 1000 for t, e in zip(t_kills, exits, strict=True)],
         "share_ms": [(s - e) * 1000 for e, s in zip(exits, seen, strict=True)],
         "reference": policy,
@@ -213,7 +215,6 @@ def run_dynamod(kills: int, polled: int, stops: int, mode: str) -> dict[str, Any
         finally:
             clock.close()
             dm.close()
-    log_ms: list[float] = []
     seen_at: list[float] = []
     polled_log_ms: list[float] = []
     for name, t_kill, poll in plan:
@@ -228,10 +229,11 @@ def run_dynamod(kills: int, polled: int, stops: int, mode: str) -> dict[str, Any
             ),
             None,
         )
-        value = ((seen if seen is not None else float("nan")) - t_kill) * 1000
-        (polled_log_ms if poll else log_ms).append(value)
-        if not poll:
-            seen_at.append(seen if seen is not None else float("nan"))
+        at = seen if seen is not None else float("nan")
+        if poll:
+            polled_log_ms.append((at - t_kill) * 1000)
+        else:
+            seen_at.append(at)
     stop_ms: list[float] = []
     began: dict[str, float] = {}
     for e in transitions:
@@ -241,7 +243,6 @@ def run_dynamod(kills: int, polled: int, stops: int, mode: str) -> dict[str, Any
             stop_ms.append((e["t"] - began.pop(e["unit"])) * 1000)
     t_kills = [t for _, t, poll in plan if not poll]
     return {
-        "log_ms": log_ms,
         **split(t_kills, exits, seen_at, clock.policy),
         "polled_log_ms": polled_log_ms,
         "status_exit_ms": status_exit_ms,
@@ -306,7 +307,6 @@ def run_supervisord(kills: int, stops: int = 0) -> dict[str, Any]:
         finally:
             clock.close()
             sd.close()
-    ms = []
     seen_at: list[float] = []
     for program, t_kill in plan:
         seen = next(
@@ -319,9 +319,7 @@ def run_supervisord(kills: int, stops: int = 0) -> dict[str, Any]:
         )
         # The stamp is truncated to the millisecond: +0.5 ms is its expected value.
         seen_at.append(seen + 0.0005 if seen is not None else float("nan"))
-        ms.append((seen_at[-1] - t_kill) * 1000)
     return {
-        "log_ms": ms,
         **split([t for _, t in plan], exits, seen_at, clock.policy),
         "stop_rtt_ms": stop_rtt_ms,
         "host_processes": processes,
@@ -357,10 +355,7 @@ def run_floor(kills: int) -> dict[str, Any]:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return {
-        "log_ms": [(w - t) * 1000 for t, w in zip(t_kills, woke, strict=True)],
-        **split(t_kills, exits, woke, clock.policy),
-    }
+    return split(t_kills, exits, woke, clock.policy)
 
 
 def run_poller(kills: int, window: float, interval: float = 5.0) -> dict[str, Any]:
