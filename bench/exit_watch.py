@@ -26,9 +26,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.procs import ROOT
 
 
 class ExitClock:
