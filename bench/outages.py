@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from bench.procs import bench_mark, reap_zombies, state_dir, wait_until
-from bench.report import Report, Table, emit, options
+from bench.report import Report, Table, emit, entry, options
 from bench.runners import Dynamod
 from bench.stack import prebuilt_model
 
@@ -220,13 +220,13 @@ def etcd_cut(recipe: bool) -> dict[str, Any]:
 
 
 def kill9_push() -> dict[str, Any]:
-    from bench.policy_push import checkpoint
+    from bench.policy_push import weights
 
     with state_dir("ok") as state:
         dm = Dynamod(state)
         try:
             dm.up(write_stack(state, state / "never"))
-            path, _ = checkpoint(None)
+            path = weights(None).checkpoint
             required: list[int | None] = [0]
             with Load(frontend_url(dm), required=required) as load:
                 time.sleep(3)
@@ -366,6 +366,7 @@ async def _instances(port: int) -> set[int]:
         return {i.instance_id for i in await dynamo.list_instances(etcd, "dynamod")}
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

@@ -58,6 +58,7 @@ from bench.report import (
     Report,
     Table,
     emit,
+    entry,
     options,
     ratio,
     summary,
@@ -240,6 +241,7 @@ def stack_ports(dm: Dynamod) -> tuple[int, int]:
     return units["etcd"]["ports"]["client"], units["nats"]["ports"]["client"]
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import bench_mark, iso_epoch, state_dir, sweep, wait_until
-from bench.report import Report, Table, emit, options, ratio, summary
+from bench.report import Report, Table, emit, entry, options, ratio, summary
 from bench.runners import Dynamod
 from bench.stack import MODEL, prebuilt_model, serve_stack
 
@@ -569,6 +569,7 @@ def failures_table(report: Report, spares: dict[str, Any]) -> None:
         )
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
