@@ -14,7 +14,7 @@ behaviour where that comparison means something:
                  waited for the router, failed / stale requests for the new version after it.
   frontend_hang  SIGSTOP of the frontend: detection, serving back, failed requests. Recipe:
                  the previous liveness (2 s interval, 2 s timeout, 3 misses).
-  saturation     64 requests in flight for 30 s (15 s quick): frontend liveness misses and
+  saturation     64 requests in flight for 30 s (5 s quick): frontend liveness misses and
                  restarts (false positives).
   daemon_kill    dynamod SIGKILLed, `up` again on the same state dir: time to ready,
                  dead instances left in etcd.
@@ -383,7 +383,7 @@ def main() -> None:
         data["kill9_push"] = kill
     data["frontend_hang"] = {}
     if (hang := guarded("frontend_hang", report, frontend_hang, False,
-                        15 if args.quick else 30)) is not None:
+                        5 if args.quick else 30)) is not None:
         data["frontend_hang"]["dynamod"] = hang
     if not args.quick:
         if (old := guarded("frontend_hang recipe", report, frontend_hang, True, None)):

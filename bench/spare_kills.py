@@ -573,7 +573,7 @@ def failures_table(report: Report, spares: dict[str, Any]) -> None:
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
-    kills = 3 if args.quick else 8
+    kills = 1 if args.quick else 8
     report = Report("spare_kills", "2b. Hot spares: kill -9 of a serving shard", args.quick)
     load_start = [round(x, 2) for x in os.getloadavg()]
     try:

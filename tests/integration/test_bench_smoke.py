@@ -90,7 +90,18 @@ def check_policy_push(result: dict[str, Any]) -> None:
         assert p["slowest_ms"]["load"] > 0, p
 
 
-CHECKS = {"detect": check_detect, "down": check_down, "policy_push": check_policy_push}
+def check_outages(result: dict[str, Any]) -> None:
+    # a scenario that crashed is only a note there: here it fails the smoke run
+    assert not [n for n in result["notes"] if "did not complete" in n], result["notes"]
+    assert result["data"]["kill9_push"] and result["data"]["frontend_hang"]["dynamod"]
+
+
+CHECKS = {
+    "detect": check_detect,
+    "down": check_down,
+    "policy_push": check_policy_push,
+    "outages": check_outages,
+}
 
 
 @pytest.mark.parametrize(
