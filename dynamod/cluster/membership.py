@@ -36,8 +36,8 @@ from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.extensions import ExtensionHost
     from dynamod.rollout.policy import PolicyManager
     from dynamod.rollout.registrations import DynamoRegistrations
 
@@ -68,7 +68,7 @@ class Membership(Extension):
         self.cluster = cluster
         self.registrations = registrations
         self.policy = policy
-        self.daemon: Daemon | None = None
+        self.host: ExtensionHost | None = None
         self.etcd: EtcdClient | None = None
         self.lease: int | None = None
         self.entries: dict[str, NodeEntry] = {}
@@ -95,16 +95,16 @@ class Membership(Extension):
 
     @property
     def stack(self) -> str:
-        assert self.daemon is not None
-        return self.daemon.stack.name
+        assert self.host is not None
+        return self.host.stack.name
 
     @property
     def engine(self) -> Engine:
-        assert self.daemon is not None and self.daemon.engine is not None
-        return self.daemon.engine
+        assert self.host is not None and self.host.engine is not None
+        return self.host.engine
 
-    async def start(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    async def start(self, host: ExtensionHost) -> None:
+        self.host = host
         engine = self.engine
         # Every registry endpoint (the client fails over between them), with the cluster's
         # etcd credentials when the stack has a secrets directory.
@@ -201,8 +201,8 @@ class Membership(Extension):
                 body = await request.json()
             wait = float(body.get("wait_s", 30))
             report = await ClusterShutdown(self, wait_s=wait).run()
-            assert self.daemon is not None
-            report["this_node_down"] = await self.daemon.down()
+            assert self.host is not None
+            report["this_node_down"] = await self.host.down()
             return web.json_response(report)
 
         return [web.get("/cluster", view), web.post("/cluster/down", down)]
@@ -228,8 +228,8 @@ class Membership(Extension):
         self._dirty.set()
 
     def entry(self) -> NodeEntry:
-        assert self.daemon is not None
-        shards = set(self.daemon.stack.shards())
+        assert self.host is not None
+        shards = set(self.host.stack.shards())
         units = [
             UnitEntry(
                 name=unit.name,
@@ -249,8 +249,8 @@ class Membership(Extension):
             node=self.cluster.node,
             address=self.cluster.address,
             daemon_pid=os.getpid(),
-            run_id=self.daemon.run_id,
-            phase=str(self.daemon.phase),
+            run_id=self.host.run_id,
+            phase=str(self.host.phase),
             head=self.cluster.is_head,
             units=units,
             policy_current=self.policy.current_version if self.policy else None,
@@ -304,8 +304,8 @@ class Membership(Extension):
             await self._after_return()
 
     def _bundle(self) -> join.StackBundle:
-        assert self.daemon is not None
-        stack = self.daemon.stack
+        assert self.host is not None
+        stack = self.host.stack
         variables = stack.source.raw.vars if stack.source is not None else {}
         return join.bundle(stack.path, self.stack, variables, self.cluster.nodes)
 
@@ -368,8 +368,8 @@ class Membership(Extension):
             self._restarting.discard(name)
 
     def _local_shards(self) -> list[Unit]:
-        assert self.daemon is not None
-        return [self.engine.units[n] for n in self.daemon.stack.shards()]
+        assert self.host is not None
+        return [self.engine.units[n] for n in self.host.stack.shards()]
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """Record a failed registry round. The loops survive every exception, and a
@@ -461,8 +461,8 @@ class Membership(Extension):
                 await self._mark_lost(name, before[name])
 
     def _running(self) -> bool:
-        assert self.daemon is not None
-        return str(self.daemon.phase) in {"starting", "up", "degraded"}
+        assert self.host is not None
+        return self.host.phase.running
 
     async def _mark_lost(self, name: str, entry: NodeEntry) -> None:
         """Its lease expired: withdraw its shards' registrations (their instance keys, kept

@@ -122,7 +122,7 @@ class ClusterShutdown:
 async def carry_out(m: Membership, request: dict[str, Any]) -> None:
     """This node's part of one step: stop its instances of the step's units and ack; or,
     for the exit step, ack and take the whole daemon down."""
-    assert m.etcd is not None and m.daemon is not None
+    assert m.etcd is not None and m.host is not None
     step = str(request.get("step"))
     wanted = set(request.get("units", []))
     stopped: list[str] = []
@@ -150,4 +150,4 @@ async def carry_out(m: Membership, request: dict[str, Any]) -> None:
         deadline = time.monotonic() + _EXIT_ACK_WAIT_S
         while time.monotonic() < deadline and m.down_request == request:
             await asyncio.sleep(_POLL_S)
-        await m.daemon.down()
+        await m.host.down()

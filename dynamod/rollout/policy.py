@@ -49,8 +49,8 @@ from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion
 from dynamod.rollout.spares import Reason, Role, SparePool
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.extensions import ExtensionHost
     from dynamod.core.spec import UnitSpec
 
 log = structlog.get_logger("dynamod.rollout.policy")
@@ -160,7 +160,7 @@ class PolicyManager(Extension):
     def __init__(self, spec: PolicySpec, *, etcd_auth: EtcdAuth | None = None) -> None:
         self.spec = spec
         self.etcd_auth = etcd_auth  # a cluster stack's credentials for its ledger's etcd
-        self.daemon: Daemon | None = None
+        self.host: ExtensionHost | None = None
         self._lock = asyncio.Lock()  # one policy operation at a time
         self._rejoins: dict[str, asyncio.Task[None]] = {}
         self.current_version: int | None = None  # None until the ledger was first read
@@ -175,22 +175,22 @@ class PolicyManager(Extension):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, daemon: Daemon) -> None:
-        assert daemon.engine is not None
-        self.daemon = daemon
-        self.shard_names = set(daemon.stack.shards())
-        daemon.engine.hooks.append(self)
-        daemon.engine.hooks.insert(0, self.spares)
-        daemon.engine.lost_listeners.append(self.spares.on_lost)
-        daemon.engine.restack_listeners.append(self.restacked)
+    async def start(self, host: ExtensionHost) -> None:
+        assert host.engine is not None
+        self.host = host
+        self.shard_names = set(host.stack.shards())
+        host.engine.hooks.append(self)
+        host.engine.hooks.insert(0, self.spares)
+        host.engine.lost_listeners.append(self.spares.on_lost)
+        host.engine.restack_listeners.append(self.restacked)
         if self.spec.store == "etcd":
             self._etcd = self._etcd_client()
         else:
-            self._file = FileLedger(daemon.state.path / "policy.json")
+            self._file = FileLedger(host.state_dir / "policy.json")
 
     def _etcd_client(self) -> EtcdClient:
-        assert self.spec.etcd and self.daemon is not None and self.daemon.engine is not None
-        return EtcdClient(self.spec.etcd, session=self.daemon.engine.session, auth=self.etcd_auth)
+        assert self.spec.etcd and self.host is not None and self.host.engine is not None
+        return EtcdClient(self.spec.etcd, session=self.host.engine.session, auth=self.etcd_auth)
 
     def restacked(self, stack: Stack) -> None:
         """The engine re-rendered the stack (a port it references moved): the ledger's etcd
@@ -238,8 +238,8 @@ class PolicyManager(Extension):
             return acks
 
         def running() -> None:
-            assert self.daemon is not None
-            self.daemon.require_running("a policy update")
+            assert self.host is not None
+            self.host.require_running("a policy update")
 
         async def push(request: web.Request) -> web.Response:
             running()
@@ -265,8 +265,8 @@ class PolicyManager(Extension):
 
     @property
     def engine(self) -> Engine:
-        assert self.daemon is not None and self.daemon.engine is not None
-        return self.daemon.engine
+        assert self.host is not None and self.host.engine is not None
+        return self.host.engine
 
     @property
     def session(self) -> aiohttp.ClientSession:
