@@ -28,6 +28,7 @@ from dynamod.cluster import join, parking, registry
 from dynamod.cluster.parking import ParkedKey
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
+from dynamod.cluster.shutdown import ClusterShutdown, carry_out
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
@@ -189,9 +190,11 @@ class Membership(Extension):
                 async with asyncio.timeout(STOP_GRACE_S):
                     await self.etcd.lease_revoke(self.lease)
 
-    def routes(self) -> list[web.RouteDef]:
-        from dynamod.cluster.shutdown import ClusterShutdown
+    async def _down_here(self) -> dict[str, Any]:
+        assert self.host is not None
+        return await self.host.down()
 
+    def routes(self) -> list[web.RouteDef]:
         async def view(_: web.Request) -> web.Response:
             return web.json_response(self.view())
 
@@ -201,8 +204,7 @@ class Membership(Extension):
                 body = await request.json()
             wait = float(body.get("wait_s", 30))
             report = await ClusterShutdown(self, wait_s=wait).run()
-            assert self.host is not None
-            report["this_node_down"] = await self.host.down()
+            report["this_node_down"] = await self._down_here()
             return web.json_response(report)
 
         return [web.get("/cluster", view), web.post("/cluster/down", down)]
@@ -406,14 +408,15 @@ class Membership(Extension):
         while not self._stopping:
             self._changed.clear()
             try:
-                await self._bounded("read", self._read())
+                await self._bounded("read", self.read())
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("read", exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(READ_FALLBACK_S):
                     await self._changed.wait()
 
-    async def _read(self) -> None:
+    async def read(self) -> None:
+        """Everything under the stack's registry prefix, into the fields above."""
         assert self.etcd is not None
         base = registry.prefix(self.stack)
         entries: dict[str, NodeEntry] = {}
@@ -494,7 +497,7 @@ class Membership(Extension):
 
     async def others_live(self) -> set[int]:
         """Instance ids of the live workers of the other nodes (never swept here)."""
-        await self._read()
+        await self.read()
         return {
             instance
             for name, entry in self.entries.items()
@@ -514,9 +517,9 @@ class Membership(Extension):
         if key in self._handled_down or self.cluster.node not in request.get("nodes", []):
             return
         self._handled_down.add(key)
-        from dynamod.cluster.shutdown import carry_out
-
-        asyncio.get_running_loop().create_task(carry_out(self, request))
+        asyncio.get_running_loop().create_task(
+            carry_out(self, self.engine, self._down_here, request)
+        )
 
     # ------------------------------------------------------------------ policy across nodes
 
@@ -538,7 +541,7 @@ class Membership(Extension):
         deadline = time.monotonic() + self.policy.spec.route_timeout
         while True:
             with contextlib.suppress(*_FAILURES):
-                await self._read()
+                await self.read()
             others = {n: e for n, e in self.entries.items() if n != self.cluster.node}
             late = registry.behind(others, step)
             if not late or time.monotonic() >= deadline:
