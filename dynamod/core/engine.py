@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -22,7 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, graph, portmove, ports, process, proctable
+from dynamod.core import cgroups, graph, portmove, ports, process
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
@@ -103,14 +101,6 @@ def _satisfied(state: UnitState, condition: Condition) -> bool:
 
 _DEAD_END = {UnitState.FAILED, UnitState.STOPPING, UnitState.STOPPED}
 
-# How long the end of a unit's output pipe has the Reaper look for the exit, yielding the
-# CPU between looks. The kernel closes a dying process's files (the pipe's EOF wakes the
-# loop) a moment before it makes it waitable, and the woken loop often runs on the dying
-# process's CPU: without the yield the exit did not come within 0.5 ms in 75 of 100 kills;
-# with it, it came in 98-100 of 100, and a second wake from idle (0.5-4 ms on this VM)
-# is saved. A unit that closes its output and runs on costs this once.
-EOF_SPIN = 0.0005
-
 
 class Engine:
     def __init__(
@@ -119,18 +109,15 @@ class Engine:
         *,
         state_dir: Path,
         run_id: str,
-        reaper: process.Reaper,
+        host: process.ProcessHost,
         session: aiohttp.ClientSession,
         hooks: Iterable[UnitHooks] = (),
         log_max_bytes: int = 20 * 1024 * 1024,
-        containment: cgroups.Containment | None = None,
-        spawner: process.Spawner | None = None,
     ) -> None:
         self.stack = stack
         self.state_dir = state_dir
         self.run_id = run_id
-        self.reaper = reaper
-        self.spawner = spawner or process.Spawner()
+        self.host = host  # every OS call about the units' processes goes through it
         self.session = session
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
@@ -140,7 +127,6 @@ class Engine:
         self.env_sources: list[EnvSource] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
-        self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
         self._port_allocator: ports.PortAllocator | None = None  # for ports moved at a spawn
         self._changed = asyncio.Event()
@@ -289,7 +275,7 @@ class Engine:
             self.transition(unit, unit.state, detail)
         child = unit.child
         if child is not None and child.alive:
-            process.kill_group_now(child.pid)
+            self.host.kill_group_now(child)
             unit.last_exit = await child.wait()
             await self._reap_leftovers(unit)
         await asyncio.sleep(1.0)
@@ -432,7 +418,7 @@ class Engine:
             if not ready:
                 if child.alive:
                     unit.extra["failure_hint"] = detail
-                    process.kill_group_now(child.pid)
+                    self.host.kill_group_now(child)
                     return await child.wait(), True
                 unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
                 return await child.wait(), True
@@ -468,7 +454,7 @@ class Engine:
         """An allocated port of the unit that another process took since it was allocated:
         allocate it again and re-render the stack (portmove) before the spawn; a running unit
         whose templates reference the port is restarted with the new number."""
-        taken = portmove.taken(self.stack, unit.name)
+        taken = portmove.taken(self.stack, unit.name, in_use=self.host.port_in_use)
         if not taken:
             return
         if self._port_allocator is None:
@@ -481,9 +467,9 @@ class Engine:
             return
         if moved is None:  # fixed ports: the spawn fails as the operator's choice says
             return
-        owners = {n: sorted(ports.listener_pids(p)) for n, p in taken.items()}
+        owners = {n: sorted(self.host.port_owners(p)) for n, p in taken.items()}
         what = "; ".join(
-            f"port {n} {old} taken by {_owners(owners.get(n, []))}, moved to {new}"
+            f"port {n} {old} taken by {self._owners(owners.get(n, []))}, moved to {new}"
             for n, (old, new) in moved.ports.items()
         )
         self.stack = moved.stack
@@ -507,21 +493,15 @@ class Engine:
         recorded meanwhile). A stop that cancels the lifecycle during the spawn still
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
-        env = process.base_environment(self.run_id, unit.name, self._env(spec))
-        read_fd, write_fd = os.pipe()
+        env = self.host.environment(unit.name, self._env(spec))
         cancelled = False
         try:
-            cgroup = self.containment.unit(unit.name)
-            if cgroup is not None:
-                cgroups.make(cgroup)
             spawning = asyncio.ensure_future(
-                self.spawner.spawn(
-                    self.reaper,
+                self.host.spawn(
+                    unit.name,
                     spec.command,
                     env=env,
                     cwd=Path(spec.cwd) if spec.cwd else None,
-                    stdout_fd=write_fd,
-                    cgroup=cgroup,
                     on_exit=lambda c, exit: self._exited(unit, c, exit),
                 )
             )
@@ -532,7 +512,6 @@ class Engine:
                     cancelled = True
             child = spawning.result()
         except (OSError, cgroups.CgroupError) as exc:
-            os.close(read_fd)
             hint = f" ({spec.install_hint})" if spec.install_hint else ""
             self.transition(
                 unit,
@@ -542,13 +521,11 @@ class Engine:
             if cancelled:
                 raise asyncio.CancelledError from None
             return False
-        finally:
-            os.close(write_fd)
         unit.starts += 1
         unit.child = child
         unit.ready_at = None
         unit.sink.header(f"start #{unit.starts} pid {child.pid}: {' '.join(spec.command)}")
-        unit.sink.attach(read_fd, on_end=functools.partial(self.reaper.poll, child.pid, EOF_SPIN))
+        self.host.attach_output(child, unit.sink)
         self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
         if cancelled:
             raise asyncio.CancelledError
@@ -563,9 +540,9 @@ class Engine:
     def _probe_context(self, unit: Unit) -> ProbeContext:
         return ProbeContext(
             session=self.session,
-            reaper=self.reaper,
+            reaper=self.host.reaper,
             sink=unit.sink,
-            env=process.base_environment(self.run_id, f"{unit.name}:probe", self._env(unit.spec)),
+            env=self.host.environment(f"{unit.name}:probe", self._env(unit.spec)),
         )
 
     async def _await_ready(self, unit: Unit, child: Process) -> tuple[bool, str]:
@@ -627,14 +604,6 @@ class Engine:
         finally:
             unit.attempt_since = None
 
-    def _unit_pids(self, unit: Unit, child: Process) -> set[int]:
-        """The unit's processes: its cgroup's, or (fallback) its group's and marked ones."""
-        cgroup = self.containment.unit(unit.name)
-        if cgroup is not None:
-            return set(cgroups.procs(cgroup)) | {child.pid}
-        in_group = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
-        return in_group | set(proctable.marked_pids(self.run_id, unit.name)) | {child.pid}
-
     def _answered_by_other(self, unit: Unit, child: Process) -> str | None:
         """A probe passed; if a port it targets is listened on by a process outside the
         unit's process tree (group or run/unit marker), say whose the answer was."""
@@ -646,13 +615,12 @@ class Engine:
         for name, port in unit.spec.ports.items():
             if port not in targets:
                 continue
-            owners = ports.listener_pids(port)
+            owners = self.host.port_owners(port)
             if not owners:
                 continue
-            tree = self._unit_pids(unit, child)
-            if owners & tree:
+            if owners & self.host.unit_pids(unit.name, child):
                 continue
-            who = ", ".join(f"pid {pid} ({_comm(pid)})" for pid in sorted(owners))
+            who = self._owners(sorted(owners))
             return (
                 f"port {name}={port} is answered by {who}, not by {unit.name}'s processes"
                 f" (group {child.pid}): another process holds the port"
@@ -691,7 +659,7 @@ class Engine:
                     )
                     for listener in self.lost_listeners:  # e.g. replace it before it is gone
                         listener(unit, unit.extra["failure_hint"])
-                    process.kill_group_now(child.pid)
+                    self.host.kill_group_now(child)
                     return await child.wait()
                 self.transition(
                     unit,
@@ -701,22 +669,12 @@ class Engine:
         finally:
             prober.close()
 
-    def _tree(self, unit: Unit, child: Process) -> process.Tree:
-        return process.Tree(
-            pgid=child.pid,
-            run_id=self.run_id,
-            unit=unit.name,
-            cgroup=self.containment.unit(unit.name),
-            reaper=self.reaper,
-            since=child.start_ticks,
-        )
-
     async def _reap_leftovers(self, unit: Unit) -> None:
         """The main process is gone; end whatever it left in its cgroup (with cgroups: one
         file read when it left nothing), or in its group, marked, or re-parented to us."""
         if unit.child is None:
             return
-        await process.stop_tree(self._tree(unit, unit.child), sig=signal.SIGKILL, timeout=0)
+        await self.host.stop_tree(unit.name, unit.child, sig=signal.SIGKILL, timeout=0)
 
     # ------------------------------------------------------------------ stop
 
@@ -757,7 +715,7 @@ class Engine:
             self.transition(unit, UnitState.STOPPED)
             return []
         if not child.alive:  # its main process is gone; end what it may have left
-            result = await process.stop_tree(self._tree(unit, child), sig=signal.SIGKILL, timeout=0)
+            result = await self.host.stop_tree(unit.name, child, sig=signal.SIGKILL, timeout=0)
             if result.killed:
                 self.killed.setdefault(unit.name, []).extend(result.killed)
             self.transition(unit, UnitState.STOPPED)
@@ -769,13 +727,13 @@ class Engine:
             f"sending {unit.spec.stop.signal} to "
             + (
                 f"cgroup {cg} (cgroup.kill"
-                if (cg := self.containment.unit(unit.name))
+                if (cg := self.host.cgroup(unit.name))
                 else f"group {child.pid} (SIGKILL"
             )
             + f" after {unit.spec.stop.timeout:g}s)",
         )
-        result = await process.stop_tree(
-            self._tree(unit, child), sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
+        result = await self.host.stop_tree(
+            unit.name, child, sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
         )
         if result.killed:
             self.killed.setdefault(unit.name, []).extend(result.killed)
@@ -842,6 +800,11 @@ class Engine:
             )
         return rows
 
+    def _owners(self, pids: list[int]) -> str:
+        if not pids:
+            return "another process"
+        return ", ".join(f"pid {pid} ({self.host.command_line(pid)})" for pid in pids)
+
     @staticmethod
     def _current_detail(unit: Unit, now: float) -> str:
         """The last answer, or, while an attempt has been waiting a while, that wait."""
@@ -854,19 +817,6 @@ class Engine:
 
 _EXITED = object()
 _DEADLINE = object()
-
-
-def _owners(pids: list[int]) -> str:
-    if not pids:
-        return "another process"
-    return ", ".join(f"pid {pid} ({_comm(pid)})" for pid in pids)
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
-    except OSError:
-        return "?"
 
 
 async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
