@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, graph, portmove, ports, process
+from dynamod.core import cgroups, exits, graph, portmove, ports, process
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
@@ -144,6 +144,8 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     def transition(self, unit: Unit, new: UnitState, detail: str | None = None) -> None:
+        """Move the unit to `new` (checked against the state table), logged and told to
+        the listeners. Re-entering the state it is in only updates the detail."""
         old = unit.state
         if old is new:
             if detail is not None:
@@ -160,6 +162,11 @@ class Engine:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def set_detail(self, unit: Unit, detail: str) -> None:
+        """Say why the unit is where it is (a probe's answer, a port moved, a stop under
+        way) without changing its state."""
+        unit.detail = detail
+
     def hold(self, unit: Unit, reason: str) -> None:
         """Keep a running unit out of service (e.g. a shard catching up to the policy)."""
         if not unit.state.running:  # it exited meanwhile; the exit is what counts
@@ -171,8 +178,10 @@ class Engine:
         """End a hold. A unit that is also degraded stays so until its liveness recovers,
         and then goes to ready, not back to held."""
         unit.hold_reason = None
-        new = UnitState.READY if unit.state is UnitState.HELD else unit.state
-        self.transition(unit, new, detail)
+        if unit.state is UnitState.HELD:
+            self.transition(unit, UnitState.READY, detail)
+        elif detail is not None:
+            self.set_detail(unit, detail)
 
     async def changed(self, timeout: float | None = None) -> None:
         """Wait for the next state change (or the timeout)."""
@@ -244,12 +253,11 @@ class Engine:
             waiting = self._away(unit)
             if not waiting:
                 return None
-            ran = unit.state in {UnitState.BACKOFF, UnitState.WAITING}
-            self.transition(
-                unit,
-                UnitState.WAITING if ran else unit.state,
-                f"waiting for {', '.join(waiting)}",
-            )
+            why = f"waiting for {', '.join(waiting)}"
+            if unit.state in {UnitState.BACKOFF, UnitState.WAITING}:  # it ran before
+                self.transition(unit, UnitState.WAITING, why)
+            else:
+                self.set_detail(unit, why)
             await self.changed()
 
     async def _supervise(self, unit: Unit) -> None:
@@ -272,7 +280,7 @@ class Engine:
         if UnitState.BACKOFF in ALLOWED[unit.state]:
             self.transition(unit, UnitState.BACKOFF, detail)
         else:
-            self.transition(unit, unit.state, detail)
+            self.set_detail(unit, detail)
         child = unit.child
         if child is not None and child.alive:
             self.host.kill_group_now(child)
@@ -289,14 +297,14 @@ class Engine:
             if blocked is not None:
                 self.transition(unit, UnitState.FAILED, blocked)
                 return
-            exit, premature = await self._run_once(unit)
+            exit = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
             # The Reaper recorded the exit and its state change when it reaped the process
             # (`_exited`); hooks and the sweep come after.
             recorded = unit.recorded
             if recorded is None or recorded[0] is not unit.child:
-                recorded = (unit.child, *self._record(unit, exit, premature))
+                recorded = (unit.child, *self._record(unit, exit))
             _, decision, exited_at = recorded
             for hook in self.hooks:
                 await hook.on_exit(unit, exit)
@@ -336,9 +344,7 @@ class Engine:
                         )
                     if unit.state is not UnitState.STARTING:
                         self.transition(unit, UnitState.STARTING)
-                    self.transition(
-                        unit, unit.state, f"waiting for {unit.name} on {node}: {result.detail}"
-                    )
+                    self.set_detail(unit, f"waiting for {unit.name} on {node}: {result.detail}")
                 await asyncio.sleep(spec.interval if not result.ok else max(spec.interval, 0.5))
         finally:
             prober.close()
@@ -348,93 +354,63 @@ class Engine:
         the state it leads to before anything else runs (probes, hooks, /proc sweeps)."""
         if unit.child is not child or self.stopping or not unit.state.running:
             return  # being stopped: stop_unit records it
-        # A service that exits after it was ready has failed, whatever its status, unless
-        # its spec says a clean exit is final.
-        premature = unit.spec.type != "oneshot" and (
-            unit.ready_at is None or not unit.spec.restart.clean_exit_final
-        )
-        if unit.ready_at is None and unit.spec.type != "oneshot" and (
-            "failure_hint" not in unit.extra
-        ):
-            if unit.spec.ready is not None:
-                hint = f"exited before it was ready; last probe: {unit.detail}"
-            else:
-                hint = (
-                    f"exited within min_uptime {unit.spec.restart.min_uptime:g}s,"
-                    " before it counted as ready"
-                )
-            unit.extra["failure_hint"] = hint
-        unit.recorded = (child, *self._record(unit, exit, premature))
+        unit.recorded = (child, *self._record(unit, exit))
 
-    def _record(self, unit: Unit, exit: Exit, premature: bool) -> tuple[Decision, float]:
+    def _record(self, unit: Unit, exit: Exit) -> tuple[Decision, float]:
         """The restart decision for this exit, and the transition it makes."""
         exited_at = time.monotonic()
         unit.last_exit = exit
         unit.hold_reason = None
-        uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
-        what = exit.describe()
-        hint = unit.extra.get("failure_hint")
-        if hint:
-            what += f" ({hint})"
-        away = self._away(unit)
-        if away and unit.tracker.should_restart(exit, premature=premature):
-            # It exited because what it needs is gone (e.g. Dynamo's lease with etcd): not
-            # its own failure, so it does not count against its restart limit; the
-            # lifecycle waits for the dependency before it starts it again.
-            self.transition(
-                unit,
-                UnitState.WAITING,
-                f"{what}; waiting for {', '.join(away)} (not counted as a restart)",
-            )
-            return Decision(restart=True, reason="dependency away"), exited_at
-        decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
-        if not decision.restart:
-            if exit.clean and not premature:
-                self.transition(unit, UnitState.COMPLETED, what)
-            else:
-                self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
-        else:
-            self.transition(
-                unit,
-                UnitState.BACKOFF,
-                f"{what}; {decision.reason} (restart {unit.tracker.total})",
-            )
-        return decision, exited_at
+        was_ready = unit.ready_at is not None
+        if not was_ready and unit.spec.type != "oneshot" and "failure_hint" not in unit.extra:
+            unit.extra["failure_hint"] = exits.before_ready_hint(unit.spec, unit.detail)
+        outcome = exits.decide_exit(
+            exits.ExitFacts(
+                exit=exit,
+                premature=exits.premature(unit.spec, was_ready=was_ready),
+                uptime=exited_at - (unit.child.started_at if unit.child else exited_at),
+                now=exited_at,
+                away=self._away(unit),
+                hint=unit.extra.get("failure_hint"),
+            ),
+            unit.tracker,
+        )
+        self.transition(unit, outcome.state, outcome.detail)
+        return outcome.decision, exited_at
 
-    async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
-        """Spawn, wait for readiness, watch. Returns (exit, premature)."""
+    async def _run_once(self, unit: Unit) -> Exit | None:
+        """Spawn, wait for readiness, watch. The exit, or None if it could not spawn."""
         unit.extra.pop("failure_hint", None)
         unit.recorded = None
         self._move_taken_ports(unit)
         if not await self._spawn(unit):
-            return None, True
+            return None
         child = unit.child
         assert child is not None
+        if unit.spec.type == "oneshot" or not await self._become_ready(unit, child):
+            return await child.wait()
+        return await self._watch(unit, child)
+
+    async def _become_ready(self, unit: Unit, child: Process) -> bool:
+        """Readiness (its probe, or min_uptime up), then the hooks: True once the unit
+        counts as ready; False if it exited meanwhile or was killed for not getting ready."""
         spec = unit.spec
-        if spec.type == "oneshot":
-            return await child.wait(), False
         if spec.ready is not None:
             ready, detail = await self._await_ready(unit, child)
             if not ready:
                 if child.alive:
                     unit.extra["failure_hint"] = detail
                     self.host.kill_group_now(child)
-                    return await child.wait(), True
-                unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
-                return await child.wait(), True
+                return False
         else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
             await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
             if not child.alive:
-                unit.extra["failure_hint"] = (
-                    f"exited within min_uptime {spec.restart.min_uptime:g}s,"
-                    " before it counted as ready"
-                )
-                return await child.wait(), True
+                return False
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
-                return await child.wait(), True
+                return False
         if not child.alive:  # exited as the last probe or hook finished: already recorded
-            return await child.wait(), True
+            return False
         unit.ready_at = time.monotonic()
         if unit.hold_reason is not None:
             self.admit(unit, None)
@@ -446,9 +422,7 @@ class Engine:
             )
         else:
             self.transition(unit, UnitState.READY)
-        # A service that exits after it was ready has failed, whatever its status, unless
-        # its spec says a clean exit is final.
-        return await self._watch(unit, child), not spec.restart.clean_exit_final
+        return True
 
     def _move_taken_ports(self, unit: Unit) -> None:
         """An allocated port of the unit that another process took since it was allocated:
@@ -478,7 +452,7 @@ class Engine:
         for name in [unit.name, *moved.referencing]:
             self.units[name].spec = moved.stack.units[name]
         log.warning("unit.ports_moved", unit=unit.name, moved=what, re_rendered=moved.referencing)
-        self.transition(unit, unit.state, what)
+        self.set_detail(unit, what)
         for name in moved.referencing:
             if self.units[name].state.running:
                 asyncio.get_running_loop().create_task(self._restart_moved(name, unit.name))
@@ -566,7 +540,7 @@ class Engine:
                 self._probed(unit, "ready", result)
                 if result.ok and (impostor := self._answered_by_other(unit, child)):
                     result = ProbeResult(False, impostor)
-                self.transition(unit, unit.state, result.detail)
+                self.set_detail(unit, result.detail)
                 if result.ok:
                     return True, result.detail
                 pause = min(spec.interval, deadline - time.monotonic())
@@ -721,9 +695,8 @@ class Engine:
             self.transition(unit, UnitState.STOPPED)
             return result.survivors
         started = time.monotonic()
-        self.transition(
+        self.set_detail(
             unit,
-            unit.state,
             f"sending {unit.spec.stop.signal} to "
             + (
                 f"cgroup {cg} (cgroup.kill"
