@@ -26,7 +26,6 @@ from aiohttp import web
 from dynamod.core.deathwatch import DeathWatch
 from dynamod.core.errors import DynamodError
 from dynamod.core.restart import Exit
-from dynamod.rollout.etcd import EtcdError
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Unit
@@ -341,7 +340,7 @@ class SparePool:
                         )
                         await manager.record_ack(unit, ack)
                         break
-        except (DynamodError, EtcdError) as exc:
+        except DynamodError as exc:  # EtcdError is one
             log.warning(
                 "spares.promotion_failed", unit=unit.name, replaced=replaced, error=str(exc)
             )
@@ -414,7 +413,7 @@ class SparePool:
                         if (now.version if now else manager.spec.initial_version) == ack.version:
                             await manager.record_ack(unit, ack)
                     continue
-                except (DynamodError, EtcdError) as exc:
+                except DynamodError as exc:  # EtcdError is one
                     error = str(exc)
             log.warning("spares.replay_failed", unit=unit.name, error=error, retry_s=delay)
             unit.extra.setdefault("policy", {})["last_error"] = error
