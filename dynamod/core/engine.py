@@ -67,6 +67,7 @@ class Unit:
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
     extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
+    failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
 
@@ -77,9 +78,6 @@ class Unit:
     @property
     def pid(self) -> int | None:
         return self.child.pid if self.child and self.child.alive else None
-
-    def extra_public(self) -> dict[str, Any]:
-        return {k: v for k, v in self.extra.items() if k != "failure_hint"}
 
 
 Process = process.Child
@@ -362,8 +360,8 @@ class Engine:
         unit.last_exit = exit
         unit.hold_reason = None
         was_ready = unit.ready_at is not None
-        if not was_ready and unit.spec.type != "oneshot" and "failure_hint" not in unit.extra:
-            unit.extra["failure_hint"] = exits.before_ready_hint(unit.spec, unit.detail)
+        if not was_ready and unit.spec.type != "oneshot" and unit.failure_hint is None:
+            unit.failure_hint = exits.before_ready_hint(unit.spec, unit.detail)
         outcome = exits.decide_exit(
             exits.ExitFacts(
                 exit=exit,
@@ -371,7 +369,7 @@ class Engine:
                 uptime=exited_at - (unit.child.started_at if unit.child else exited_at),
                 now=exited_at,
                 away=self._away(unit),
-                hint=unit.extra.get("failure_hint"),
+                hint=unit.failure_hint,
             ),
             unit.tracker,
         )
@@ -380,7 +378,7 @@ class Engine:
 
     async def _run_once(self, unit: Unit) -> Exit | None:
         """Spawn, wait for readiness, watch. The exit, or None if it could not spawn."""
-        unit.extra.pop("failure_hint", None)
+        unit.failure_hint = None
         unit.recorded = None
         self._move_taken_ports(unit)
         if not await self._spawn(unit):
@@ -399,7 +397,7 @@ class Engine:
             ready, detail = await self._await_ready(unit, child)
             if not ready:
                 if child.alive:
-                    unit.extra["failure_hint"] = detail
+                    unit.failure_hint = detail
                     self.host.kill_group_now(child)
                 return False
         else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
@@ -628,11 +626,11 @@ class Engine:
                     continue
                 failures += 1
                 if failures >= spec.failure_threshold:
-                    unit.extra["failure_hint"] = (
+                    unit.failure_hint = why = (
                         f"liveness failed {failures} times in a row: {result.detail}; killed"
                     )
                     for listener in self.lost_listeners:  # e.g. replace it before it is gone
-                        listener(unit, unit.extra["failure_hint"])
+                        listener(unit, why)
                     self.host.kill_group_now(child)
                     return await child.wait()
                 self.transition(
@@ -768,7 +766,7 @@ class Engine:
                         else None
                     ),
                     "command": list(unit.spec.command),
-                    **unit.extra_public(),
+                    **unit.extra,
                 }
             )
         return rows
