@@ -32,8 +32,9 @@ from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
-from dynamod.rollout import dynamo
+from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
+from dynamod.rollout.worker_table import worker_of
 
 if TYPE_CHECKING:
     from dynamod.core.daemon import Daemon
@@ -229,7 +230,7 @@ class Membership(Extension):
 
     def entry(self) -> NodeEntry:
         assert self.daemon is not None
-        shards = set(self.daemon.stack.shards())
+        shards = set(policy_table.shards(self.daemon.stack))
         units = [
             UnitEntry(
                 name=unit.name,
@@ -318,7 +319,7 @@ class Membership(Extension):
         raw = await self.etcd.get(registry.lost_key(self.stack, self.cluster.node))
         parked = [ParkedKey.from_dict(p) for p in LostRecord.decode(raw).parked] if raw else []
         rejoining = [await self._put_back(unit, parked) for unit in self._local_shards()]
-        namespaces = {u.spec.dynamo.namespace for u in self._local_shards() if u.spec.dynamo}
+        namespaces = {w.namespace for w in (worker_of(u.spec) for u in self._local_shards()) if w}
         registered: set[int] = set()
         for namespace in namespaces:
             registered |= {i.instance_id for i in await dynamo.list_instances(self.etcd, namespace)}
@@ -369,7 +370,7 @@ class Membership(Extension):
 
     def _local_shards(self) -> list[Unit]:
         assert self.daemon is not None
-        return [self.engine.units[n] for n in self.daemon.stack.shards()]
+        return [self.engine.units[n] for n in policy_table.shards(self.daemon.stack)]
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """Record a failed registry round. The loops survive every exception, and a
