@@ -17,6 +17,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine
+    from dynamod.core.events import EventLog
     from dynamod.core.phase import Phase
     from dynamod.core.spec import Stack, UnitSpec
 
@@ -35,6 +36,9 @@ class ExtensionHost(Protocol):
 
     @property
     def run_id(self) -> str: ...
+
+    @property
+    def events(self) -> EventLog: ...  # what happened, for `dynamod events`: emit(kind, unit, ...)
 
     @property
     def phase(self) -> Phase: ...
