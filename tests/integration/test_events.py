@@ -26,7 +26,7 @@ STACK = """
     command = ["{python}", "@PROC@", "serve", "{ports.http}"]
     depends_on = ["db"]
     ports = { http = 0 }
-    ready = { kind = "http", url = "http://127.0.0.1:{ports.http}/health", interval = 0.05, deadline = 20 }
+    ready = { kind = "http", url = "http://127.0.0.1:{ports.http}/health", interval = 0.05 }
     restart = { first_delay = 0.3, jitter = 0 }
 """
 
@@ -43,10 +43,42 @@ def _after(events: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
     return mine[start:]
 
 
-def test_a_kill_shows_as_events_in_order_and_after_down(dm: Dynamod, stack_file: Any) -> None:
+def _follow(dm: Dynamod) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "dynamod", "--state-dir", str(dm.state_dir),
+           "events", "--follow", "--json", "-n", "1"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+
+def _followed_kill(follow: subprocess.Popen[str], pid: int) -> list[dict[str, Any]]:
+    """Kill `pid` once `follow` is reading; what it printed within 2 s of the kill."""
+    assert follow.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(follow.stdout, selectors.EVENT_READ)
+    assert sel.select(timeout=30), "events --follow printed no history"
+    follow.stdout.readline()  # the last event so far: it is reading
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    lines: list[dict[str, Any]] = []
+    while (left := 2.0 - (time.monotonic() - killed_at)) > 0 and sel.select(timeout=left):
+        lines.append(json.loads(follow.stdout.readline()))
+        if any(e.get("to") == "backoff" for e in lines):
+            break
+    return lines
+
+
+def test_a_kill_shows_as_events_in_order_live_and_after_down(
+    dm: Dynamod, stack_file: Any
+) -> None:
     dm.run("up", str(stack_file(STACK)), "--detach", check=True)
     first = dm.unit("worker")
-    os.kill(first["pid"], signal.SIGKILL)
+    follow = _follow(dm)
+    try:
+        live = _followed_kill(follow, first["pid"])
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)
+    assert any(e["unit"] == "worker" and e.get("to") == "backoff" and "SIGKILL" in e["reason"]
+               for e in live), live  # fmt: skip
     second = dm.wait_ready_again("worker", first["pid"], what="restart after kill")
 
     seen = _after(_events(dm), first["pid"])
@@ -67,40 +99,13 @@ def test_a_kill_shows_as_events_in_order_and_after_down(dm: Dynamod, stack_file:
     monos = [e["mono"] for e in seen[:6]]
     assert monos == sorted(monos) and seen[4]["mono"] - seen[2]["mono"] >= 0.3  # the delay
 
-    people = dm.run("events", "-u", "worker", check=True).stdout
-    assert "ready -> backoff" in people and "killed by SIGKILL" in people
-
     dm.run("down", check=True)
     after = _events(dm)
     assert _after(after, first["pid"])[:6] == seen[:6]  # the daemon has gone; the file stays
     assert [e.get("phase") for e in after if e["kind"] == "phase"][-1] == "stopped"
+    people = dm.run("events", "-u", "worker", check=True).stdout
+    assert "ready -> backoff" in people and "killed by SIGKILL" in people
 
     bad = dm.run("events", "--since", "yesterdayish")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--since 'yesterdayish'" in bad.stderr
-
-
-def test_follow_shows_a_kill_within_two_seconds(dm: Dynamod, stack_file: Any) -> None:
-    dm.run("up", str(stack_file(STACK)), "--detach", check=True)
-    worker = dm.unit("worker")
-    cmd = [sys.executable, "-m", "dynamod", "--state-dir", str(dm.state_dir),
-           "events", "--follow", "--json", "-n", "1"]  # fmt: skip
-    follow = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        assert follow.stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(follow.stdout, selectors.EVENT_READ)
-        assert sel.select(timeout=30), "events --follow printed no history"
-        follow.stdout.readline()  # the last event so far: it is reading
-        os.kill(worker["pid"], signal.SIGKILL)
-        killed_at = time.monotonic()
-        lines: list[dict[str, Any]] = []
-        while time.monotonic() - killed_at < 2.0:
-            if sel.select(timeout=2.0 - (time.monotonic() - killed_at)):
-                lines.append(json.loads(follow.stdout.readline()))
-                if any(e.get("to") == "backoff" and e["unit"] == "worker" for e in lines):
-                    break
-        assert any(e.get("to") == "backoff" and "SIGKILL" in e["reason"] for e in lines), lines
-    finally:
-        follow.terminate()
-        follow.wait(timeout=10)

@@ -5,11 +5,12 @@ state dir's events file, so it works during a run and after the daemon has gone.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import click
 
@@ -39,29 +40,49 @@ def _matches(event: Mapping[str, Any], unit: str | None, since: float | None) ->
 def _follow(
     state_dir: Path, where: tuple[int, int] | None, poll: float
 ) -> Iterator[dict[str, Any]]:
-    """Records appended after `where`, across rotations (the live file renamed to .1)."""
+    """Records appended after `where` (inode, offset), across rotations: the file is read
+    through an open descriptor, so what was written just before it was renamed to .1 is
+    read to its end before the new file is begun."""
     path = ev.events_path(state_dir)
-    inode, position = where if where is not None else (-1, 0)
+    fh: BinaryIO | None = None
     pending = b""
-    while True:
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            time.sleep(poll)
-            continue
-        if stat.st_ino != inode or stat.st_size < position:  # rotated, or begun anew
-            inode, position, pending = stat.st_ino, 0, b""
-        if stat.st_size > position:
-            with path.open("rb") as fh:
-                fh.seek(position)
+    try:
+        while True:
+            if fh is None:
+                fh = _open(path, where)
+            if fh is not None:
                 data = pending + fh.read()
-                position = fh.tell()
-            *lines, pending = data.split(b"\n")  # a line still being written waits
-            for line in lines:
-                parsed = ev.parse_line(line.decode("utf-8", "replace"))
-                if parsed is not None:
-                    yield parsed
-        time.sleep(poll)
+                *lines, pending = data.split(b"\n")  # a line still being written waits
+                for line in lines:
+                    parsed = ev.parse_line(line.decode("utf-8", "replace"))
+                    if parsed is not None:
+                        yield parsed
+                if _replaced(path, fh) and not fh.read(1):
+                    fh.close()
+                    fh, pending, where = None, b"", None
+                    continue
+            time.sleep(poll)
+    finally:
+        if fh is not None:
+            fh.close()
+
+
+def _open(path: Path, where: tuple[int, int] | None) -> BinaryIO | None:
+    try:
+        fh = path.open("rb")
+    except FileNotFoundError:
+        return None
+    if where is not None and os.fstat(fh.fileno()).st_ino == where[0]:
+        fh.seek(where[1])
+    return fh
+
+
+def _replaced(path: Path, fh: BinaryIO) -> bool:
+    """The path names another file than `fh` now (rotated), or none."""
+    try:
+        return path.stat().st_ino != os.fstat(fh.fileno()).st_ino
+    except FileNotFoundError:
+        return True
 
 
 def show(
@@ -88,7 +109,7 @@ def show(
             out(render(event))
 
 
-@click.command()
+@click.command("events")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new events until interrupted.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line, as stored.")
 @click.option(
@@ -107,7 +128,7 @@ def show(
 )
 @click.option("-u", "--unit", default=None, help="Only this unit (a name covers its replicas).")
 @click.pass_context
-def events(
+def events_command(
     ctx: click.Context,
     follow: bool,
     as_json: bool,
