@@ -50,6 +50,10 @@ def wait_json(url: str, expected: object, timeout: float = 30) -> None:
 def exported(dm: Dynamod, tmp_path: Path) -> Iterator[tuple[Path, Result]]:
     conf = tmp_path / "infra.conf"
     result = dm.run("export", "supervisord", "infra", "--out", str(conf), check=True)
+    logs = dm.state_dir / "logs"
+    assert not logs.exists()  # an export writes nothing but --out; it says what to create
+    assert f"before starting supervisord: mkdir -p {logs}" in result.stderr
+    logs.mkdir()
     yield conf, result
 
 
