@@ -280,7 +280,7 @@ class Daemon:
             self.set_phase(Phase.STOPPED)
         return exit_code
 
-    def _write_run(self, guardian_pid: int) -> None:
+    def _write_run(self, guardian_pid: int | None) -> None:
         """run.json: what a later `up` or `down` needs to sweep this run if we die."""
         assert self.containment is not None
         root = self.containment.root
@@ -295,6 +295,7 @@ class Daemon:
                 containment=str(self.containment.kind),
                 cgroup=str(root) if root else None,
                 orphans=tuple(sorted(self.guardian.orphans.items())) if self.guardian else (),
+                stopping=self._shutdown.is_set(),
             ),
         )
 
@@ -334,6 +335,9 @@ class Daemon:
 
     async def _teardown(self) -> list[int]:
         assert self._down_result is not None
+        if self._shutdown.is_set() and self.guardian is not None:
+            with contextlib.suppress(StateWriteError):  # a later sweep: "died during `down`"
+                self._write_run(self.guardian.pid)
         if self.phase is not Phase.FAILED:
             self.set_phase(Phase.STOPPING)
         started = time.monotonic()

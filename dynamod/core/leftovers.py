@@ -33,11 +33,13 @@ class Leftovers:
     cgroup: str | None
     killed: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
+    during_down: bool = False  # it died after it had begun a `down` (or SIGTERM)
 
     def describe(self) -> str:
         where = f"cgroup {self.cgroup} and marker" if self.cgroup else "marker and pid"
+        when = "during" if self.during_down else "without"
         text = (
-            f"the previous daemon (pid {self.daemon_pid}, run {self.run_id}) died without "
+            f"the previous daemon (pid {self.daemon_pid}, run {self.run_id}) died {when} "
             f"`down`; swept {len(self.killed)} leftover process(es) by {where}"
         )
         if self.survivors:
@@ -51,6 +53,7 @@ class Leftovers:
             "cgroup": self.cgroup,
             "killed": self.killed,
             "survivors": self.survivors,
+            "during_down": self.during_down,
         }
 
 
@@ -69,6 +72,21 @@ def _locked(state_dir: Path) -> Iterator[bool]:
             yield False
             return
         yield True
+
+
+def held_by_daemon(state_dir: Path) -> bool:
+    """Whether a daemon holds the state dir's lock (it may not answer on its socket yet).
+    Creates nothing: no lock file, no daemon ever ran there."""
+    try:
+        fh = (state_dir / LOCK_FILE).open("rb")
+    except OSError:
+        return False
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
 
 
 def sweep_previous(state_dir: Path) -> Leftovers | None:
@@ -119,4 +137,5 @@ def _sweep(state_dir: Path, run: RunRecord) -> Leftovers:
         cgroup=run.cgroup,
         killed=sorted(killed),
         survivors=sorted(survivors),
+        during_down=run.stopping,
     )
