@@ -93,6 +93,7 @@ def test_supervisord_parses_the_export(dm: Dynamod, stack_file: object, tmp_path
     )
     conf = tmp_path / "odd.conf"
     dm.run("export", "supervisord", str(path), "--out", str(conf), check=True)
+    (dm.state_dir / "logs").mkdir()  # as the export says: supervisord does not make it
     options = ServerOptions()
     options.realize(args=["-c", str(conf)])
     programs = {g.name: g.process_configs[0] for g in options.process_group_configs}
