@@ -1,6 +1,11 @@
 """The engine: one lifecycle task per unit, dependency-gated start, restart with backoff,
 liveness watching, reverse-order stop. Exits arrive as events from the Reaper.
 
+The operating system is reached only through a `process.ProcessHost` (spawn, signal,
+the unit's processes, ports), and what an exit means is decided by the pure
+`exits.decide_exit`: tests/unit/test_engine.py drives this state machine against a fake
+host without a process.
+
 Policies that are not about processes (Dynamo lease revocation, shard admission) plug
 in through `UnitHooks`, so the engine stays about units and states.
 """
