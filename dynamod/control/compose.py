@@ -46,7 +46,9 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
     if secrets_dir:
         extensions.append(SecretsEnv(Path(secrets_dir)))
     policy = (
-        PolicyManager(stack.policy, etcd_auth=etcd_auth) if stack.policy is not None else None
+        PolicyManager(stack.policy, registrations, etcd_auth=etcd_auth)
+        if stack.policy is not None
+        else None
     )
     if policy is not None:
         extensions.append(policy)
