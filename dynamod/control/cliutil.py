@@ -53,7 +53,9 @@ def load_stack(
     """Read, render and validate STACK (NODE's share of it, for a cluster stack), then
     preflight it; exit 2 with the problems."""
     from dynamod.core import ports, preflight, spec
+    from dynamod.rollout import tables
 
+    tables.register()  # the rollout layer's [policy] and dynamo tables
     path = paths.resolve_stack_path(stack)
     if stack is not None and path.parent == paths.units_dir() / "stacks" and not path.exists():
         stock = sorted(p.stem for p in path.parent.glob("*.toml"))

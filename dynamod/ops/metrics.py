@@ -81,7 +81,7 @@ def policy_lag(status: ExtensionUnitStatus) -> int:
 
 def is_shard(unit: Unit, status: ExtensionUnitStatus) -> bool:
     """A rollout shard: a Dynamo worker, or anything the policy ledger tracks."""
-    return unit.spec.dynamo is not None or "policy" in status
+    return "dynamo" in unit.spec.tables or "policy" in status
 
 
 class RecoveryClock:

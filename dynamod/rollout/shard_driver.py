@@ -13,8 +13,8 @@ from dynamod.core.status import ExtensionUnitStatus, PolicyStatus
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
-    from dynamod.core.spec import PolicySpec
     from dynamod.rollout.ledger import Ledger, PolicyVersion
+    from dynamod.rollout.policy_table import PolicySpec
 
 
 @dataclass

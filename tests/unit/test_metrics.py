@@ -33,7 +33,7 @@ def test_parse_address_rejects(address: str) -> None:
 
 
 def unit(name: str = "worker@0") -> Any:
-    return SimpleNamespace(name=name, spec=SimpleNamespace(dynamo=None))
+    return SimpleNamespace(name=name, spec=SimpleNamespace(tables={}))
 
 
 def policy(version: int | None, current: int | None) -> ExtensionUnitStatus:
@@ -93,7 +93,7 @@ def test_spare_gauges_and_promotions_read_from_the_units() -> None:
         return SimpleNamespace(
             name=name,
             state=state,
-            spec=SimpleNamespace(dynamo=object()),
+            spec=SimpleNamespace(tables={"dynamo": object()}),
             tracker=SimpleNamespace(total=0),
             hold_reason=None,
         )
