@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,16 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     assert "held: waiting to replay the current policy" in log
 
 
+def weight_version(system_url: str) -> Any:
+    """The version a shard says it holds (its engine admin route)."""
+    request = urllib.request.Request(
+        f"{system_url}/engine/get_weight_version", data=b"{}", method="POST",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        return json.loads(answer.read()).get("version")
+
+
 def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
     dm: Dynamod, stack: Path, tmp_path: Path
 ) -> None:
@@ -140,7 +151,13 @@ def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
     answer: dict[str, Any] = {}
     pusher = threading.Thread(target=lambda: answer.update(push(dm, 5, ckpt)))
     pusher.start()
-    time.sleep(1.0)
+    # The push has reached the stopped shard once the other one holds its weights (the
+    # CLI alone takes a second or more to start on a loaded machine: no fixed sleep).
+    other = unit_by_name(status, "worker@0")["dynamo"]["system_url"]
+    deadline = time.monotonic() + 60
+    while weight_version(other) != 5:
+        assert time.monotonic() < deadline, "the push never reached worker@0"
+        time.sleep(0.05)
     os.kill(victim["pid"], signal.SIGKILL)
     pusher.join(timeout=60)
     assert answer["ok"] and answer["version"] == 5
