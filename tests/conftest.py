@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from dynamod.client import Client, UnitStatus
+from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError
 from dynamod.core.proctable import marked_pids
 from dynamod.rollout import tables
@@ -119,10 +120,8 @@ class Dynamod:
         return result
 
     def run_id(self) -> str | None:
-        try:
-            return str(json.loads((self.state_dir / "run.json").read_text())["run_id"])
-        except (OSError, ValueError, KeyError):
-            return None
+        run = runrecord.read(self.state_dir)
+        return run.run_id if run is not None else None
 
     def daemon_log(self) -> str:
         path = self.state_dir / "daemon.log"

@@ -25,6 +25,10 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+class NoDaemonError(DaemonError):
+    """Nothing listens on the state dir's socket: no daemon runs there (or not yet)."""
+
+
 class Client:
     def __init__(self, state_dir: Path, timeout: float = 30.0) -> None:
         self.state_dir = state_dir
@@ -41,10 +45,16 @@ class Client:
             conn.request(method, route, body=payload, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonError(
+        except FileNotFoundError:
+            raise NoDaemonError(
                 f"no dynamod daemon is running for state dir {self.state_dir} "
                 f"(no socket at {self.path}); start one with `dynamod up`"
+            ) from None
+        except ConnectionRefusedError:
+            raise NoDaemonError(
+                f"no dynamod daemon is running for state dir {self.state_dir} "
+                f"({self.path} is a stale socket: nothing listens on it); "
+                "start one with `dynamod up`"
             ) from None
         except OSError as exc:
             raise DaemonError(f"talking to dynamod at {self.path} failed: {exc}") from None

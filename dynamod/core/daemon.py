@@ -28,7 +28,7 @@ from typing import IO, Any, cast
 import aiohttp
 import structlog
 
-from dynamod.core import api, cgroups, leftovers, paths, process, statedir
+from dynamod.core import api, cgroups, leftovers, paths, process, runrecord, statedir
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
@@ -74,13 +74,9 @@ class StateDir:
         lock may not have written run.json yet: wait for it a moment."""
         deadline = time.monotonic() + 2.0
         while True:
-            try:
-                run = json.loads((self.path / "run.json").read_text())
-                pid, stack = int(run["pid"]), run.get("stack_name") or Path(run["stack"]).stem
-            except (OSError, ValueError, KeyError, TypeError):
-                pid, stack = None, None
-            if pid is not None and pid != os.getpid() and _alive(pid):
-                return f"a dynamod daemon (pid {pid}, stack {stack}, run {run['run_id']})"
+            run = runrecord.read(self.path)
+            if run is not None and run.pid != os.getpid() and run.daemon_alive():
+                return f"a dynamod daemon (pid {run.pid}, stack {run.stack_name}, run {run.run_id})"
             if time.monotonic() >= deadline:
                 return f"a dynamod daemon (pid {self.read_pid()})"
             time.sleep(0.05)
@@ -101,16 +97,6 @@ class StateDir:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -313,22 +299,23 @@ class Daemon:
             self.set_phase(Phase.STOPPED)
         return exit_code
 
-    def _write_run(self, guardian_pid: int) -> None:
+    def _write_run(self, guardian_pid: int | None) -> None:
         """run.json: what a later `up` or `down` needs to sweep this run if we die."""
         assert self.containment is not None
         root = self.containment.root
-        self.state.write_json(
-            "run.json",
-            {
-                "run_id": self.run_id,
-                "pid": os.getpid(),
-                "stack": str(self.stack.path),
-                "stack_name": self.stack.name,
-                "guardian_pid": guardian_pid,
-                "containment": str(self.containment.kind),
-                "cgroup": str(root) if root else None,
-                "orphans": sorted(self.guardian.orphans.items()) if self.guardian else [],
-            },
+        runrecord.write(
+            self.state.path,
+            runrecord.RunRecord(
+                run_id=self.run_id,
+                pid=os.getpid(),
+                stack=str(self.stack.path),
+                stack_name=self.stack.name,
+                guardian_pid=guardian_pid,
+                containment=str(self.containment.kind),
+                cgroup=str(root) if root else None,
+                orphans=tuple(sorted(self.guardian.orphans.items())) if self.guardian else (),
+                stopping=self._shutdown.is_set(),
+            ),
         )
 
     async def _bring_up_and_serve(self) -> int:
@@ -367,6 +354,9 @@ class Daemon:
 
     async def _teardown(self) -> list[int]:
         assert self._down_result is not None
+        if self._shutdown.is_set() and self.guardian is not None:
+            with contextlib.suppress(StateWriteError):  # a later sweep: "died during `down`"
+                self._write_run(self.guardian.pid)
         if self.phase is not Phase.FAILED:
             self.set_phase(Phase.STOPPING)
         started = time.monotonic()
@@ -401,7 +391,7 @@ class Daemon:
         except StateWriteError as exc:  # `down` still answers, and says what it could not keep
             result["warning"] = str(exc)
             log.error("state.write_failed", error=str(exc))
-        leftovers.mark_ended(self.state.path, "down")
+        runrecord.mark_ended(self.state.path, "down")
         log.info("stack.down", seconds=result["seconds"], killed=killed, survivors=survivors)
         if not self._down_result.done():
             self._down_result.set_result(result)
