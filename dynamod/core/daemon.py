@@ -28,7 +28,7 @@ from typing import IO, Any, cast
 import aiohttp
 import structlog
 
-from dynamod.core import api, cgroups, leftovers, paths, process, runrecord, statedir
+from dynamod.core import api, cgroups, leftovers, paths, process, runrecord, statedir, unittmp
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
@@ -371,6 +371,9 @@ class Daemon:
             keep=frozenset({guardian} if guardian else set()),
         )
         survivors = sorted(set(survivors) | set(swept.survivors))
+        # Every unit's private TMPDIR (engines' socket files, per-start JSON files) goes
+        # with its processes: `down` leaves no file behind outside the state dir.
+        left_files = unittmp.remove_all(self.state.path)
         killed = dict(self.engine.killed) if self.engine else {}
         if swept.killed:
             killed["(final sweep)"] = swept.killed
@@ -382,6 +385,7 @@ class Daemon:
             "seconds": round(time.monotonic() - started, 3),
             "killed": killed,  # who needed SIGKILL / cgroup.kill: unit -> pids
             "survivors": survivors,  # what could not be killed
+            "temp_files_removed": left_files,  # units whose private TMPDIR held files
             "containment": self.containment.describe() if self.containment else None,
             "units": self.unit_rows(),
             "error": self.error,

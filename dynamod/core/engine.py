@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, exits, graph, portmove, process
+from dynamod.core import cgroups, exits, graph, portmove, process, unittmp
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
@@ -468,6 +468,8 @@ class Engine:
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
         env = self.host.environment(unit.name, self._env(spec))
+        if not any(name in spec.env for name in unittmp.VARIABLES):
+            env.update(unittmp.fresh(self.state_dir, unit.name))  # emptied at every spawn
         cancelled = False
         try:
             spawning = asyncio.ensure_future(

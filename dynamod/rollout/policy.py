@@ -602,6 +602,7 @@ class PolicyManager(Extension):
                     "(held shards: " + ", ".join(self.summary()["held"]) + ")"
                 )
             target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
+            log.info("policy.push_started", version=step, shards=[u.name for u in shards])
             results = await asyncio.gather(
                 *(self.apply(u, target) for u in shards), return_exceptions=True
             )

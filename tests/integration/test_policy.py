@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -131,16 +130,6 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     assert "held: waiting to replay the current policy" in log
 
 
-def weight_version(system_url: str) -> Any:
-    """The version a shard says it holds (its engine admin route)."""
-    request = urllib.request.Request(
-        f"{system_url}/engine/get_weight_version", data=b"{}", method="POST",
-        headers={"Content-Type": "application/json"},
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=5) as answer:
-        return json.loads(answer.read()).get("version")
-
-
 def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
     dm: Dynamod, stack: Path, tmp_path: Path
 ) -> None:
@@ -151,13 +140,17 @@ def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
     answer: dict[str, Any] = {}
     pusher = threading.Thread(target=lambda: answer.update(push(dm, 5, ckpt)))
     pusher.start()
-    # The push has reached the stopped shard once the other one holds its weights (the
-    # CLI alone takes a second or more to start on a loaded machine: no fixed sleep).
-    other = unit_by_name(status, "worker@0")["dynamo"]["system_url"]
-    deadline = time.monotonic() + 60
-    while weight_version(other) != 5:
-        assert time.monotonic() < deadline, "the push never reached worker@0"
-        time.sleep(0.05)
+    # The CLI can take over a second to start on a loaded machine: kill the shard only once
+    # the daemon has sent the push to it (the stopped shard cannot answer it).
+    dm.wait_for(
+        lambda _status: any(
+            '"policy.push_started"' in line and '"worker@1"' in line
+            for line in dm.daemon_log().splitlines()
+        ),
+        timeout=60,
+        what="the push to reach the stopped shard",
+    )
+    time.sleep(0.3)  # the shard's pause request is on the wire: the fault lands mid-call
     os.kill(victim["pid"], signal.SIGKILL)
     pusher.join(timeout=60)
     assert answer["ok"] and answer["version"] == 5
