@@ -32,6 +32,7 @@ from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, mak
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
 from dynamod.core.state import ALLOWED, UnitState, check_transition
+from dynamod.core.status import EngineUnitStatus
 
 log = structlog.get_logger("dynamod.engine")
 
@@ -71,7 +72,6 @@ class Unit:
     task: asyncio.Task[None] | None = None
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
-    extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
     failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
@@ -739,9 +739,10 @@ class Engine:
 
     # ------------------------------------------------------------------ views
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[EngineUnitStatus]:
+        """Each unit's row in `status`, the engine's part (the daemon adds the extensions')."""
         now = time.monotonic()
-        rows = []
+        rows: list[EngineUnitStatus] = []
         for unit in self.units.values():
             child = unit.child
             alive = child is not None and child.alive
@@ -770,7 +771,6 @@ class Engine:
                         else None
                     ),
                     "command": list(unit.spec.command),
-                    **unit.extra,
                 }
             )
         return rows
