@@ -25,6 +25,10 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+class NoDaemonError(DaemonError):
+    """Nothing listens on the state dir's socket: no daemon runs there (or not yet)."""
+
+
 class Client:
     def __init__(self, state_dir: Path, timeout: float = 30.0) -> None:
         self.state_dir = state_dir
@@ -41,15 +45,23 @@ class Client:
             conn.request(method, route, body=payload, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonError(
+        except FileNotFoundError:
+            raise NoDaemonError(
                 f"no dynamod daemon is running for state dir {self.state_dir} "
                 f"(no socket at {self.path}); start one with `dynamod up`"
+            ) from None
+        except ConnectionRefusedError:
+            raise NoDaemonError(
+                f"no dynamod daemon is running for state dir {self.state_dir} "
+                f"({self.path} is a stale socket: nothing listens on it); "
+                "start one with `dynamod up`"
             ) from None
         except OSError as exc:
             raise DaemonError(f"talking to dynamod at {self.path} failed: {exc}") from None
         finally:
             conn.close()
+        if resp.status == 404 and not data.startswith(b"{"):
+            raise DaemonError(_no_route(route))
         try:
             answer = json.loads(data) if data else {}
         except ValueError:
@@ -113,3 +125,14 @@ class Client:
             "POST", "/policy/spares", {"sleep": sleep}, timeout=60
         )
         return result
+
+
+def _no_route(route: str) -> str:
+    """The daemon answers a route only where its stack enables the part behind it."""
+    why = {
+        "/policy": "its stack has no [policy] table, so there is no policy ledger or spares",
+    }
+    for prefix, reason in why.items():
+        if route.startswith(prefix):
+            return f"the running daemon does not serve {route}: {reason}"
+    return f"the running daemon does not serve {route} (an older dynamod, or a feature off)"

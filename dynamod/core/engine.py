@@ -1,6 +1,11 @@
 """The engine: one lifecycle task per unit, dependency-gated start, restart with backoff,
 liveness watching, reverse-order stop. Exits arrive as events from the Reaper.
 
+The operating system is reached only through a `process.ProcessHost` (spawn, signal,
+the unit's processes, ports), and what an exit means is decided by the pure
+`exits.decide_exit`: tests/unit/test_engine.py drives this state machine against a fake
+host without a process.
+
 Policies that are not about processes (Dynamo lease revocation, shard admission) plug
 in through `UnitHooks`, so the engine stays about units and states.
 """
@@ -20,13 +25,14 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, exits, graph, portmove, ports, process
+from dynamod.core import cgroups, exits, graph, portmove, process, unittmp
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
 from dynamod.core.state import ALLOWED, UnitState, check_transition
+from dynamod.core.status import EngineUnitStatus
 
 log = structlog.get_logger("dynamod.engine")
 
@@ -66,7 +72,6 @@ class Unit:
     task: asyncio.Task[None] | None = None
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
-    extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
     failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
@@ -126,7 +131,6 @@ class Engine:
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
-        self._port_allocator: ports.PortAllocator | None = None  # for ports moved at a spawn
         self._changed = asyncio.Event()
         logs = state_dir / "logs"
         for name in stack.order:
@@ -429,11 +433,9 @@ class Engine:
         taken = portmove.taken(self.stack, unit.name, in_use=self.host.port_in_use)
         if not taken:
             return
-        if self._port_allocator is None:
-            self._port_allocator = ports.PortAllocator()
         try:
             moved = portmove.move(self.stack, unit.name, set(taken),
-                                  allocate_port=self._port_allocator)
+                                  allocate_port=self.host.allocate_port)
         except (SpecErrors, OSError) as exc:
             log.error("unit.ports_not_moved", unit=unit.name, taken=taken, error=str(exc))
             return
@@ -466,6 +468,8 @@ class Engine:
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
         env = self.host.environment(unit.name, self._env(spec))
+        if not any(name in spec.env for name in unittmp.VARIABLES):
+            env.update(unittmp.fresh(self.state_dir, unit.name))  # emptied at every spawn
         cancelled = False
         try:
             spawning = asyncio.ensure_future(
@@ -735,9 +739,10 @@ class Engine:
 
     # ------------------------------------------------------------------ views
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[EngineUnitStatus]:
+        """Each unit's row in `status`, the engine's part (the daemon adds the extensions')."""
         now = time.monotonic()
-        rows = []
+        rows: list[EngineUnitStatus] = []
         for unit in self.units.values():
             child = unit.child
             alive = child is not None and child.alive
@@ -766,7 +771,6 @@ class Engine:
                         else None
                     ),
                     "command": list(unit.spec.command),
-                    **unit.extra,
                 }
             )
         return rows

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dynamod.client import Client
+from dynamod.client.control import NoDaemonError
 from dynamod.control import launch, render
 from dynamod.control.cliutil import (
     BAD_INPUT,
@@ -28,6 +29,7 @@ from dynamod.control.cliutil import (
     var_option,
 )
 from dynamod.control.launch import describe_daemon
+from dynamod.core import leftovers, paths, runrecord
 from dynamod.core.errors import DaemonError, DynamodError
 
 if TYPE_CHECKING:
@@ -56,12 +58,27 @@ _node_option = click.option(
 @click.argument("stack", required=False)
 @var_option
 @_node_option
+@click.option(
+    "--vars", "list_vars", is_flag=True, help="List the stack's variables and their defaults."
+)
 @click.pass_context
 def check(
-    ctx: click.Context, stack: str | None, variables: tuple[str, ...], node: str | None
+    ctx: click.Context,
+    stack: str | None,
+    variables: tuple[str, ...],
+    node: str | None,
+    list_vars: bool,
 ) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
     resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables, node)
+    if list_vars and resolved.source is not None:
+        from dynamod.control import stackvars
+        from dynamod.core.spec import parse_var
+
+        overrides = dict(parse_var(v) for v in variables)
+        for line in stackvars.lines(resolved.source.raw, overrides):
+            click.echo(line)
+        return
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
     if resolved.cluster is not None:
         cluster = resolved.cluster
@@ -131,7 +148,7 @@ def up(
         )
     if join_address is not None:
         stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
-    resolved = load_stack(stack, state_dir, variables, node)
+    resolved = load_stack(stack, state_dir, variables, node, claim_ports=True)
     _check_containment_setting()
     create_state_dir(state_dir)
     _sweep_previous(state_dir)
@@ -174,8 +191,6 @@ def _check_containment_setting() -> None:
 
 def _sweep_previous(state_dir: Path) -> Leftovers | None:
     """If the state dir's last daemon died, end what it left and say so."""
-    from dynamod.core import leftovers
-
     swept = leftovers.sweep_previous(state_dir)
     if swept is not None:
         click.echo(f"dynamod: {swept.describe()}", err=True)
@@ -199,7 +214,8 @@ def _sweep_previous(state_dir: Path) -> Leftovers | None:
 )
 @click.pass_context
 def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) -> None:
-    """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
+    """Stop every unit in reverse dependency order; exit 0 only when nothing is left
+    (also when nothing was running)."""
     state_dir = state_dir_of(ctx)
     client = Client(state_dir)
     if whole_cluster:
@@ -212,7 +228,10 @@ def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) 
         swept = _sweep_previous(state_dir)  # no daemon answers: did the last one die?
         if swept is not None:
             sys.exit(1 if swept.survivors else 0)
-        fail(str(exc))
+        if not isinstance(exc, NoDaemonError) or leftovers.held_by_daemon(state_dir):
+            fail(str(exc))  # a daemon is there (starting, or not answering): not stopped
+        _say_nothing_to_stop(state_dir, as_json)
+        sys.exit(0)
     if result.get("run_id") != asked["run_id"]:  # the daemon changed between the two calls
         fail(
             f"{describe_daemon(asked)} was asked to stop, but {describe_daemon(result)} answered "
@@ -232,6 +251,25 @@ def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) 
         for line in render.down_report(result):
             click.echo(line)
     sys.exit(0 if result["ok"] else 1)
+
+
+def _say_nothing_to_stop(state_dir: Path, as_json: bool) -> None:
+    """`down` where no daemon runs, as `systemctl stop` of a stopped service: exit 0, and
+    what the state dir says of the last run."""
+    run = runrecord.read(state_dir)
+    if run is None or not run.ended:
+        words = f"no dynamod daemon is running for state dir {state_dir}"
+    else:
+        words = f"stack {run.stack_name} (run {run.run_id}) is already down"
+        if run.ended == "swept":
+            words += f": its daemon (pid {run.pid}) died, and what it left was swept"
+    socket = paths.socket_path(state_dir)
+    if socket.exists():
+        words += f"; {socket} is a stale socket its daemon left (nothing listens on it)"
+    if as_json:
+        click.echo(json.dumps({"ok": True, "running": False, "message": words}, indent=2))
+    else:
+        click.echo(f"nothing to stop: {words}")
 
 
 def _down_cluster(client: Client, as_json: bool, wait_s: float) -> None:
