@@ -135,7 +135,11 @@ def test_parse_instance_reads_path_and_transport() -> None:
         key=key,
     )
     assert inst.instance_hex == "20b7a22c1f1a7d08"
-    assert dynamo.parse_instance(key, b"not json", 7) is not None
+    # A value that is not JSON still yields the instance, keyed by its path alone.
+    assert dynamo.parse_instance(key, b"not json", 7) == dynamo.DynamoInstance(
+        namespace="dynamo", component="backend", endpoint="generate",
+        instance_id=0x20B7A22C1F1A7D08, lease_id=7, transport="", address="", key=key,
+    )
     assert dynamo.parse_instance("v1/mdc/dynamo/backend/generate/20b7a22c1f1a7d08", b"", 0) is None
 
 
