@@ -82,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     with raw_stack(root, NAMESPACE) as raw:
         raw.start_etcd()
-        raw.start_nats(jetstream=False)  # Dynamo 1.6.1 with the TCP request plane needs no JS
+        raw.start_nats()  # as units/nats.toml: no JetStream (the TCP request plane needs none)
         raw.start_frontend(router_mode="kv")
         yield Stack(raw, model_dir)
 
