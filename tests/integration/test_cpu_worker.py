@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path) -> Iterator[RawStack]:
     with raw_stack(tmp_path_factory.mktemp("stack"), namespace="cpuworker") as stack:
         stack.start_etcd()
-        stack.start_nats(jetstream=False)
+        stack.start_nats()
         stack.start_frontend(router_mode="kv", extra=["--migration-limit", "3"])
         yield stack
 
@@ -260,6 +260,18 @@ def router_counter(stack: RawStack, name: str, **labels: str) -> float:
     )
 
 
+def worker_inflight(worker: Worker) -> float:
+    """Requests in the worker's generate handler now (its own Prometheus gauge)."""
+    status, text = http_json("GET", f"{worker.system_url}/metrics")
+    assert status == 200 and isinstance(text, str)
+    name = "dynamo_component_inflight_requests"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and 'dynamo_endpoint="generate"' in line
+    )
+
+
 def router_sees_cached_prefix(stack: RawStack) -> str:
     """A fresh prompt the router's KV index reports cached when it is sent again.
 
@@ -380,7 +392,7 @@ def test_pause_keep_holds_in_flight_output(stack: RawStack, resumed: Worker) -> 
     assert chunks, "the stream never started"
     assert worker.engine("pause_generation", {"mode": "keep"})[1]["status"] == "ok"
     paused_at = time.monotonic()
-    time.sleep(1.5)
+    time.sleep(1.5)  # the window in which no chunk may arrive: its length is the check
     during = [t for t, _ in chunks if paused_at + 0.2 < t]
     resumed_at = time.monotonic()
     assert worker.engine("resume_generation")[1]["status"] == "ok"
@@ -484,7 +496,15 @@ def test_sigterm_while_paused_migrates_waiting_requests(
     ]
     for request in requests:
         request.start()
-    time.sleep(1.0)  # the ones routed to the paused worker are waiting there
+
+    def settled() -> bool:  # every request answered by `worker` or waiting in `held`
+        waiting = worker_inflight(held)
+        return waiting > 0 and waiting + len(replies) == len(requests)
+
+    deadline = time.monotonic() + 30
+    while not settled():
+        assert time.monotonic() < deadline, (worker_inflight(held), len(replies))
+        time.sleep(0.05)
     stopped_at = time.monotonic()
     assert held.proc.stop() == 0
     assert time.monotonic() - stopped_at < 5, "a paused worker must not stall its shutdown"
