@@ -123,7 +123,7 @@ PATHS: dict[str, list[Step]] = {
             "checkpoint checked; every admitted\nshard in parallel, under the lock",
         ),
         Step(
-            "rollout/policy.py:PolicyManager._apply",
+            "rollout/policy.py:PolicyManager.apply",
             "pause -> load -> flush KV -> verify\nversion + digest -> taint -> resume",
         ),
         Step(
