@@ -22,6 +22,11 @@ from dynamod.client import Client
 from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError
 from dynamod.core.proctable import marked_pids
+from dynamod.rollout import tables
+
+# Stack files in tests use the rollout layer's tables ([policy], dynamo) as dynamod's own
+# entry points do: the CLI and the daemon register them before a stack is read.
+tables.register()
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"

@@ -59,7 +59,9 @@ def load_stack(
     preflight it; exit 2 with the problems. Only a stack that will run (`claim_ports`, for
     `up`) claims its ports in the machine's registry: rendering it writes nothing."""
     from dynamod.core import ports, preflight, spec
+    from dynamod.rollout import tables
 
+    tables.register()  # the rollout layer's [policy] and dynamo tables
     path = paths.resolve_stack_path(stack)
     if stack is not None and path.parent == paths.units_dir() / "stacks" and not path.exists():
         stock = sorted(p.stem for p in path.parent.glob("*.toml"))

@@ -80,7 +80,7 @@ def policy_lag(unit: Unit) -> int:
 
 def is_shard(unit: Unit) -> bool:
     """A rollout shard: a Dynamo worker, or anything the policy ledger tracks."""
-    return unit.spec.dynamo is not None or "policy" in unit.extra
+    return "dynamo" in unit.spec.tables or "policy" in unit.extra
 
 
 class RecoveryClock:

@@ -40,13 +40,15 @@ from aiohttp import web
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
-from dynamod.core.spec import DynamoFrontendProbe, PolicySpec, Stack
+from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
-from dynamod.rollout import dynamo
+from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
+from dynamod.rollout.policy_table import PolicySpec
 from dynamod.rollout.shard_driver import ShardAck
 from dynamod.rollout.spares import Reason, Role, SparePool
+from dynamod.rollout.worker_table import DynamoFrontendProbe, worker_of
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
@@ -161,7 +163,7 @@ class PolicyManager(Extension):
     async def start(self, host: ExtensionHost) -> None:
         assert host.engine is not None
         self.host = host
-        self.shard_names = set(host.stack.shards())
+        self.shard_names = set(policy_table.shards(host.stack))
         host.engine.hooks.append(self)
         host.engine.hooks.insert(0, self.spares)
         host.engine.lost_listeners.append(self.spares.on_lost)
@@ -178,10 +180,11 @@ class PolicyManager(Extension):
     def restacked(self, stack: Stack) -> None:
         """The engine re-rendered the stack (a port it references moved): the ledger's etcd
         endpoint follows, so the next push, publish or replay talks to where etcd is now."""
-        if stack.policy is None or stack.policy == self.spec:
+        policy = policy_table.policy_of(stack)
+        if policy is None or policy == self.spec:
             return
-        moved = stack.policy.etcd != self.spec.etcd
-        self.spec = stack.policy
+        moved = policy.etcd != self.spec.etcd
+        self.spec = policy
         if moved and self._etcd is not None:
             old, self._etcd = self._etcd, self._etcd_client()
             task = asyncio.get_running_loop().create_task(old.close())
@@ -360,11 +363,12 @@ class PolicyManager(Extension):
     # ------------------------------------------------------------------ one shard
 
     async def call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
-        assert unit.spec.dynamo is not None
+        worker = worker_of(unit.spec)
+        assert worker is not None
         try:
             reply = await dynamo.engine_call(
                 self.session,
-                unit.spec.dynamo.system_url,
+                worker.system_url,
                 route,
                 payload,
                 timeout_s=self.spec.call_timeout,
@@ -546,7 +550,7 @@ class PolicyManager(Extension):
         be degraded while its liveness probe fails; it is still not admitted)."""
         return [
             unit
-            for unit in (self.engine.units[n] for n in self.engine.stack.shards())
+            for unit in (self.engine.units[n] for n in policy_table.shards(self.engine.stack))
             if unit.state in {UnitState.READY, UnitState.DEGRADED}
             and unit.hold_reason is None
             and self.spares.is_serving(unit)
@@ -622,7 +626,7 @@ class PolicyManager(Extension):
         records = await self.ledger().shards()
         acks = {
             name: {"ok": True, "already": True, "version": records[key].applied_version}
-            for name in self.engine.stack.shards()
+            for name in policy_table.shards(self.engine.stack)
             if (key := self.ledger_name(name)) in records
             and records[key].applied_version == current.version
         }
@@ -633,7 +637,7 @@ class PolicyManager(Extension):
             "path": current.path,
             "digest": current.digest,
             "acks": acks,
-            "stale": sorted(n for n in self.engine.stack.shards() if n not in acks),
+            "stale": sorted(n for n in policy_table.shards(self.engine.stack) if n not in acks),
             "seconds": round(time.monotonic() - started, 3),
         }
         log.info("policy.push_already_committed", version=current.version, path=path)
@@ -768,7 +772,7 @@ class PolicyManager(Extension):
         records = await ledger.shards()
         admitted = {u.name for u in self.admitted_shards()}
         shards = []
-        for name in self.engine.stack.shards():
+        for name in policy_table.shards(self.engine.stack):
             unit = self.engine.units[name]
             record = records.get(self.ledger_name(name))
             shards.append(
@@ -794,7 +798,7 @@ class PolicyManager(Extension):
 
     def summary(self) -> dict[str, Any]:
         """Cheap, synchronous view for `status --json` (no ledger round trip)."""
-        shards = self.engine.stack.shards()
+        shards = policy_table.shards(self.engine.stack)
         admitted = len(self.admitted_shards())
         return {
             "current": self.current_version,

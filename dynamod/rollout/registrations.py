@@ -27,11 +27,11 @@ import structlog
 
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
-from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, frontend_probe
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import LeaseRecords
+from dynamod.rollout.worker_table import DynamoFrontendProbe, worker_of
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Unit
@@ -72,7 +72,7 @@ class DynamoRegistrations(Extension):
         assert host.engine is not None
         self.host = host
         host.engine.hooks.append(self)
-        if any(u.spec.dynamo for u in host.engine.units.values()):
+        if any(worker_of(u.spec) for u in host.engine.units.values()):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_routed())
             frontend_probe.count_only(self.live_instances, self.unregistered)
 
@@ -82,8 +82,8 @@ class DynamoRegistrations(Extension):
         return {
             instance
             for unit in self.host.engine.units.values()
-            if unit.spec.dynamo is not None
-            and unit.spec.dynamo.namespace == namespace
+            if (worker := worker_of(unit.spec)) is not None
+            and worker.namespace == namespace
             and unit.state.running
             and unit.pid is not None
             for instance in unit.extra.get("dynamo", {}).get("instance_ids", [])
@@ -97,8 +97,8 @@ class DynamoRegistrations(Extension):
         return sorted(
             unit.name
             for unit in self.host.engine.units.values()
-            if unit.spec.dynamo is not None
-            and unit.spec.dynamo.namespace == namespace
+            if (worker := worker_of(unit.spec)) is not None
+            and worker.namespace == namespace
             and unit.state.running
             and unit.pid is not None
             and "dynamo" in unit.extra
@@ -134,13 +134,13 @@ class DynamoRegistrations(Extension):
         is not known yet and must not be taken for a stale one)."""
         assert self.host is not None and self.host.engine is not None
         engine = self.host.engine
-        workers = [u for u in engine.units.values() if u.spec.dynamo is not None]
+        workers = [u for u in engine.units.values() if worker_of(u.spec) is not None]
         if self._swept or not workers:
             return
         if any(u.starts > 0 for u in workers):
             self._swept = True  # too late to tell stale from live: a worker may be booting
             return
-        targets = {(u.spec.dynamo.etcd, u.spec.dynamo.namespace) for u in workers if u.spec.dynamo}
+        targets = {(w.etcd, w.namespace) for w in (worker_of(u.spec) for u in workers) if w}
         for endpoint, namespace in sorted(targets):
             try:
                 async with EtcdClient(
@@ -184,7 +184,7 @@ class DynamoRegistrations(Extension):
         if self.host is None or self.host.engine is None:
             return
         await self._sweep_stale()
-        spec = unit.spec.dynamo
+        spec = worker_of(unit.spec)
         if spec is None:
             return
         session = self.host.engine.session
@@ -219,7 +219,7 @@ class DynamoRegistrations(Extension):
             )
 
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
-        spec = unit.spec.dynamo
+        spec = worker_of(unit.spec)
         info = unit.extra.get("dynamo")
         if spec is None or not info or not info.get("instance_ids") or self.host is None:
             return

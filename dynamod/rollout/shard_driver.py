@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
-    from dynamod.core.spec import PolicySpec
     from dynamod.rollout.ledger import Ledger, PolicyVersion
+    from dynamod.rollout.policy_table import PolicySpec
 
 
 @dataclass

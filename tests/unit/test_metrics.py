@@ -32,7 +32,7 @@ def test_parse_address_rejects(address: str) -> None:
 
 
 def unit(name: str = "worker@0", **extra: Any) -> Any:
-    return SimpleNamespace(name=name, extra=extra, spec=SimpleNamespace(dynamo=None))
+    return SimpleNamespace(name=name, extra=extra, spec=SimpleNamespace(tables={}))
 
 
 def test_recovery_is_measured_from_first_failure_to_ready() -> None:
@@ -84,7 +84,7 @@ def test_spare_gauges_and_promotions_read_from_the_units() -> None:
             name=name,
             state=state,
             extra={"spare": spare},
-            spec=SimpleNamespace(dynamo=object()),
+            spec=SimpleNamespace(tables={"dynamo": object()}),
             tracker=SimpleNamespace(total=0),
             hold_reason=None,
         )

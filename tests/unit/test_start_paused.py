@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from dynamod.core.spec import PolicySpec
 from dynamod.rollout import policy
+from dynamod.rollout.policy_table import PolicySpec
 from dynamod.workers.cpu import args
 from dynamod.workers.cpu.admission import CpuWorker
 from dynamod.workers.weights import load_checkpoint, state_dict_digest
