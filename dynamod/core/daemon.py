@@ -237,10 +237,9 @@ class Daemon:
                 self.stack,
                 state_dir=self.state.path,
                 run_id=self.run_id,
-                reaper=reaper,
+                host=process.OsHost(self.run_id, reaper, self.containment),
                 session=session,
                 hooks=[],
-                containment=self.containment,
             )
             self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
             for extension in self.extensions:
@@ -343,7 +342,7 @@ class Daemon:
         swept = await process.sweep(
             self.run_id,
             cgroup=self.containment.root if self.containment else None,
-            reaper=self.engine.reaper if self.engine else None,
+            reaper=self.engine.host.reaper if self.engine else None,
             keep=frozenset({guardian} if guardian else set()),
         )
         survivors = sorted(set(survivors) | set(swept.survivors))

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -22,7 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, graph, portmove, ports, process, proctable
+from dynamod.core import cgroups, exits, graph, portmove, ports, process
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
@@ -101,14 +99,6 @@ def _satisfied(state: UnitState, condition: Condition) -> bool:
 
 _DEAD_END = {UnitState.FAILED, UnitState.STOPPING, UnitState.STOPPED}
 
-# How long the end of a unit's output pipe has the Reaper look for the exit, yielding the
-# CPU between looks. The kernel closes a dying process's files (the pipe's EOF wakes the
-# loop) a moment before it makes it waitable, and the woken loop often runs on the dying
-# process's CPU: without the yield the exit did not come within 0.5 ms in 75 of 100 kills;
-# with it, it came in 98-100 of 100, and a second wake from idle (0.5-4 ms on this VM)
-# is saved. A unit that closes its output and runs on costs this once.
-EOF_SPIN = 0.0005
-
 
 class Engine:
     def __init__(
@@ -117,18 +107,15 @@ class Engine:
         *,
         state_dir: Path,
         run_id: str,
-        reaper: process.Reaper,
+        host: process.ProcessHost,
         session: aiohttp.ClientSession,
         hooks: Iterable[UnitHooks] = (),
         log_max_bytes: int = 20 * 1024 * 1024,
-        containment: cgroups.Containment | None = None,
-        spawner: process.Spawner | None = None,
     ) -> None:
         self.stack = stack
         self.state_dir = state_dir
         self.run_id = run_id
-        self.reaper = reaper
-        self.spawner = spawner or process.Spawner()
+        self.host = host  # every OS call about the units' processes goes through it
         self.session = session
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
@@ -138,7 +125,6 @@ class Engine:
         self.env_sources: list[EnvSource] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
-        self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
         self._port_allocator: ports.PortAllocator | None = None  # for ports moved at a spawn
         self._changed = asyncio.Event()
@@ -156,6 +142,8 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     def transition(self, unit: Unit, new: UnitState, detail: str | None = None) -> None:
+        """Move the unit to `new` (checked against the state table), logged and told to
+        the listeners. Re-entering the state it is in only updates the detail."""
         old = unit.state
         if old is new:
             if detail is not None:
@@ -172,6 +160,11 @@ class Engine:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def set_detail(self, unit: Unit, detail: str) -> None:
+        """Say why the unit is where it is (a probe's answer, a port moved, a stop under
+        way) without changing its state."""
+        unit.detail = detail
+
     def hold(self, unit: Unit, reason: str) -> None:
         """Keep a running unit out of service (e.g. a shard catching up to the policy)."""
         if not unit.state.running:  # it exited meanwhile; the exit is what counts
@@ -183,8 +176,10 @@ class Engine:
         """End a hold. A unit that is also degraded stays so until its liveness recovers,
         and then goes to ready, not back to held."""
         unit.hold_reason = None
-        new = UnitState.READY if unit.state is UnitState.HELD else unit.state
-        self.transition(unit, new, detail)
+        if unit.state is UnitState.HELD:
+            self.transition(unit, UnitState.READY, detail)
+        elif detail is not None:
+            self.set_detail(unit, detail)
 
     async def changed(self, timeout: float | None = None) -> None:
         """Wait for the next state change (or the timeout)."""
@@ -256,12 +251,11 @@ class Engine:
             waiting = self._away(unit)
             if not waiting:
                 return None
-            ran = unit.state in {UnitState.BACKOFF, UnitState.WAITING}
-            self.transition(
-                unit,
-                UnitState.WAITING if ran else unit.state,
-                f"waiting for {', '.join(waiting)}",
-            )
+            why = f"waiting for {', '.join(waiting)}"
+            if unit.state in {UnitState.BACKOFF, UnitState.WAITING}:  # it ran before
+                self.transition(unit, UnitState.WAITING, why)
+            else:
+                self.set_detail(unit, why)
             await self.changed()
 
     async def _supervise(self, unit: Unit) -> None:
@@ -284,10 +278,10 @@ class Engine:
         if UnitState.BACKOFF in ALLOWED[unit.state]:
             self.transition(unit, UnitState.BACKOFF, detail)
         else:
-            self.transition(unit, unit.state, detail)
+            self.set_detail(unit, detail)
         child = unit.child
         if child is not None and child.alive:
-            process.kill_group_now(child.pid)
+            self.host.kill_group_now(child)
             unit.last_exit = await child.wait()
             await self._reap_leftovers(unit)
         await asyncio.sleep(1.0)
@@ -301,14 +295,14 @@ class Engine:
             if blocked is not None:
                 self.transition(unit, UnitState.FAILED, blocked)
                 return
-            exit, premature = await self._run_once(unit)
+            exit = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
             # The Reaper recorded the exit and its state change when it reaped the process
             # (`_exited`); hooks and the sweep come after.
             recorded = unit.recorded
             if recorded is None or recorded[0] is not unit.child:
-                recorded = (unit.child, *self._record(unit, exit, premature))
+                recorded = (unit.child, *self._record(unit, exit))
             _, decision, exited_at = recorded
             for hook in self.hooks:
                 await hook.on_exit(unit, exit)
@@ -348,9 +342,7 @@ class Engine:
                         )
                     if unit.state is not UnitState.STARTING:
                         self.transition(unit, UnitState.STARTING)
-                    self.transition(
-                        unit, unit.state, f"waiting for {unit.name} on {node}: {result.detail}"
-                    )
+                    self.set_detail(unit, f"waiting for {unit.name} on {node}: {result.detail}")
                 await asyncio.sleep(spec.interval if not result.ok else max(spec.interval, 0.5))
         finally:
             prober.close()
@@ -360,90 +352,63 @@ class Engine:
         the state it leads to before anything else runs (probes, hooks, /proc sweeps)."""
         if unit.child is not child or self.stopping or not unit.state.running:
             return  # being stopped: stop_unit records it
-        # A service that exits after it was ready has failed, whatever its status, unless
-        # its spec says a clean exit is final.
-        premature = unit.spec.type != "oneshot" and (
-            unit.ready_at is None or not unit.spec.restart.clean_exit_final
-        )
-        if unit.ready_at is None and unit.spec.type != "oneshot" and unit.failure_hint is None:
-            if unit.spec.ready is not None:
-                hint = f"exited before it was ready; last probe: {unit.detail}"
-            else:
-                hint = (
-                    f"exited within min_uptime {unit.spec.restart.min_uptime:g}s,"
-                    " before it counted as ready"
-                )
-            unit.failure_hint = hint
-        unit.recorded = (child, *self._record(unit, exit, premature))
+        unit.recorded = (child, *self._record(unit, exit))
 
-    def _record(self, unit: Unit, exit: Exit, premature: bool) -> tuple[Decision, float]:
+    def _record(self, unit: Unit, exit: Exit) -> tuple[Decision, float]:
         """The restart decision for this exit, and the transition it makes."""
         exited_at = time.monotonic()
         unit.last_exit = exit
         unit.hold_reason = None
-        uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
-        what = exit.describe()
-        if unit.failure_hint:
-            what += f" ({unit.failure_hint})"
-        away = self._away(unit)
-        if away and unit.tracker.should_restart(exit, premature=premature):
-            # It exited because what it needs is gone (e.g. Dynamo's lease with etcd): not
-            # its own failure, so it does not count against its restart limit; the
-            # lifecycle waits for the dependency before it starts it again.
-            self.transition(
-                unit,
-                UnitState.WAITING,
-                f"{what}; waiting for {', '.join(away)} (not counted as a restart)",
-            )
-            return Decision(restart=True, reason="dependency away"), exited_at
-        decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
-        if not decision.restart:
-            if exit.clean and not premature:
-                self.transition(unit, UnitState.COMPLETED, what)
-            else:
-                self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
-        else:
-            self.transition(
-                unit,
-                UnitState.BACKOFF,
-                f"{what}; {decision.reason} (restart {unit.tracker.total})",
-            )
-        return decision, exited_at
+        was_ready = unit.ready_at is not None
+        if not was_ready and unit.spec.type != "oneshot" and unit.failure_hint is None:
+            unit.failure_hint = exits.before_ready_hint(unit.spec, unit.detail)
+        outcome = exits.decide_exit(
+            exits.ExitFacts(
+                exit=exit,
+                premature=exits.premature(unit.spec, was_ready=was_ready),
+                uptime=exited_at - (unit.child.started_at if unit.child else exited_at),
+                now=exited_at,
+                away=self._away(unit),
+                hint=unit.failure_hint,
+            ),
+            unit.tracker,
+        )
+        self.transition(unit, outcome.state, outcome.detail)
+        return outcome.decision, exited_at
 
-    async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
-        """Spawn, wait for readiness, watch. Returns (exit, premature)."""
+    async def _run_once(self, unit: Unit) -> Exit | None:
+        """Spawn, wait for readiness, watch. The exit, or None if it could not spawn."""
         unit.failure_hint = None
         unit.recorded = None
         self._move_taken_ports(unit)
         if not await self._spawn(unit):
-            return None, True
+            return None
         child = unit.child
         assert child is not None
+        if unit.spec.type == "oneshot" or not await self._become_ready(unit, child):
+            return await child.wait()
+        return await self._watch(unit, child)
+
+    async def _become_ready(self, unit: Unit, child: Process) -> bool:
+        """Readiness (its probe, or min_uptime up), then the hooks: True once the unit
+        counts as ready; False if it exited meanwhile or was killed for not getting ready."""
         spec = unit.spec
-        if spec.type == "oneshot":
-            return await child.wait(), False
         if spec.ready is not None:
             ready, detail = await self._await_ready(unit, child)
             if not ready:
                 if child.alive:
                     unit.failure_hint = detail
-                    process.kill_group_now(child.pid)
-                    return await child.wait(), True
-                unit.failure_hint = f"exited before it was ready; last probe: {detail}"
-                return await child.wait(), True
+                    self.host.kill_group_now(child)
+                return False
         else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
             await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
             if not child.alive:
-                unit.failure_hint = (
-                    f"exited within min_uptime {spec.restart.min_uptime:g}s,"
-                    " before it counted as ready"
-                )
-                return await child.wait(), True
+                return False
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
-                return await child.wait(), True
+                return False
         if not child.alive:  # exited as the last probe or hook finished: already recorded
-            return await child.wait(), True
+            return False
         unit.ready_at = time.monotonic()
         if unit.hold_reason is not None:
             self.admit(unit, None)
@@ -455,15 +420,13 @@ class Engine:
             )
         else:
             self.transition(unit, UnitState.READY)
-        # A service that exits after it was ready has failed, whatever its status, unless
-        # its spec says a clean exit is final.
-        return await self._watch(unit, child), not spec.restart.clean_exit_final
+        return True
 
     def _move_taken_ports(self, unit: Unit) -> None:
         """An allocated port of the unit that another process took since it was allocated:
         allocate it again and re-render the stack (portmove) before the spawn; a running unit
         whose templates reference the port is restarted with the new number."""
-        taken = portmove.taken(self.stack, unit.name)
+        taken = portmove.taken(self.stack, unit.name, in_use=self.host.port_in_use)
         if not taken:
             return
         if self._port_allocator is None:
@@ -476,9 +439,9 @@ class Engine:
             return
         if moved is None:  # fixed ports: the spawn fails as the operator's choice says
             return
-        owners = {n: sorted(ports.listener_pids(p)) for n, p in taken.items()}
+        owners = {n: sorted(self.host.port_owners(p)) for n, p in taken.items()}
         what = "; ".join(
-            f"port {n} {old} taken by {_owners(owners.get(n, []))}, moved to {new}"
+            f"port {n} {old} taken by {self._owners(owners.get(n, []))}, moved to {new}"
             for n, (old, new) in moved.ports.items()
         )
         self.stack = moved.stack
@@ -487,7 +450,7 @@ class Engine:
         for name in [unit.name, *moved.referencing]:
             self.units[name].spec = moved.stack.units[name]
         log.warning("unit.ports_moved", unit=unit.name, moved=what, re_rendered=moved.referencing)
-        self.transition(unit, unit.state, what)
+        self.set_detail(unit, what)
         for name in moved.referencing:
             if self.units[name].state.running:
                 asyncio.get_running_loop().create_task(self._restart_moved(name, unit.name))
@@ -502,21 +465,15 @@ class Engine:
         recorded meanwhile). A stop that cancels the lifecycle during the spawn still
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
-        env = process.base_environment(self.run_id, unit.name, self._env(spec))
-        read_fd, write_fd = os.pipe()
+        env = self.host.environment(unit.name, self._env(spec))
         cancelled = False
         try:
-            cgroup = self.containment.unit(unit.name)
-            if cgroup is not None:
-                cgroups.make(cgroup)
             spawning = asyncio.ensure_future(
-                self.spawner.spawn(
-                    self.reaper,
+                self.host.spawn(
+                    unit.name,
                     spec.command,
                     env=env,
                     cwd=Path(spec.cwd) if spec.cwd else None,
-                    stdout_fd=write_fd,
-                    cgroup=cgroup,
                     on_exit=lambda c, exit: self._exited(unit, c, exit),
                 )
             )
@@ -527,7 +484,6 @@ class Engine:
                     cancelled = True
             child = spawning.result()
         except (OSError, cgroups.CgroupError) as exc:
-            os.close(read_fd)
             hint = f" ({spec.install_hint})" if spec.install_hint else ""
             self.transition(
                 unit,
@@ -537,13 +493,11 @@ class Engine:
             if cancelled:
                 raise asyncio.CancelledError from None
             return False
-        finally:
-            os.close(write_fd)
         unit.starts += 1
         unit.child = child
         unit.ready_at = None
         unit.sink.header(f"start #{unit.starts} pid {child.pid}: {' '.join(spec.command)}")
-        unit.sink.attach(read_fd, on_end=functools.partial(self.reaper.poll, child.pid, EOF_SPIN))
+        self.host.attach_output(child, unit.sink)
         self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
         if cancelled:
             raise asyncio.CancelledError
@@ -558,9 +512,9 @@ class Engine:
     def _probe_context(self, unit: Unit) -> ProbeContext:
         return ProbeContext(
             session=self.session,
-            reaper=self.reaper,
+            reaper=self.host.reaper,
             sink=unit.sink,
-            env=process.base_environment(self.run_id, f"{unit.name}:probe", self._env(unit.spec)),
+            env=self.host.environment(f"{unit.name}:probe", self._env(unit.spec)),
         )
 
     async def _await_ready(self, unit: Unit, child: Process) -> tuple[bool, str]:
@@ -584,7 +538,7 @@ class Engine:
                 self._probed(unit, "ready", result)
                 if result.ok and (impostor := self._answered_by_other(unit, child)):
                     result = ProbeResult(False, impostor)
-                self.transition(unit, unit.state, result.detail)
+                self.set_detail(unit, result.detail)
                 if result.ok:
                     return True, result.detail
                 pause = min(spec.interval, deadline - time.monotonic())
@@ -622,14 +576,6 @@ class Engine:
         finally:
             unit.attempt_since = None
 
-    def _unit_pids(self, unit: Unit, child: Process) -> set[int]:
-        """The unit's processes: its cgroup's, or (fallback) its group's and marked ones."""
-        cgroup = self.containment.unit(unit.name)
-        if cgroup is not None:
-            return set(cgroups.procs(cgroup)) | {child.pid}
-        in_group = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
-        return in_group | set(proctable.marked_pids(self.run_id, unit.name)) | {child.pid}
-
     def _answered_by_other(self, unit: Unit, child: Process) -> str | None:
         """A probe passed; if a port it targets is listened on by a process outside the
         unit's process tree (group or run/unit marker), say whose the answer was."""
@@ -641,13 +587,12 @@ class Engine:
         for name, port in unit.spec.ports.items():
             if port not in targets:
                 continue
-            owners = ports.listener_pids(port)
+            owners = self.host.port_owners(port)
             if not owners:
                 continue
-            tree = self._unit_pids(unit, child)
-            if owners & tree:
+            if owners & self.host.unit_pids(unit.name, child):
                 continue
-            who = ", ".join(f"pid {pid} ({_comm(pid)})" for pid in sorted(owners))
+            who = self._owners(sorted(owners))
             return (
                 f"port {name}={port} is answered by {who}, not by {unit.name}'s processes"
                 f" (group {child.pid}): another process holds the port"
@@ -686,7 +631,7 @@ class Engine:
                     )
                     for listener in self.lost_listeners:  # e.g. replace it before it is gone
                         listener(unit, why)
-                    process.kill_group_now(child.pid)
+                    self.host.kill_group_now(child)
                     return await child.wait()
                 self.transition(
                     unit,
@@ -696,22 +641,12 @@ class Engine:
         finally:
             prober.close()
 
-    def _tree(self, unit: Unit, child: Process) -> process.Tree:
-        return process.Tree(
-            pgid=child.pid,
-            run_id=self.run_id,
-            unit=unit.name,
-            cgroup=self.containment.unit(unit.name),
-            reaper=self.reaper,
-            since=child.start_ticks,
-        )
-
     async def _reap_leftovers(self, unit: Unit) -> None:
         """The main process is gone; end whatever it left in its cgroup (with cgroups: one
         file read when it left nothing), or in its group, marked, or re-parented to us."""
         if unit.child is None:
             return
-        await process.stop_tree(self._tree(unit, unit.child), sig=signal.SIGKILL, timeout=0)
+        await self.host.stop_tree(unit.name, unit.child, sig=signal.SIGKILL, timeout=0)
 
     # ------------------------------------------------------------------ stop
 
@@ -752,25 +687,24 @@ class Engine:
             self.transition(unit, UnitState.STOPPED)
             return []
         if not child.alive:  # its main process is gone; end what it may have left
-            result = await process.stop_tree(self._tree(unit, child), sig=signal.SIGKILL, timeout=0)
+            result = await self.host.stop_tree(unit.name, child, sig=signal.SIGKILL, timeout=0)
             if result.killed:
                 self.killed.setdefault(unit.name, []).extend(result.killed)
             self.transition(unit, UnitState.STOPPED)
             return result.survivors
         started = time.monotonic()
-        self.transition(
+        self.set_detail(
             unit,
-            unit.state,
             f"sending {unit.spec.stop.signal} to "
             + (
                 f"cgroup {cg} (cgroup.kill"
-                if (cg := self.containment.unit(unit.name))
+                if (cg := self.host.cgroup(unit.name))
                 else f"group {child.pid} (SIGKILL"
             )
             + f" after {unit.spec.stop.timeout:g}s)",
         )
-        result = await process.stop_tree(
-            self._tree(unit, child), sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
+        result = await self.host.stop_tree(
+            unit.name, child, sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
         )
         if result.killed:
             self.killed.setdefault(unit.name, []).extend(result.killed)
@@ -837,6 +771,11 @@ class Engine:
             )
         return rows
 
+    def _owners(self, pids: list[int]) -> str:
+        if not pids:
+            return "another process"
+        return ", ".join(f"pid {pid} ({self.host.command_line(pid)})" for pid in pids)
+
     @staticmethod
     def _current_detail(unit: Unit, now: float) -> str:
         """The last answer, or, while an attempt has been waiting a while, that wait."""
@@ -849,19 +788,6 @@ class Engine:
 
 _EXITED = object()
 _DEADLINE = object()
-
-
-def _owners(pids: list[int]) -> str:
-    if not pids:
-        return "another process"
-    return ", ".join(f"pid {pid} ({_comm(pid)})" for pid in pids)
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
-    except OSError:
-        return "?"
 
 
 async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:
