@@ -204,6 +204,10 @@ def _detail(unit: Row) -> str:
     return "  ".join(parts)
 
 
+LONG_WAIT = 60.0
+LONG_WAIT_EVERY = 15.0
+
+
 class Progress:
     """Turns successive status snapshots into lines worth printing while `up` waits."""
 
@@ -222,9 +226,13 @@ class Progress:
                     continue
                 pid = f" pid {unit['pid']}" if unit["pid"] else ""
                 lines.append(f"  {name:<16} {state}{pid}  {_first_line(unit['detail'])}")
-        if now - self._last_summary >= self.every:
+        waiting = [u for u in status["units"] if u["state"] in {"starting", "backoff", "held"}]
+        # Every `every` seconds while the waits are short; a wait of minutes (a real engine
+        # loading) is reported every LONG_WAIT_EVERY seconds instead of filling the screen.
+        longest = max((u.get("since_s") or 0.0 for u in waiting), default=0.0)
+        every = self.every if longest < LONG_WAIT else max(self.every, LONG_WAIT_EVERY)
+        if now - self._last_summary >= every:
             self._last_summary = now
-            waiting = [u for u in status["units"] if u["state"] in {"starting", "backoff", "held"}]
             for unit in waiting:
                 lines.append(
                     f"  … {unit['name']} {unit['state']} for {duration(unit['since_s'])}: "

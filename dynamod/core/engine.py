@@ -1,6 +1,11 @@
 """The engine: one lifecycle task per unit, dependency-gated start, restart with backoff,
 liveness watching, reverse-order stop. Exits arrive as events from the Reaper.
 
+The operating system is reached only through a `process.ProcessHost` (spawn, signal,
+the unit's processes, ports), and what an exit means is decided by the pure
+`exits.decide_exit`: tests/unit/test_engine.py drives this state machine against a fake
+host without a process.
+
 Policies that are not about processes (Dynamo lease revocation, shard admission) plug
 in through `UnitHooks`, so the engine stays about units and states.
 """
@@ -20,7 +25,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, exits, graph, portmove, ports, process
+from dynamod.core import cgroups, exits, graph, portmove, process
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
@@ -126,7 +131,6 @@ class Engine:
         self.units: dict[str, Unit] = {}
         self.stopping = False
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
-        self._port_allocator: ports.PortAllocator | None = None  # for ports moved at a spawn
         self._changed = asyncio.Event()
         logs = state_dir / "logs"
         for name in stack.order:
@@ -429,11 +433,9 @@ class Engine:
         taken = portmove.taken(self.stack, unit.name, in_use=self.host.port_in_use)
         if not taken:
             return
-        if self._port_allocator is None:
-            self._port_allocator = ports.PortAllocator()
         try:
             moved = portmove.move(self.stack, unit.name, set(taken),
-                                  allocate_port=self._port_allocator)
+                                  allocate_port=self.host.allocate_port)
         except (SpecErrors, OSError) as exc:
             log.error("unit.ports_not_moved", unit=unit.name, taken=taken, error=str(exc))
             return

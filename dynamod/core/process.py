@@ -708,6 +708,11 @@ class ProcessHost(Protocol):
         """The pids listening on the local TCP port, as far as they can be seen."""
         ...
 
+    def allocate_port(self) -> int:
+        """A free loopback port, for a unit's port that another process took; OSError if
+        none can be had."""
+        ...
+
     def command_line(self, pid: int) -> str:
         """The process's command line, short, for messages."""
         ...
@@ -728,6 +733,7 @@ class OsHost:
         self._reaper = reaper
         self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
         self.spawner = spawner or Spawner()
+        self._ports: ports.PortAllocator | None = None  # made when a port first moves
 
     @property
     def reaper(self) -> Reaper:
@@ -793,6 +799,11 @@ class OsHost:
 
     def port_owners(self, port: int) -> set[int]:
         return ports.listener_pids(port)
+
+    def allocate_port(self) -> int:
+        if self._ports is None:
+            self._ports = ports.PortAllocator()
+        return self._ports()
 
     def command_line(self, pid: int) -> str:
         return proctable.command_line(pid)

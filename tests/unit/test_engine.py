@@ -40,6 +40,9 @@ class FakeHost:
     signalled: list[tuple[int, int]] = field(default_factory=list)  # (pid, signal)
     cannot_spawn: dict[str, OSError] = field(default_factory=dict)
     spawn_gate: asyncio.Event | None = None  # set: spawns go through at once
+    commands: dict[str, list[list[str]]] = field(default_factory=dict)  # argv per spawn
+    ports_taken: set[int] = field(default_factory=set)  # by processes that are not units
+    _free_ports: Iterator[int] = field(default_factory=lambda: itertools.count(23000))
     _pids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
     _on_exit: dict[int, OnExit] = field(default_factory=dict)
     _sinks: dict[int, OutputSink] = field(default_factory=dict)
@@ -65,6 +68,7 @@ class FakeHost:
             raise self.cannot_spawn[unit]
         child = Child(pid=next(self._pids), exited=asyncio.get_running_loop().create_future())
         self._on_exit[child.pid] = on_exit
+        self.commands.setdefault(unit, []).append(list(argv))
         self.spawned.setdefault(unit, []).append(child)
         return child
 
@@ -84,10 +88,13 @@ class FakeHost:
         return {child.pid}
 
     def port_in_use(self, port: int) -> bool:
-        return False
+        return port in self.ports_taken
 
     def port_owners(self, port: int) -> set[int]:
         return set()
+
+    def allocate_port(self) -> int:
+        return next(self._free_ports)
 
     def command_line(self, pid: int) -> str:
         return "fake"
@@ -530,3 +537,43 @@ async def test_stop_during_the_spawn_still_ends_the_process_being_started(
         assert run.unit("app").state is S.STOPPED and not child.alive
         assert host.signalled == [(child.pid, signal.SIGTERM)]
         assert run.states("app") == ["starting", "stopping", "stopped"]
+
+
+# ------------------------------------------------------------------ ports
+
+
+async def test_a_port_taken_while_the_unit_was_down_moves_and_its_users_restart(
+    tmp_path: Path,
+) -> None:
+    units = """
+[units.db]
+command = ["db", "{ports.client}"]
+ports = { client = 0 }
+restart = { first_delay = 0, jitter = 0, min_uptime = 0.02 }
+
+[units.app]
+command = ["app", "{units.db.ports.client}"]
+env = { DB = "{units.db.ports.client}" }
+depends_on = { db = "started" }
+restart = { first_delay = 0, jitter = 0, min_uptime = 0.02 }
+"""
+    async with running(tmp_path, units) as run:
+        await run.reach("app", S.READY)
+        old = run.unit("db").spec.ports["client"]
+        assert run.host.commands == {"db": [["db", str(old)]], "app": [["app", str(old)]]}
+        run.host.ports_taken.add(old)  # something else binds it while db is down
+        run.host.exit("db", code=1)
+        await run.until(lambda: len(run.host.commands["app"]) == 2, "app started again")
+        await run.reach("app", S.READY)
+        assert run.host.commands["db"][1] == ["db", "23000"]
+        assert run.host.commands["app"][1] == ["app", "23000"]
+        assert run.unit("app").spec.env["DB"] == "23000"
+        assert run.states("app") == [
+            "starting",
+            "ready",
+            "stopping",
+            "stopped",
+            "starting",
+            "ready",
+        ]
+        assert run.unit("app").tracker.total == 0  # an operator-style restart, not a failure

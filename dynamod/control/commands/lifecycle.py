@@ -58,12 +58,27 @@ _node_option = click.option(
 @click.argument("stack", required=False)
 @var_option
 @_node_option
+@click.option(
+    "--vars", "list_vars", is_flag=True, help="List the stack's variables and their defaults."
+)
 @click.pass_context
 def check(
-    ctx: click.Context, stack: str | None, variables: tuple[str, ...], node: str | None
+    ctx: click.Context,
+    stack: str | None,
+    variables: tuple[str, ...],
+    node: str | None,
+    list_vars: bool,
 ) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
     resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables, node)
+    if list_vars and resolved.source is not None:
+        from dynamod.control import stackvars
+        from dynamod.core.spec import parse_var
+
+        overrides = dict(parse_var(v) for v in variables)
+        for line in stackvars.lines(resolved.source.raw, overrides):
+            click.echo(line)
+        return
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
     if resolved.cluster is not None:
         cluster = resolved.cluster

@@ -42,7 +42,7 @@ from dynamod.core.spec.tables import (
     register_stack_table,
     register_unit_table,
 )
-from dynamod.core.spec.vars import parse_var
+from dynamod.core.spec.vars import Variable, check_overrides, parse_var, variables
 
 __all__ = [
     "Condition",
@@ -65,6 +65,8 @@ __all__ = [
     "TcpProbe",
     "UnitSpec",
     "UnitTable",
+    "Variable",
+    "check_overrides",
     "load",
     "load_stack",
     "parse_var",
@@ -72,4 +74,5 @@ __all__ = [
     "register_stack_table",
     "register_unit_table",
     "resolve_stack",
+    "variables",
 ]

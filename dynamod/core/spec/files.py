@@ -26,7 +26,8 @@ class RawStack:
     path: Path
     name: str
     units: dict[str, RawUnit] = field(default_factory=dict)
-    vars: dict[str, Any] = field(default_factory=dict)
+    vars: dict[str, Any] = field(default_factory=dict)  # defaults, then --var on top
+    defaults: dict[str, Any] = field(default_factory=dict)  # as the files declare them
     cluster: dict[str, Any] | None = None
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # registered tables
     files_read: int = 0
@@ -52,7 +53,8 @@ def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> Ra
     stack = RawStack(path=path, name=path.stem)
     included_vars: dict[str, Any] = {}
     _load_file(path, stack, included_vars, chain=[])
-    stack.vars = {**included_vars, **stack.vars, **(var_overrides or {})}
+    stack.defaults = {**included_vars, **stack.vars}
+    stack.vars = {**stack.defaults, **(var_overrides or {})}
     return stack
 
 

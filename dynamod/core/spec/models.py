@@ -248,6 +248,12 @@ class UnitSpec(SpecModel):
     restart: RestartSpec = RestartSpec()
     stop: StopSpec = StopSpec()
     install_hint: str | None = None
+    preflight: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="a command `up` runs before anything spawns; a non-zero exit refuses "
+        "the stack with the last line it wrote to stderr",
+    )
     tables: dict[str, SerializeAsAny[SpecModel]] = Field(
         default_factory=dict,
         description="set by the resolver: the unit's tables that a layer above the core "

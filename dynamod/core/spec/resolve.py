@@ -26,6 +26,7 @@ from dynamod.core.spec.files import RawStack, RawUnit, load_stack
 from dynamod.core.spec.models import Condition, SpecModel, UnitSpec
 from dynamod.core.spec.render import Renderer, as_int, check_error_count, pydantic_errors
 from dynamod.core.spec.stack import PortAllocator, Stack, StackSource
+from dynamod.core.spec.vars import check_overrides
 
 # keys of a unit table the resolver consumes itself; the rest is rendered and validated
 _RESOLVER_KEYS = frozenset({"replicas", "ports", "depends_on", "nodes"})
@@ -453,6 +454,8 @@ def load(
     var_overrides: Mapping[str, Any] | None = None,
     node: str | None = None,
 ) -> Stack:
-    """load_stack + resolve_stack: the one call the CLI and the daemon use."""
+    """load_stack + resolve_stack: the one call the CLI and the daemon use. A `--var`
+    that names no variable of the stack is refused before anything is rendered."""
     raw = load_stack(path, var_overrides)
+    check_overrides(raw, var_overrides or {})
     return resolve_stack(raw, state_dir=state_dir, allocate_port=allocate_port, node=node)
