@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dynamod.client import Client
+from dynamod.client import Client, UnitStatus
 from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError
 from dynamod.core.proctable import marked_pids
@@ -128,8 +128,9 @@ class Dynamod:
         return path.read_text() if path.exists() else ""
 
 
-def unit_by_name(status: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(u for u in status["units"] if u["name"] == name)
+def unit_by_name(status: dict[str, Any], name: str) -> UnitStatus:
+    units: list[UnitStatus] = status["units"]
+    return next(u for u in units if u["name"] == name)
 
 
 def pid_alive(pid: int) -> bool:

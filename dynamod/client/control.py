@@ -64,6 +64,8 @@ class Client:
             raise DaemonError(f"talking to dynamod at {self.path} failed: {exc}") from None
         finally:
             conn.close()
+        if resp.status == 404 and not data.startswith(b"{"):
+            raise DaemonError(_no_route(route))
         try:
             answer = json.loads(data) if data else {}
         except ValueError:
@@ -139,3 +141,14 @@ class Client:
             "POST", "/policy/spares", {"sleep": sleep}, timeout=60
         )
         return result
+
+
+def _no_route(route: str) -> str:
+    """The daemon answers a route only where its stack enables the part behind it."""
+    why = {
+        "/policy": "its stack has no [policy] table, so there is no policy ledger or spares",
+    }
+    for prefix, reason in why.items():
+        if route.startswith(prefix):
+            return f"the running daemon does not serve {route}: {reason}"
+    return f"the running daemon does not serve {route} (an older dynamod, or a feature off)"

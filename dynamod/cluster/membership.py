@@ -241,8 +241,8 @@ class Membership(Extension):
                 pid=unit.pid,
                 ports=dict(unit.spec.ports),
                 detail=registry.short_detail(unit.detail),
-                policy_version=unit.extra.get("policy_version"),
-                instance_ids=list(unit.extra.get("dynamo", {}).get("instance_ids", [])),
+                policy_version=self.policy.shard_version(unit) if self.policy else None,
+                instance_ids=self.registrations.instance_ids(unit),
                 shard=unit.name in shards,
             )
             for unit in self.engine.units.values()
@@ -326,7 +326,7 @@ class Membership(Extension):
         for namespace in namespaces:
             registered |= {i.instance_id for i in await dynamo.list_instances(self.etcd, namespace)}
         for unit in self._local_shards():
-            ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+            ids = set(self.registrations.instance_ids(unit))
             if (
                 unit.state.running
                 and ids
@@ -347,7 +347,7 @@ class Membership(Extension):
     async def _put_back(self, unit: Unit, parked: list[ParkedKey]) -> Unit | None:
         """The shard's parked keys back on its lease, it paused first; the unit if done."""
         assert self.etcd is not None
-        ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+        ids = set(self.registrations.instance_ids(unit))
         mine = [key for key in parked if key.instance_id in ids]
         if not mine or not unit.state.running:
             return None

@@ -48,7 +48,9 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
     if secrets_dir:
         extensions.append(SecretsEnv(Path(secrets_dir)))
     spec = policy_of(stack)
-    policy = PolicyManager(spec, etcd_auth=etcd_auth) if spec is not None else None
+    policy = (
+        PolicyManager(spec, registrations, etcd_auth=etcd_auth) if spec is not None else None
+    )
     if policy is not None:
         extensions.append(policy)
     if stack.cluster is not None:

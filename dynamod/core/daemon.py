@@ -23,12 +23,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import aiohttp
 import structlog
 
-from dynamod.core import api, cgroups, leftovers, opstop, paths, process, runrecord, statedir
+from dynamod.core import (
+    api,
+    cgroups,
+    leftovers,
+    opstop,
+    paths,
+    process,
+    runrecord,
+    statedir,
+    unittmp,
+)
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
@@ -37,6 +47,7 @@ from dynamod.core.guardianship import Guardianship
 from dynamod.core.phase import Phase
 from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
+from dynamod.core.status import EngineUnitStatus, ExtensionUnitStatus, UnitStatus
 
 log = structlog.get_logger("dynamod.core.daemon")
 
@@ -160,7 +171,7 @@ class Daemon:
             "error": self.error,
             "degraded": self.degraded_units(),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "units": self.engine.snapshot() if self.engine else [],
+            "units": self.unit_rows(),
             "containment": self.containment.as_dict() if self.containment else None,
             "guardian": self.guardian.as_dict() if self.guardian else None,
             "swept_previous": self.swept.as_dict() if self.swept else None,
@@ -176,6 +187,30 @@ class Daemon:
             for extension in self.extensions:
                 status.update(extension.status())
         return status
+
+    def unit_rows(self) -> list[UnitStatus]:
+        """Every unit's row in `status`: the engine's keys, then each extension's own."""
+        if self.engine is None:
+            return []
+        rows: list[UnitStatus] = []
+        for row in self.engine.snapshot():
+            merged: dict[str, Any] = dict(row)
+            merged.update(self.extension_status(self.engine.units[row["name"]]))
+            rows.append(cast(UnitStatus, merged))
+        return rows
+
+    def extension_status(self, unit: Unit) -> ExtensionUnitStatus:
+        """Each extension's keys of `unit`'s row. A key already taken (the engine's, or
+        another extension's) is not overwritten: the first owner keeps it."""
+        merged: dict[str, Any] = {}
+        for extension in self.extensions:
+            for key, value in extension.unit_status(unit).items():
+                if key in merged or key in EngineUnitStatus.__required_keys__:
+                    log.error("extension.status_key_taken", extension=type(extension).__name__,
+                              unit=unit.name, key=key)  # fmt: skip
+                    continue
+                merged[key] = value
+        return cast(ExtensionUnitStatus, merged)
 
     def require_running(self, what: str) -> None:
         """Raise unless the stack is starting or up (for commands that change it)."""
@@ -365,6 +400,9 @@ class Daemon:
             keep=frozenset({guardian} if guardian else set()),
         )
         survivors = sorted(set(survivors) | set(swept.survivors))
+        # Every unit's private TMPDIR (engines' socket files, per-start JSON files) goes
+        # with its processes: `down` leaves no file behind outside the state dir.
+        left_files = unittmp.remove_all(self.state.path)
         killed = dict(self.engine.killed) if self.engine else {}
         if swept.killed:
             killed["(final sweep)"] = swept.killed
@@ -376,8 +414,9 @@ class Daemon:
             "seconds": round(time.monotonic() - started, 3),
             "killed": killed,  # who needed SIGKILL / cgroup.kill: unit -> pids
             "survivors": survivors,  # what could not be killed
+            "temp_files_removed": left_files,  # units whose private TMPDIR held files
             "containment": self.containment.describe() if self.containment else None,
-            "units": self.engine.snapshot() if self.engine else [],
+            "units": self.unit_rows(),
             "error": self.error,
         }
         try:

@@ -25,13 +25,14 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, exits, graph, portmove, process
+from dynamod.core import cgroups, exits, graph, portmove, process, unittmp
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
 from dynamod.core.state import ALLOWED, UnitState, check_transition
+from dynamod.core.status import EngineUnitStatus
 
 log = structlog.get_logger("dynamod.engine")
 
@@ -71,7 +72,6 @@ class Unit:
     task: asyncio.Task[None] | None = None
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
-    extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
     failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
@@ -470,6 +470,8 @@ class Engine:
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
         env = self.host.environment(unit.name, self._env(spec))
+        if not any(name in spec.env for name in unittmp.VARIABLES):
+            env.update(unittmp.fresh(self.state_dir, unit.name))  # emptied at every spawn
         cancelled = False
         try:
             spawning = asyncio.ensure_future(
@@ -766,9 +768,10 @@ class Engine:
 
     # ------------------------------------------------------------------ views
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[EngineUnitStatus]:
+        """Each unit's row in `status`, the engine's part (the daemon adds the extensions')."""
         now = time.monotonic()
-        rows = []
+        rows: list[EngineUnitStatus] = []
         for unit in self.units.values():
             child = unit.child
             alive = child is not None and child.alive
@@ -802,7 +805,6 @@ class Engine:
                          "since_s": round(now - unit.operator_stop[1], 3)}
                         if unit.operator_stop else None
                     ),
-                    **unit.extra,
                 }
             )
         return rows

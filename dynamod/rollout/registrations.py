@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -28,6 +29,7 @@ import structlog
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
 from dynamod.core.state import UnitState
+from dynamod.core.status import DynamoStatus, ExtensionUnitStatus
 from dynamod.rollout import dynamo, frontend_probe
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import LeaseRecords
@@ -53,8 +55,28 @@ def stale_leases(registered: set[int], ours: set[int], others: set[int]) -> set[
     return (registered | ours) - others
 
 
+@dataclass
+class Registration:
+    """What dynamod knows of one Dynamo worker's registration (`dynamo` in status)."""
+
+    namespace: str
+    system_url: str
+    instance_ids: list[int]  # its etcd lease ids, as found when it turned ready
+    routed: bool | None = None  # the frontend routes to it (None: no frontend view yet)
+
+    def as_status(self) -> DynamoStatus:
+        return {
+            "namespace": self.namespace,
+            "system_url": self.system_url,
+            "instance_ids": list(self.instance_ids),
+            "routed": self.routed,
+        }
+
+
 class DynamoRegistrations(Extension):
-    """A daemon extension that is also the engine hook for Dynamo worker units."""
+    """A daemon extension that is also the engine hook for Dynamo worker units. It keeps
+    each worker's registration (unit name -> Registration) since the worker first turned
+    ready; the policy manager and the cluster membership read its instance ids here."""
 
     def __init__(self, etcd_auth: EtcdAuth | None = None) -> None:
         self.host: ExtensionHost | None = None
@@ -67,6 +89,16 @@ class DynamoRegistrations(Extension):
         # Set by a multi-node layer: the instance ids other nodes' live workers hold, which
         # the sweep must leave alone (it raises EtcdError while it cannot tell).
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
+        self.registered: dict[str, Registration] = {}
+
+    def instance_ids(self, unit: Unit) -> list[int]:
+        """The worker's Dynamo instance ids (its etcd leases); [] while it has none."""
+        registration = self.registered.get(unit.name)
+        return list(registration.instance_ids) if registration else []
+
+    def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
+        registration = self.registered.get(unit.name)
+        return {"dynamo": registration.as_status()} if registration else {}
 
     async def start(self, host: ExtensionHost) -> None:
         assert host.engine is not None
@@ -86,7 +118,7 @@ class DynamoRegistrations(Extension):
             and worker.namespace == namespace
             and unit.state.running
             and unit.pid is not None
-            for instance in unit.extra.get("dynamo", {}).get("instance_ids", [])
+            for instance in self.instance_ids(unit)
         }
 
     def unregistered(self, namespace: str) -> list[str]:
@@ -101,8 +133,8 @@ class DynamoRegistrations(Extension):
             and worker.namespace == namespace
             and unit.state.running
             and unit.pid is not None
-            and "dynamo" in unit.extra
-            and not unit.extra["dynamo"].get("instance_ids")
+            and unit.name in self.registered
+            and not self.registered[unit.name].instance_ids
         )
 
     async def stop(self) -> None:
@@ -201,12 +233,7 @@ class DynamoRegistrations(Extension):
                 if ids:
                     break
                 await asyncio.sleep(_ID_RETRY_S)
-        unit.extra["dynamo"] = {
-            "namespace": spec.namespace,
-            "system_url": spec.system_url,
-            "instance_ids": ids,
-            "routed": None,
-        }
+        self.registered[unit.name] = Registration(spec.namespace, spec.system_url, ids)
         if ids:
             log.info("dynamo.registered", unit=unit.name, instances=[f"{i:x}" for i in ids])
             await self._record(unit.name, spec.etcd, spec.namespace, ids)
@@ -220,12 +247,12 @@ class DynamoRegistrations(Extension):
 
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
         spec = worker_of(unit.spec)
-        info = unit.extra.get("dynamo")
-        if spec is None or not info or not info.get("instance_ids") or self.host is None:
+        registration = self.registered.get(unit.name)
+        if spec is None or not registration or not registration.instance_ids or not self.host:
             return
         assert self.host.engine is not None
-        ids = list(info["instance_ids"])
-        info.update(instance_ids=[], routed=False)
+        ids = registration.instance_ids
+        registration.instance_ids, registration.routed = [], False
         if not await self._revoke(unit.name, spec.etcd, ids, why=exit.describe()):
             self.pending[unit.name + f"#{ids[0]:x}"] = (unit.name, spec.etcd, ids)
             self._ensure_retrier()
@@ -305,11 +332,8 @@ class DynamoRegistrations(Extension):
                                 engine.session, probe.url, probe.namespace
                             )
                         )
-            for unit in engine.units.values():
-                info = unit.extra.get("dynamo")
-                if info is None:
-                    continue
-                view = views.get(info["namespace"])
-                info["routed"] = (
-                    None if view is None else any(i in view for i in info["instance_ids"])
+            for registration in self.registered.values():
+                view = views.get(registration.namespace)
+                registration.routed = (
+                    None if view is None else any(i in view for i in registration.instance_ids)
                 )

@@ -140,7 +140,17 @@ def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
     answer: dict[str, Any] = {}
     pusher = threading.Thread(target=lambda: answer.update(push(dm, 5, ckpt)))
     pusher.start()
-    time.sleep(1.0)
+    # The CLI can take over a second to start on a loaded machine: kill the shard only once
+    # the daemon has sent the push to it (the stopped shard cannot answer it).
+    dm.wait_for(
+        lambda _status: any(
+            '"policy.push_started"' in line and '"worker@1"' in line
+            for line in dm.daemon_log().splitlines()
+        ),
+        timeout=60,
+        what="the push to reach the stopped shard",
+    )
+    time.sleep(0.3)  # the shard's pause request is on the wire: the fault lands mid-call
     os.kill(victim["pid"], signal.SIGKILL)
     pusher.join(timeout=60)
     assert answer["ok"] and answer["version"] == 5

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from dynamod.client import UnitStatus
 from tests.conftest import Dynamod, unit_by_name
 from tests.integration.policystack import (
     History,
@@ -49,9 +50,9 @@ def up(dm: Dynamod, stack: Path, *extra: str) -> dict[str, Any]:
     return dm.status()
 
 
-def role(unit: dict[str, Any]) -> str | None:
-    spare = unit.get("spare") or {}
-    return spare.get("role")
+def role(unit: UnitStatus) -> str | None:
+    spare = unit.get("spare")
+    return spare["role"] if spare else None
 
 
 def settled(dm: Dynamod, version: int, timeout: float = 60) -> dict[str, dict[str, Any]]:
