@@ -230,7 +230,9 @@ async def test_not_ready_by_the_deadline_is_killed_and_restarted(tmp_path: Path)
         assert detail.endswith(
             "last probe: no log line matching /listening/ yet); restarting in 0.05s (restart 1)"
         )
+        # the host records the spawn before the engine records the transition: wait for both
         await run.until(lambda: len(run.host.spawned["app"]) == 2, "a second start")
+        await run.entered("app", S.STARTING, nth=2)
         assert run.states("app")[:3] == ["starting", "backoff", "starting"]
 
 
