@@ -29,6 +29,10 @@ class NoDaemonError(DaemonError):
     """Nothing listens on the state dir's socket: no daemon runs there (or not yet)."""
 
 
+class UnknownUnitError(DaemonError):
+    """The daemon has no unit by the name a command gave (bad input)."""
+
+
 class Client:
     def __init__(self, state_dir: Path, timeout: float = 30.0) -> None:
         self.state_dir = state_dir
@@ -66,6 +70,8 @@ class Client:
             answer = json.loads(data) if data else {}
         except ValueError:
             raise DaemonError(f"dynamod answered {route} with non-JSON: {data[:200]!r}") from None
+        if resp.status == 404 and "error" in answer:
+            raise UnknownUnitError(answer["error"])
         if resp.status >= 400:
             raise DaemonError(answer.get("error", f"{route}: HTTP {resp.status}"))
         return answer
@@ -94,6 +100,16 @@ class Client:
 
     def restart(self, unit: str) -> dict[str, Any]:
         result: dict[str, Any] = self.request("POST", f"/restart/{unit}", timeout=120)
+        return result
+
+    def stop(self, unit: str, timeout: float = 600) -> dict[str, Any]:
+        """Hold UNIT (a replica, or all replicas by base name) stopped until `start`."""
+        result: dict[str, Any] = self.request("POST", f"/stop/{unit}", timeout=timeout)
+        return result
+
+    def start(self, unit: str) -> dict[str, Any]:
+        """Start units held stopped by `stop` again."""
+        result: dict[str, Any] = self.request("POST", f"/start/{unit}", timeout=60)
         return result
 
     def policy_push(self, step: int, path: str | Path, timeout: float = 900) -> dict[str, Any]:

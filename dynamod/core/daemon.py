@@ -28,7 +28,17 @@ from typing import IO, Any, cast
 import aiohttp
 import structlog
 
-from dynamod.core import api, cgroups, leftovers, paths, process, runrecord, statedir, unittmp
+from dynamod.core import (
+    api,
+    cgroups,
+    leftovers,
+    opstop,
+    paths,
+    process,
+    runrecord,
+    statedir,
+    unittmp,
+)
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
@@ -227,6 +237,25 @@ class Daemon:
             raise DynamodError(f"stack is {self.phase}; restart needs a running stack")
         await self.engine.restart_unit(unit)
         return {"ok": True, "unit": unit}
+
+    async def operator(self, action: str, name: str) -> dict[str, Any]:
+        """`stop UNIT` / `start UNIT`: hold units stopped, or start the held ones again."""
+        assert self.engine is not None
+        engine = self.engine
+        names = opstop.select(name, {n: u.spec.unit for n, u in engine.units.items()})
+        if self.phase not in {Phase.UP, Phase.DEGRADED}:
+            raise DynamodError(f"stack is {self.phase}; {action} needs a running stack")
+        views = [
+            opstop.UnitView(n, engine.units[n].state, engine.units[n].operator_stop is not None)
+            for n in names
+        ]
+        todo = opstop.plan(action, views)
+        if action == "stop":
+            await asyncio.gather(*(engine.hold_stopped(n, opstop.STOPPED_BY) for n in todo.act))
+        else:
+            for n in todo.act:
+                engine.release(n)
+        return {"ok": True, "action": action, "done": todo.act, "already": todo.already}
 
     # -------------------------------------------------------------- run
 

@@ -75,6 +75,8 @@ class Unit:
     failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
+    # held stopped by an operator: (who, monotonic since); no restart until released
+    operator_stop: tuple[str, float] | None = None
 
     @property
     def name(self) -> str:
@@ -677,7 +679,10 @@ class Engine:
             unit.sink.close()
         return survivors
 
-    async def stop_unit(self, unit: Unit) -> list[int]:
+    async def stop_unit(self, unit: Unit, why: str = "") -> list[int]:
+        """Stop one unit: its stop signal, its timeout, then SIGKILL to its group; the
+        hooks see the exit (a registration is revoked). `why` leads the detail it ends with."""
+        lead = f"{why}: " if why else ""
         if unit.task is not None and not unit.task.done():
             unit.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -688,13 +693,13 @@ class Engine:
         if unit.state.running:
             self.transition(unit, UnitState.STOPPING)
         if child is None:  # never spawned
-            self.transition(unit, UnitState.STOPPED)
+            self.transition(unit, UnitState.STOPPED, f"{lead}never started" if why else None)
             return []
         if not child.alive:  # its main process is gone; end what it may have left
             result = await self.host.stop_tree(unit.name, child, sig=signal.SIGKILL, timeout=0)
             if result.killed:
                 self.killed.setdefault(unit.name, []).extend(result.killed)
-            self.transition(unit, UnitState.STOPPED)
+            self.transition(unit, UnitState.STOPPED, f"{lead}was not running" if why else None)
             return result.survivors
         started = time.monotonic()
         self.set_detail(
@@ -720,7 +725,7 @@ class Engine:
         how = "escalated to SIGKILL" if result.escalated else exit.describe()
         if result.killed_outside_group:
             how += f"; {result.killed_outside_group} outside its process group"
-        detail = f"stopped in {took:.2f}s ({how})"
+        detail = f"{lead}stopped in {took:.2f}s ({how})"
         if result.survivors:
             detail += f"; SURVIVORS: {result.survivors}"
         self.transition(unit, UnitState.STOPPED, detail)
@@ -730,8 +735,32 @@ class Engine:
         """Operator restart: stop this unit alone, forget its backoff, start it again."""
         unit = self.units[name]
         await self.stop_unit(unit)
+        unit.operator_stop = None  # a restart starts an operator-stopped unit too
         if self.stopping:  # a `down` began meanwhile: starting it again would outlive it
             raise DynamodError(f"{name} was stopped, not started again: the stack is stopping")
+        unit.tracker.reset()
+        unit.task = asyncio.get_running_loop().create_task(
+            self._supervise(unit), name=f"unit:{unit.name}"
+        )
+
+    async def hold_stopped(self, name: str, by: str) -> None:
+        """Operator stop: stop the unit through the normal stop path and keep it stopped
+        (no restart, no backoff) until `release`; the rest of the stack is untouched."""
+        unit = self.units[name]
+        if self.stopping:
+            raise DynamodError(f"{name} not stopped: the stack is stopping")
+        unit.operator_stop = (by, time.monotonic())
+        log.info("unit.operator_stop", unit=name, by=by, state=str(unit.state))
+        await self.stop_unit(unit, why=f"stopped by {by}")
+
+    def release(self, name: str) -> None:
+        """End an operator stop: start the unit through the normal path (dependencies,
+        spawn, readiness, the hooks: a rollout shard is held and replayed before admission)."""
+        unit = self.units[name]
+        if self.stopping:
+            raise DynamodError(f"{name} not started: the stack is stopping")
+        log.info("unit.operator_start", unit=name)
+        unit.operator_stop = None
         unit.tracker.reset()
         unit.task = asyncio.get_running_loop().create_task(
             self._supervise(unit), name=f"unit:{unit.name}"
@@ -771,6 +800,11 @@ class Engine:
                         else None
                     ),
                     "command": list(unit.spec.command),
+                    "operator_stop": (
+                        {"by": unit.operator_stop[0],
+                         "since_s": round(now - unit.operator_stop[1], 3)}
+                        if unit.operator_stop else None
+                    ),
                 }
             )
         return rows
@@ -782,7 +816,12 @@ class Engine:
 
     @staticmethod
     def _current_detail(unit: Unit, now: float) -> str:
-        """The last answer, or, while an attempt has been waiting a while, that wait."""
+        """The last answer, or, while an attempt has been waiting a while, that wait; for
+        a unit the operator stopped, who stopped it and when."""
+        if unit.operator_stop is not None and unit.state is UnitState.STOPPED:
+            by, at = unit.operator_stop
+            how = unit.detail.removeprefix(f"stopped by {by}: ")
+            return f"stopped by {by} {now - at:.0f} s ago; {how}"
         since = unit.attempt_since
         if since is None or now - since < 1.0:
             return unit.detail

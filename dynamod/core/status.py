@@ -44,6 +44,11 @@ class SpareStatus(TypedDict):
     behind: NotRequired[int | None]  # a spare's: versions behind the ledger
 
 
+class OperatorStop(TypedDict):
+    by: str  # who stopped it, in words
+    since_s: float
+
+
 class EngineUnitStatus(TypedDict):
     name: str
     unit: str
@@ -63,6 +68,7 @@ class EngineUnitStatus(TypedDict):
     log: str
     explain: str | None  # why a unit that keeps failing fails: its telling log lines
     command: list[str]
+    operator_stop: OperatorStop | None  # held stopped by `dynamod stop` until `start`
 
 
 class ExtensionUnitStatus(TypedDict, total=False):

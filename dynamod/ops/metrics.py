@@ -109,6 +109,13 @@ class StackCollector(Collector):
         self.recovery = recovery
 
     def collect(self) -> Iterator[Metric]:
+        units = list(self.host.engine.units.values()) if self.host.engine else []
+        yield from self._stack_families()
+        yield from self._unit_families(units)
+        yield from self._shard_families(units)
+
+    def _stack_families(self) -> Iterator[Metric]:
+        """The stack's phase, and the units that keep it degraded."""
         host = self.host
         phase = GaugeMetricFamily(
             "dynamod_stack_phase", "1 for the daemon's current phase", labels=["stack", "phase"]
@@ -128,7 +135,8 @@ class StackCollector(Collector):
             degraded.add_metric([host.stack.name, name, state_name, reason[:100]], 1.0)
         yield degraded
 
-        units = list(host.engine.units.values()) if host.engine else []
+    def _unit_families(self, units: list[Unit]) -> Iterator[Metric]:
+        """Every unit's state, restarts and last recovery time."""
         state = GaugeMetricFamily(
             "dynamod_unit_state",
             "1 for the unit's current state, 0 otherwise",
@@ -144,6 +152,18 @@ class StackCollector(Collector):
             "Seconds from the unit's last failure or exit until it was ready again",
             labels=["unit"],
         )
+        for unit in units:
+            for each_state in UnitState:
+                state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
+            restarts.add_metric([unit.name], unit.tracker.total)
+            if unit.name in self.recovery.last:
+                recovery.add_metric([unit.name], self.recovery.last[unit.name])
+        yield state
+        yield restarts
+        yield recovery
+
+    def _shard_families(self, units: list[Unit]) -> Iterator[Metric]:
+        """The rollout shards: policy lag, held shards, hot spares and their promotions."""
         lag = GaugeMetricFamily(
             "dynamod_shard_policy_version_lag",
             "Policy versions a rollout shard is behind the ledger",
@@ -152,24 +172,16 @@ class StackCollector(Collector):
         held = available = asleep = 0
         promotions: dict[str, int] = {}
         for unit in units:
-            extended = host.extension_status(unit)  # the rollout layer's keys, as in status
+            extended = self.host.extension_status(unit)  # the rollout layer's keys, as in status
             spare = extended.get("spare")
             if spare is not None and spare["role"] == "spare" and unit.state is UnitState.READY:
                 available += 1
                 asleep += spare["sleeping"]
             for reason, count in (spare["promotions"] if spare else {}).items():
                 promotions[reason] = promotions.get(reason, 0) + count
-            for each_state in UnitState:
-                state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
-            restarts.add_metric([unit.name], unit.tracker.total)
-            if unit.name in self.recovery.last:
-                recovery.add_metric([unit.name], self.recovery.last[unit.name])
             if is_shard(unit, extended):
                 lag.add_metric([unit.name], policy_lag(extended))
                 held += unit.hold_reason is not None
-        yield state
-        yield restarts
-        yield recovery
         yield lag
         yield GaugeMetricFamily(
             "dynamod_shards_held", "Rollout shards held out of routing (catching up)", value=held

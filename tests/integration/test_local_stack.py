@@ -163,7 +163,7 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
 
     async def scenario() -> tuple[float, float]:
         load = asyncio.create_task(steady_load(url, rate=5, seconds=16, events=events))
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # the fault's place in the load's 16 s: traffic before and after
         killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         # The frontend's own view drops the dead worker at once (its lease is revoked),

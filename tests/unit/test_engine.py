@@ -579,3 +579,40 @@ restart = { first_delay = 0, jitter = 0, min_uptime = 0.02 }
             "ready",
         ]
         assert run.unit("app").tracker.total == 0  # an operator-style restart, not a failure
+
+
+# ------------------------------------------------------------------ operator stop / start
+
+
+async def test_an_operator_stop_holds_the_unit_and_its_dependents_wait(tmp_path: Path) -> None:
+    units = service("db") + service("app", 'depends_on = { db = "ready" }')
+    async with running(tmp_path, units) as run:
+        await run.reach("db", S.READY)
+        await run.reach("app", S.READY)
+        await run.engine.hold_stopped("db", "`dynamod stop`")
+        db = run.unit("db")
+        assert db.state is S.STOPPED
+        assert db.detail.startswith("stopped by `dynamod stop`: stopped in ")
+        assert (run.host.child("db").pid, signal.SIGTERM) in run.host.signalled
+        run.host.exit("app", code=1)  # it loses what it needs
+        assert "waiting for db (ready)" in await run.entered("app", S.WAITING)
+        await asyncio.sleep(0.1)  # many times db's backoff: it is not started again
+        assert db.state is S.STOPPED and len(run.host.spawned["db"]) == 1
+        assert db.tracker.total == 0 and run.unit("app").tracker.total == 0
+        row = next(r for r in run.engine.snapshot() if r["name"] == "db")
+        assert row["operator_stop"]["by"] == "`dynamod stop`"
+        assert row["detail"].startswith("stopped by `dynamod stop` 0 s ago; stopped in ")
+        run.engine.release("db")
+        await run.reach("db", S.READY)
+        await run.reach("app", S.READY)
+        assert len(run.host.spawned["db"]) == 2 and db.operator_stop is None
+        assert run.states("db") == ["starting", "ready", "stopping", "stopped", "starting", "ready"]
+
+
+async def test_a_restart_starts_an_operator_stopped_unit(tmp_path: Path) -> None:
+    async with running(tmp_path, service("app")) as run:
+        await run.reach("app", S.READY)
+        await run.engine.hold_stopped("app", "`dynamod stop`")
+        await run.engine.restart_unit("app")
+        unit = await run.reach("app", S.READY)
+        assert unit.operator_stop is None and len(run.host.spawned["app"]) == 2

@@ -1,5 +1,6 @@
-"""The lifecycle commands: `check`, `up`, `down`, `status`, `restart`, `logs`. They ask the
-daemon over its socket or read the state dir; starting the daemon itself is control/launch.py."""
+"""The lifecycle commands: `check`, `up`, `down`, `status`, `restart`, `stop`, `start`,
+`logs`. They ask the daemon over its socket or read the state dir; starting the daemon
+itself is control/launch.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dynamod.client import Client
-from dynamod.client.control import NoDaemonError
+from dynamod.client.control import NoDaemonError, UnknownUnitError
 from dynamod.control import launch, render
 from dynamod.control.cliutil import (
     BAD_INPUT,
@@ -336,6 +337,38 @@ def restart(ctx: click.Context, unit: str) -> None:
 
 @click.command()
 @click.argument("unit", callback=check_unit_name)
+@click.pass_context
+def stop(ctx: click.Context, unit: str) -> None:
+    """Stop UNIT (a replica like worker@1, or every replica by its base name) and keep it
+    stopped, no restart, until `dynamod start UNIT`. The rest of the stack runs on."""
+    _operator(ctx, "stop", unit)
+
+
+@click.command()
+@click.argument("unit", callback=check_unit_name)
+@click.pass_context
+def start(ctx: click.Context, unit: str) -> None:
+    """Start UNIT again after `dynamod stop UNIT`."""
+    _operator(ctx, "start", unit)
+
+
+def _operator(ctx: click.Context, action: str, unit: str) -> None:
+    client = Client(state_dir_of(ctx))
+    try:
+        result = client.stop(unit) if action == "stop" else client.start(unit)
+    except UnknownUnitError as exc:
+        fail(str(exc), BAD_INPUT)
+    except DaemonError as exc:
+        fail(str(exc))
+    done = "stopped; held until `dynamod start`" if action == "stop" else "started"
+    for name in result["done"]:
+        click.echo(f"{name} {done}")
+    for name, why in result["already"].items():
+        click.echo(f"{name}: {why}")
+
+
+@click.command()
+@click.argument("unit", callback=check_unit_name)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option(
     "-n",
@@ -360,4 +393,4 @@ def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
         pass
 
 
-lifecycle_commands = [check, up, down, status, restart, logs]
+lifecycle_commands = [check, up, down, status, restart, stop, start, logs]
