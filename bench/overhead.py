@@ -14,7 +14,6 @@ supervisord's RSS and idle CPU, and `supervisorctl status`.
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from bench.runners import (
     Dynamod,
     Supervisord,
 )
+from dynamod.core import runrecord
 
 STACK = textwrap.dedent(
     """\
@@ -96,7 +96,10 @@ def measure_dynamod(n: int, window: float, reps: int) -> dict[str, Any]:
             up_s = dm.up(write_stack(state, n), timeout=300)
             status = dm.status()
             pid = status["daemon_pid"]
-            guardian = int(json.loads((state / "run.json").read_text())["guardian_pid"])
+            run = runrecord.read(state)
+            if run is None or run.guardian_pid is None:
+                raise RuntimeError(f"no guardian pid in {state}/run.json")
+            guardian = run.guardian_pid
             time.sleep(SETTLE)
             cpu = idle_cpu(pid, window)
             rss, guardian_rss = rss_mb(pid), rss_mb(guardian)

@@ -25,6 +25,7 @@ from bench.procs import (
     reap_zombies,
     wait_until,
 )
+from dynamod.core import runrecord
 
 # --------------------------------------------------------------------------- dynamod
 
@@ -93,9 +94,8 @@ class Dynamod:
         return result
 
     def run_id(self) -> str | None:
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            return str(json.loads((self.state / "run.json").read_text())["run_id"])
-        return None
+        run = runrecord.read(self.state)
+        return run.run_id if run is not None else None
 
     def events(self) -> list[dict[str, Any]]:
         """daemon.log JSON lines, each with `t` (epoch seconds) added."""

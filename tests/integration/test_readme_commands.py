@@ -12,7 +12,6 @@ the README no longer has. Cost: one default stack and one small stack, about a m
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -28,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from dynamod.client import Client
+from dynamod.core import runrecord
 from dynamod.core.proctable import marked_pids
 from tests.conftest import ROOT
 from tests.integration.policystack import checkpoint, model_dir
@@ -145,9 +145,9 @@ def here() -> Iterator[tuple[Path, dict[str, str]]]:
     if (state / "dynamod.sock").exists():
         subprocess.run([sys.executable, "-m", "dynamod", "down"], env=env, cwd=work,
                        capture_output=True, timeout=120)  # fmt: skip
-    run_json = state / "run.json"
-    if run_json.exists():
-        for pid in marked_pids(str(json.loads(run_json.read_text())["run_id"])):
+    run = runrecord.read(state)
+    if run is not None:
+        for pid in marked_pids(run.run_id):
             os.kill(pid, signal.SIGKILL)
     shutil.rmtree(work, ignore_errors=True)
 
