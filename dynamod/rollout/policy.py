@@ -384,6 +384,10 @@ class PolicyManager(Extension):
     def note_error(self, unit: Unit, error: str) -> None:
         self._shard_policy(unit.name).last_error = error
 
+    def event(self, kind: str, unit: str | None, **fields: Any) -> None:
+        if self.host is not None:
+            self.host.events.emit(kind, unit, **fields)
+
     def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
         shard = self._shards.get(unit.name)
         status = shard.as_status() if shard else {}
@@ -749,6 +753,14 @@ class PolicyManager(Extension):
             version=target.version,
             seconds=answer["seconds"],
             acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
+        )
+        self.event(
+            f"policy.{how}",
+            None,
+            version=target.version,
+            seconds=answer["seconds"],
+            acked=sorted(n for n, a in acks.items() if a.get("ok", True)),
+            stale=answer["stale"],
         )
         return answer
 

@@ -298,6 +298,9 @@ class DynamoRegistrations(Extension):
             return False
         took_ms = (time.monotonic() - started) * 1000
         log.info("dynamo.revoked", unit=name, exit=why, keys=revoked, ms=round(took_ms, 1))
+        if self.host is not None:
+            self.host.events.emit("dynamo.revoked", name, exit=why, keys=revoked,
+                                  ms=round(took_ms, 1))  # fmt: skip
         return True
 
     def _ensure_retrier(self) -> None:

@@ -100,6 +100,9 @@ class ShardDriver(Protocol):
     def note_error(self, unit: Unit, error: str) -> None:
         """A replay into the shard failed (its `last_error` in status)."""
 
+    def event(self, kind: str, unit: str | None, **fields: Any) -> None:
+        """Record what happened in the stack's events file (`dynamod events`)."""
+
     def note_current(self, current: PolicyVersion | None) -> None:
         """The ledger was read: `current` is its version now."""
 

@@ -336,6 +336,14 @@ class SparePool:
                         slot.role = Role.SERVING
                         ack.timings_ms = {**timings, **ack.timings_ms}
                         self._count_promotion(unit, reason)
+                        driver.event(
+                            "spares.promoted",
+                            unit.name,
+                            replaced=replaced,
+                            reason=str(reason),
+                            version=version,
+                            total_ms=round((time.monotonic() - since) * 1000, 1),
+                        )
                         log.info(
                             "spares.promoted",
                             unit=unit.name,

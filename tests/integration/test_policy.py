@@ -133,6 +133,13 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     assert failures == [], failures[:3]
     log = dm.daemon_log()
     assert "held: waiting to replay the current policy" in log
+    # `dynamod events` records the push and the killed shard's revocation
+    events = [json.loads(line) for line in (dm.state_dir / "events.jsonl").read_text().splitlines()]
+    pushed = [e for e in events if e["kind"] == "policy.pushed"]
+    assert [(e["version"], e["acked"], e["stale"]) for e in pushed] == [
+        (1, ["worker@0", "worker@1"], [])
+    ]
+    assert any(e["kind"] == "dynamo.revoked" and e["unit"] == "worker@1" for e in events)
 
 
 def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(

@@ -164,6 +164,11 @@ def test_kill_promotes_the_spare_at_once_and_the_dead_shard_returns_as_spare(
     # Current and awake: one call (the taint), and the canary through the frontend.
     assert set(promoted["steps_ms"]) == {"taint", "route"}
     assert promoted["was_version"] == 1 and promoted["was_asleep"] is False
+    # and `dynamod events` has the promotion, with what it replaced
+    lines = (dm.state_dir / "events.jsonl").read_text().splitlines()
+    recorded = [json.loads(line) for line in lines]
+    assert [(e["unit"], e["replaced"], e["version"]) for e in recorded
+            if e["kind"] == "spares.promoted"] == [(spare["name"], victim["name"], 1)]  # fmt: skip
     # Seen dying (its threads ending) before the kernel had torn it down and reaped it.
     (dying,) = [e for e in events(dm, "spares.shard_dying") if e["unit"] == victim["name"]]
     assert "dying" in promoted["why"], promoted["why"]
