@@ -108,6 +108,10 @@ async def push_weights(
     path = await asyncio.to_thread(checkpoint.write_checkpoint, weights, root, step)
     answer: dict[str, Any] = await asyncio.to_thread(client.policy_push, step, path)
     await asyncio.to_thread(checkpoint.prune, root, keep, step)
+    await asyncio.to_thread(checkpoint.record_push, root, {
+        "step": step, "version": answer.get("version", step), "digest": answer.get("digest"),
+        "path": str(path), "seconds": answer.get("seconds"),
+    })
     log.info(
         "verl.weights_pushed", step=step, path=str(path), seconds=answer.get("seconds"),
         acks={k: v.get("total_ms", v.get("error")) for k, v in answer.get("acks", {}).items()},

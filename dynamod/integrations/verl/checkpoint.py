@@ -14,6 +14,7 @@ replay that starts before its write ends finds no directory, fails and is retrie
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Iterable
@@ -58,6 +59,23 @@ def prune(root: Path, keep: int, current: int) -> list[Path]:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+PUSHES = "pushes.jsonl"
+
+
+def record_push(root: Path, entry: dict[str, Any]) -> None:
+    """Append one committed push (verl's step, the ledger's version, digest) to the log."""
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / PUSHES).open("a") as out:
+        out.write(json.dumps({**entry, "at": time.time()}) + "\n")
+
+
+def read_pushes(root: Path) -> list[dict[str, Any]]:
+    path = root / PUSHES
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def step_dir(root: Path, step: int) -> Path:

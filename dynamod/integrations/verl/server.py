@@ -23,7 +23,6 @@ import structlog
 from dynamod.integrations.verl import completions, engine
 from dynamod.integrations.verl.config import RolloutSettings
 from dynamod.integrations.verl.errors import GenerationError
-from dynamod.integrations.verl.stack import StackView, read_stack
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
@@ -46,6 +45,7 @@ class DynamodRolloutServer:
         frontend_url: str,
         prompt_length: int,
         response_length: int,
+        free_cache_engine: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.settings = settings
@@ -55,6 +55,7 @@ class DynamodRolloutServer:
         self.url = f"{frontend_url}/v1/completions"
         self.prompt_length = prompt_length
         self.response_length = response_length
+        self.free_cache_engine = free_cache_engine
         self.counts: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
 
@@ -139,15 +140,21 @@ class DynamodRolloutServer:
     # ---------------------------------------------------------------- lifecycle
 
     async def _lifecycle(self, call: str) -> list[dict[str, Any]]:
-        view: StackView = await asyncio.to_thread(read_stack, self.state_dir)
-        shards = view.shards_of_replica(self.replica_rank, self.replicas)
-        answers = await engine.fan_out(self._http(), shards, call)
-        return [{"shard": a.shard, "route": a.route, **a.body} for a in answers]
+        return await engine.replica_call(
+            self._http(), self.state_dir, self.replica_rank, self.replicas, call
+        )
 
     async def wake_up(self) -> list[dict[str, Any]]:
         return await self._lifecycle("wake_up")
 
     async def sleep(self) -> list[dict[str, Any]]:
+        """verl sleeps the replicas after each generation to free their memory for the
+        update, and wakes them through the adapter's `resume` only when
+        `rollout.free_cache_engine` is set: without it a slept shard would refuse the
+        update, so the shards stay awake."""
+        if not self.free_cache_engine:
+            log.info("verl.sleep_skipped", reason="rollout.free_cache_engine is false")
+            return []
         return await self._lifecycle("sleep")
 
     async def clear_kv_cache(self) -> list[dict[str, Any]]:

@@ -44,6 +44,7 @@ class StackView:
     frontend_state: str | None
     router_mode: str | None
     model: str | None
+    model_path: str | None  # the shards' weights: what verl's actor must load too
     namespace: str | None
     thunderagent: bool
     shards: tuple[Shard, ...]
@@ -103,6 +104,12 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
             )
         )
     model = None
+    model_path = None
+    for unit in units:
+        if unit["name"] in {s.name for s in shards}:
+            command = unit.get("command") or []
+            model_path = _flag(command, "--model-path") or _flag(command, "--model")
+            break
     if router is not None:
         model = _flag(router.get("command") or [], "--model-name")
     for unit in units if model is None else []:
@@ -123,6 +130,7 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         frontend_state=str(frontend["state"]) if frontend else None,
         router_mode=_flag((frontend or {}).get("command") or [], "--router-mode"),
         model=model,
+        model_path=model_path,
         namespace=namespace,
         thunderagent=router is not None,
         shards=tuple(sorted(shards, key=lambda s: s.name)),
