@@ -55,8 +55,8 @@ def main_ppo(stack: Dynamod, steps: int = STEPS, ranks: int = 1,
         dataset.write(data)
     cmd = run.command(stack.state_dir, data, steps, ranks, extra=extra)
     env = run.environment({**os.environ, "PYTHONUNBUFFERED": "1"})
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
-    (stack.state_dir / "main_ppo.log").write_text(result.stdout + result.stderr)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                            cwd=stack.state_dir)
     return result
 
 
@@ -94,7 +94,9 @@ def test_main_ppo_two_grpo_steps(stack: Dynamod) -> None:
     # verl pushes its step 0 (the loaded weights) once initialised, then one step per update.
     assert policy["current"] == STEPS, policy
     pushes = checkpoint.read_pushes(stack.state_dir / "verl" / "checkpoints")
+    # a fresh stack: verl's steps are the ledger's versions, all from one run
     assert [(p["step"], p["version"]) for p in pushes] == [(s, s) for s in range(STEPS + 1)]
+    assert len({p["run"] for p in pushes}) == 1
     digests = [p["digest"] for p in pushes]
     # step 0 is the loaded weights; each update changes them
     assert all(digests) and len(set(digests)) == len(digests), digests

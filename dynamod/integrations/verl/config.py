@@ -67,7 +67,7 @@ _BOOLS = {
     "include_payload_request_id",
 }
 _STRINGS = {"namespace", "served_model_name", "router_mode", "state_dir", "checkpoint_dir",
-            "ipc_dir"}
+            "ipc_dir", "run_name"}
 _CHOICES = {"weight_sync": ("push", "ipc"), "checkpoint_write": ("background", "inline")}
 _POSITIVE = {"request_timeout_s"}
 _INTS = {"checkpoint_keep", "ipc_bucket_mb"}
@@ -97,6 +97,7 @@ class RolloutSettings:
     served_model_name: str | None = None
     router_mode: str | None = None
     thunderagent: bool | None = None
+    run_name: str | None = None  # recorded with each push; default: start time and pid
     ignored: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 

@@ -26,9 +26,12 @@ from `import verl`, in the driver and in every Ray worker.
 from __future__ import annotations
 
 import os
+import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -197,7 +200,12 @@ def _patch_distributed() -> None:
 
 
 def _patch_engine_registry() -> None:
-    from verl.workers.engine.base import EngineRegistry
+    with warnings.catch_warnings():
+        # verl.workers.engine warns once per optional engine it cannot import (megatron,
+        # torchtitan, ...); importing it here, in every process, would print them before
+        # anything runs, refusals included. On CPU only FSDP is used.
+        warnings.filterwarnings("ignore", ".* engine is not available", UserWarning)
+        from verl.workers.engine.base import EngineRegistry
 
     registry: Any = EngineRegistry
     original = registry.get_engine_cls.__func__
@@ -214,6 +222,60 @@ def _patch_engine_registry() -> None:
     registry.get_engine_cls = classmethod(get_engine_cls)
 
 
+def stack_offer(config: Any) -> Any:
+    """What the dynamod stack's Ray head offers, if main_ppo joins it; None if unknown."""
+    from dynamod.core.paths import STATE_DIR_ENV
+    from dynamod.integrations.verl.errors import StackNotReadyError
+    from dynamod.integrations.verl.preflight import RayOffer, get
+    from dynamod.integrations.verl.stack import read_stack
+
+    kwargs = get(config, "actor_rollout_ref.rollout.engine_kwargs") or {}
+    section = next((kwargs.get(s) for s in ("dynamod", "dynamo") if kwargs.get(s)), None) or {}
+    state_dir = get(section, "state_dir") or os.environ.get(STATE_DIR_ENV)
+    if not state_dir:
+        return None
+    try:
+        view = read_stack(Path(str(state_dir)))
+    except StackNotReadyError:
+        return None  # the replica says why when it attaches
+    if view.ray_address != get(config, "ray_kwargs.ray_init.address"):
+        return None
+    var = f"the stack's var {{}} (dynamod up {view.stack} ... --var {{}}=N)"
+    return RayOffer(
+        cpus=view.ray_cpus if view.ray_cpus is not None else float("inf"),
+        gpus=view.ray_gpus if view.ray_gpus is not None else float("inf"),
+        where=var.format("ray_num_cpus", "ray_num_cpus"),
+        gpus_where=var.format("ray_num_gpus", "ray_num_gpus"),
+    )
+
+
+def refuse_unrunnable(config: Any) -> None:
+    """On CPU: the preflight's one line on stderr and exit status 2, before Ray starts."""
+    from dynamod.integrations.verl import preflight
+    from dynamod.integrations.verl.errors import RolloutConfigError
+
+    try:
+        offer = preflight.offer_of(config, os.cpu_count() or 1, stack_offer(config))
+        preflight.check(config, offer)
+    except RolloutConfigError as exc:
+        print(f"verl on CPU (dynamod): refused before Ray starts: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _guard_auto_set_device() -> None:
+    """main_ppo calls auto_set_device(config) on the parsed config, before ray.init."""
+    from verl.utils import device
+
+    original = device.auto_set_device
+
+    def auto_set_device(config: Any) -> None:
+        original(config)
+        if on_cpu():
+            refuse_unrunnable(config)
+
+    device.auto_set_device = auto_set_device
+
+
 def install() -> None:
     """Register the platform (last, so an accelerator wins) and patch verl for CPU. Once."""
     if getattr(PlatformRegistry, PATCHED, False):
@@ -221,4 +283,5 @@ def install() -> None:
     PlatformRegistry.register(platform=PLATFORM)(PlatformCPU)
     _patch_distributed()
     _patch_engine_registry()
+    _guard_auto_set_device()
     setattr(PlatformRegistry, PATCHED, True)

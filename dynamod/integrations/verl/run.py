@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from dynamod.integrations.verl import ROLLOUT_NAME
+from dynamod.integrations.verl import ROLLOUT_NAME, reward
 from dynamod.integrations.verl.attach import RAY_LOOPBACK_ENV
 from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.stack import StackView, read_stack
@@ -47,12 +47,16 @@ def overrides(view: StackView, data_dir: Path, steps: int, ranks: int,
         f"data.train_batch_size={batch}",
         "data.max_prompt_length=64",
         "data.max_response_length=8",
+        "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={view.model_path}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.actor.strategy=fsdp2",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
         f"actor_rollout_ref.rollout.name={ROLLOUT_NAME}",
         "actor_rollout_ref.rollout.mode=async",
         "actor_rollout_ref.rollout.n=2",
@@ -62,6 +66,8 @@ def overrides(view: StackView, data_dir: Path, steps: int, ranks: int,
         "actor_rollout_ref.rollout.agent.num_workers=1",
         f"+actor_rollout_ref.rollout.engine_kwargs.dynamod.state_dir={view.state_dir}",
         "reward.num_workers=1",
+        f"reward.custom_reward_function.path={reward.__file__}",
+        "reward.custom_reward_function.name=compute_score",
         "trainer.device=cpu",
         "trainer.use_v1=False",
         "trainer.logger=[console]",
@@ -74,6 +80,7 @@ def overrides(view: StackView, data_dir: Path, steps: int, ranks: int,
         "trainer.test_freq=-1",
         f"trainer.default_local_dir={view.state_dir / 'verl' / 'trainer'}",
         f"+ray_kwargs.ray_init.address={view.ray_address}",
+        f"hydra.run.dir={view.state_dir / 'verl' / 'hydra'}",
     ]
 
 
