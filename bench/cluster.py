@@ -23,7 +23,7 @@ import tomllib
 
 import structlog
 
-from bench.report import Report, Table, emit, options
+from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import ClusterRig
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
@@ -33,6 +33,7 @@ from dynamod.core import paths
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     lease_ttl_s = float(tomllib.loads(STACK.read_text())["cluster"]["lease_ttl"])

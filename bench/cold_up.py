@@ -39,6 +39,7 @@ from bench.report import (
     Report,
     Table,
     emit,
+    entry,
     options,
     ratio,
     summary,
@@ -250,6 +251,7 @@ async def _routable_once(url: str, workers: int) -> bool:
         return await routable(session, url, workers)
 
 
+@entry
 def main() -> None:
     parser = options(__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)

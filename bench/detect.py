@@ -55,6 +55,7 @@ from bench.report import (
     Table,
     damon,
     emit,
+    entry,
     options,
     ratio,
     summary,
@@ -420,6 +421,7 @@ def _row(label: str, values: list[float], base: float) -> list[Any]:
     return [label, x["n"], x["median"], x["p95"], x["p99"], x["max"], ratio(x["median"], base)]
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

@@ -43,6 +43,7 @@ from bench.report import (
     Report,
     Table,
     emit,
+    entry,
     options,
     ratio,
     summary,
@@ -214,6 +215,7 @@ def supervisord_down(scenario: str) -> dict[str, Any]:
     return result
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from bench.report import Report, Table, emit, options, ratio, summary
+from bench.report import Report, Table, emit, entry, options, ratio, summary
 from dynamod.core.ports import PortAllocator
 
 BIN = Path(sys.executable).parent
@@ -340,6 +340,7 @@ def etcd_on_loopback() -> Any:
         shutil.rmtree(data, ignore_errors=True)
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     ops, rounds, repeats = (200, 2, 3) if args.quick else (1000, 4, 7)

@@ -41,6 +41,7 @@ from bench.report import (
     Report,
     Table,
     emit,
+    entry,
     options,
     summary,
 )
@@ -275,6 +276,7 @@ def run_side_by_side(
     ]
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

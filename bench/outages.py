@@ -14,7 +14,7 @@ behaviour where that comparison means something:
                  waited for the router, failed / stale requests for the new version after it.
   frontend_hang  SIGSTOP of the frontend: detection, serving back, failed requests. Recipe:
                  the previous liveness (2 s interval, 2 s timeout, 3 misses).
-  saturation     64 requests in flight for 30 s (15 s quick): frontend liveness misses and
+  saturation     64 requests in flight for 30 s (5 s quick): frontend liveness misses and
                  restarts (false positives).
   daemon_kill    dynamod SIGKILLed, `up` again on the same state dir: time to ready,
                  dead instances left in etcd.
@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from bench.procs import bench_mark, reap_zombies, state_dir, wait_until
-from bench.report import Report, Table, emit, options
+from bench.report import Report, Table, emit, entry, options
 from bench.runners import Dynamod
 from bench.stack import prebuilt_model
 
@@ -220,13 +220,13 @@ def etcd_cut(recipe: bool) -> dict[str, Any]:
 
 
 def kill9_push() -> dict[str, Any]:
-    from bench.policy_push import checkpoint
+    from bench.policy_push import weights
 
     with state_dir("ok") as state:
         dm = Dynamod(state)
         try:
             dm.up(write_stack(state, state / "never"))
-            path, _ = checkpoint(None)
+            path = weights(None).checkpoint
             required: list[int | None] = [0]
             with Load(frontend_url(dm), required=required) as load:
                 time.sleep(3)
@@ -366,6 +366,7 @@ async def _instances(port: int) -> set[int]:
         return {i.instance_id for i in await dynamo.list_instances(etcd, "dynamod")}
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
@@ -382,7 +383,7 @@ def main() -> None:
         data["kill9_push"] = kill
     data["frontend_hang"] = {}
     if (hang := guarded("frontend_hang", report, frontend_hang, False,
-                        15 if args.quick else 30)) is not None:
+                        5 if args.quick else 30)) is not None:
         data["frontend_hang"]["dynamod"] = hang
     if not args.quick:
         if (old := guarded("frontend_hang recipe", report, frontend_hang, True, None)):

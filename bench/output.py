@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench.procs import cpu_seconds, rss_mb, state_dir, wait_until
-from bench.report import Report, Table, emit, options, ratio
+from bench.report import Report, Table, emit, entry, options, ratio
 from bench.runners import Dynamod
 
 WRITER = textwrap.dedent(
@@ -77,6 +77,7 @@ def one_round(dm: Dynamod, state: Path, pid: int, kind: str, k: int) -> float:
     return cpu_seconds(pid) - before
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     mb = 10 if args.quick else 50

@@ -36,6 +36,7 @@ from bench.report import (
     Report,
     Table,
     emit,
+    entry,
     options,
     summary,
 )
@@ -151,6 +152,7 @@ def measure_supervisord(n: int, window: float, reps: int) -> dict[str, Any]:
     return {"units": n, "up_s": up_s, "rss_mb": rss, "idle_cpu_pct": cpu, "status_cli_ms": ctl}
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

@@ -58,6 +58,7 @@ from bench.report import (
     Report,
     Table,
     emit,
+    entry,
     options,
     ratio,
     summary,
@@ -240,10 +241,11 @@ def stack_ports(dm: Dynamod) -> tuple[int, int]:
     return units["etcd"]["ports"]["client"], units["nats"]["ports"]["client"]
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
-    kills, cold_reps, full_reps = (2, 2, 1) if args.quick else (8, 8, 3)
+    kills, cold_reps, full_reps = (1, 1, 1) if args.quick else (8, 8, 3)
     report = Report("recovery", "2. Worker recovery after kill -9 (2 shards)", args.quick)
     records: list[dict[str, Any]] = []
     cold: list[float] = []
@@ -312,7 +314,7 @@ def main() -> None:
             finally:
                 dm.close()
         with state_dir("rec-spare") as state:
-            spares = run_spares(state, serve_stack(state), 3 if args.quick else 8)
+            spares = run_spares(state, serve_stack(state), 1 if args.quick else 8)
     finally:
         sweep()
     total = summary(r["total"] for r in records)

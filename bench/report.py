@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -12,21 +13,62 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 # --------------------------------------------------------------------------- flags
 
 
+def program() -> str:
+    """How this benchmark was started: `python -m bench.NAME`."""
+    return f"python -m bench.{Path(sys.argv[0]).stem}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its usage + error lines turned into one line, exit status 2, as the
+    `dynamod` CLI answers bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def options(description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    parser = _Parser(prog=program(), description=description)
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: fewer repetitions, under a minute"
+        "--quick", action="store_true", help="smoke run: fewer repetitions, seconds not minutes"
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable results")
     return parser
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its type and message, whitespace folded, at most 600
+    characters (a failed subprocess's output can be long)."""
+    text = " ".join(str(exc).split()) or repr(exc)
+    text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= 600 else text[:597] + "..."
+
+
+def entry(main: Callable[[], None]) -> Callable[[], None]:
+    """A benchmark's `main`: a failure ends in one line on stderr (`python -m bench.NAME:
+    failed: ...`) and exit status 1, an interrupt in exit status 130, never in a
+    traceback. The sweep of what it started still runs (bench.procs registers it atexit)."""
+
+    @functools.wraps(main)
+    def run() -> None:
+        try:
+            main()
+        except KeyboardInterrupt:
+            print(f"{program()}: interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
+        except Exception as exc:
+            print(f"{program()}: failed: {one_line(exc)}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    return run
 
 
 # --------------------------------------------------------------------------- statistics

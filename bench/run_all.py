@@ -4,13 +4,13 @@
 
 Each benchmark runs as its own process (`python -m bench.NAME [--quick] --json`), one after
 the other, cheapest first; a benchmark that crashes is reported and the rest still run
-(exit status 1 at the end). Missed targets are results, not errors. `--save DIR` writes
+(exit status 1 at the end, one line on stderr naming each failed benchmark and its own
+one-line failure). Missed targets are results, not errors. `--save DIR` writes
 each benchmark's JSON and a combined results.md there.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -19,32 +19,55 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import (
+    entry,
     machine,
+    options,
+    program,
     render_json,
 )
 
+# Every benchmark in bench/, cheapest first. Adding one is this one line: `python -m
+# bench.run_all` runs it and CI runs its --quick profile (tests/integration/test_bench_smoke.py
+# takes its names from here; tests/unit/test_bench_entry.py fails for a bench/ module that
+# builds a Report and is missing here).
 BENCHMARKS = [
     "etcd_client",
-    "overhead",
     "output",
+    "overhead",
     "detect",
     "down",
     "cold_up",
-    "recovery",
+    "worker_start",
+    "tokens",
     "policy_push",
+    "recovery",
+    "spare_kills",
     "load_kill",
     "outages",
-    "tokens",
-    "worker_start",
     "cluster",
     "verl_checkpoint",
 ]
 
 
+def run_one(name: str, quick: bool) -> tuple[dict[str, Any] | None, str]:
+    """(its JSON result, "") or (None, what failed: its exit status and last stderr line)."""
+    cmd = [sys.executable, "-m", f"bench.{name}", "--json"]
+    cmd += ["--quick"] if quick else []
+    print(f"# running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else "(nothing on stderr)"
+    if proc.returncode != 0:
+        return None, f"exit {proc.returncode}: {last}"
+    try:
+        return json.loads(proc.stdout), ""
+    except ValueError:
+        return None, f"exit 0 but no JSON result on stdout; stderr: {last}"
+
+
+@entry
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run of every benchmark")
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser = options(__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated benchmark names")
     parser.add_argument("--save", type=Path, default=None, help="directory for the results")
     args = parser.parse_args()
@@ -55,22 +78,13 @@ def main() -> None:
     if args.save:
         args.save.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
-    failed: list[str] = []
+    failed: dict[str, str] = {}
     started = time.time()
     for name in names:
-        cmd = [sys.executable, "-m", f"bench.{name}", "--json"]
-        cmd += ["--quick"] if args.quick else []
-        print(f"# running {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        try:
-            result = json.loads(proc.stdout)
-        except ValueError:
-            failed.append(name)
-            print(
-                f"# bench.{name} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}",
-                file=sys.stderr,
-                flush=True,
-            )
+        result, why = run_one(name, args.quick)
+        if result is None:
+            failed[name] = why
+            print(f"# bench.{name} failed ({why})", file=sys.stderr, flush=True)
             continue
         results.append(result)
         if args.save:
@@ -82,7 +96,7 @@ def main() -> None:
         "seconds": round(time.time() - started, 1),
         "machine": machine(),
         "benchmarks": results,
-        "failed": failed,
+        "failed": sorted(failed),
         "targets": [{"benchmark": r["benchmark"], **t} for r in results for t in r["targets"]],
     }
     if args.save:
@@ -98,9 +112,14 @@ def main() -> None:
                 f"- [{'met' if t['met'] else 'MISSED'}] {t['benchmark']}: {t['target']}: "
                 f"{t['measured']:.3g} {t['unit']} (limit {t['limit']:g} {t['unit']})"
             )
-        if failed:
-            print(f"benchmarks that crashed: {', '.join(failed)}")
-    sys.exit(1 if failed else 0)
+    sys.stdout.flush()
+    if failed:
+        print(
+            f"{program()}: failed: {len(failed)} of {len(names)} benchmarks: "
+            + "; ".join(f"{name} ({why})" for name, why in failed.items()),
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import bench_mark, iso_epoch, state_dir, sweep, wait_until
-from bench.report import Report, Table, emit, options, ratio, summary
+from bench.report import Report, Table, emit, entry, options, ratio, summary
 from bench.runners import Dynamod
 from bench.stack import MODEL, prebuilt_model, serve_stack
 
@@ -569,10 +569,11 @@ def failures_table(report: Report, spares: dict[str, Any]) -> None:
         )
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
-    kills = 3 if args.quick else 8
+    kills = 1 if args.quick else 8
     report = Report("spare_kills", "2b. Hot spares: kill -9 of a serving shard", args.quick)
     load_start = [round(x, 2) for x in os.getloadavg()]
     try:

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from bench.procs import bench_mark, state_dir, sweep
-from bench.report import Report, Table, emit, options, ratio, summary
+from bench.report import Report, Table, emit, entry, options, ratio, summary
 from bench.runners import Dynamod
 from bench.stack import MODEL, prebuilt_model, serve_stack
 
@@ -91,6 +91,7 @@ async def measure(url: str, instance: int, quick: bool) -> dict[str, Any]:
     return out
 
 
+@entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()

@@ -33,7 +33,7 @@ from typing import Any
 
 import structlog
 
-from bench.report import Report, Table, emit, options, ratio, summary
+from bench.report import Report, Table, emit, entry, options, ratio, summary
 
 RECEIVER = textwrap.dedent("""
     import logging, sys
@@ -142,6 +142,7 @@ def run_mode(state: dict[str, Any], background: bool, steps: int, gap: float, ro
             "write_s": writer.last_write_s}
 
 
+@entry
 def main() -> None:
     parser = options(__doc__.splitlines()[0])
     parser.add_argument("--gap", type=float, default=3.0,

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.procs import ROOT, bench_mark, kill_group, state_dir, sweep, wait_dead, wait_until
-from bench.report import Report, Table, emit, options, ratio, summary
+from bench.report import Report, Table, emit, entry, options, ratio, summary
 from bench.stack import PlainStack, load_local_stack, prebuilt_model, unit_env
 
 TORCH_WORKER_REV = "1306a0b"  # main before the numpy engine: the worker imported torch
@@ -138,6 +138,7 @@ def build_once(variant: str, model_dir: Path) -> dict[str, float]:
     return result
 
 
+@entry
 def main() -> None:
     parser = options(__doc__.splitlines()[0])
     parser.add_argument(

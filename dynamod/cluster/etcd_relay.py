@@ -25,12 +25,14 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from dynamod.core.errors import DynamodError
+
 CONNECT_S = 1.0  # a member that takes longer to accept is passed over
 PASS_OVER_S = 5.0  # a member that ended a connection without a byte is tried last this long
 CHUNK = 64 * 1024
 
 
-class RelayError(ValueError):
+class RelayError(DynamodError, ValueError):
     """A bad argument: the members' list or a port."""
 
 

@@ -27,8 +27,8 @@ from dynamod.core.spec import Stack, UnitSpec
 from dynamod.core.state import UnitState
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Unit
+    from dynamod.core.extensions import ExtensionHost
 
 BIND_FLAGS = frozenset({
     "-a", "--addr", "--host", "--bind", "--http-host", "--node-ip-address", "--dashboard-host",
@@ -279,15 +279,15 @@ class ExposureWatch(Extension):
     /proc per process costs milliseconds a unit, and `status` is polled)."""
 
     def __init__(self) -> None:
-        self.daemon: Daemon | None = None
+        self.host: ExtensionHost | None = None
         self._warnings: list[str] = []
         self._task: asyncio.Task[None] | None = None
         self._again = asyncio.Event()
 
-    async def start(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        assert daemon.engine is not None
-        daemon.engine.listeners.append(self._on_change)
+    async def start(self, host: ExtensionHost) -> None:
+        self.host = host
+        assert host.engine is not None
+        host.engine.listeners.append(self._on_change)
         self._task = asyncio.get_running_loop().create_task(self._refresh(), name="exposure")
 
     def _on_change(self, unit: Unit, old: UnitState, new: UnitState) -> None:
@@ -302,7 +302,7 @@ class ExposureWatch(Extension):
             self._task = None
 
     def _snapshot(self) -> tuple[dict[str, tuple[int, Any]], dict[str, bool]]:
-        engine = self.daemon.engine if self.daemon is not None else None
+        engine = self.host.engine if self.host is not None else None
         if engine is None:
             return {}, {}
         running = {

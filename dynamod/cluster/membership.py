@@ -28,6 +28,7 @@ from dynamod.cluster import join, parking, registry
 from dynamod.cluster.parking import ParkedKey
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
+from dynamod.cluster.shutdown import ClusterShutdown, carry_out
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
@@ -36,8 +37,8 @@ from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.extensions import ExtensionHost
     from dynamod.rollout.policy import PolicyManager
     from dynamod.rollout.registrations import DynamoRegistrations
 
@@ -68,7 +69,7 @@ class Membership(Extension):
         self.cluster = cluster
         self.registrations = registrations
         self.policy = policy
-        self.daemon: Daemon | None = None
+        self.host: ExtensionHost | None = None
         self.etcd: EtcdClient | None = None
         self.lease: int | None = None
         self.entries: dict[str, NodeEntry] = {}
@@ -95,16 +96,16 @@ class Membership(Extension):
 
     @property
     def stack(self) -> str:
-        assert self.daemon is not None
-        return self.daemon.stack.name
+        assert self.host is not None
+        return self.host.stack.name
 
     @property
     def engine(self) -> Engine:
-        assert self.daemon is not None and self.daemon.engine is not None
-        return self.daemon.engine
+        assert self.host is not None and self.host.engine is not None
+        return self.host.engine
 
-    async def start(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    async def start(self, host: ExtensionHost) -> None:
+        self.host = host
         engine = self.engine
         # Every registry endpoint (the client fails over between them), with the cluster's
         # etcd credentials when the stack has a secrets directory.
@@ -189,9 +190,11 @@ class Membership(Extension):
                 async with asyncio.timeout(STOP_GRACE_S):
                     await self.etcd.lease_revoke(self.lease)
 
-    def routes(self) -> list[web.RouteDef]:
-        from dynamod.cluster.shutdown import ClusterShutdown
+    async def _down_here(self) -> dict[str, Any]:
+        assert self.host is not None
+        return await self.host.down()
 
+    def routes(self) -> list[web.RouteDef]:
         async def view(_: web.Request) -> web.Response:
             return web.json_response(self.view())
 
@@ -201,8 +204,7 @@ class Membership(Extension):
                 body = await request.json()
             wait = float(body.get("wait_s", 30))
             report = await ClusterShutdown(self, wait_s=wait).run()
-            assert self.daemon is not None
-            report["this_node_down"] = await self.daemon.down()
+            report["this_node_down"] = await self._down_here()
             return web.json_response(report)
 
         return [web.get("/cluster", view), web.post("/cluster/down", down)]
@@ -228,8 +230,8 @@ class Membership(Extension):
         self._dirty.set()
 
     def entry(self) -> NodeEntry:
-        assert self.daemon is not None
-        shards = set(self.daemon.stack.shards())
+        assert self.host is not None
+        shards = set(self.host.stack.shards())
         units = [
             UnitEntry(
                 name=unit.name,
@@ -249,8 +251,8 @@ class Membership(Extension):
             node=self.cluster.node,
             address=self.cluster.address,
             daemon_pid=os.getpid(),
-            run_id=self.daemon.run_id,
-            phase=str(self.daemon.phase),
+            run_id=self.host.run_id,
+            phase=str(self.host.phase),
             head=self.cluster.is_head,
             units=units,
             policy_current=self.policy.current_version if self.policy else None,
@@ -304,8 +306,8 @@ class Membership(Extension):
             await self._after_return()
 
     def _bundle(self) -> join.StackBundle:
-        assert self.daemon is not None
-        stack = self.daemon.stack
+        assert self.host is not None
+        stack = self.host.stack
         variables = stack.source.raw.vars if stack.source is not None else {}
         return join.bundle(stack.path, self.stack, variables, self.cluster.nodes)
 
@@ -368,8 +370,8 @@ class Membership(Extension):
             self._restarting.discard(name)
 
     def _local_shards(self) -> list[Unit]:
-        assert self.daemon is not None
-        return [self.engine.units[n] for n in self.daemon.stack.shards()]
+        assert self.host is not None
+        return [self.engine.units[n] for n in self.host.stack.shards()]
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """Record a failed registry round. The loops survive every exception, and a
@@ -406,14 +408,15 @@ class Membership(Extension):
         while not self._stopping:
             self._changed.clear()
             try:
-                await self._bounded("read", self._read())
+                await self._bounded("read", self.read())
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("read", exc)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(READ_FALLBACK_S):
                     await self._changed.wait()
 
-    async def _read(self) -> None:
+    async def read(self) -> None:
+        """Everything under the stack's registry prefix, into the fields above."""
         assert self.etcd is not None
         base = registry.prefix(self.stack)
         entries: dict[str, NodeEntry] = {}
@@ -461,8 +464,8 @@ class Membership(Extension):
                 await self._mark_lost(name, before[name])
 
     def _running(self) -> bool:
-        assert self.daemon is not None
-        return str(self.daemon.phase) in {"starting", "up", "degraded"}
+        assert self.host is not None
+        return self.host.phase.running
 
     async def _mark_lost(self, name: str, entry: NodeEntry) -> None:
         """Its lease expired: withdraw its shards' registrations (their instance keys, kept
@@ -494,7 +497,7 @@ class Membership(Extension):
 
     async def others_live(self) -> set[int]:
         """Instance ids of the live workers of the other nodes (never swept here)."""
-        await self._read()
+        await self.read()
         return {
             instance
             for name, entry in self.entries.items()
@@ -514,9 +517,9 @@ class Membership(Extension):
         if key in self._handled_down or self.cluster.node not in request.get("nodes", []):
             return
         self._handled_down.add(key)
-        from dynamod.cluster.shutdown import carry_out
-
-        asyncio.get_running_loop().create_task(carry_out(self, request))
+        asyncio.get_running_loop().create_task(
+            carry_out(self, self.engine, self._down_here, request)
+        )
 
     # ------------------------------------------------------------------ policy across nodes
 
@@ -538,7 +541,7 @@ class Membership(Extension):
         deadline = time.monotonic() + self.policy.spec.route_timeout
         while True:
             with contextlib.suppress(*_FAILURES):
-                await self._read()
+                await self.read()
             others = {n: e for n, e in self.entries.items() if n != self.cluster.node}
             late = registry.behind(others, step)
             if not late or time.monotonic() >= deadline:

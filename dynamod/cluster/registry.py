@@ -12,6 +12,8 @@ as up, lost or behind. Keys, under `dynamod/<stack>/cluster/`:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -116,7 +118,10 @@ class LostRecord:
 
 
 def node_state(
-    name: str, entries: dict[str, NodeEntry], lost: dict[str, LostRecord], seen: set[str]
+    name: str,
+    entries: Mapping[str, NodeEntry],
+    lost: Mapping[str, LostRecord],
+    seen: AbstractSet[str],
 ) -> NodeState:
     if name in entries:
         return NodeState.UP

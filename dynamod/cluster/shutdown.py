@@ -15,14 +15,18 @@ import contextlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
 from dynamod.cluster import registry
+from dynamod.cluster.registry import LostRecord, NodeEntry
 
 if TYPE_CHECKING:
-    from dynamod.cluster.membership import Membership
+    from dynamod.core.engine import Engine
+    from dynamod.core.placement import ClusterSpec
+    from dynamod.rollout.etcd import EtcdClient
 
 log = structlog.get_logger("dynamod.cluster.shutdown")
 
@@ -31,9 +35,41 @@ _POLL_S = 0.1
 _EXIT_ACK_WAIT_S = 5.0
 
 
+class RegistryView(Protocol):
+    """The cluster registry as this node's membership last read it (cluster/membership.py),
+    and the client to write to it: what a shutdown reads and writes."""
+
+    @property
+    def cluster(self) -> ClusterSpec: ...
+
+    @property
+    def stack(self) -> str: ...
+
+    @property
+    def etcd(self) -> EtcdClient | None: ...
+
+    @property
+    def entries(self) -> Mapping[str, NodeEntry]: ...
+
+    @property
+    def lost(self) -> Mapping[str, LostRecord]: ...
+
+    @property
+    def seen(self) -> set[str]: ...
+
+    @property
+    def down_request(self) -> dict[str, Any] | None: ...
+
+    @property
+    def down_acks(self) -> Mapping[str, dict[str, Any]]: ...
+
+    async def read(self) -> None:
+        """Read the registry again (the properties above then show what it holds now)."""
+
+
 class ClusterShutdown:
-    def __init__(self, membership: Membership, *, wait_s: float) -> None:
-        self.m = membership
+    def __init__(self, registry_view: RegistryView, *, wait_s: float) -> None:
+        self.view = registry_view
         self.wait_s = wait_s
         self.id = uuid.uuid4().hex[:12]
         self.report: dict[str, dict[str, Any]] = {}
@@ -41,9 +77,9 @@ class ClusterShutdown:
     async def run(self) -> dict[str, Any]:
         """Every step in order; returns node -> what it stopped (or why nothing)."""
         started = time.monotonic()
-        cluster = self.m.cluster
-        await self.m._read()
-        live = [n for n in cluster.nodes if n in self.m.entries]
+        cluster = self.view.cluster
+        await self.view.read()
+        live = [n for n in cluster.nodes if n in self.view.entries]
         for name in cluster.nodes:
             if name not in live:
                 self.report[name] = {
@@ -57,8 +93,8 @@ class ClusterShutdown:
         for index, units in enumerate(tiers):
             await self._step(str(index), units, live)
         with contextlib.suppress(Exception):  # a clean stop leaves no lost record behind
-            assert self.m.etcd is not None
-            await self.m.etcd.delete_prefix(registry.prefix(self.m.stack) + "lost/")
+            assert self.view.etcd is not None
+            await self.view.etcd.delete_prefix(registry.prefix(self.view.stack) + "lost/")
         me = cluster.node
         first = [n for n in live if n not in {cluster.head, me}]
         await self._step(EXIT, [], first)
@@ -75,29 +111,29 @@ class ClusterShutdown:
         }
 
     def _state(self, name: str) -> str:
-        return str(registry.node_state(name, self.m.entries, self.m.lost, self.m.seen))
+        return str(registry.node_state(name, self.view.entries, self.view.lost, self.view.seen))
 
     async def _step(self, step: str, units: list[str], nodes: list[str]) -> None:
         asked = [n for n in nodes if self.report[n]["answered"]]
         if not asked:
             return
-        assert self.m.etcd is not None
+        assert self.view.etcd is not None
         request = {
             "id": self.id,
             "step": step,
             "units": units,
             "nodes": asked,
-            "by": self.m.cluster.node,
+            "by": self.view.cluster.node,
         }
-        await self.m.etcd.put(registry.down_key(self.m.stack), json.dumps(request))
+        await self.view.etcd.put(registry.down_key(self.view.stack), json.dumps(request))
         deadline = time.monotonic() + self.wait_s
         waiting = set(asked)
         while waiting and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
             with contextlib.suppress(Exception):
-                await self.m._read()
+                await self.view.read()
             for name in list(waiting):
-                ack = self.m.down_acks.get(name)
+                ack = self.view.down_acks.get(name)
                 if ack and ack.get("id") == self.id and ack.get("step") == step:
                     waiting.discard(name)
                     self.report[name]["stopped"] += list(ack.get("stopped", []))
@@ -110,7 +146,7 @@ class ClusterShutdown:
             "by": request["by"],
         }
         with contextlib.suppress(Exception):
-            await self.m.etcd.put(registry.down_key(self.m.stack), json.dumps(seen))
+            await self.view.etcd.put(registry.down_key(self.view.stack), json.dumps(seen))
         for name in waiting:
             self.report[name]["answered"] = False
             self.report[name]["why"] = (
@@ -119,35 +155,40 @@ class ClusterShutdown:
             log.warning("cluster.down_no_answer", node=name, step=step)
 
 
-async def carry_out(m: Membership, request: dict[str, Any]) -> None:
+async def carry_out(
+    view: RegistryView,
+    engine: Engine,
+    down: Callable[[], Awaitable[object]],
+    request: dict[str, Any],
+) -> None:
     """This node's part of one step: stop its instances of the step's units and ack; or,
-    for the exit step, ack and take the whole daemon down."""
-    assert m.etcd is not None and m.daemon is not None
+    for the exit step, ack and take the whole daemon down (`down`)."""
+    assert view.etcd is not None
     step = str(request.get("step"))
     wanted = set(request.get("units", []))
     stopped: list[str] = []
     if step != EXIT:
         units = [
             u
-            for u in m.engine.units.values()
+            for u in engine.units.values()
             if u.spec.unit in wanted and u.spec.remote is None and u.state.value != "stopped"
         ]
-        await asyncio.gather(*(m.engine.stop_unit(u) for u in units))
+        await asyncio.gather(*(engine.stop_unit(u) for u in units))
         stopped = [u.name for u in units]
     else:
         stopped = [
             u.name
-            for u in m.engine.units.values()
+            for u in engine.units.values()
             if u.spec.remote is None and u.state.value != "stopped"
         ]
     ack = {"id": request.get("id"), "step": step, "stopped": stopped}
     with contextlib.suppress(Exception):
-        await m.etcd.put(registry.down_ack_key(m.stack, m.cluster.node), json.dumps(ack))
+        await view.etcd.put(registry.down_ack_key(view.stack, view.cluster.node), json.dumps(ack))
     log.info("cluster.down_step", step=step, stopped=stopped, by=request.get("by"))
     if step == EXIT:
         # Stopping may take the registry with it (the head's etcd): first let the asking
         # node see the ack, which it says by moving the request on.
         deadline = time.monotonic() + _EXIT_ACK_WAIT_S
-        while time.monotonic() < deadline and m.down_request == request:
+        while time.monotonic() < deadline and view.down_request == request:
             await asyncio.sleep(_POLL_S)
-        await m.daemon.down()
+        await down()

@@ -16,6 +16,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from dynamod.core.errors import DynamodError
+
 CONTAINMENT_ENV = "DYNAMOD_CONTAINMENT"  # auto (default) | cgroup | pgroup
 _SETTINGS = ("auto", "cgroup", "pgroup")
 
@@ -25,7 +27,7 @@ class Kind(StrEnum):
     PGROUP = "pgroup"  # process groups + env markers + subreaper
 
 
-class CgroupError(Exception):
+class CgroupError(DynamodError):
     """A cgroup operation failed; names the cgroup and what was tried."""
 
     def __init__(self, path: Path, what: str, error: OSError | str) -> None:

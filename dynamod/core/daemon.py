@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +34,7 @@ from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
 from dynamod.core.extensions import Extension
 from dynamod.core.guardianship import Guardianship
+from dynamod.core.phase import Phase
 from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
 
@@ -42,15 +42,6 @@ log = structlog.get_logger("dynamod.core.daemon")
 
 _SERVING = {UnitState.READY, UnitState.COMPLETED}
 EXTENSION_STOP_S = 10.0  # after `down`: an extension that takes longer is left behind
-
-
-class Phase(StrEnum):
-    STARTING = "starting"
-    UP = "up"
-    DEGRADED = "degraded"  # was up; a unit is not ready now (see Daemon.degraded_units)
-    FAILED = "failed"  # bring-up failed; tearing down
-    STOPPING = "stopping"
-    STOPPED = "stopped"
 
 
 class StateDir:
@@ -138,6 +129,10 @@ class Daemon:
     guardian: Guardianship | None = None
     swept: leftovers.Leftovers | None = None  # what a dead previous run had left
 
+    @property
+    def state_dir(self) -> Path:
+        return self.state.path
+
     def set_phase(self, phase: Phase) -> None:
         self.phase = phase
         log.info(
@@ -198,7 +193,7 @@ class Daemon:
 
     def require_running(self, what: str) -> None:
         """Raise unless the stack is starting or up (for commands that change it)."""
-        if self.phase not in {Phase.STARTING, Phase.UP, Phase.DEGRADED}:
+        if not self.phase.running:
             raise DynamodError(f"stack is {self.phase}; {what} needs a running stack")
 
     async def down(self) -> dict[str, Any]:
@@ -263,7 +258,7 @@ class Daemon:
             )
             self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
             for extension in self.extensions:
-                await extension.start(self)
+                await extension.start(self)  # as its ExtensionHost
             app = api.build_app(self)
             for extension in self.extensions:
                 app.router.add_routes(extension.routes())

@@ -69,6 +69,7 @@ class Unit:
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
     extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
+    failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
 
@@ -79,9 +80,6 @@ class Unit:
     @property
     def pid(self) -> int | None:
         return self.child.pid if self.child and self.child.alive else None
-
-    def extra_public(self) -> dict[str, Any]:
-        return {k: v for k, v in self.extra.items() if k != "failure_hint"}
 
 
 Process = process.Child
@@ -367,9 +365,7 @@ class Engine:
         premature = unit.spec.type != "oneshot" and (
             unit.ready_at is None or not unit.spec.restart.clean_exit_final
         )
-        if unit.ready_at is None and unit.spec.type != "oneshot" and (
-            "failure_hint" not in unit.extra
-        ):
+        if unit.ready_at is None and unit.spec.type != "oneshot" and unit.failure_hint is None:
             if unit.spec.ready is not None:
                 hint = f"exited before it was ready; last probe: {unit.detail}"
             else:
@@ -377,7 +373,7 @@ class Engine:
                     f"exited within min_uptime {unit.spec.restart.min_uptime:g}s,"
                     " before it counted as ready"
                 )
-            unit.extra["failure_hint"] = hint
+            unit.failure_hint = hint
         unit.recorded = (child, *self._record(unit, exit, premature))
 
     def _record(self, unit: Unit, exit: Exit, premature: bool) -> tuple[Decision, float]:
@@ -387,9 +383,8 @@ class Engine:
         unit.hold_reason = None
         uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
         what = exit.describe()
-        hint = unit.extra.get("failure_hint")
-        if hint:
-            what += f" ({hint})"
+        if unit.failure_hint:
+            what += f" ({unit.failure_hint})"
         away = self._away(unit)
         if away and unit.tracker.should_restart(exit, premature=premature):
             # It exited because what it needs is gone (e.g. Dynamo's lease with etcd): not
@@ -417,7 +412,7 @@ class Engine:
 
     async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
         """Spawn, wait for readiness, watch. Returns (exit, premature)."""
-        unit.extra.pop("failure_hint", None)
+        unit.failure_hint = None
         unit.recorded = None
         self._move_taken_ports(unit)
         if not await self._spawn(unit):
@@ -431,15 +426,15 @@ class Engine:
             ready, detail = await self._await_ready(unit, child)
             if not ready:
                 if child.alive:
-                    unit.extra["failure_hint"] = detail
+                    unit.failure_hint = detail
                     process.kill_group_now(child.pid)
                     return await child.wait(), True
-                unit.extra["failure_hint"] = f"exited before it was ready; last probe: {detail}"
+                unit.failure_hint = f"exited before it was ready; last probe: {detail}"
                 return await child.wait(), True
         else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
             await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
             if not child.alive:
-                unit.extra["failure_hint"] = (
+                unit.failure_hint = (
                     f"exited within min_uptime {spec.restart.min_uptime:g}s,"
                     " before it counted as ready"
                 )
@@ -686,11 +681,11 @@ class Engine:
                     continue
                 failures += 1
                 if failures >= spec.failure_threshold:
-                    unit.extra["failure_hint"] = (
+                    unit.failure_hint = why = (
                         f"liveness failed {failures} times in a row: {result.detail}; killed"
                     )
                     for listener in self.lost_listeners:  # e.g. replace it before it is gone
-                        listener(unit, unit.extra["failure_hint"])
+                        listener(unit, why)
                     process.kill_group_now(child.pid)
                     return await child.wait()
                 self.transition(
@@ -837,7 +832,7 @@ class Engine:
                         else None
                     ),
                     "command": list(unit.spec.command),
-                    **unit.extra_public(),
+                    **unit.extra,
                 }
             )
         return rows

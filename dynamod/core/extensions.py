@@ -3,19 +3,50 @@
 sd_notify, metrics, Dynamo lease revocation and the rollout layer's policy manager all
 plug in here, so the core never imports a layer above it. An extension may add control
 socket routes and a section of `status`; what it wants per unit it gets by appending an
-`UnitHooks` to `daemon.engine.hooks` or a listener to `daemon.engine.listeners` in `start`.
+`UnitHooks` to `host.engine.hooks` or a listener to `host.engine.listeners` in `start`.
+It sees the daemon only through `ExtensionHost`, the part of it extensions use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
-    from dynamod.core.spec import UnitSpec
+    from dynamod.core.engine import Engine
+    from dynamod.core.phase import Phase
+    from dynamod.core.spec import Stack, UnitSpec
+
+
+class ExtensionHost(Protocol):
+    """What an extension may see and ask of the daemon that runs it (core/daemon.py)."""
+
+    @property
+    def stack(self) -> Stack: ...
+
+    @property
+    def engine(self) -> Engine | None: ...  # set before any extension starts
+
+    @property
+    def state_dir(self) -> Path: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def phase(self) -> Phase: ...
+
+    @property
+    def on_phase(self) -> list[Callable[[Phase], None]]: ...  # append to hear phase changes
+
+    def degraded_units(self) -> dict[str, str]: ...
+
+    def require_running(self, what: str) -> None: ...
+
+    async def down(self) -> dict[str, Any]: ...
 
 
 class Extension:
@@ -28,7 +59,7 @@ class Extension:
     environment each time it is spawned (after the unit's own `env`): the way secrets reach
     a process without entering its rendered command line, `status` or the state files."""
 
-    async def start(self, daemon: Daemon) -> None:
+    async def start(self, host: ExtensionHost) -> None:
         return None
 
     async def stop(self) -> None:

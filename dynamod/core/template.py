@@ -13,13 +13,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from dynamod.core.errors import DynamodError
+
 _REF = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_@\-]*(?:\.[A-Za-z0-9_@\-]+)*)\}")
 
 
 _HINT_NAMES = 20
 
 
-class TemplateError(Exception):
+class TemplateError(DynamodError):
     """An unknown reference; names it and what is known at that level."""
 
     def __init__(self, reference: str, known: list[str]) -> None:
@@ -37,7 +39,7 @@ class TemplateTooLong(TemplateError):
         self.reference = ""
         self.known = []
         self.limit = limit
-        Exception.__init__(self, f"renders to more than {limit} characters")
+        DynamodError.__init__(self, f"renders to more than {limit} characters")
 
 
 def lookup(context: Mapping[str, Any], reference: str) -> Any:

@@ -34,16 +34,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dynamod.core.daemon import Phase
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.core.extensions import Extension
+from dynamod.core.phase import Phase
 from dynamod.core.state import UnitState
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Unit
+    from dynamod.core.extensions import ExtensionHost
     from dynamod.core.probes import ProbeResult
 
 log = structlog.get_logger("dynamod.ops.metrics")
@@ -109,18 +109,18 @@ def spare_info(unit: Unit) -> dict[str, Any]:
 class StackCollector(Collector):
     """Reads the daemon and its engine at scrape time."""
 
-    def __init__(self, daemon: Daemon, recovery: RecoveryClock) -> None:
-        self.daemon = daemon
+    def __init__(self, host: ExtensionHost, recovery: RecoveryClock) -> None:
+        self.host = host
         self.recovery = recovery
 
     def collect(self) -> Iterator[Metric]:
-        daemon = self.daemon
+        host = self.host
         phase = GaugeMetricFamily(
             "dynamod_stack_phase", "1 for the daemon's current phase", labels=["stack", "phase"]
         )
         for each_phase in Phase:
             phase.add_metric(
-                [daemon.stack.name, each_phase], 1.0 if daemon.phase is each_phase else 0.0
+                [host.stack.name, each_phase], 1.0 if host.phase is each_phase else 0.0
             )
         yield phase
         degraded = GaugeMetricFamily(
@@ -128,12 +128,12 @@ class StackCollector(Collector):
             "1 for each unit that keeps a stack that was up degraded, with its state and why",
             labels=["stack", "unit", "state", "reason"],
         )
-        for name, why in daemon.degraded_units().items():
+        for name, why in host.degraded_units().items():
             state_name, _, reason = why.partition(": ")
-            degraded.add_metric([daemon.stack.name, name, state_name, reason[:100]], 1.0)
+            degraded.add_metric([host.stack.name, name, state_name, reason[:100]], 1.0)
         yield degraded
 
-        units = list(daemon.engine.units.values()) if daemon.engine else []
+        units = list(host.engine.units.values()) if host.engine else []
         state = GaugeMetricFamily(
             "dynamod_unit_state",
             "1 for the unit's current state, 0 otherwise",
@@ -228,11 +228,11 @@ class MetricsServer(Extension):
         outcome = "ok" if result.ok else "fail"
         self.probe_duration.labels(unit.name, probe, outcome).observe(result.latency)
 
-    async def start(self, daemon: Daemon) -> None:
-        assert daemon.engine is not None
-        self.registry.register(StackCollector(daemon, self.recovery))
-        daemon.engine.listeners.append(self.recovery.on_transition)
-        daemon.engine.probe_listeners.append(self.on_probe)
+    async def start(self, host: ExtensionHost) -> None:
+        assert host.engine is not None
+        self.registry.register(StackCollector(host, self.recovery))
+        host.engine.listeners.append(self.recovery.on_transition)
+        host.engine.probe_listeners.append(self.on_probe)
         app = web.Application()
         app.router.add_get("/metrics", self._handle)
         self._runner = web.AppRunner(app, access_log=None)

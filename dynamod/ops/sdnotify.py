@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from dynamod.core.daemon import Phase
 from dynamod.core.extensions import Extension
+from dynamod.core.phase import Phase
 from dynamod.core.state import UnitState
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.extensions import ExtensionHost
 
 log = structlog.get_logger("dynamod.ops.sdnotify")
 
@@ -113,7 +113,7 @@ class SystemdNotifier(Extension):
         self.socket_path = socket_path
         self.watchdog_interval = watchdog_interval
         self.coalesce = coalesce
-        self._daemon: Daemon | None = None
+        self.host: ExtensionHost | None = None
         self._dirty = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_status = ""
@@ -128,11 +128,11 @@ class SystemdNotifier(Extension):
 
     # ---------------------------------------------------------------- Extension
 
-    async def start(self, daemon: Daemon) -> None:
-        assert daemon.engine is not None
-        self._daemon = daemon
-        daemon.on_phase.append(self._on_phase)
-        daemon.engine.listeners.append(self._on_unit_change)
+    async def start(self, host: ExtensionHost) -> None:
+        assert host.engine is not None
+        self.host = host
+        host.on_phase.append(self._on_phase)
+        host.engine.listeners.append(self._on_unit_change)
         self._send_status(force=True)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._status_loop(), name="sdnotify:status"))
@@ -173,8 +173,8 @@ class SystemdNotifier(Extension):
             self._send_status()
 
     async def _watchdog_loop(self) -> None:
-        assert self.watchdog_interval is not None and self._daemon is not None
-        engine = self._daemon.engine
+        assert self.watchdog_interval is not None and self.host is not None
+        engine = self.host.engine
         assert engine is not None
         withheld = False
         while True:
@@ -190,11 +190,11 @@ class SystemdNotifier(Extension):
 
     def _status_now(self) -> str:
         """The current STATUS line (remembered, so an unchanged one is not sent again)."""
-        daemon = self._daemon
-        assert daemon is not None and daemon.engine is not None
-        units = [(u.name, u.state) for u in daemon.engine.units.values()]
-        why = {name: reason.split(": ", 1)[-1] for name, reason in daemon.degraded_units().items()}
-        self._last_status = status_line(daemon.stack.name, daemon.phase, units, why)
+        host = self.host
+        assert host is not None and host.engine is not None
+        units = [(u.name, u.state) for u in host.engine.units.values()]
+        why = {name: reason.split(": ", 1)[-1] for name, reason in host.degraded_units().items()}
+        self._last_status = status_line(host.stack.name, host.phase, units, why)
         return self._last_status
 
     def _send_status(self, *, force: bool = False) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
 
+from dynamod.core.errors import DynamodError
 from dynamod.rollout.etcd import EtcdClient
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class ProbeOutcome(NamedTuple):
     detail: str
 
 
-class EngineRouteError(Exception):
+class EngineRouteError(DynamodError):
     """A worker engine admin route (`POST /engine/<route>`) failed or answered an error."""
 
     def __init__(self, url: str, route: str, status: int | None, body: str) -> None:
@@ -78,7 +79,7 @@ class EngineRouteError(Exception):
         return f"engine route {self.route!r} at {self.url} failed: {got}: {self.body[:500]}"
 
 
-class DynamoHTTPError(Exception):
+class DynamoHTTPError(DynamodError):
     """A Dynamo HTTP endpoint (frontend or worker system port) did not answer as expected."""
 
     def __init__(self, url: str, detail: str) -> None:

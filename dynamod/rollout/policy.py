@@ -30,7 +30,6 @@ import struct
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,11 +45,12 @@ from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
+from dynamod.rollout.shard_driver import ShardAck
 from dynamod.rollout.spares import Reason, Role, SparePool
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.extensions import ExtensionHost
     from dynamod.core.spec import UnitSpec
 
 log = structlog.get_logger("dynamod.rollout.policy")
@@ -102,23 +102,6 @@ class ShardError(PolicyError):
         super().__init__(f"{shard}: {step} failed: {detail}")
 
 
-@dataclass
-class ShardAck:
-    shard: str
-    version: int
-    digest: str | None
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": True,
-            "version": self.version,
-            "digest": self.digest,
-            "ms": {k: round(v, 1) for k, v in self.timings_ms.items()},
-            "total_ms": round(sum(self.timings_ms.values()), 1),
-        }
-
-
 def check_checkpoint(path: Path) -> list[Path]:
     """The checkpoint directory holds readable safetensors files; names the one at fault."""
     if not path.exists():
@@ -160,8 +143,8 @@ class PolicyManager(Extension):
     def __init__(self, spec: PolicySpec, *, etcd_auth: EtcdAuth | None = None) -> None:
         self.spec = spec
         self.etcd_auth = etcd_auth  # a cluster stack's credentials for its ledger's etcd
-        self.daemon: Daemon | None = None
-        self._lock = asyncio.Lock()  # one policy operation at a time
+        self.host: ExtensionHost | None = None
+        self.lock = asyncio.Lock()  # one push, publish or admission at a time
         self._rejoins: dict[str, asyncio.Task[None]] = {}
         self.current_version: int | None = None  # None until the ledger was first read
         self._etcd: EtcdClient | None = None
@@ -175,22 +158,22 @@ class PolicyManager(Extension):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, daemon: Daemon) -> None:
-        assert daemon.engine is not None
-        self.daemon = daemon
-        self.shard_names = set(daemon.stack.shards())
-        daemon.engine.hooks.append(self)
-        daemon.engine.hooks.insert(0, self.spares)
-        daemon.engine.lost_listeners.append(self.spares.on_lost)
-        daemon.engine.restack_listeners.append(self.restacked)
+    async def start(self, host: ExtensionHost) -> None:
+        assert host.engine is not None
+        self.host = host
+        self.shard_names = set(host.stack.shards())
+        host.engine.hooks.append(self)
+        host.engine.hooks.insert(0, self.spares)
+        host.engine.lost_listeners.append(self.spares.on_lost)
+        host.engine.restack_listeners.append(self.restacked)
         if self.spec.store == "etcd":
             self._etcd = self._etcd_client()
         else:
-            self._file = FileLedger(daemon.state.path / "policy.json")
+            self._file = FileLedger(host.state_dir / "policy.json")
 
     def _etcd_client(self) -> EtcdClient:
-        assert self.spec.etcd and self.daemon is not None and self.daemon.engine is not None
-        return EtcdClient(self.spec.etcd, session=self.daemon.engine.session, auth=self.etcd_auth)
+        assert self.spec.etcd and self.host is not None and self.host.engine is not None
+        return EtcdClient(self.spec.etcd, session=self.host.engine.session, auth=self.etcd_auth)
 
     def restacked(self, stack: Stack) -> None:
         """The engine re-rendered the stack (a port it references moved): the ledger's etcd
@@ -238,8 +221,8 @@ class PolicyManager(Extension):
             return acks
 
         def running() -> None:
-            assert self.daemon is not None
-            self.daemon.require_running("a policy update")
+            assert self.host is not None
+            self.host.require_running("a policy update")
 
         async def push(request: web.Request) -> web.Response:
             running()
@@ -265,8 +248,8 @@ class PolicyManager(Extension):
 
     @property
     def engine(self) -> Engine:
-        assert self.daemon is not None and self.daemon.engine is not None
-        return self.daemon.engine
+        assert self.host is not None and self.host.engine is not None
+        return self.host.engine
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -314,14 +297,14 @@ class PolicyManager(Extension):
             attempt += 1
             try:
                 target = await self.ledger().current()
-                self._note_current(target)
-                ack = await self._apply(unit, target)
-                async with self._lock:
+                self.note_current(target)
+                ack = await self.apply(unit, target)
+                async with self.lock:
                     now = await self.ledger().current()
                     if (now.version if now else self.spec.initial_version) == ack.version:
-                        await self._record_ack(unit, ack)
+                        await self.record_ack(unit, ack)
                         return
-                self._note_current(now)
+                self.note_current(now)
                 log.info(
                     "policy.replay_overtaken",
                     unit=unit.name,
@@ -360,7 +343,7 @@ class PolicyManager(Extension):
 
         self._rejoins[unit.name] = asyncio.get_running_loop().create_task(rejoin())
 
-    def _note_current(self, current: PolicyVersion | None) -> None:
+    def note_current(self, current: PolicyVersion | None) -> None:
         self.current_version = current.version if current else self.spec.initial_version
         for name in self.shard_names:
             self.engine.units[name].extra.setdefault("policy", {})["current"] = self.current_version
@@ -376,7 +359,7 @@ class PolicyManager(Extension):
 
     # ------------------------------------------------------------------ one shard
 
-    async def _call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
         assert unit.spec.dynamo is not None
         try:
             reply = await dynamo.engine_call(
@@ -392,7 +375,7 @@ class PolicyManager(Extension):
             raise ShardError(unit.name, route, reply.get("message") or json.dumps(reply)[:300])
         return reply
 
-    async def _apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
+    async def apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
         """Bring one shard to `target` (None: the boot weights at initial_version), reset its
         KV cache, verify, taint and resume it. The shard stays paused if any step fails."""
         timings: dict[str, float] = {}
@@ -403,7 +386,7 @@ class PolicyManager(Extension):
             while True:
                 attempt += 1
                 try:
-                    reply = await self._call(unit, route, payload)
+                    reply = await self.call(unit, route, payload)
                     break
                 except ShardError as exc:
                     if not send_again(route, exc.detail, time.monotonic() - started):
@@ -520,7 +503,7 @@ class PolicyManager(Extension):
             await asyncio.sleep(retry)
             retry = min(retry * 2, _ROUTE_RETRY_S)
 
-    async def _record_ack(self, unit: Unit, ack: ShardAck) -> None:
+    async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
         if self.spares.is_spare(unit):
             self.spares.record(unit, ack)
             return
@@ -573,7 +556,7 @@ class PolicyManager(Extension):
         started = time.monotonic()
         checkpoint = Path(path).absolute()
         check_checkpoint(checkpoint)
-        async with self._lock:
+        async with self.lock:
             ledger = self.ledger()
             current = await ledger.current()
             if current is not None and step < current.version:
@@ -592,7 +575,7 @@ class PolicyManager(Extension):
                 )
             target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
             results = await asyncio.gather(
-                *(self._apply(u, target) for u in shards), return_exceptions=True
+                *(self.apply(u, target) for u in shards), return_exceptions=True
             )
             acks: dict[str, Any] = {}
             good: list[ShardAck] = []
@@ -618,9 +601,9 @@ class PolicyManager(Extension):
                 step, str(checkpoint), next(iter(digests), None), target.published_at, "push"
             )
             await ledger.advance(target, self.spec.keep)
-            self._note_current(target)
+            self.note_current(target)
             for ack in good:
-                await self._record_ack(self.engine.units[ack.shard], ack)
+                await self.record_ack(self.engine.units[ack.shard], ack)
         return await self._committed("pushed", target, acks, bad, started)
 
     async def _already_committed(
@@ -661,7 +644,7 @@ class PolicyManager(Extension):
         it goes back to serving rather than staying paused."""
         for unit in shards:
             with contextlib.suppress(PolicyError):
-                await self._call(unit, "resume_generation", {})
+                await self.call(unit, "resume_generation", {})
 
     async def publish(
         self, step: int, path: str, acks: Mapping[str, str | None] | None = None
@@ -673,7 +656,7 @@ class PolicyManager(Extension):
         Each shard that passes is tainted with the step, resumed and router-verified."""
         started = time.monotonic()
         digest = agreed_digest(acks)
-        async with self._lock:
+        async with self.lock:
             ledger = self.ledger()
             current = await ledger.current()
             if current is not None and step < current.version:
@@ -685,7 +668,7 @@ class PolicyManager(Extension):
                 step, str(Path(path).absolute()), digest, time.time(), "publish"
             )
             await ledger.advance(target, self.spec.keep)
-            self._note_current(target)
+            self.note_current(target)
             shards = self.admitted_shards()
             results = await asyncio.gather(
                 *(self._verify_published(u, step, digest, acks) for u in shards),
@@ -696,7 +679,7 @@ class PolicyManager(Extension):
             for unit, result in zip(shards, results, strict=True):
                 if isinstance(result, ShardAck):
                     answers[unit.name] = result.as_dict()
-                    await self._record_ack(unit, result)
+                    await self.record_ack(unit, result)
                 elif isinstance(result, PolicyError):
                     stale[unit.name] = str(result)
                     answers[unit.name] = {"ok": False, "error": str(result)}
@@ -754,7 +737,7 @@ class PolicyManager(Extension):
                 unit.name, "acknowledge", f"acknowledged digest {acked}, the others {digest}"
             )
         started = time.monotonic()
-        seen = await self._call(unit, "get_weight_version", {})
+        seen = await self.call(unit, "get_weight_version", {})
         timings["verify"] = (time.monotonic() - started) * 1000
         if seen.get("version") != step:
             raise ShardError(unit.name, "verify", f"shard reports version {seen.get('version')!r}")
@@ -770,7 +753,7 @@ class PolicyManager(Extension):
             ("resume", "resume_generation", {}),
         ):
             started = time.monotonic()
-            await self._call(unit, route, body)
+            await self.call(unit, route, body)
             timings[name] = (time.monotonic() - started) * 1000
         if taints:
             started = time.monotonic()
@@ -834,36 +817,19 @@ class PolicyManager(Extension):
         """Bring this node's admitted shards to the ledger's current version when another
         node's push moved it on: each is held and replays it (pause, load, flush, verify,
         taint, resume), then admitted again. Returns the ledger's version (None: never set)."""
-        if self._lock.locked():  # a push or an admission here: it reads the ledger itself
+        if self.lock.locked():  # a push or an admission here: it reads the ledger itself
             return self.current_version
         current = await self.ledger().current()
         version = current.version if current else None
         if version is None or version == self.current_version:
             return version
-        self._note_current(current)
+        self.note_current(current)
         for unit in self.admitted_shards():
             if unit.extra.get("policy_version") != version:
                 self._start_rejoin(unit, f"behind the ledger, which is at version {version}")
         return version
 
-    # ------------------------------------------------------------------ for the spare pool
-
-    @property
-    def lock(self) -> asyncio.Lock:
-        """Held by pushes, publishes and admissions: one policy operation at a time."""
-        return self._lock
-
-    def note_current(self, current: PolicyVersion | None) -> None:
-        self._note_current(current)
-
-    async def call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(unit, route, payload)
-
-    async def apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
-        return await self._apply(unit, target)
-
-    async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
-        await self._record_ack(unit, ack)
+    # ------------------------------------------------------------------ taints
 
     def routing_taints(self, unit: Unit, version: int) -> tuple[list[str], list[str]]:
         """(the version's taint, none for a spare; the shard's own instance taints)."""

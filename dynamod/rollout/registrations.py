@@ -34,8 +34,8 @@ from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import LeaseRecords
 
 if TYPE_CHECKING:
-    from dynamod.core.daemon import Daemon
     from dynamod.core.engine import Unit
+    from dynamod.core.extensions import ExtensionHost
 
 log = structlog.get_logger("dynamod.rollout.registrations")
 
@@ -57,7 +57,7 @@ class DynamoRegistrations(Extension):
     """A daemon extension that is also the engine hook for Dynamo worker units."""
 
     def __init__(self, etcd_auth: EtcdAuth | None = None) -> None:
-        self.daemon: Daemon | None = None
+        self.host: ExtensionHost | None = None
         self.etcd_auth = etcd_auth  # a cluster stack's credentials for the workers' etcd
         self._refresher: asyncio.Task[None] | None = None
         self._retrier: asyncio.Task[None] | None = None
@@ -68,20 +68,20 @@ class DynamoRegistrations(Extension):
         # the sweep must leave alone (it raises EtcdError while it cannot tell).
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
 
-    async def start(self, daemon: Daemon) -> None:
-        assert daemon.engine is not None
-        self.daemon = daemon
-        daemon.engine.hooks.append(self)
-        if any(u.spec.dynamo for u in daemon.engine.units.values()):
+    async def start(self, host: ExtensionHost) -> None:
+        assert host.engine is not None
+        self.host = host
+        host.engine.hooks.append(self)
+        if any(u.spec.dynamo for u in host.engine.units.values()):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_routed())
             frontend_probe.count_only(self.live_instances, self.unregistered)
 
     def live_instances(self, namespace: str) -> set[int]:
         """Instance ids of this stack's running Dynamo workers in `namespace`."""
-        assert self.daemon is not None and self.daemon.engine is not None
+        assert self.host is not None and self.host.engine is not None
         return {
             instance
-            for unit in self.daemon.engine.units.values()
+            for unit in self.host.engine.units.values()
             if unit.spec.dynamo is not None
             and unit.spec.dynamo.namespace == namespace
             and unit.state.running
@@ -93,10 +93,10 @@ class DynamoRegistrations(Extension):
         """This stack's Dynamo workers in `namespace` that are up (past their readiness
         probe, or their min_uptime without one) but whose registration dynamod looked
         for and could not find. Workers still starting are not named: they may yet."""
-        assert self.daemon is not None and self.daemon.engine is not None
+        assert self.host is not None and self.host.engine is not None
         return sorted(
             unit.name
-            for unit in self.daemon.engine.units.values()
+            for unit in self.host.engine.units.values()
             if unit.spec.dynamo is not None
             and unit.spec.dynamo.namespace == namespace
             and unit.state.running
@@ -116,14 +116,14 @@ class DynamoRegistrations(Extension):
 
     @property
     def stack(self) -> str:
-        assert self.daemon is not None
-        return self.daemon.stack.name
+        assert self.host is not None
+        return self.host.stack.name
 
     @property
     def node(self) -> str | None:
         """This daemon's node in a cluster stack (its lease records are keyed by it)."""
-        assert self.daemon is not None
-        cluster = self.daemon.stack.cluster
+        assert self.host is not None
+        cluster = self.host.stack.cluster
         return cluster.node if cluster is not None else None
 
     async def _sweep_stale(self) -> None:
@@ -132,8 +132,8 @@ class DynamoRegistrations(Extension):
         stack's lease records. Skipped (and tried at the next unit's readiness) while etcd
         does not answer; given up once a worker has started (a booting worker's registration
         is not known yet and must not be taken for a stale one)."""
-        assert self.daemon is not None and self.daemon.engine is not None
-        engine = self.daemon.engine
+        assert self.host is not None and self.host.engine is not None
+        engine = self.host.engine
         workers = [u for u in engine.units.values() if u.spec.dynamo is not None]
         if self._swept or not workers:
             return
@@ -181,13 +181,13 @@ class DynamoRegistrations(Extension):
     # ------------------------------------------------------------------ hooks
 
     async def on_ready(self, unit: Unit) -> None:
-        if self.daemon is None or self.daemon.engine is None:
+        if self.host is None or self.host.engine is None:
             return
         await self._sweep_stale()
         spec = unit.spec.dynamo
         if spec is None:
             return
-        session = self.daemon.engine.session
+        session = self.host.engine.session
         ids: list[int] = []
         error = None
         async with EtcdClient(spec.etcd, session=session, auth=self.etcd_auth) as etcd:
@@ -221,9 +221,9 @@ class DynamoRegistrations(Extension):
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
         spec = unit.spec.dynamo
         info = unit.extra.get("dynamo")
-        if spec is None or not info or not info.get("instance_ids") or self.daemon is None:
+        if spec is None or not info or not info.get("instance_ids") or self.host is None:
             return
-        assert self.daemon.engine is not None
+        assert self.host.engine is not None
         ids = list(info["instance_ids"])
         info.update(instance_ids=[], routed=False)
         if not await self._revoke(unit.name, spec.etcd, ids, why=exit.describe()):
@@ -232,10 +232,10 @@ class DynamoRegistrations(Extension):
 
     async def _record(self, name: str, endpoint: str, namespace: str, ids: list[int]) -> None:
         """Keep a live worker's lease ids where they outlive this daemon."""
-        assert self.daemon is not None and self.daemon.engine is not None
+        assert self.host is not None and self.host.engine is not None
         try:
             async with EtcdClient(
-                endpoint, session=self.daemon.engine.session, auth=self.etcd_auth
+                endpoint, session=self.host.engine.session, auth=self.etcd_auth
             ) as etcd:
                 await LeaseRecords(etcd, self.stack, self.node).record(name, namespace, ids)
         except (TimeoutError, EtcdError) as exc:
@@ -250,12 +250,12 @@ class DynamoRegistrations(Extension):
     async def _revoke(self, name: str, endpoint: str, ids: list[int], *, why: str) -> bool:
         """Revoke a dead worker's leases, then drop its lease record (unless it has
         registered again meanwhile with other ids)."""
-        assert self.daemon is not None and self.daemon.engine is not None
+        assert self.host is not None and self.host.engine is not None
         started = time.monotonic()
         revoked: dict[str, Any] = {}
         try:
             async with EtcdClient(
-                endpoint, session=self.daemon.engine.session, auth=self.etcd_auth
+                endpoint, session=self.host.engine.session, auth=self.etcd_auth
             ) as etcd:
                 for instance_id in ids:
                     keys = await dynamo.revoke_instance(etcd, instance_id)
@@ -291,8 +291,8 @@ class DynamoRegistrations(Extension):
     # ------------------------------------------------------------------ routed view
 
     async def _refresh_routed(self) -> None:
-        assert self.daemon is not None and self.daemon.engine is not None
-        engine = self.daemon.engine
+        assert self.host is not None and self.host.engine is not None
+        engine = self.host.engine
         while True:
             await asyncio.sleep(_ROUTED_REFRESH_S)
             views: dict[str, set[int]] = {}

@@ -26,11 +26,11 @@ from aiohttp import web
 from dynamod.core.deathwatch import DeathWatch
 from dynamod.core.errors import DynamodError
 from dynamod.core.restart import Exit
-from dynamod.rollout.etcd import EtcdError
+from dynamod.rollout.shard_driver import ShardAck
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Unit
-    from dynamod.rollout.policy import PolicyManager, ShardAck
+    from dynamod.rollout.shard_driver import ShardDriver
 
 log = structlog.get_logger("dynamod.rollout.spares")
 
@@ -79,14 +79,15 @@ def choose(candidates: Iterable[Candidate], current: int | None) -> str | None:
 
 
 class SparePool:
-    """The spares of one shard group. The policy manager calls it at a few points:
+    """The spares of one shard group, driven through the policy manager's shard operations
+    (`ShardDriver`). The policy manager calls it at a few points:
     `assign` when a shard turns ready, `lost` when a serving shard goes stale, `refresh`
     after a push or publish, and asks `is_serving` / `taints` / `record`. As an engine
     hook it watches every ready shard for its death (`on_ready`, `on_exit`), and hears of
     shards the engine is about to kill as lost (`on_lost`)."""
 
-    def __init__(self, manager: PolicyManager, count: int) -> None:
-        self.manager = manager
+    def __init__(self, driver: ShardDriver, count: int) -> None:
+        self.driver = driver
         self.count = count
         self.slots: dict[str, Slot] = {}
         self.sleep_wanted = False
@@ -99,7 +100,7 @@ class SparePool:
     def assign(self, unit: Unit) -> Role:
         """A shard turned ready: it serves if the serving count is short, else it is a spare."""
         serving = sum(1 for s in self.slots.values() if s.role is not Role.SPARE)
-        wanted = len(self.manager.shard_names) - self.count
+        wanted = len(self.driver.shard_names) - self.count
         role = Role.SERVING if self.count == 0 or serving < wanted else Role.SPARE
         self.slots[unit.name] = Slot(role)
         self._publish(unit)
@@ -119,21 +120,21 @@ class SparePool:
         """A spare carries no policy taint, so trainer traffic never reaches it."""
         if self.is_spare(unit):
             return []
-        return [f"{self.manager.spec.taint_prefix}{version}"]
+        return [f"{self.driver.spec.taint_prefix}{version}"]
 
     def record(self, unit: Unit, ack: ShardAck) -> None:
         """A spare holds `ack.version` (replayed, KV reset, verified, untainted)."""
         unit.extra["policy_version"] = ack.version
         unit.extra["policy"] = {
             "version": ack.version,
-            "current": self.manager.current_version,
+            "current": self.driver.current_version,
             "admitted": False,
             "digest": ack.digest,
             "last_ack_ms": ack.as_dict()["ms"],
             "last_error": None,
         }
         self._publish(unit)
-        current = self.manager.current_version
+        current = self.driver.current_version
         if ack.version == current and self._pushed_at is not None:  # noqa: SIM102
             if all(self._version(u) == current for u in self.spare_units()):
                 log.info(
@@ -150,7 +151,7 @@ class SparePool:
         if slot is None or slot.role is not Role.SPARE:
             return
         serving = sum(1 for s in self.slots.values() if s.role is not Role.SPARE)
-        if serving < len(self.manager.shard_names) - self.count:
+        if serving < len(self.driver.shard_names) - self.count:
             slot.role = Role.PROMOTING
             task = asyncio.get_running_loop().create_task(
                 self._promote(unit, slot, "-", Reason.EXIT, "serving count short", time.monotonic())
@@ -161,7 +162,7 @@ class SparePool:
         self._keep_current(unit)
 
     def spare_units(self) -> list[Unit]:
-        units = self.manager.engine.units
+        units = self.driver.engine.units
         return [units[n] for n, s in self.slots.items() if s.role is Role.SPARE]
 
     def _version(self, unit: Unit) -> int | None:
@@ -176,12 +177,12 @@ class SparePool:
         info["sleeping"] = bool(slot and slot.asleep)
         if slot is None or slot.role is not Role.SPARE:
             return
-        version, current = self._version(unit), self.manager.current_version
+        version, current = self._version(unit), self.driver.current_version
         behind = current - version if version is not None and current is not None else None
         info.update(version=version, behind=behind)
         state = "asleep" if slot.asleep else "awake"
         lag = "current" if behind == 0 else f"{behind} behind" if behind else "catching up"
-        self.manager.engine.transition(
+        self.driver.engine.transition(
             unit, unit.state, f"spare at policy version {version} ({lag}, {state})"
         )
 
@@ -191,7 +192,7 @@ class SparePool:
         """Engine hook: watch the shard for its death (roles are assigned by the policy
         manager's own on_ready, next in line)."""
         pid = unit.pid
-        if unit.name not in self.manager.shard_names or self.count == 0 or pid is None:
+        if unit.name not in self.driver.shard_names or self.count == 0 or pid is None:
             return
         old = self._watches.pop(unit.name, None)
         if old is not None:
@@ -213,13 +214,13 @@ class SparePool:
         watch = self._watches.pop(unit.name, None)
         if watch is not None:
             watch.close()
-        if unit.name in self.manager.shard_names:
+        if unit.name in self.driver.shard_names:
             self.lost(unit, Reason.EXIT, exit.describe())
 
     def on_lost(self, unit: Unit, why: str) -> None:
         """Engine listener: a shard is about to be killed as hung. Its spare takes over
         now, not once the kill has been reaped."""
-        if unit.name in self.manager.shard_names:
+        if unit.name in self.driver.shard_names:
             self.lost(unit, Reason.LOST, why)
 
     def lost(self, unit: Unit, reason: Reason, detail: str) -> None:
@@ -233,7 +234,7 @@ class SparePool:
             slot = self.slots.get(unit.name)
         if self.count == 0 or slot is None or slot.role is Role.SPARE:
             return
-        if self.manager.engine.stopping:
+        if self.driver.engine.stopping:
             return
         if reason is not Reason.EXIT:
             if not self._available():
@@ -244,7 +245,7 @@ class SparePool:
         self._promote_one(unit.name, reason, detail, time.monotonic(), exclude={unit.name})
 
     def _available(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Candidate]:
-        units = self.manager.engine.units
+        units = self.driver.engine.units
         return [
             Candidate(name, self._version(units[name]), slot.asleep)
             for name, slot in self.slots.items()
@@ -257,7 +258,7 @@ class SparePool:
     def _promote_one(
         self, replaced: str, reason: Reason, detail: str, since: float, exclude: set[str]
     ) -> None:
-        name = choose(self._available(exclude), self.manager.current_version)
+        name = choose(self._available(exclude), self.driver.current_version)
         if name is None:
             log.warning("spares.none_available", replaced=replaced, reason=str(reason))
             return
@@ -265,7 +266,7 @@ class SparePool:
         slot.role = Role.PROMOTING
         log.info("spares.promoting", unit=name, replaced=replaced, reason=str(reason), why=detail)
         task = asyncio.get_running_loop().create_task(
-            self._promote(self.manager.engine.units[name], slot, replaced, reason, detail, since)
+            self._promote(self.driver.engine.units[name], slot, replaced, reason, detail, since)
         )
         self._promotions.add(task)
         task.add_done_callback(self._promotions.discard)
@@ -273,18 +274,18 @@ class SparePool:
     async def _promote(
         self, unit: Unit, slot: Slot, replaced: str, reason: Reason, detail: str, since: float
     ) -> None:
-        manager = self.manager
+        driver = self.driver
         timings: dict[str, float] = {}
         replay_ms = 0.0
 
         async def timed(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
             started = time.monotonic()
-            reply = await manager.call(unit, route, payload)
+            reply = await driver.call(unit, route, payload)
             timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
             return reply
 
         was_version, was_asleep = self._version(unit), slot.asleep
-        own = manager.routing_taints(unit, 0)[1]  # its instance taints, whatever the version
+        own = driver.routing_taints(unit, 0)[1]  # its instance taints, whatever the version
         try:
             async with slot.lock:
                 waited = (time.monotonic() - since) * 1000
@@ -292,20 +293,20 @@ class SparePool:
                     await timed("wake", "control/wake_up", {})
                     slot.asleep = False
                 while True:
-                    version = manager.current_version
+                    version = driver.current_version
                     if version is None or self._version(unit) != version:
                         # behind (or the ledger not read yet): the replay needs its path
-                        target = await manager.ledger().current()
-                        manager.note_current(target)
-                        version = target.version if target else manager.spec.initial_version
+                        target = await driver.ledger().current()
+                        driver.note_current(target)
+                        version = target.version if target else driver.spec.initial_version
                     if self._version(unit) != version:
                         started = time.monotonic()
-                        ack = await manager.apply(unit, target)  # taints: it is promoting
+                        ack = await driver.apply(unit, target)  # taints: it is promoting
                         replay_ms = (time.monotonic() - started) * 1000
                     # Pushes and publishes move `current_version` under this lock, so under
                     # it the cached version is the ledger's.
-                    async with manager.lock:
-                        if manager.current_version != version:
+                    async with driver.lock:
+                        if driver.current_version != version:
                             continue  # a push overtook the replay: replay again
                         if replay_ms == 0.0:
                             # Verified when it was replayed, and only dynamod calls its admin
@@ -318,10 +319,10 @@ class SparePool:
                                 {"taints": [*self.taints(unit, version), *own]},
                             )
                             started = time.monotonic()
-                            await manager.routed(unit, version)
+                            await driver.routed(unit, version)
                             timings["route"] = (time.monotonic() - started) * 1000
                             digest = unit.extra.get("policy", {}).get("digest")
-                            ack = _ack(unit.name, version, digest)
+                            ack = ShardAck(unit.name, version, digest)
                         slot.role = Role.SERVING
                         ack.timings_ms = {**timings, **ack.timings_ms}
                         self._count_promotion(unit, reason)
@@ -339,16 +340,16 @@ class SparePool:
                             steps_ms={k: round(v, 1) for k, v in ack.timings_ms.items()},
                             total_ms=round((time.monotonic() - since) * 1000, 1),
                         )
-                        await manager.record_ack(unit, ack)
+                        await driver.record_ack(unit, ack)
                         break
-        except (DynamodError, EtcdError) as exc:
+        except DynamodError as exc:  # EtcdError is one
             log.warning(
                 "spares.promotion_failed", unit=unit.name, replaced=replaced, error=str(exc)
             )
             if self.slots.get(unit.name) is slot:  # alive: try the next spare instead
                 slot.role = Role.SPARE
                 with contextlib.suppress(DynamodError):  # tainted, but never routed to
-                    await manager.call(unit, "update/model_taints", {"taints": own})
+                    await driver.call(unit, "update/model_taints", {"taints": own})
                 self._keep_current(unit)
                 self._promote_one(replaced, reason, detail, since, exclude={unit.name})
             # (a spare that died while promoted was replaced by `lost`, as a serving one)
@@ -379,8 +380,8 @@ class SparePool:
 
     async def _keeper(self, unit: Unit, slot: Slot) -> None:
         """Until the spare holds the current version (and sleeps if asked), or stops being one."""
-        manager = self.manager
-        delay = manager.spec.replay_backoff_initial
+        driver = self.driver
+        delay = driver.spec.replay_backoff_initial
         while self.slots.get(unit.name) is slot and slot.role is Role.SPARE:
             error = None
             async with slot.lock:
@@ -388,14 +389,14 @@ class SparePool:
                     return
                 slot.dirty = False
                 try:
-                    target = await manager.ledger().current()
-                    manager.note_current(target)
-                    version = target.version if target else manager.spec.initial_version
+                    target = await driver.ledger().current()
+                    driver.note_current(target)
+                    version = target.version if target else driver.spec.initial_version
                     if self._version(unit) == version or slot.asleep:
                         # a sleeping spare cannot load weights: it is replayed when woken
                         if self.sleep_wanted != slot.asleep:
                             route = "control/sleep" if self.sleep_wanted else "control/wake_up"
-                            await manager.call(
+                            await driver.call(
                                 unit, route, {"level": 1} if self.sleep_wanted else {}
                             )
                             slot.asleep = self.sleep_wanted
@@ -408,18 +409,18 @@ class SparePool:
                         if slot.dirty:
                             continue
                         return
-                    ack = await manager.apply(unit, target)
-                    async with manager.lock:
-                        now = await manager.ledger().current()
-                        if (now.version if now else manager.spec.initial_version) == ack.version:
-                            await manager.record_ack(unit, ack)
+                    ack = await driver.apply(unit, target)
+                    async with driver.lock:
+                        now = await driver.ledger().current()
+                        if (now.version if now else driver.spec.initial_version) == ack.version:
+                            await driver.record_ack(unit, ack)
                     continue
-                except (DynamodError, EtcdError) as exc:
+                except DynamodError as exc:  # EtcdError is one
                     error = str(exc)
             log.warning("spares.replay_failed", unit=unit.name, error=error, retry_s=delay)
             unit.extra.setdefault("policy", {})["last_error"] = error
             await asyncio.sleep(delay)
-            delay = min(delay * 2, manager.spec.replay_backoff_max)
+            delay = min(delay * 2, driver.spec.replay_backoff_max)
 
     # ------------------------------------------------------------------ sleep, views
 
@@ -440,12 +441,12 @@ class SparePool:
                 await task
 
     def summary(self) -> dict[str, Any]:
-        units = self.manager.engine.units
-        current = self.manager.current_version
+        units = self.driver.engine.units
+        current = self.driver.current_version
         spares = self.spare_units()
         promotions = sum(
             sum(units[n].extra.get("spare", {}).get("promotions", {}).values())
-            for n in self.manager.shard_names
+            for n in self.driver.shard_names
         )
         return {
             "wanted": self.count,
@@ -470,8 +471,3 @@ class SparePool:
 
         return [web.post("/policy/spares", sleep)]
 
-
-def _ack(name: str, version: int, digest: str | None) -> ShardAck:
-    from dynamod.rollout.policy import ShardAck
-
-    return ShardAck(name, version, digest)

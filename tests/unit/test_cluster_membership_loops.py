@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 
 from dynamod.cluster import membership
 from dynamod.cluster.membership import Membership
+from dynamod.core.phase import Phase
 from dynamod.core.placement import ClusterSpec
 
 SPEC = ClusterSpec(nodes={"head": "10.1.0.1"}, head="head", node="head",
@@ -31,7 +32,7 @@ def _reading(monkeypatch: pytest.MonkeyPatch, etcd: object) -> Membership:
     """A membership whose read loop polls fast and reads from `etcd`."""
     monkeypatch.setattr(membership, "READ_FALLBACK_S", 0.01)
     member = _membership()
-    member.daemon = SimpleNamespace(stack=SimpleNamespace(name="s"), phase="up")  # type: ignore[assignment]
+    member.host = SimpleNamespace(stack=SimpleNamespace(name="s"), phase=Phase.UP)  # type: ignore[assignment]
     member.etcd = etcd  # type: ignore[assignment]
     return member
 

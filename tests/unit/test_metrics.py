@@ -76,7 +76,7 @@ def test_policy_lag_and_shards() -> None:
 
 
 def test_spare_gauges_and_promotions_read_from_the_units() -> None:
-    from dynamod.core.daemon import Phase
+    from dynamod.core.phase import Phase
     from dynamod.ops.metrics import StackCollector
 
     def shard(name: str, state: S, **spare: Any) -> Any:

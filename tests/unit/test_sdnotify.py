@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynamod.core.daemon import Phase
+from dynamod.core.phase import Phase
 from dynamod.core.state import UnitState
 from dynamod.ops import sdnotify
 

@@ -68,12 +68,12 @@ def test_a_lost_shard_is_swapped_for_the_spare_once_and_its_exit_promotes_no_oth
         for u in units:
             u.state = SimpleNamespace(running=True)
             u.hold_reason = None
-        spares.manager.engine.stopping = False
+        spares.driver.engine.stopping = False
         roles = [spares.assign(u) for u in units]
         assert roles == [Role.SERVING, Role.SERVING, Role.SERVING, Role.SPARE]
         spares._promote = lambda *a: asyncio.sleep(0)  # type: ignore[method-assign]
         hung, spare = units[0], units[3]
-        spares.manager.shard_names = {u.name for u in units}
+        spares.driver.shard_names = {u.name for u in units}
         spares.on_lost(hung, "liveness failed 3 times in a row")
         assert spares.role(spare) is Role.PROMOTING, "the spare was not promoted on the loss"
         assert spares.role(hung) is Role.SPARE, "the lost shard still counts as serving"

@@ -1,4 +1,4 @@
-"""Command groups that live in their own modules (one module per command family)."""
+"""The commands, one module per command family."""
 
 from __future__ import annotations
 
@@ -6,13 +6,16 @@ import click
 
 from dynamod.control.commands.chaos import chaos_group
 from dynamod.control.commands.export import export_group
+from dynamod.control.commands.lifecycle import lifecycle_commands
 from dynamod.control.commands.policy import policy_group
 from dynamod.control.commands.secrets import secrets_group
 from dynamod.control.commands.systemd import systemd_group
 
 
 def register_commands(main: click.Group) -> None:
-    """Attach the command groups defined in this package to the `dynamod` group."""
+    """Attach the commands defined in this package to the `dynamod` group."""
+    for command in lifecycle_commands:
+        main.add_command(command)
     main.add_command(systemd_group)
     main.add_command(export_group)
     main.add_command(policy_group)

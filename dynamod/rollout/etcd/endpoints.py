@@ -8,11 +8,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from dynamod.core.errors import DynamodError
+
 DEFAULT_PORT = 2379
 
 
-class EndpointError(ValueError):
-    """An endpoint string that names no usable host and port."""
+class EndpointError(DynamodError, ValueError):
+    """An endpoint string that names no usable host and port. Still a ValueError: callers
+    that check a list of endpoints catch it as bad input."""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ import enum
 import re
 from dataclasses import dataclass
 
+from dynamod.core.errors import DynamodError
 
-class EtcdError(Exception):
+
+class EtcdError(DynamodError):
     """An etcd request failed: unreachable, timed out, refused by the server."""
 
     def __init__(self, endpoint: str, operation: str, key: str | None, detail: str) -> None:

@@ -1,0 +1,325 @@
+"""The lifecycle commands: `check`, `up`, `down`, `status`, `restart`, `logs`. They ask the
+daemon over its socket or read the state dir; starting the daemon itself is control/launch.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from dynamod.client import Client
+from dynamod.control import launch, render
+from dynamod.control.cliutil import (
+    BAD_INPUT,
+    Seconds,
+    check_metrics_addr,
+    check_node_name,
+    check_unit_name,
+    create_state_dir,
+    fail,
+    load_stack,
+    state_dir_of,
+    var_option,
+)
+from dynamod.control.launch import describe_daemon
+from dynamod.core.errors import DaemonError, DynamodError
+
+if TYPE_CHECKING:
+    from dynamod.core.leftovers import Leftovers
+
+
+_metrics_option = click.option(
+    "--metrics-addr",
+    default=None,
+    metavar="HOST:PORT",
+    callback=check_metrics_addr,
+    help="Serve Prometheus metrics on this address (off by default).",
+)
+
+
+_node_option = click.option(
+    "--node",
+    default=None,
+    callback=check_node_name,
+    help="A cluster stack: this node's share of it (a name in its [cluster] nodes; "
+    "default: the head).",
+)
+
+
+@click.command()
+@click.argument("stack", required=False)
+@var_option
+@_node_option
+@click.pass_context
+def check(
+    ctx: click.Context, stack: str | None, variables: tuple[str, ...], node: str | None
+) -> None:
+    """Validate STACK (a path or a stock stack name) without starting anything."""
+    resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables, node)
+    click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
+    if resolved.cluster is not None:
+        cluster = resolved.cluster
+        remote = sorted(n for n, u in resolved.units.items() if u.remote)
+        click.echo(
+            f"  node {cluster.node} ({cluster.address}) of {', '.join(cluster.nodes)}; head "
+            f"{cluster.head}; on other nodes: {', '.join(remote) or 'nothing it depends on'}"
+        )
+    from dynamod.core import graph
+
+    edges = {n: list(u.depends_on) for n, u in resolved.units.items()}
+    for i, wave in enumerate(graph.levels(edges)):
+        click.echo(f"  start wave {i}: {', '.join(wave)}")
+    from dynamod.cluster import exposure
+
+    tls = bool(getattr(getattr(resolved, "cluster", None), "secrets", None))
+    for warning in exposure.spec_warnings(resolved, tls_request_plane=tls):
+        click.echo(f"warning: {warning}", err=True)
+
+
+@click.command()
+@click.argument("stack", required=False)
+@var_option
+@click.option(
+    "--detach",
+    is_flag=True,
+    help="Run the daemon in the background; return "
+    "0 once the whole stack is ready, non-zero with the reason if it cannot be.",
+)
+@click.option(
+    "--timeout",
+    type=Seconds(),
+    default=None,
+    help="With --detach: give up (and tear down) after this many seconds.",
+)
+@_metrics_option
+@_node_option
+@click.option(
+    "--join",
+    "join_address",
+    default=None,
+    metavar="ADDR",
+    help="Start this node's share of the cluster stack the head published in its etcd at "
+    "ADDR (host:port); STACK, if given, is the stack's name.",
+)
+@click.pass_context
+def up(
+    ctx: click.Context,
+    stack: str | None,
+    variables: tuple[str, ...],
+    detach: bool,
+    metrics_addr: str | None,
+    timeout: float | None,
+    node: str | None,
+    join_address: str | None,
+) -> None:
+    """Start STACK (default: the local CPU rollout stack) and supervise it."""
+    state_dir = state_dir_of(ctx, will_create=True)
+    try:
+        other = Client(state_dir).status()
+    except DaemonError:
+        other = None
+    if other is not None:
+        fail(
+            f"{describe_daemon(other)} already runs with state dir {state_dir}; "
+            "`dynamod status` shows it, `dynamod down` stops it"
+        )
+    if join_address is not None:
+        stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
+    resolved = load_stack(stack, state_dir, variables, node)
+    _check_containment_setting()
+    create_state_dir(state_dir)
+    _sweep_previous(state_dir)
+    # The daemon we start carries this id; we only ever report on a daemon that has it.
+    run_id = uuid.uuid4().hex[:16]
+    if detach:
+        sys.exit(launch.run_detached(resolved, state_dir, timeout, metrics_addr, run_id))
+    code = launch.run_daemon(
+        resolved, state_dir, progress=True, metrics_addr=metrics_addr, run_id=run_id
+    )
+    sys.exit(code)
+
+
+def _joined(
+    address: str, name: str | None, variables: tuple[str, ...], node: str | None, state_dir: Path
+) -> tuple[str, tuple[str, ...], str]:
+    """`up --join`: the stack the head published, written into the state dir; its
+    variables (this command's --var on top) and this node's name."""
+    from dynamod.cluster import join
+
+    try:
+        bundle = asyncio.run(join.fetch(address, name))
+        path = join.unpack(bundle, state_dir / "joined")
+        node = node or join.this_node(bundle)
+    except join.JoinError as exc:
+        fail(str(exc), BAD_INPUT)
+    click.echo(f"joining stack {bundle.stack!r} from {address} as node {node}", err=True)
+    published = tuple(f"{k}={v}" for k, v in bundle.variables.items())
+    return str(path), (*published, *variables), node
+
+
+def _check_containment_setting() -> None:
+    from dynamod.core import cgroups
+
+    try:
+        cgroups.setting()
+    except ValueError as exc:
+        fail(str(exc), 2)
+
+
+def _sweep_previous(state_dir: Path) -> Leftovers | None:
+    """If the state dir's last daemon died, end what it left and say so."""
+    from dynamod.core import leftovers
+
+    swept = leftovers.sweep_previous(state_dir)
+    if swept is not None:
+        click.echo(f"dynamod: {swept.describe()}", err=True)
+    return swept
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--cluster",
+    "whole_cluster",
+    is_flag=True,
+    help="A cluster stack: stop every node, in reverse dependency order across nodes.",
+)
+@click.option(
+    "--wait",
+    "wait_s",
+    type=Seconds(),
+    default=30.0,
+    help="With --cluster: seconds to wait for each node's answer to each step.",
+)
+@click.pass_context
+def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) -> None:
+    """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
+    state_dir = state_dir_of(ctx)
+    client = Client(state_dir)
+    if whole_cluster:
+        _down_cluster(client, as_json, wait_s)
+        return
+    try:
+        asked = client.status()
+        result = client.down()
+    except DaemonError as exc:
+        swept = _sweep_previous(state_dir)  # no daemon answers: did the last one die?
+        if swept is not None:
+            sys.exit(1 if swept.survivors else 0)
+        fail(str(exc))
+    if result.get("run_id") != asked["run_id"]:  # the daemon changed between the two calls
+        fail(
+            f"{describe_daemon(asked)} was asked to stop, but {describe_daemon(result)} answered "
+            f"and stopped; check `dynamod status`"
+        )
+    _wait_pid_gone(int(asked["daemon_pid"]), 30)
+    guardian = (asked.get("guardian") or {}).get("pid")
+    if guardian:  # it exits once it has found nothing left: `down` is done after that
+        _wait_pid_gone(int(guardian), 10)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        for unit in result["units"]:
+            click.echo(f"  {unit['name']:<16} {unit['state']}  {unit['detail']}")
+        if result.get("warning"):
+            click.echo(f"warning: {result['warning']}", err=True)
+        for line in render.down_report(result):
+            click.echo(line)
+    sys.exit(0 if result["ok"] else 1)
+
+
+def _down_cluster(client: Client, as_json: bool, wait_s: float) -> None:
+    try:
+        asked = client.status()
+        if not asked.get("cluster"):
+            fail(
+                f"down --cluster: stack {asked.get('stack')} has no [cluster] table; "
+                "use `dynamod down`",
+                BAD_INPUT,
+            )
+        result = client.down_cluster(wait_s)
+    except DaemonError as exc:
+        fail(str(exc))
+    _wait_pid_gone(int(asked["daemon_pid"]), 30)
+    own = result.get("this_node_down", {})
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(f"cluster stopped in {result['seconds']:.1f}s, tiers: {result['tiers']}")
+        for name, node in result["nodes"].items():
+            stopped = ", ".join(node["stopped"]) or "nothing"
+            why = f"  ({node['why']})" if node.get("why") else ""
+            answered = "answered" if node["answered"] else "NO ANSWER"
+            click.echo(f"  {name:<12} {answered}: stopped {stopped}{why}")
+        for line in render.down_report(own):
+            click.echo(line)
+    sys.exit(0 if result["ok"] and own.get("ok") else 1)
+
+
+def _wait_pid_gone(pid: int, timeout: float) -> None:
+    """Until the daemon (or its guardian) has exited. A zombie counts as gone: the detached
+    daemon's parent is whatever reaps orphans here, which may take its time."""
+    from dynamod.core.proctable import is_zombie
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not is_zombie(pid):
+        time.sleep(0.01)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the status object as JSON.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Show the unit tree: state, pid, uptime, restarts, last exit, probe detail."""
+    try:
+        result = Client(state_dir_of(ctx)).status()
+    except DaemonError as exc:
+        fail(str(exc))
+    click.echo(json.dumps(result, indent=2) if as_json else render.status_table(result))
+
+
+@click.command()
+@click.argument("unit", callback=check_unit_name)
+@click.pass_context
+def restart(ctx: click.Context, unit: str) -> None:
+    """Stop UNIT, reset its backoff and start it again."""
+    try:
+        Client(state_dir_of(ctx)).restart(unit)
+    except DaemonError as exc:
+        fail(str(exc))
+    click.echo(f"{unit} restarted")
+
+
+@click.command()
+@click.argument("unit", callback=check_unit_name)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option(
+    "-n",
+    "--lines",
+    type=click.IntRange(0, 1_000_000),
+    default=50,
+    show_default=True,
+    help="Lines of history (after the header of the spawn they belong to).",
+)
+@click.pass_context
+def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
+    """Print UNIT's log (works after the daemon has gone too)."""
+    from dynamod.control import logview
+
+    try:
+        logview.show(state_dir_of(ctx), unit, lines=lines, follow=follow, out=click.echo)
+    except DynamodError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot read the log of {unit}: {exc.strerror or exc} ({exc.filename})")
+    except KeyboardInterrupt:
+        pass
+
+
+lifecycle_commands = [check, up, down, status, restart, logs]

