@@ -76,7 +76,8 @@ def test_local_ray_offer_comes_from_ray_init() -> None:
     offer = offer_of(cfg, cpu_count=2, stack_offer=None)
     assert offer == RayOffer(3, 1, "+ray_kwargs.ray_init.num_cpus", "+ray_kwargs.ray_init.num_gpus")
     error = refused(config(trainer__n_gpus_per_node=1), offer)
-    assert "need 4 Ray CPUs" in error.reason and "+ray_kwargs.ray_init.num_cpus to 4" in error.reason
+    assert "need 4 Ray CPUs" in error.reason
+    assert "+ray_kwargs.ray_init.num_cpus to 4" in error.reason
 
 
 def test_a_joined_cluster_that_is_not_the_stack_is_not_judged() -> None:
