@@ -22,7 +22,8 @@ pytest.importorskip("verl", reason="the verl extra is not installed (pip install
 
 from dynamod.client import Client
 from dynamod.core.proctable import marked_pids
-from dynamod.integrations.verl import checkpoint, dataset, run
+from dynamod.integrations.verl import dataset, run
+from dynamod.integrations.verl.updates import read_updates
 from tests.conftest import Dynamod
 
 pytestmark = pytest.mark.slow
@@ -87,15 +88,20 @@ def generate(stack: Dynamod, version: int) -> dict[str, Any]:
     return result
 
 
+def pushes_of(stack: Dynamod) -> list[dict[str, Any]]:
+    return read_updates(stack.state_dir)
+
+
 def test_main_ppo_two_grpo_steps(stack: Dynamod) -> None:
-    result = main_ppo(stack)
+    # saves verl's own checkpoint at its last step, for the resumed run below
+    result = main_ppo(stack, extra=[f"trainer.save_freq={STEPS}"])
     assert result.returncode == 0, tail(result)
     policy = Client(stack.state_dir).policy_status()
     # verl pushes its step 0 (the loaded weights) once initialised, then one step per update.
     assert policy["current"] == STEPS, policy
-    pushes = checkpoint.read_pushes(stack.state_dir / "verl" / "checkpoints")
+    pushes = pushes_of(stack)
     # a fresh stack: verl's steps are the ledger's versions, all from one run
-    assert [(p["step"], p["version"]) for p in pushes] == [(s, s) for s in range(STEPS + 1)]
+    assert [(p["verl_step"], p["step"]) for p in pushes] == [(s, s) for s in range(STEPS + 1)]
     assert len({p["run"] for p in pushes}) == 1
     digests = [p["digest"] for p in pushes]
     # step 0 is the loaded weights; each update changes them
@@ -105,3 +111,61 @@ def test_main_ppo_two_grpo_steps(stack: Dynamod) -> None:
     answer = generate(stack, STEPS)
     tokens = answer["choices"][0]
     assert tokens["text"] is not None and answer["usage"]["completion_tokens"] > 0, answer
+
+
+def test_resumed_run_continues_after_the_ledger(stack: Dynamod) -> None:
+    """verl resumes from its own checkpoint (step 2, saved above) and restarts its step
+    count there, below the ledger's version 2: its steps become versions after the
+    ledger's, recorded with the new run and verl's steps. With free_cache_engine off verl
+    never wakes the shards, so the replica must not sleep them either."""
+    before = pushes_of(stack)
+    assert before, "the first run pushed nothing (it runs first in this module)"
+    result = main_ppo(stack, steps=STEPS + 1,
+                      extra=["actor_rollout_ref.rollout.free_cache_engine=False"])
+    assert result.returncode == 0, tail(result)
+    output = result.stdout + result.stderr
+    assert "Resuming from" in output, tail(result)
+    new = pushes_of(stack)[len(before):]
+    last = before[-1]["version"]
+    assert [(p["verl_step"], p["step"]) for p in new] == [(STEPS, last + 1), (STEPS + 1, last + 2)]
+    assert {p["run"] for p in new} != {before[0]["run"]} and len({p["run"] for p in new}) == 1
+    assert Client(stack.state_dir).policy_status()["current"] == last + 2
+    assert stack.unit("worker@0")["policy_version"] == last + 2
+    assert "verl.sleep_skipped" in output and "call=sleep" not in output
+    generate(stack, last + 2)
+
+
+def test_fresh_run_on_a_stack_whose_ledger_is_ahead(stack: Dynamod) -> None:
+    """A new verl run (its step 0) on a stack that served an earlier run continues from
+    the ledger instead of failing `step 0 is older than the current policy version`."""
+    current = Client(stack.state_dir).policy_status()["current"]
+    assert current > 0
+    before = len(pushes_of(stack))
+    result = main_ppo(stack, steps=1,
+                      extra=[f"trainer.default_local_dir={stack.state_dir / 'fresh-run'}"])
+    assert result.returncode == 0, tail(result)
+    new = pushes_of(stack)[before:]
+    assert [(p["verl_step"], p["step"]) for p in new] == [(0, current + 1), (1, current + 2)]
+    assert len({p["digest"] for p in new}) == 2
+    assert Client(stack.state_dir).policy_status()["current"] == current + 2
+
+
+def refusal(result: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused config prints; nothing of Ray's start in the output."""
+    assert result.returncode == 2, tail(result)
+    lines = [ln for ln in result.stderr.splitlines() if "refused" in ln]
+    assert len(lines) == 1, tail(result)
+    assert "Traceback" not in result.stderr and "ray init kwargs" not in result.stdout
+    return lines[0]
+
+
+def test_too_many_ranks_for_the_stacks_ray_refused_before_ray_starts(stack: Dynamod) -> None:
+    version = Client(stack.state_dir).policy_status()["current"]
+    line = refusal(main_ppo(stack, ranks=3))
+    assert "trainer.n_gpus_per_node" in line and "--var ray_num_gpus=N" in line, line
+    assert Client(stack.state_dir).policy_status()["current"] == version
+
+
+def test_cuda_device_refused_before_ray_starts(stack: Dynamod) -> None:
+    line = refusal(main_ppo(stack, extra=["trainer.device=cuda"]))
+    assert "trainer.device" in line and "set trainer.device=cpu" in line, line

@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 from verl.workers.rollout.base import BaseRollout
 
-from dynamod.integrations.verl import checkpoint
+from dynamod.integrations.verl import checkpoint, updates
 from dynamod.integrations.verl.attach import state_dir_of
 from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.config import parse_settings
@@ -101,7 +101,7 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
             )
         version = await self._version_of(global_steps)
         if self.colocated is not None:
-            return await self.colocated.update(weights, version)
+            return await self.colocated.update(weights, version, self._origin(global_steps))
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -109,8 +109,11 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
         return await push_weights(
             self.state_dir, self.checkpoint_dir, weights, version,
             keep=self.settings.checkpoint_keep,
-            origin={"run": self.versions.run, "step": global_steps},
+            origin=self._origin(global_steps),
         )
+
+    def _origin(self, global_steps: int | None) -> dict[str, Any]:
+        return {"run": self.versions.run, "verl_step": global_steps}
 
     async def _version_of(self, global_steps: int | None) -> int:
         """The ledger version verl's step becomes (`versions.py`); no step: the next one."""
@@ -137,10 +140,8 @@ async def push_weights(
     path = await asyncio.to_thread(checkpoint.write_checkpoint, weights, root, step, origin)
     answer: dict[str, Any] = await asyncio.to_thread(client.policy_push, step, path)
     await asyncio.to_thread(checkpoint.prune, root, keep, step)
-    await asyncio.to_thread(checkpoint.record_push, root, {
-        **(origin or {"step": step}), "version": answer.get("version", step),
-        "digest": answer.get("digest"), "path": str(path), "seconds": answer.get("seconds"),
-    })
+    await asyncio.to_thread(updates.log_update, state_dir,
+                            updates.push_record(step, origin, answer, path))
     log.info(
         "verl.weights_pushed", step=step, path=str(path), seconds=answer.get("seconds"),
         acks={k: v.get("total_ms", v.get("error")) for k, v in answer.get("acks", {}).items()},

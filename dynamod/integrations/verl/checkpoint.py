@@ -68,23 +68,6 @@ def prune(root: Path, keep: int, current: int) -> list[Path]:
     return removed
 
 
-PUSHES = "pushes.jsonl"
-
-
-def record_push(root: Path, entry: dict[str, Any]) -> None:
-    """Append one committed push (verl's step, the ledger's version, digest) to the log."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / PUSHES).open("a") as out:
-        out.write(json.dumps({**entry, "at": time.time()}) + "\n")
-
-
-def read_pushes(root: Path) -> list[dict[str, Any]]:
-    path = root / PUSHES
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def step_dir(root: Path, step: int) -> Path:
     return root / f"{STEP_PREFIX}{step}"
 

@@ -8,7 +8,7 @@ process fixes an offset at its first update: none when its step is already ahead
 ledger (a fresh stack: version = step), else the one that makes that step the version
 right after the ledger's. Later steps keep the offset, so versions stay consecutive and
 never go backwards. Each push records verl's run and step beside the version it became
-(`checkpoint.record_push`, and `verl.json` in the checkpoint the ledger points to).
+(`<state_dir>/verl/updates.jsonl`, and `verl.json` in the checkpoint the ledger points to).
 """
 
 from __future__ import annotations
