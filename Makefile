@@ -4,7 +4,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick clean
+.PHONY: install install-vllm up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
 
 install:
 	./scripts/install.sh
@@ -16,6 +16,12 @@ up: install
 # 1.5 min the first time, seconds after). `make up` does not need it; the tests do.
 install-vllm: install
 	./scripts/install-vllm.sh
+
+# The integration guide's validation on CPU: verl's own trainer against a dynamod stack
+# (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards). Report file:
+# validate-cpu-report.txt. CI runs its --quick mode (tests/integration/test_verl_validate_cpu.py).
+validate-cpu: install
+	./scripts/validate-cpu.sh
 
 lint:
 	$(BIN)/ruff check dynamod tests bench
