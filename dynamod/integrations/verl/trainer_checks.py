@@ -23,7 +23,6 @@ The judging functions are pure and unit-tested; `main` only reads the files.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import re
 import sys
@@ -36,6 +35,10 @@ _STEP_LINE = re.compile(r"\bstep:(\d+) - (.*)$")
 _NUMBER = re.compile(r"^(?:np\.float64\()?([-+0-9.eE]+|nan|inf)\)?$")
 ALIGNMENT_MAX_DIFF = 1e-3  # probability, per token: far below any misplaced token's
 VALIDATION_MARK = "Initial validation metrics:"
+# pprint's wrap of a long string: "...'" newline, Ray's "(Actor pid=N)" prefix, "'..."
+_ANSI = r"(?:\x1b\[[0-9;]*m)?"
+_PPRINT_JOIN = re.compile(rf"'\s*\n{_ANSI}(?:\(\w+ pid=\d+[^)]*\))?{_ANSI}\s*'")
+_VAL_METRIC = re.compile(r"'(val-(?:core|aux)/[^']+)': (?:np\.float64\()?([-+0-9.eE]+)")
 
 
 def parse_steps(text: str) -> list[dict[str, float]]:
@@ -56,17 +59,13 @@ def parse_steps(text: str) -> list[dict[str, float]]:
 
 
 def parse_validation(text: str) -> dict[str, float] | None:
-    """The metrics verl printed after its validation pass, if it printed them."""
-    for line in text.splitlines():
-        if VALIDATION_MARK in line:
-            raw = line.split(VALIDATION_MARK, 1)[1].strip().rstrip("'\"")
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                return {}
-            return {str(k): float(v) for k, v in (value or {}).items()
-                    if isinstance(v, int | float)}
-    return None
+    """The metrics verl printed after its validation pass, if it printed them (pprint may
+    wrap the line; Ray prefixes each piece, so keys are found by pattern)."""
+    at = text.find(VALIDATION_MARK)
+    if at < 0:
+        return None
+    found = _VAL_METRIC.findall(_PPRINT_JOIN.sub("", text[at:]))
+    return {key: float(value) for key, value in found}
 
 
 def judge_smoke(validation: Mapping[str, float] | None) -> tuple[bool, str]:
