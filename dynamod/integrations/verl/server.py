@@ -5,7 +5,8 @@ from dynamod, sends one completions request to the frontend requiring that versi
 taint, and returns verl's `TokenOutput` (completion token ids, their logprobs, the stop
 reason, and the serving shard's weight version as `global_steps`). A 500 with a required
 taint means no admitted shard holds the version yet (an update is landing, or the shard
-is being replayed): the request is sent again at the version read then, a few times.
+is being replayed) and a refused connection that the frontend is restarting: the request
+is sent again at the version read then, until `retry_window_s` (default 60 s) has passed.
 Lifecycle calls fan out to this replica's shards (`engine.py`). Counters keep completed,
 aborted, retried and failed attempts apart, for the validation's first boundary.
 """
@@ -13,6 +14,7 @@ aborted, retried and failed attempts apart, for the validation's first boundary.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,8 @@ from dynamod.integrations.verl.errors import GenerationError
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
-ATTEMPTS = 5
-RETRY_DELAY_S = 0.2
+RETRY_DELAY_S = 0.2  # grows by this much per attempt, up to MAX_RETRY_DELAY_S
+MAX_RETRY_DELAY_S = 2.0
 
 
 class DynamodRolloutServer:
@@ -100,7 +102,10 @@ class DynamodRolloutServer:
             sampling_params, len(prompt_ids), self.prompt_length, self.response_length
         )
         last = ""
-        for attempt in range(1, ATTEMPTS + 1):
+        attempt = 0
+        deadline = time.monotonic() + self.settings.retry_window_s
+        while True:
+            attempt += 1
             version = await self.current_version()
             body = completions.build_request(
                 model=self.model, prompt_ids=prompt_ids, sampling_params=sampling_params,
@@ -121,17 +126,20 @@ class DynamodRolloutServer:
                 return completion
             if status:
                 last = f"HTTP {status}: {str(answer)[:300]}"
-            if 400 <= status < 500:
+            delay = min(RETRY_DELAY_S * attempt, MAX_RETRY_DELAY_S)
+            if 400 <= status < 500 or time.monotonic() + delay > deadline:
                 break
             self.counts["retried"] += 1
             log.warning("verl.generate_retry", request_id=request_id, attempt=attempt,
                         required=completions.policy_taint(version), error=last)
-            await asyncio.sleep(RETRY_DELAY_S * attempt)
+            await asyncio.sleep(delay)
         self.counts["failed"] += 1
         raise GenerationError(
-            f"request {request_id} failed after {attempt} attempt(s) at {self.url} (last: "
-            f"{last}); a 500 with a required taint means no admitted shard holds the current "
-            "policy version: see `dynamod policy status`"
+            f"request {request_id} failed after {attempt} attempt(s) in "
+            f"{self.settings.retry_window_s:g} s at {self.url} (last: {last}); a 500 with a "
+            "required taint means no admitted shard holds the current policy version: see "
+            "`dynamod policy status`; a refused connection, that the frontend is down "
+            "(`dynamod status`)"
         )
 
     def stats(self) -> dict[str, int]:
