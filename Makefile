@@ -18,10 +18,12 @@ install-vllm: install
 	./scripts/install-vllm.sh
 
 # The integration guide's validation on CPU: verl's own trainer against a dynamod stack
-# (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards). Report file:
-# validate-cpu-report.txt. CI runs its --quick mode (tests/integration/test_verl_validate_cpu.py).
+# (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards), report in
+# validate-cpu-report.txt; then the trainer under faults (tests/integration/test_verl_faults.py).
+# CI runs the script's --quick mode (tests/integration/test_verl_validate_cpu.py).
 validate-cpu: install
 	./scripts/validate-cpu.sh
+	DYNAMOD_VERL_FAULTS=1 $(BIN)/pytest -q -ra tests/integration/test_verl_faults.py
 
 lint:
 	$(BIN)/ruff check dynamod tests bench
