@@ -124,6 +124,8 @@ from dynamod.core.proctable import marked_pids
 state, run_id = sys.argv[1], sys.argv[2]
 left = set(marked_pids(run_id)) if run_id else set()
 for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) == os.getpid():
+        continue  # this check names the state dir in its own arguments
     try:
         if state.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
             left.add(int(pid))
