@@ -98,26 +98,31 @@ def environment(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dynamod.integrations.verl.run",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dynamod.integrations.verl.run",
+        description=__doc__.splitlines()[0], epilog="-- OVERRIDE ...: Hydra overrides for main_ppo",
+    )
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("--data", type=Path, default=None)
     parser.add_argument("--val-only", action="store_true")
-    parser.add_argument("extra", nargs="*", help="Hydra overrides for main_ppo (after --)")
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:  # main_ppo's Hydra overrides, passed on as they are
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     from dynamod.integrations.verl import dataset
 
     data_dir = args.data or args.state_dir / "verl" / "data"
-    if not (data_dir / "train.parquet").exists():
-        dataset.write(data_dir)
     try:
-        cmd = command(args.state_dir, data_dir, args.steps, args.ranks, args.val_only,
-                      args.extra)
+        cmd = command(args.state_dir, data_dir, args.steps, args.ranks, args.val_only, extra)
     except StackNotReadyError as exc:
         print(f"dynamod.integrations.verl.run: {exc}", file=sys.stderr)
         return 2
+    if not (data_dir / "train.parquet").exists():
+        dataset.write(data_dir)
     os.execve(cmd[0], cmd, environment())
     return 0  # not reached
 
