@@ -129,7 +129,7 @@ def test_resumed_run_continues_after_the_ledger(stack: Dynamod) -> None:
     output = result.stdout + result.stderr
     assert "Resuming from" in output, tail(result)
     new = pushes_of(stack)[len(before):]
-    last = before[-1]["version"]
+    last = before[-1]["step"]
     assert [(p["verl_step"], p["step"]) for p in new] == [(STEPS, last + 1), (STEPS + 1, last + 2)]
     assert {p["run"] for p in new} != {before[0]["run"]} and len({p["run"] for p in new}) == 1
     assert Client(stack.state_dir).policy_status()["current"] == last + 2
