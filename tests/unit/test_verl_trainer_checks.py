@@ -76,6 +76,14 @@ def test_smoke() -> None:
     assert ok and "reward/mean@1=0.1" in detail
     assert not judge_smoke(parse_validation("no validation here"))[0]
     assert not judge_smoke({"val-aux/len": 3.0})[0]
+    wrapped = ("(T pid=9) (\"Initial validation metrics: {'val-aux/gsm8k/reward/mean@1': \"\n"
+               "(T pid=9)  \"np.float64(0.25), 'val-core/gsm8k/acc/mean@1': np.float64(0.5), \"\n"
+               "(T pid=9)  \"'val-aux/num_turns/mean': np.float64(2.0)}\")")
+    assert parse_validation(wrapped) == {"val-aux/gsm8k/reward/mean@1": 0.25,
+                                         "val-core/gsm8k/acc/mean@1": 0.5,
+                                         "val-aux/num_turns/mean": 2.0}
+    ok, detail = judge_smoke(parse_validation(wrapped))
+    assert ok and "val-core/gsm8k/acc/mean@1=0.5" in detail, detail
 
 
 def test_summary_uses_the_warm_steps_for_tokens_per_second() -> None:

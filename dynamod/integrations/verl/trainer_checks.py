@@ -37,7 +37,7 @@ ALIGNMENT_MAX_DIFF = 1e-3  # probability, per token: far below any misplaced tok
 VALIDATION_MARK = "Initial validation metrics:"
 # pprint's wrap of a long string: "...'" newline, Ray's "(Actor pid=N)" prefix, "'..."
 _ANSI = r"(?:\x1b\[[0-9;]*m)?"
-_PPRINT_JOIN = re.compile(rf"'\s*\n{_ANSI}(?:\(\w+ pid=\d+[^)]*\))?{_ANSI}\s*'")
+_PPRINT_JOIN = re.compile(rf"['\"]\s*\n{_ANSI}(?:\(\w+ pid=\d+[^)]*\))?{_ANSI}\s*['\"]")
 _VAL_METRIC = re.compile(r"'(val-(?:core|aux)/[^']+)': (?:np\.float64\()?([-+0-9.eE]+)")
 
 
@@ -71,10 +71,11 @@ def parse_validation(text: str) -> dict[str, float] | None:
 def judge_smoke(validation: Mapping[str, float] | None) -> tuple[bool, str]:
     if validation is None:
         return False, "verl printed no validation metrics (did the val_only run reach the stack?)"
-    rewards = {k: v for k, v in validation.items() if "reward" in k or "score" in k}
+    rewards = {k: v for k, v in validation.items()
+               if any(part in k for part in ("/reward/", "/acc/", "score"))}
     if not rewards:
         return False, f"validation metrics without a reward: {sorted(validation)[:5]}"
-    key, value = sorted(rewards.items())[0]
+    key, value = sorted(rewards.items(), key=lambda kv: not kv[0].startswith("val-core"))[0]
     return True, f"validation through the stack: {key}={value:.4g}"
 
 
