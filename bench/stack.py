@@ -80,7 +80,9 @@ def load_local_stack(state: Path, *variables: str) -> Any:
     """The serve-only local stack rendered the way `dynamod up` renders it (ports
     allocated now)."""
     from dynamod.core import ports, spec
+    from dynamod.rollout import tables
 
+    tables.register()
     allocator = ports.PortAllocator()
     return spec.load(
         serve_stack(state),

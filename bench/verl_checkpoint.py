@@ -13,7 +13,8 @@ copy (`HostCopy`); then the step's safetensors checkpoint is written inline (the
 trainer waits for it) or submitted to the background writer (the trainer waits only if
 the previous step's write is still running). Between updates the trainer "computes" for
 `--gap` seconds (a sleep: on a GPU node the trainer's compute is on the GPU, and the
-background write competes only for a CPU core and the disk).
+background write competes only for a CPU core and the disk); 3 s, or 0.5 s with --quick,
+which writes the tiny model only.
 
 trainer stall = wall time of the update call: send + host copy + (write | submit).
 """
@@ -145,17 +146,19 @@ def run_mode(state: dict[str, Any], background: bool, steps: int, gap: float, ro
 @entry
 def main() -> None:
     parser = options(__doc__.splitlines()[0])
-    parser.add_argument("--gap", type=float, default=3.0,
-                        help="seconds of trainer compute between updates (default 3)")
+    parser.add_argument("--gap", type=float, default=None,
+                        help="seconds of trainer compute between updates (default 3, quick 0.5)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="where checkpoints are written (default: a temp dir in /tmp)")
     parser.add_argument("--skip-05b", action="store_true", help="the tiny model only")
     args = parser.parse_args()
+    if args.gap is None:
+        args.gap = 0.5 if args.quick else 3.0
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     report = Report("verl_checkpoint", "11. Colocated path: the per-step replay checkpoint",
                     args.quick)
     models = [("tiny-cpu (fp32)", tiny, 2 if args.quick else 5)]
-    if not args.skip_05b:
+    if not (args.skip_05b or args.quick):  # quick: a smoke run, no 1 GB writes
         models.append(("synthetic 0.5B (bf16)", synthetic_05b, 1 if args.quick else 3))
     table = Table("Trainer stall per update, inline write vs background write",
                   ["model", "MB", "steps", "send+copy s", "write s inline",

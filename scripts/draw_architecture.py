@@ -99,7 +99,7 @@ PATHS: dict[str, list[Step]] = {
         ),
         Step(
             "workers/cpu/admission.py:CpuWorker.generate",
-            "admission: waits while the shard\nis paused (held, being replayed)",
+            "admission (admission_mode.py): waits\nwhile paused (held, being replayed)",
         ),
         Step(
             "workers/cpu/numpy_engine.py:NumpyEngine",
@@ -154,7 +154,11 @@ PATHS: dict[str, list[Step]] = {
         ),
         Step(
             "core/engine.py:Engine._exited",
-            "exit recorded; state -> backoff\n(restart.py: delay, limits)",
+            "the exit recorded in the turn\nthat reaped it",
+        ),
+        Step(
+            "core/exits.py:decide_exit",
+            "pure: what the exit means: backoff,\nthe delay and limits (restart.py)",
         ),
         Step(
             "rollout/registrations.py:DynamoRegistrations.on_exit",

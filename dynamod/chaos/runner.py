@@ -156,79 +156,10 @@ def _run_one(runbook: Runbook, profile: Profile, report_dir: Path, session: Sess
              last: bool, echo: Callable[[str], None]) -> tuple[Journal, bool]:
     """One runbook on the session's stack (started here if it is not up): its journal,
     and whether the stack is left in its steady state for the next runbook."""
-    spec = runbook.profile(profile)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
-    run_dir = report_dir / f"{stamp}-{runbook.name}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stack, state_dir = session.stack, session.state_dir
-    journal = Journal(runbook.model_dump(mode="json", exclude={"source"}), str(profile),
-                      expect=runbook.expect)
-    if runbook.expect_note:
-        journal.notes.append(runbook.expect_note)
-    origin = time.monotonic()
-    deadline = origin + spec.timeout
-    observer = Observer(state_dir, origin)
-    ctx = faults.RunContext(stack, observer, origin, run_dir)
-    load: LoadGenerator | None = None
-    stack_up = session.started_by is not None
-    echo(f"chaos: {runbook.name} ({profile} profile) in {run_dir}"
-         + (f" on the stack {session.started_by} started" if stack_up else ""))
-
-    def check_abort() -> None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the {profile} profile's bound of {spec.timeout:.0f}s ran out")
-        if runbook.abort.daemon_gone and "daemon" not in ctx.healers and not stack.running():
-            raise Aborted("the dynamod daemon is gone and no step asked for that")
-        if load and load.recent_error_rate(5) > runbook.abort.max_error_rate:
-            raise Aborted(f"error rate over the last 5 s above {runbook.abort.max_error_rate:.0%}")
-
-    up_seen: dict[str, object] = {}
-    up_must_fail = any(i.check == "up_fails_naming" for i in runbook.invariants)
+    run = _RunbookRun(runbook, profile, report_dir, session, echo)
+    journal = run.journal
     try:
-        if stack_up:
-            journal.notes.append(f"shared stack: started by {session.started_by}; this run "
-                                 "began once its steady state held again")
-        else:
-            act = timed("action", "dynamod up", {"stack": runbook.stack, "vars": runbook.vars},
-                        lambda: _up(stack, min(runbook.up_timeout, spec.timeout), up_seen))
-            journal.run.append(act)
-            code = up_seen.get("returncode")
-            ctx.up_returncode = code if isinstance(code, int) else None
-            ctx.up_output = str(up_seen.get("output", ""))
-            if act.status != "succeeded":
-                if up_must_fail:  # the experiment is the refusal itself; the checker judges it
-                    act.status = "succeeded"
-                    raise _Done()
-                raise RuntimeError("the stack did not come up")
-            stack_up = True
-            session.started_by = runbook.name
-        observer.start()
-        journal.before = _probe_activities(stack, runbook, deadline)
-        if not all(a.status == "succeeded" for a in journal.before):
-            raise RuntimeError("the steady state did not hold before the method")
-        if runbook.load:
-            first_url = stack.frontend_url()
-            load = LoadGenerator(runbook.load, lambda: observer.frontend_url(first_url),
-                                 _model_name(stack), origin, observer.current_version)
-            load.start()
-        load_started = time.monotonic()
-        for repeat in range(spec.repeat):
-            for i, step in enumerate(runbook.method):
-                check_abort()
-                name = f"{repeat + 1}.{i + 1} {step.action}"
-                echo(f"  {name} {_describe(step.model_dump(exclude_defaults=True))}")
-                act = timed("action", name, step.model_dump(mode="json"),
-                            _performer(ctx, step))
-                journal.run.append(act)
-                journal.during.append({"after": name, "at": round(ctx.now(), 3), "units": {
-                    u["name"]: u["state"] for u in (observer.last or {}).get("units", [])}})
-                if act.status != "succeeded":
-                    raise RuntimeError(f"step {name} failed: {act.exception}")
-        if load and runbook.load:  # the load runs at least load_seconds, then settles
-            until = max(load_started + spec.load_seconds, time.monotonic()) + runbook.load.settle
-            while time.monotonic() < until:
-                check_abort()
-                time.sleep(0.2)
+        run.perform()
     except _Done:
         pass
     except Aborted as exc:
@@ -244,83 +175,193 @@ def _run_one(runbook: Runbook, profile: Profile, report_dir: Path, session: Sess
         journal.status = RunStatus.FAILED
         journal.notes.append(str(exc))
     finally:
-        healthy = _finish(runbook, journal, ctx, session, observer, load, stack_up, last,
-                          run_dir, deadline, echo)
+        healthy = run.finish(last)
     return journal, healthy
 
 
-def _finish(runbook: Runbook, journal: Journal, ctx: faults.RunContext, session: Session,
-            observer: Observer, load: LoadGenerator | None, stack_up: bool, last: bool,
-            run_dir: Path, deadline: float, echo: Callable[[str], None]) -> bool:
-    """Everything that always runs: rollbacks, heal, steady state after, the leftover search
-    (the `down` if this run is the stack's last), judge. True: the stack is left up in its
-    steady state for the next runbook."""
-    stack, state_dir = session.stack, session.state_dir
-    for i, step in enumerate(runbook.rollbacks):
-        journal.rollbacks.append(timed("action", f"rollback {i + 1} {step.action}",
-                                       step.model_dump(mode="json"), _performer(ctx, step)))
-    journal.rollbacks.append(timed("action", "heal every fault", {},
-                                   lambda: faults.heal_all(ctx)))
-    steady = False
-    if stack_up and journal.before and all(a.status == "succeeded" for a in journal.before):
+class _RunbookRun:
+    """One run of one runbook: its folder, journal, fault context, observer and load.
+    `perform` is the experiment (up, steady state before, method, load); `finish` is what
+    always runs after it, whatever happened."""
+
+    def __init__(self, runbook: Runbook, profile: Profile, report_dir: Path,
+                 session: Session, echo: Callable[[str], None]) -> None:
+        self.runbook, self.profile, self.session, self.echo = runbook, profile, session, echo
+        self.spec = runbook.profile(profile)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        self.run_dir = report_dir / f"{stamp}-{runbook.name}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.stack = session.stack
+        self.journal = Journal(runbook.model_dump(mode="json", exclude={"source"}),
+                               str(profile), expect=runbook.expect)
+        if runbook.expect_note:
+            self.journal.notes.append(runbook.expect_note)
+        origin = time.monotonic()
+        self.deadline = origin + self.spec.timeout
+        self.observer = Observer(session.state_dir, origin)
+        self.ctx = faults.RunContext(self.stack, self.observer, origin, self.run_dir)
+        self.load: LoadGenerator | None = None
+        self.stack_up = session.started_by is not None
+        echo(f"chaos: {runbook.name} ({profile} profile) in {self.run_dir}"
+             + (f" on the stack {session.started_by} started" if self.stack_up else ""))
+
+    def check_abort(self) -> None:
+        abort = self.runbook.abort
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(
+                f"the {self.profile} profile's bound of {self.spec.timeout:.0f}s ran out")
+        if abort.daemon_gone and "daemon" not in self.ctx.healers and not self.stack.running():
+            raise Aborted("the dynamod daemon is gone and no step asked for that")
+        if self.load and self.load.recent_error_rate(5) > abort.max_error_rate:
+            raise Aborted(f"error rate over the last 5 s above {abort.max_error_rate:.0%}")
+
+    def perform(self) -> None:
+        if self.stack_up:
+            self.journal.notes.append(f"shared stack: started by {self.session.started_by}; "
+                                      "this run began once its steady state held again")
+        else:
+            self._up()
+        self.observer.start()
+        self.journal.before = _probe_activities(self.stack, self.runbook, self.deadline)
+        if not all(a.status == "succeeded" for a in self.journal.before):
+            raise RuntimeError("the steady state did not hold before the method")
+        load_started = self._start_load()
+        for repeat in range(self.spec.repeat):
+            for i, step in enumerate(self.runbook.method):
+                self._step(f"{repeat + 1}.{i + 1} {step.action}", step)
+        if self.load and self.runbook.load:  # the load runs at least load_seconds, then settles
+            until = (max(load_started + self.spec.load_seconds, time.monotonic())
+                     + self.runbook.load.settle)
+            while time.monotonic() < until:
+                self.check_abort()
+                time.sleep(0.2)
+
+    def _up(self) -> None:
+        runbook, ctx = self.runbook, self.ctx
+        seen: dict[str, object] = {}
+        act = timed("action", "dynamod up", {"stack": runbook.stack, "vars": runbook.vars},
+                    lambda: _up(self.stack, min(runbook.up_timeout, self.spec.timeout), seen))
+        self.journal.run.append(act)
+        code = seen.get("returncode")
+        ctx.up_returncode = code if isinstance(code, int) else None
+        ctx.up_output = str(seen.get("output", ""))
+        if act.status != "succeeded":
+            if any(i.check == "up_fails_naming" for i in runbook.invariants):
+                act.status = "succeeded"  # the experiment is the refusal; the checker judges it
+                raise _Done()
+            raise RuntimeError("the stack did not come up")
+        self.stack_up = True
+        self.session.started_by = runbook.name
+
+    def _start_load(self) -> float:
+        if self.runbook.load:
+            first_url = self.stack.frontend_url()
+            self.load = LoadGenerator(
+                self.runbook.load, lambda: self.observer.frontend_url(first_url),
+                _model_name(self.stack), self.ctx.origin, self.observer.current_version)
+            self.load.start()
+        return time.monotonic()
+
+    def _step(self, name: str, step: Step) -> None:
+        self.check_abort()
+        self.echo(f"  {name} {_describe(step.model_dump(exclude_defaults=True))}")
+        act = timed("action", name, step.model_dump(mode="json"), _performer(self.ctx, step))
+        self.journal.run.append(act)
+        units = (self.observer.last or {}).get("units", [])
+        self.journal.during.append({"after": name, "at": round(self.ctx.now(), 3),
+                                    "units": {u["name"]: u["state"] for u in units}})
+        if act.status != "succeeded":
+            raise RuntimeError(f"step {name} failed: {act.exception}")
+
+    def finish(self, last: bool) -> bool:
+        """Everything that always runs: rollbacks, heal, steady state after, the leftover
+        search (the `down` if this run is the stack's last), judge. True: the stack is left
+        up in its steady state for the next runbook."""
+        journal, session = self.journal, self.session
+        for i, step in enumerate(self.runbook.rollbacks):
+            journal.rollbacks.append(timed("action", f"rollback {i + 1} {step.action}",
+                                           step.model_dump(mode="json"),
+                                           _performer(self.ctx, step)))
+        journal.rollbacks.append(timed("action", "heal every fault", {},
+                                       lambda: faults.heal_all(self.ctx)))
+        steady = self._steady_after()
+        if self.load:
+            self.load.stop()
+        self.observer.sample()
+        self.observer.stop()
+        history = self._history()
+        session.pids |= self.observer.pids
+        keep = steady and not last and session.started_by is not None and self.stack.running()
+        if keep:
+            history.teardown = self.stack.live_leftovers(self.observer.pids)
+            journal.notes.append("shared stack left up for the next runbook: no_leftovers "
+                                 "judged on the live stack (processes of units that are gone, "
+                                 "registrations of dead instances); the group's last run "
+                                 "judges the `down`")
+        else:
+            history.teardown = session.close()
+        self._judge_and_save(history)
+        if not keep:
+            session.discard()
+        self.echo(f"  {self.runbook.name}: {journal.verdict} ({journal.status}, "
+                  f"{journal.end - journal.start:.0f}s)")
+        return keep
+
+    def _steady_after(self) -> bool:
+        journal = self.journal
+        if not (self.stack_up and journal.before
+                and all(a.status == "succeeded" for a in journal.before)):
+            return False
         # the steady state gets what is left of the profile's bound, at least 15 s
-        journal.after = _probe_activities(stack, runbook, max(deadline, time.monotonic() + 15))
+        until = max(self.deadline, time.monotonic() + 15)
+        journal.after = _probe_activities(self.stack, self.runbook, until)
         journal.deviated = not all(a.status == "succeeded" for a in journal.after)
-        steady = not journal.deviated
-    if load:
-        load.stop()
-    observer.sample()
-    observer.stop()
-    if observer.last is not None:
-        for name, answer in stack.ask_shards(observer.last).items():
-            for unit in observer.last["units"]:
-                if unit["name"] == name:
-                    unit["engine"] = answer
-    wall_origin = time.time() - ctx.now()
-    logged = [s for s in states_from_log(state_dir / "daemon.log", wall_origin) if s.at >= 0]
-    history = History(requests=list(load.requests) if load else [],
-                      states=logged or observer.states, versions=observer.versions,
-                      faults=ctx.faults, cache=observer.cache, final_status=observer.last,
-                      port_takes=ctx.port_takes)
-    history.start_version = next((v.current for v in observer.versions
-                                  if v.current is not None), None)
-    history.end = ctx.now()
-    history.up_returncode, history.up_output = ctx.up_returncode, ctx.up_output
-    session.pids |= observer.pids
-    keep = steady and not last and session.started_by is not None and stack.running()
-    if keep:
-        history.teardown = stack.live_leftovers(observer.pids)
-        journal.notes.append("shared stack left up for the next runbook: no_leftovers judged "
-                             "on the live stack (processes of units that are gone, "
-                             "registrations of dead instances); the group's last run "
-                             "judges the `down`")
-    else:
-        history.teardown = session.close()
-    verdicts = checkers.judge(history, runbook.invariants)
-    journal.checks = [v.as_dict() for v in verdicts]
-    journal.measurements = {
-        "requests": len(history.requests), "faults": [f.__dict__ for f in ctx.faults],
-        "state_changes": len(history.states), "ledger": history.ledger_changes(),
-        **{v.check: v.measured for v in verdicts}}
-    journal.end = time.time()
-    journal.verdict = _verdict(journal)
-    history.write(run_dir / "history.jsonl")
-    journal.write(run_dir / "journal.json")
-    try:
-        draw(history, f"{runbook.name}: {journal.verdict}", run_dir / "timeline.png")
-    except ImportError as exc:
-        journal.notes.append(f"no timeline picture: {exc} (pip install matplotlib)")
+        return not journal.deviated
+
+    def _history(self) -> History:
+        """What the run recorded: requests, unit states (from the daemon's log where it
+        has them), versions, faults, and the shards' own answers at the end."""
+        observer, ctx, load = self.observer, self.ctx, self.load
+        if observer.last is not None:
+            for name, answer in self.stack.ask_shards(observer.last).items():
+                for unit in observer.last["units"]:
+                    if unit["name"] == name:
+                        unit["engine"] = answer
+        wall_origin = time.time() - ctx.now()
+        daemon_log = self.session.state_dir / "daemon.log"
+        logged = [s for s in states_from_log(daemon_log, wall_origin) if s.at >= 0]
+        history = History(requests=list(load.requests) if load else [],
+                          states=logged or observer.states, versions=observer.versions,
+                          faults=ctx.faults, cache=observer.cache, final_status=observer.last,
+                          port_takes=ctx.port_takes)
+        history.start_version = next((v.current for v in observer.versions
+                                      if v.current is not None), None)
+        history.end = ctx.now()
+        history.up_returncode, history.up_output = ctx.up_returncode, ctx.up_output
+        return history
+
+    def _judge_and_save(self, history: History) -> None:
+        journal, run_dir, state_dir = self.journal, self.run_dir, self.session.state_dir
+        verdicts = checkers.judge(history, self.runbook.invariants)
+        journal.checks = [v.as_dict() for v in verdicts]
+        journal.measurements = {
+            "requests": len(history.requests), "faults": [f.__dict__ for f in self.ctx.faults],
+            "state_changes": len(history.states), "ledger": history.ledger_changes(),
+            **{v.check: v.measured for v in verdicts}}
+        journal.end = time.time()
+        journal.verdict = _verdict(journal)
+        history.write(run_dir / "history.jsonl")
         journal.write(run_dir / "journal.json")
-    logs = state_dir / "logs"
-    if logs.is_dir():
-        shutil.copytree(logs, run_dir / "logs", dirs_exist_ok=True)
-    if (state_dir / "daemon.log").exists():
-        shutil.copy(state_dir / "daemon.log", run_dir / "daemon.log")
-    if not keep:
-        session.discard()
-    echo(f"  {runbook.name}: {journal.verdict} ({journal.status}, "
-         f"{journal.end - journal.start:.0f}s)")
-    return keep
+        try:
+            draw(history, f"{self.runbook.name}: {journal.verdict}", run_dir / "timeline.png")
+        except ImportError as exc:
+            journal.notes.append(f"no timeline picture: {exc} (pip install matplotlib)")
+            journal.write(run_dir / "journal.json")
+        logs = state_dir / "logs"
+        if logs.is_dir():
+            shutil.copytree(logs, run_dir / "logs", dirs_exist_ok=True)
+        if (state_dir / "daemon.log").exists():
+            shutil.copy(state_dir / "daemon.log", run_dir / "daemon.log")
 
 
 def _performer(ctx: faults.RunContext, step: Step) -> Callable[[], object]:

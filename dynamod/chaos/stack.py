@@ -18,6 +18,7 @@ from typing import Any
 
 from dynamod.chaos.history import Teardown
 from dynamod.client import Client
+from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.core.proctable import marked_pids
 
@@ -58,10 +59,9 @@ class Stack:
         return result
 
     def _note_run_id(self) -> None:
-        import json
-
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            self.run_ids.add(str(json.loads((self.state_dir / "run.json").read_text())["run_id"]))
+        run = runrecord.read(self.state_dir)
+        if run is not None:
+            self.run_ids.add(run.run_id)
 
     def status(self) -> dict[str, Any]:
         return self.client.status()

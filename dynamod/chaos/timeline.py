@@ -6,6 +6,7 @@ operator would rather look at than read."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dynamod.chaos.history import History
 
@@ -34,59 +35,73 @@ def draw(history: History, title: str, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     end = max([history.end] + [r.done for r in history.requests] + [0.1])
     fig, (ax_units, ax_ver, ax_req) = plt.subplots(
         3, 1, figsize=(12, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2, 3]})
-    bands = _bands(history, end)
-    names = sorted(bands)
-    for row, unit in enumerate(names):
-        for start, stop, state in bands[unit]:
-            ax_units.broken_barh([(start, max(stop - start, 0.01))], (row - 0.4, 0.8),
-                                 color=STATE_COLOURS.get(state, "#000000"))
-    ax_units.set_yticks(range(len(names)), names, fontsize=8)
-    seen = sorted({s for b in bands.values() for _, _, s in b})
-    ax_units.legend(handles=[Patch(color=STATE_COLOURS.get(s, "#000"), label=s) for s in seen],
-                    loc="upper right", fontsize=7, ncol=len(seen) or 1)
+    rows = _draw_units(ax_units, history, end)
     ax_units.set_title(title)
-
-    times = [v.at for v in history.versions]
-    ax_ver.step(times, [v.current if v.current is not None else float("nan")
-                        for v in history.versions], where="post", color="black",
-                linewidth=2, label="ledger")
-    shard_names = sorted({n for v in history.versions for n in v.shards})
-    for name in shard_names:
-        ys = [v.shards.get(name) for v in history.versions]
-        ax_ver.step(times, [y if y is not None else float("nan") for y in ys], where="post",
-                    label=name, alpha=0.8)
-    ax_ver.set_ylabel("policy version")
-    if shard_names:
-        ax_ver.legend(loc="upper left", fontsize=7)
-
-    ok = [r for r in history.requests if r.ok]
-    bad = [r for r in history.requests if not r.ok]
-    ax_req.scatter([r.sent for r in ok], [r.latency for r in ok], s=6, color="#2e7d32",
-                   label=f"ok ({len(ok)})")
-    ax_req.scatter([r.sent for r in bad], [r.latency for r in bad], s=14, color="#c62828",
-                   marker="x", label=f"error ({len(bad)})")
-    if history.cache:
-        ax_hit = ax_ver.twinx()
-        ax_hit.plot([c.at for c in history.cache], [c.hit_rate for c in history.cache],
-                    color="#6a1b9a", linewidth=1, linestyle=":", label="kv hit rate")
-        ax_hit.set_ylim(-0.05, 1.05)
-        ax_hit.set_ylabel("kv hit rate", color="#6a1b9a")
-    ax_req.set_ylabel("latency (s)")
-    ax_req.set_xlabel("seconds since start")
-    ax_req.legend(loc="upper left", fontsize=7)
+    _draw_versions(ax_ver, history)
+    _draw_requests(ax_req, history)
     for fault in history.faults:
         for ax in (ax_units, ax_ver, ax_req):
             ax.axvline(fault.at, color="#c62828", linestyle="--", linewidth=1)
             if fault.healed_at is not None:
                 ax.axvspan(fault.at, fault.healed_at, color="#ffcdd2", alpha=0.3)
-        ax_units.annotate(fault.name, (fault.at, len(names) - 0.5), fontsize=7, rotation=20,
+        ax_units.annotate(fault.name, (fault.at, rows - 0.5), fontsize=7, rotation=20,
                           color="#c62828")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _draw_units(ax: Any, history: History, end: float) -> int:
+    """Each unit's states as coloured bands, one row a unit; the number of rows."""
+    from matplotlib.patches import Patch
+
+    bands = _bands(history, end)
+    names = sorted(bands)
+    for row, unit in enumerate(names):
+        for start, stop, state in bands[unit]:
+            ax.broken_barh([(start, max(stop - start, 0.01))], (row - 0.4, 0.8),
+                           color=STATE_COLOURS.get(state, "#000000"))
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    seen = sorted({s for b in bands.values() for _, _, s in b})
+    ax.legend(handles=[Patch(color=STATE_COLOURS.get(s, "#000"), label=s) for s in seen],
+              loc="upper right", fontsize=7, ncol=len(seen) or 1)
+    return len(names)
+
+
+def _draw_versions(ax: Any, history: History) -> None:
+    """The ledger's version and each shard's, with the kv prefix-cache hit rate."""
+    times = [v.at for v in history.versions]
+    ax.step(times, [v.current if v.current is not None else float("nan")
+                    for v in history.versions], where="post", color="black",
+            linewidth=2, label="ledger")
+    shard_names = sorted({n for v in history.versions for n in v.shards})
+    for name in shard_names:
+        ys = [v.shards.get(name) for v in history.versions]
+        ax.step(times, [y if y is not None else float("nan") for y in ys], where="post",
+                label=name, alpha=0.8)
+    ax.set_ylabel("policy version")
+    if shard_names:
+        ax.legend(loc="upper left", fontsize=7)
+    if history.cache:
+        ax_hit = ax.twinx()
+        ax_hit.plot([c.at for c in history.cache], [c.hit_rate for c in history.cache],
+                    color="#6a1b9a", linewidth=1, linestyle=":", label="kv hit rate")
+        ax_hit.set_ylim(-0.05, 1.05)
+        ax_hit.set_ylabel("kv hit rate", color="#6a1b9a")
+
+
+def _draw_requests(ax: Any, history: History) -> None:
+    ok = [r for r in history.requests if r.ok]
+    bad = [r for r in history.requests if not r.ok]
+    ax.scatter([r.sent for r in ok], [r.latency for r in ok], s=6, color="#2e7d32",
+               label=f"ok ({len(ok)})")
+    ax.scatter([r.sent for r in bad], [r.latency for r in bad], s=14, color="#c62828",
+               marker="x", label=f"error ({len(bad)})")
+    ax.set_ylabel("latency (s)")
+    ax.set_xlabel("seconds since start")
+    ax.legend(loc="upper left", fontsize=7)

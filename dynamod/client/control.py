@@ -25,6 +25,14 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+class NoDaemonError(DaemonError):
+    """Nothing listens on the state dir's socket: no daemon runs there (or not yet)."""
+
+
+class UnknownUnitError(DaemonError):
+    """The daemon has no unit by the name a command gave (bad input)."""
+
+
 class Client:
     def __init__(self, state_dir: Path, timeout: float = 30.0) -> None:
         self.state_dir = state_dir
@@ -41,19 +49,29 @@ class Client:
             conn.request(method, route, body=payload, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonError(
+        except FileNotFoundError:
+            raise NoDaemonError(
                 f"no dynamod daemon is running for state dir {self.state_dir} "
                 f"(no socket at {self.path}); start one with `dynamod up`"
+            ) from None
+        except ConnectionRefusedError:
+            raise NoDaemonError(
+                f"no dynamod daemon is running for state dir {self.state_dir} "
+                f"({self.path} is a stale socket: nothing listens on it); "
+                "start one with `dynamod up`"
             ) from None
         except OSError as exc:
             raise DaemonError(f"talking to dynamod at {self.path} failed: {exc}") from None
         finally:
             conn.close()
+        if resp.status == 404 and not data.startswith(b"{"):
+            raise DaemonError(_no_route(route))
         try:
             answer = json.loads(data) if data else {}
         except ValueError:
             raise DaemonError(f"dynamod answered {route} with non-JSON: {data[:200]!r}") from None
+        if resp.status == 404 and "error" in answer:
+            raise UnknownUnitError(answer["error"])
         if resp.status >= 400:
             raise DaemonError(answer.get("error", f"{route}: HTTP {resp.status}"))
         return answer
@@ -82,6 +100,16 @@ class Client:
 
     def restart(self, unit: str) -> dict[str, Any]:
         result: dict[str, Any] = self.request("POST", f"/restart/{unit}", timeout=120)
+        return result
+
+    def stop(self, unit: str, timeout: float = 600) -> dict[str, Any]:
+        """Hold UNIT (a replica, or all replicas by base name) stopped until `start`."""
+        result: dict[str, Any] = self.request("POST", f"/stop/{unit}", timeout=timeout)
+        return result
+
+    def start(self, unit: str) -> dict[str, Any]:
+        """Start units held stopped by `stop` again."""
+        result: dict[str, Any] = self.request("POST", f"/start/{unit}", timeout=60)
         return result
 
     def policy_push(self, step: int, path: str | Path, timeout: float = 900) -> dict[str, Any]:
@@ -113,3 +141,14 @@ class Client:
             "POST", "/policy/spares", {"sleep": sleep}, timeout=60
         )
         return result
+
+
+def _no_route(route: str) -> str:
+    """The daemon answers a route only where its stack enables the part behind it."""
+    why = {
+        "/policy": "its stack has no [policy] table, so there is no policy ledger or spares",
+    }
+    for prefix, reason in why.items():
+        if route.startswith(prefix):
+            return f"the running daemon does not serve {route}: {reason}"
+    return f"the running daemon does not serve {route} (an older dynamod, or a feature off)"

@@ -306,7 +306,7 @@ class ExposureWatch(Extension):
         if engine is None:
             return {}, {}
         running = {
-            name: (unit.pid, engine.containment.unit(name))
+            name: (unit.pid, engine.host.cgroup(name))
             for name, unit in engine.units.items()
             if unit.pid is not None
         }

@@ -33,8 +33,9 @@ from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
-from dynamod.rollout import dynamo
+from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
+from dynamod.rollout.worker_table import worker_of
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
@@ -231,7 +232,7 @@ class Membership(Extension):
 
     def entry(self) -> NodeEntry:
         assert self.host is not None
-        shards = set(self.host.stack.shards())
+        shards = set(policy_table.shards(self.host.stack))
         units = [
             UnitEntry(
                 name=unit.name,
@@ -240,8 +241,8 @@ class Membership(Extension):
                 pid=unit.pid,
                 ports=dict(unit.spec.ports),
                 detail=registry.short_detail(unit.detail),
-                policy_version=unit.extra.get("policy_version"),
-                instance_ids=list(unit.extra.get("dynamo", {}).get("instance_ids", [])),
+                policy_version=self.policy.shard_version(unit) if self.policy else None,
+                instance_ids=self.registrations.instance_ids(unit),
                 shard=unit.name in shards,
             )
             for unit in self.engine.units.values()
@@ -320,12 +321,12 @@ class Membership(Extension):
         raw = await self.etcd.get(registry.lost_key(self.stack, self.cluster.node))
         parked = [ParkedKey.from_dict(p) for p in LostRecord.decode(raw).parked] if raw else []
         rejoining = [await self._put_back(unit, parked) for unit in self._local_shards()]
-        namespaces = {u.spec.dynamo.namespace for u in self._local_shards() if u.spec.dynamo}
+        namespaces = {w.namespace for w in (worker_of(u.spec) for u in self._local_shards()) if w}
         registered: set[int] = set()
         for namespace in namespaces:
             registered |= {i.instance_id for i in await dynamo.list_instances(self.etcd, namespace)}
         for unit in self._local_shards():
-            ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+            ids = set(self.registrations.instance_ids(unit))
             if (
                 unit.state.running
                 and ids
@@ -346,7 +347,7 @@ class Membership(Extension):
     async def _put_back(self, unit: Unit, parked: list[ParkedKey]) -> Unit | None:
         """The shard's parked keys back on its lease, it paused first; the unit if done."""
         assert self.etcd is not None
-        ids = set(unit.extra.get("dynamo", {}).get("instance_ids", []))
+        ids = set(self.registrations.instance_ids(unit))
         mine = [key for key in parked if key.instance_id in ids]
         if not mine or not unit.state.running:
             return None
@@ -371,7 +372,7 @@ class Membership(Extension):
 
     def _local_shards(self) -> list[Unit]:
         assert self.host is not None
-        return [self.engine.units[n] for n in self.host.stack.shards()]
+        return [self.engine.units[n] for n in policy_table.shards(self.host.stack)]
 
     def _failed(self, what: str, exc: BaseException) -> None:
         """Record a failed registry round. The loops survive every exception, and a

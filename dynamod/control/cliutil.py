@@ -48,12 +48,20 @@ def create_state_dir(path: Path) -> None:
 
 
 def load_stack(
-    stack: str | None, state_dir: Path, variables: tuple[str, ...], node: str | None = None
+    stack: str | None,
+    state_dir: Path,
+    variables: tuple[str, ...],
+    node: str | None = None,
+    *,
+    claim_ports: bool = False,
 ) -> Stack:
     """Read, render and validate STACK (NODE's share of it, for a cluster stack), then
-    preflight it; exit 2 with the problems."""
+    preflight it; exit 2 with the problems. Only a stack that will run (`claim_ports`, for
+    `up`) claims its ports in the machine's registry: rendering it writes nothing."""
     from dynamod.core import ports, preflight, spec
+    from dynamod.rollout import tables
 
+    tables.register()  # the rollout layer's [policy] and dynamo tables
     path = paths.resolve_stack_path(stack)
     if stack is not None and path.parent == paths.units_dir() / "stacks" and not path.exists():
         stock = sorted(p.stem for p in path.parent.glob("*.toml"))
@@ -61,7 +69,7 @@ def load_stack(
         fail(f"no stock stack {stack!r} ({known}); or give the path of a stack file", BAD_INPUT)
     try:
         overrides = dict(spec.parse_var(v) for v in variables)
-        allocator = ports.PortAllocator()
+        allocator = ports.PortAllocator(claim=claim_ports)
         resolved = spec.load(
             path,
             state_dir=state_dir.absolute(),

@@ -18,8 +18,9 @@ from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
 from dynamod.ops.sdnotify import SystemdNotifier
-from dynamod.rollout import frontend_probe
+from dynamod.rollout import frontend_probe, tables
 from dynamod.rollout.policy import PolicyManager
+from dynamod.rollout.policy_table import policy_of
 from dynamod.rollout.registrations import DynamoRegistrations
 
 
@@ -33,6 +34,7 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
     """Dynamo registrations and the exposure watch always (the former a no-op without
     Dynamo units); a cluster stack's secrets for its Dynamo units; the policy manager for a
     stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
+    tables.register()
     frontend_probe.register()
     secrets_dir = _secrets_dir(stack)
     # dynamod's own etcd clients (lease revocation, the ledger) log in as the stack's user
@@ -45,8 +47,9 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
     extensions: list[Extension] = [registrations, ExposureWatch()]
     if secrets_dir:
         extensions.append(SecretsEnv(Path(secrets_dir)))
+    spec = policy_of(stack)
     policy = (
-        PolicyManager(stack.policy, etcd_auth=etcd_auth) if stack.policy is not None else None
+        PolicyManager(spec, registrations, etcd_auth=etcd_auth) if spec is not None else None
     )
     if policy is not None:
         extensions.append(policy)

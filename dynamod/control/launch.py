@@ -18,6 +18,7 @@ import click
 from dynamod.client import Client
 from dynamod.control import render
 from dynamod.control.cliutil import BAD_INPUT, fail
+from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError
 
 
@@ -237,14 +238,10 @@ class ForkedDaemon:
 
     def _winner_from_run_file(self) -> dict[str, Any] | None:
         """Another live daemon named in run.json (it may not serve its socket yet)."""
-        try:
-            run = json.loads((self.state_dir / "run.json").read_text())
-            pid = int(run["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+        run = runrecord.read(self.state_dir)
+        if run is None or run.run_id == self.run_id or not run.daemon_alive():
             return None
-        if run.get("run_id") == self.run_id or not Path(f"/proc/{pid}").exists():
-            return None
-        return {"daemon_pid": pid, "stack": run.get("stack_name"), "run_id": run.get("run_id")}
+        return {"daemon_pid": run.pid, "stack": run.stack_name, "run_id": run.run_id}
 
     def _own_last_down_error(self) -> str | None:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-Row = Mapping[str, Any]
+from dynamod.core.status import UnitStatus
 
 
 def duration(seconds: float | None) -> str:
@@ -20,16 +20,16 @@ def duration(seconds: float | None) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def _tree_lines(units: Sequence[Row]) -> list[tuple[str, Row]]:
+def _tree_lines(units: Sequence[UnitStatus]) -> list[tuple[str, UnitStatus]]:
     """Units nothing depends on are roots; each unit's children are its dependencies.
     A unit already shown appears again with a trailing '^', its state only, no children."""
     by_name = {u["name"]: u for u in units}
     depended_on = {dep for u in units for dep in u["depends_on"]}
     roots = [u for u in units if u["name"] not in depended_on]
-    lines: list[tuple[str, Row]] = []
+    lines: list[tuple[str, UnitStatus]] = []
     shown: set[str] = set()
 
-    def walk(row: Row, prefix: str, last: bool, top: bool) -> None:
+    def walk(row: UnitStatus, prefix: str, last: bool, top: bool) -> None:
         branch = "" if top else ("└─ " if last else "├─ ")
         seen = row["name"] in shown
         lines.append((prefix + branch + row["name"] + (" ^" if seen else ""), row))
@@ -47,7 +47,7 @@ def _tree_lines(units: Sequence[Row]) -> list[tuple[str, Row]]:
 
 
 def status_table(status: Mapping[str, Any]) -> str:
-    units: list[Row] = status["units"]
+    units: list[UnitStatus] = status["units"]
     header = ["UNIT", "STATE", "PID", "UPTIME", "RESTARTS", "LAST EXIT", "DETAIL"]
     rows = []
     for label, unit in _tree_lines(units):
@@ -174,27 +174,27 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:.0f} MB" if n >= 10e6 else f"{n / 1e6:.1f} MB"
 
 
-def _state(unit: Row) -> str:
+def _state(unit: UnitStatus) -> str:
     """A hot spare is ready but not in service: its own role in the STATE column."""
     spare = unit.get("spare")
-    if unit["state"] == "ready" and isinstance(spare, Mapping) and spare.get("role") == "spare":
+    if unit["state"] == "ready" and spare is not None and spare.get("role") == "spare":
         return "spare (asleep)" if spare.get("sleeping") else "spare"
     return str(unit["state"])
 
 
-def _detail(unit: Row) -> str:
+def _detail(unit: UnitStatus) -> str:
     parts = []
     if unit.get("ports"):
         parts.append(" ".join(f"{k}={v}" for k, v in unit["ports"].items()))
     dynamo = unit.get("dynamo")
-    if isinstance(dynamo, Mapping):
+    if dynamo is not None:
         ids = dynamo.get("instance_ids") or []
         if ids:
             parts.append("instance " + ",".join(f"{i:x}" for i in ids))
         if dynamo.get("routed") is not None:
             parts.append("routed" if dynamo["routed"] else "NOT routed")
     policy = unit.get("policy")
-    if isinstance(policy, Mapping) and "version" in policy:
+    if policy is not None and "version" in policy:
         parts.append(f"policy v{policy['version']} (current {policy.get('current')})")
         if policy.get("routed_version") is not None:  # a canary proved the router routes it
             parts.append(f"router-verified v{policy['routed_version']}")
@@ -202,6 +202,10 @@ def _detail(unit: Row) -> str:
     if detail:
         parts.append(detail.splitlines()[0][:120])
     return "  ".join(parts)
+
+
+LONG_WAIT = 60.0
+LONG_WAIT_EVERY = 15.0
 
 
 class Progress:
@@ -222,9 +226,13 @@ class Progress:
                     continue
                 pid = f" pid {unit['pid']}" if unit["pid"] else ""
                 lines.append(f"  {name:<16} {state}{pid}  {_first_line(unit['detail'])}")
-        if now - self._last_summary >= self.every:
+        waiting = [u for u in status["units"] if u["state"] in {"starting", "backoff", "held"}]
+        # Every `every` seconds while the waits are short; a wait of minutes (a real engine
+        # loading) is reported every LONG_WAIT_EVERY seconds instead of filling the screen.
+        longest = max((u.get("since_s") or 0.0 for u in waiting), default=0.0)
+        every = self.every if longest < LONG_WAIT else max(self.every, LONG_WAIT_EVERY)
+        if now - self._last_summary >= every:
             self._last_summary = now
-            waiting = [u for u in status["units"] if u["state"] in {"starting", "backoff", "held"}]
             for unit in waiting:
                 lines.append(
                     f"  … {unit['name']} {unit['state']} for {duration(unit['since_s'])}: "

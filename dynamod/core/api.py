@@ -5,6 +5,8 @@ ask the daemon object. Routes:
   GET  /status           stack phase and every unit
   POST /down             tear down; answers once everything is gone
   POST /restart/{unit}   operator restart of one unit
+  POST /stop/{unit}      hold a unit (a replica, or every replica of a base name) stopped
+  POST /start/{unit}     start units held stopped again
 Extensions add their own routes (the rollout layer's /policy family).
 """
 
@@ -19,7 +21,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from dynamod.core.errors import DynamodError
+from dynamod.core.errors import DynamodError, UnknownUnit
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -30,6 +32,8 @@ class Controlled(Protocol):
     async def down(self) -> dict[str, Any]: ...
 
     async def restart(self, unit: str) -> dict[str, Any]: ...
+
+    async def operator(self, action: str, name: str) -> dict[str, Any]: ...
 
 
 def _peer_uid(request: web.Request) -> int | None:
@@ -51,7 +55,8 @@ async def _owner_only(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         return await handler(request)
     except DynamodError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
+        status = 404 if isinstance(exc, UnknownUnit) else 400
+        return web.json_response({"error": str(exc)}, status=status)
 
 
 def build_app(daemon: Controlled) -> web.Application:
@@ -66,9 +71,17 @@ def build_app(daemon: Controlled) -> web.Application:
     async def restart(request: web.Request) -> web.Response:
         return web.json_response(await daemon.restart(request.match_info["unit"]))
 
+    async def stop(request: web.Request) -> web.Response:
+        return web.json_response(await daemon.operator("stop", request.match_info["unit"]))
+
+    async def start(request: web.Request) -> web.Response:
+        return web.json_response(await daemon.operator("start", request.match_info["unit"]))
+
     app.router.add_get("/status", status)
     app.router.add_post("/down", down)
     app.router.add_post("/restart/{unit}", restart)
+    app.router.add_post("/stop/{unit}", stop)
+    app.router.add_post("/start/{unit}", start)
     return app
 
 

@@ -23,12 +23,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import aiohttp
 import structlog
 
-from dynamod.core import api, cgroups, leftovers, paths, process, statedir
+from dynamod.core import (
+    api,
+    cgroups,
+    leftovers,
+    opstop,
+    paths,
+    process,
+    runrecord,
+    statedir,
+    unittmp,
+)
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
@@ -37,6 +47,7 @@ from dynamod.core.guardianship import Guardianship
 from dynamod.core.phase import Phase
 from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
+from dynamod.core.status import EngineUnitStatus, ExtensionUnitStatus, UnitStatus
 
 log = structlog.get_logger("dynamod.core.daemon")
 
@@ -73,13 +84,9 @@ class StateDir:
         lock may not have written run.json yet: wait for it a moment."""
         deadline = time.monotonic() + 2.0
         while True:
-            try:
-                run = json.loads((self.path / "run.json").read_text())
-                pid, stack = int(run["pid"]), run.get("stack_name") or Path(run["stack"]).stem
-            except (OSError, ValueError, KeyError, TypeError):
-                pid, stack = None, None
-            if pid is not None and pid != os.getpid() and _alive(pid):
-                return f"a dynamod daemon (pid {pid}, stack {stack}, run {run['run_id']})"
+            run = runrecord.read(self.path)
+            if run is not None and run.pid != os.getpid() and run.daemon_alive():
+                return f"a dynamod daemon (pid {run.pid}, stack {run.stack_name}, run {run.run_id})"
             if time.monotonic() >= deadline:
                 return f"a dynamod daemon (pid {self.read_pid()})"
             time.sleep(0.05)
@@ -100,16 +107,6 @@ class StateDir:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -174,7 +171,7 @@ class Daemon:
             "error": self.error,
             "degraded": self.degraded_units(),
             "uptime_s": round(time.monotonic() - self.started_at, 3),
-            "units": self.engine.snapshot() if self.engine else [],
+            "units": self.unit_rows(),
             "containment": self.containment.as_dict() if self.containment else None,
             "guardian": self.guardian.as_dict() if self.guardian else None,
             "swept_previous": self.swept.as_dict() if self.swept else None,
@@ -190,6 +187,30 @@ class Daemon:
             for extension in self.extensions:
                 status.update(extension.status())
         return status
+
+    def unit_rows(self) -> list[UnitStatus]:
+        """Every unit's row in `status`: the engine's keys, then each extension's own."""
+        if self.engine is None:
+            return []
+        rows: list[UnitStatus] = []
+        for row in self.engine.snapshot():
+            merged: dict[str, Any] = dict(row)
+            merged.update(self.extension_status(self.engine.units[row["name"]]))
+            rows.append(cast(UnitStatus, merged))
+        return rows
+
+    def extension_status(self, unit: Unit) -> ExtensionUnitStatus:
+        """Each extension's keys of `unit`'s row. A key already taken (the engine's, or
+        another extension's) is not overwritten: the first owner keeps it."""
+        merged: dict[str, Any] = {}
+        for extension in self.extensions:
+            for key, value in extension.unit_status(unit).items():
+                if key in merged or key in EngineUnitStatus.__required_keys__:
+                    log.error("extension.status_key_taken", extension=type(extension).__name__,
+                              unit=unit.name, key=key)  # fmt: skip
+                    continue
+                merged[key] = value
+        return cast(ExtensionUnitStatus, merged)
 
     def require_running(self, what: str) -> None:
         """Raise unless the stack is starting or up (for commands that change it)."""
@@ -210,6 +231,25 @@ class Daemon:
             raise DynamodError(f"stack is {self.phase}; restart needs a running stack")
         await self.engine.restart_unit(unit)
         return {"ok": True, "unit": unit}
+
+    async def operator(self, action: str, name: str) -> dict[str, Any]:
+        """`stop UNIT` / `start UNIT`: hold units stopped, or start the held ones again."""
+        assert self.engine is not None
+        engine = self.engine
+        names = opstop.select(name, {n: u.spec.unit for n, u in engine.units.items()})
+        if self.phase not in {Phase.UP, Phase.DEGRADED}:
+            raise DynamodError(f"stack is {self.phase}; {action} needs a running stack")
+        views = [
+            opstop.UnitView(n, engine.units[n].state, engine.units[n].operator_stop is not None)
+            for n in names
+        ]
+        todo = opstop.plan(action, views)
+        if action == "stop":
+            await asyncio.gather(*(engine.hold_stopped(n, opstop.STOPPED_BY) for n in todo.act))
+        else:
+            for n in todo.act:
+                engine.release(n)
+        return {"ok": True, "action": action, "done": todo.act, "already": todo.already}
 
     # -------------------------------------------------------------- run
 
@@ -251,10 +291,9 @@ class Daemon:
                 self.stack,
                 state_dir=self.state.path,
                 run_id=self.run_id,
-                reaper=reaper,
+                host=process.OsHost(self.run_id, reaper, self.containment),
                 session=session,
                 hooks=[],
-                containment=self.containment,
             )
             self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
             for extension in self.extensions:
@@ -289,22 +328,23 @@ class Daemon:
             self.set_phase(Phase.STOPPED)
         return exit_code
 
-    def _write_run(self, guardian_pid: int) -> None:
+    def _write_run(self, guardian_pid: int | None) -> None:
         """run.json: what a later `up` or `down` needs to sweep this run if we die."""
         assert self.containment is not None
         root = self.containment.root
-        self.state.write_json(
-            "run.json",
-            {
-                "run_id": self.run_id,
-                "pid": os.getpid(),
-                "stack": str(self.stack.path),
-                "stack_name": self.stack.name,
-                "guardian_pid": guardian_pid,
-                "containment": str(self.containment.kind),
-                "cgroup": str(root) if root else None,
-                "orphans": sorted(self.guardian.orphans.items()) if self.guardian else [],
-            },
+        runrecord.write(
+            self.state.path,
+            runrecord.RunRecord(
+                run_id=self.run_id,
+                pid=os.getpid(),
+                stack=str(self.stack.path),
+                stack_name=self.stack.name,
+                guardian_pid=guardian_pid,
+                containment=str(self.containment.kind),
+                cgroup=str(root) if root else None,
+                orphans=tuple(sorted(self.guardian.orphans.items())) if self.guardian else (),
+                stopping=self._shutdown.is_set(),
+            ),
         )
 
     async def _bring_up_and_serve(self) -> int:
@@ -343,6 +383,9 @@ class Daemon:
 
     async def _teardown(self) -> list[int]:
         assert self._down_result is not None
+        if self._shutdown.is_set() and self.guardian is not None:
+            with contextlib.suppress(StateWriteError):  # a later sweep: "died during `down`"
+                self._write_run(self.guardian.pid)
         if self.phase is not Phase.FAILED:
             self.set_phase(Phase.STOPPING)
         started = time.monotonic()
@@ -353,10 +396,13 @@ class Daemon:
         swept = await process.sweep(
             self.run_id,
             cgroup=self.containment.root if self.containment else None,
-            reaper=self.engine.reaper if self.engine else None,
+            reaper=self.engine.host.reaper if self.engine else None,
             keep=frozenset({guardian} if guardian else set()),
         )
         survivors = sorted(set(survivors) | set(swept.survivors))
+        # Every unit's private TMPDIR (engines' socket files, per-start JSON files) goes
+        # with its processes: `down` leaves no file behind outside the state dir.
+        left_files = unittmp.remove_all(self.state.path)
         killed = dict(self.engine.killed) if self.engine else {}
         if swept.killed:
             killed["(final sweep)"] = swept.killed
@@ -368,8 +414,9 @@ class Daemon:
             "seconds": round(time.monotonic() - started, 3),
             "killed": killed,  # who needed SIGKILL / cgroup.kill: unit -> pids
             "survivors": survivors,  # what could not be killed
+            "temp_files_removed": left_files,  # units whose private TMPDIR held files
             "containment": self.containment.describe() if self.containment else None,
-            "units": self.engine.snapshot() if self.engine else [],
+            "units": self.unit_rows(),
             "error": self.error,
         }
         try:
@@ -377,7 +424,7 @@ class Daemon:
         except StateWriteError as exc:  # `down` still answers, and says what it could not keep
             result["warning"] = str(exc)
             log.error("state.write_failed", error=str(exc))
-        leftovers.mark_ended(self.state.path, "down")
+        runrecord.mark_ended(self.state.path, "down")
         log.info("stack.down", seconds=result["seconds"], killed=killed, survivors=survivors)
         if not self._down_result.done():
             self._down_result.set_result(result)

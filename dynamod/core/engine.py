@@ -1,6 +1,11 @@
 """The engine: one lifecycle task per unit, dependency-gated start, restart with backoff,
 liveness watching, reverse-order stop. Exits arrive as events from the Reaper.
 
+The operating system is reached only through a `process.ProcessHost` (spawn, signal,
+the unit's processes, ports), and what an exit means is decided by the pure
+`exits.decide_exit`: tests/unit/test_engine.py drives this state machine against a fake
+host without a process.
+
 Policies that are not about processes (Dynamo lease revocation, shard admission) plug
 in through `UnitHooks`, so the engine stays about units and states.
 """
@@ -9,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -22,13 +25,14 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from dynamod.core import cgroups, graph, portmove, ports, process, proctable
+from dynamod.core import cgroups, exits, graph, portmove, process, unittmp
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
 from dynamod.core.state import ALLOWED, UnitState, check_transition
+from dynamod.core.status import EngineUnitStatus
 
 log = structlog.get_logger("dynamod.engine")
 
@@ -68,10 +72,11 @@ class Unit:
     task: asyncio.Task[None] | None = None
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
-    extra: dict[str, Any] = field(default_factory=dict)  # hook-owned facts for status
     failure_hint: str | None = None  # why its last run ended early, added to its exit's line
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
+    # held stopped by an operator: (who, monotonic since); no restart until released
+    operator_stop: tuple[str, float] | None = None
 
     @property
     def name(self) -> str:
@@ -101,14 +106,6 @@ def _satisfied(state: UnitState, condition: Condition) -> bool:
 
 _DEAD_END = {UnitState.FAILED, UnitState.STOPPING, UnitState.STOPPED}
 
-# How long the end of a unit's output pipe has the Reaper look for the exit, yielding the
-# CPU between looks. The kernel closes a dying process's files (the pipe's EOF wakes the
-# loop) a moment before it makes it waitable, and the woken loop often runs on the dying
-# process's CPU: without the yield the exit did not come within 0.5 ms in 75 of 100 kills;
-# with it, it came in 98-100 of 100, and a second wake from idle (0.5-4 ms on this VM)
-# is saved. A unit that closes its output and runs on costs this once.
-EOF_SPIN = 0.0005
-
 
 class Engine:
     def __init__(
@@ -117,18 +114,15 @@ class Engine:
         *,
         state_dir: Path,
         run_id: str,
-        reaper: process.Reaper,
+        host: process.ProcessHost,
         session: aiohttp.ClientSession,
         hooks: Iterable[UnitHooks] = (),
         log_max_bytes: int = 20 * 1024 * 1024,
-        containment: cgroups.Containment | None = None,
-        spawner: process.Spawner | None = None,
     ) -> None:
         self.stack = stack
         self.state_dir = state_dir
         self.run_id = run_id
-        self.reaper = reaper
-        self.spawner = spawner or process.Spawner()
+        self.host = host  # every OS call about the units' processes goes through it
         self.session = session
         self.hooks = list(hooks)
         self.listeners: list[Listener] = []
@@ -138,9 +132,7 @@ class Engine:
         self.env_sources: list[EnvSource] = []
         self.units: dict[str, Unit] = {}
         self.stopping = False
-        self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
-        self._port_allocator: ports.PortAllocator | None = None  # for ports moved at a spawn
         self._changed = asyncio.Event()
         logs = state_dir / "logs"
         for name in stack.order:
@@ -156,6 +148,8 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     def transition(self, unit: Unit, new: UnitState, detail: str | None = None) -> None:
+        """Move the unit to `new` (checked against the state table), logged and told to
+        the listeners. Re-entering the state it is in only updates the detail."""
         old = unit.state
         if old is new:
             if detail is not None:
@@ -172,6 +166,11 @@ class Engine:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def set_detail(self, unit: Unit, detail: str) -> None:
+        """Say why the unit is where it is (a probe's answer, a port moved, a stop under
+        way) without changing its state."""
+        unit.detail = detail
+
     def hold(self, unit: Unit, reason: str) -> None:
         """Keep a running unit out of service (e.g. a shard catching up to the policy)."""
         if not unit.state.running:  # it exited meanwhile; the exit is what counts
@@ -183,8 +182,10 @@ class Engine:
         """End a hold. A unit that is also degraded stays so until its liveness recovers,
         and then goes to ready, not back to held."""
         unit.hold_reason = None
-        new = UnitState.READY if unit.state is UnitState.HELD else unit.state
-        self.transition(unit, new, detail)
+        if unit.state is UnitState.HELD:
+            self.transition(unit, UnitState.READY, detail)
+        elif detail is not None:
+            self.set_detail(unit, detail)
 
     async def changed(self, timeout: float | None = None) -> None:
         """Wait for the next state change (or the timeout)."""
@@ -256,12 +257,11 @@ class Engine:
             waiting = self._away(unit)
             if not waiting:
                 return None
-            ran = unit.state in {UnitState.BACKOFF, UnitState.WAITING}
-            self.transition(
-                unit,
-                UnitState.WAITING if ran else unit.state,
-                f"waiting for {', '.join(waiting)}",
-            )
+            why = f"waiting for {', '.join(waiting)}"
+            if unit.state in {UnitState.BACKOFF, UnitState.WAITING}:  # it ran before
+                self.transition(unit, UnitState.WAITING, why)
+            else:
+                self.set_detail(unit, why)
             await self.changed()
 
     async def _supervise(self, unit: Unit) -> None:
@@ -284,10 +284,10 @@ class Engine:
         if UnitState.BACKOFF in ALLOWED[unit.state]:
             self.transition(unit, UnitState.BACKOFF, detail)
         else:
-            self.transition(unit, unit.state, detail)
+            self.set_detail(unit, detail)
         child = unit.child
         if child is not None and child.alive:
-            process.kill_group_now(child.pid)
+            self.host.kill_group_now(child)
             unit.last_exit = await child.wait()
             await self._reap_leftovers(unit)
         await asyncio.sleep(1.0)
@@ -301,14 +301,14 @@ class Engine:
             if blocked is not None:
                 self.transition(unit, UnitState.FAILED, blocked)
                 return
-            exit, premature = await self._run_once(unit)
+            exit = await self._run_once(unit)
             if exit is None:  # could not even spawn
                 return
             # The Reaper recorded the exit and its state change when it reaped the process
             # (`_exited`); hooks and the sweep come after.
             recorded = unit.recorded
             if recorded is None or recorded[0] is not unit.child:
-                recorded = (unit.child, *self._record(unit, exit, premature))
+                recorded = (unit.child, *self._record(unit, exit))
             _, decision, exited_at = recorded
             for hook in self.hooks:
                 await hook.on_exit(unit, exit)
@@ -348,9 +348,7 @@ class Engine:
                         )
                     if unit.state is not UnitState.STARTING:
                         self.transition(unit, UnitState.STARTING)
-                    self.transition(
-                        unit, unit.state, f"waiting for {unit.name} on {node}: {result.detail}"
-                    )
+                    self.set_detail(unit, f"waiting for {unit.name} on {node}: {result.detail}")
                 await asyncio.sleep(spec.interval if not result.ok else max(spec.interval, 0.5))
         finally:
             prober.close()
@@ -360,90 +358,63 @@ class Engine:
         the state it leads to before anything else runs (probes, hooks, /proc sweeps)."""
         if unit.child is not child or self.stopping or not unit.state.running:
             return  # being stopped: stop_unit records it
-        # A service that exits after it was ready has failed, whatever its status, unless
-        # its spec says a clean exit is final.
-        premature = unit.spec.type != "oneshot" and (
-            unit.ready_at is None or not unit.spec.restart.clean_exit_final
-        )
-        if unit.ready_at is None and unit.spec.type != "oneshot" and unit.failure_hint is None:
-            if unit.spec.ready is not None:
-                hint = f"exited before it was ready; last probe: {unit.detail}"
-            else:
-                hint = (
-                    f"exited within min_uptime {unit.spec.restart.min_uptime:g}s,"
-                    " before it counted as ready"
-                )
-            unit.failure_hint = hint
-        unit.recorded = (child, *self._record(unit, exit, premature))
+        unit.recorded = (child, *self._record(unit, exit))
 
-    def _record(self, unit: Unit, exit: Exit, premature: bool) -> tuple[Decision, float]:
+    def _record(self, unit: Unit, exit: Exit) -> tuple[Decision, float]:
         """The restart decision for this exit, and the transition it makes."""
         exited_at = time.monotonic()
         unit.last_exit = exit
         unit.hold_reason = None
-        uptime = exited_at - (unit.child.started_at if unit.child else exited_at)
-        what = exit.describe()
-        if unit.failure_hint:
-            what += f" ({unit.failure_hint})"
-        away = self._away(unit)
-        if away and unit.tracker.should_restart(exit, premature=premature):
-            # It exited because what it needs is gone (e.g. Dynamo's lease with etcd): not
-            # its own failure, so it does not count against its restart limit; the
-            # lifecycle waits for the dependency before it starts it again.
-            self.transition(
-                unit,
-                UnitState.WAITING,
-                f"{what}; waiting for {', '.join(away)} (not counted as a restart)",
-            )
-            return Decision(restart=True, reason="dependency away"), exited_at
-        decision = unit.tracker.decide(exit, now=exited_at, uptime=uptime, premature=premature)
-        if not decision.restart:
-            if exit.clean and not premature:
-                self.transition(unit, UnitState.COMPLETED, what)
-            else:
-                self.transition(unit, UnitState.FAILED, f"{what}; {decision.reason}")
-        else:
-            self.transition(
-                unit,
-                UnitState.BACKOFF,
-                f"{what}; {decision.reason} (restart {unit.tracker.total})",
-            )
-        return decision, exited_at
+        was_ready = unit.ready_at is not None
+        if not was_ready and unit.spec.type != "oneshot" and unit.failure_hint is None:
+            unit.failure_hint = exits.before_ready_hint(unit.spec, unit.detail)
+        outcome = exits.decide_exit(
+            exits.ExitFacts(
+                exit=exit,
+                premature=exits.premature(unit.spec, was_ready=was_ready),
+                uptime=exited_at - (unit.child.started_at if unit.child else exited_at),
+                now=exited_at,
+                away=self._away(unit),
+                hint=unit.failure_hint,
+            ),
+            unit.tracker,
+        )
+        self.transition(unit, outcome.state, outcome.detail)
+        return outcome.decision, exited_at
 
-    async def _run_once(self, unit: Unit) -> tuple[Exit | None, bool]:
-        """Spawn, wait for readiness, watch. Returns (exit, premature)."""
+    async def _run_once(self, unit: Unit) -> Exit | None:
+        """Spawn, wait for readiness, watch. The exit, or None if it could not spawn."""
         unit.failure_hint = None
         unit.recorded = None
         self._move_taken_ports(unit)
         if not await self._spawn(unit):
-            return None, True
+            return None
         child = unit.child
         assert child is not None
+        if unit.spec.type == "oneshot" or not await self._become_ready(unit, child):
+            return await child.wait()
+        return await self._watch(unit, child)
+
+    async def _become_ready(self, unit: Unit, child: Process) -> bool:
+        """Readiness (its probe, or min_uptime up), then the hooks: True once the unit
+        counts as ready; False if it exited meanwhile or was killed for not getting ready."""
         spec = unit.spec
-        if spec.type == "oneshot":
-            return await child.wait(), False
         if spec.ready is not None:
             ready, detail = await self._await_ready(unit, child)
             if not ready:
                 if child.alive:
                     unit.failure_hint = detail
-                    process.kill_group_now(child.pid)
-                    return await child.wait(), True
-                unit.failure_hint = f"exited before it was ready; last probe: {detail}"
-                return await child.wait(), True
+                    self.host.kill_group_now(child)
+                return False
         else:  # no probe: ready once it has stayed up min_uptime (supervisord's startsecs)
             await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
             if not child.alive:
-                unit.failure_hint = (
-                    f"exited within min_uptime {spec.restart.min_uptime:g}s,"
-                    " before it counted as ready"
-                )
-                return await child.wait(), True
+                return False
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
-                return await child.wait(), True
+                return False
         if not child.alive:  # exited as the last probe or hook finished: already recorded
-            return await child.wait(), True
+            return False
         unit.ready_at = time.monotonic()
         if unit.hold_reason is not None:
             self.admit(unit, None)
@@ -455,30 +426,26 @@ class Engine:
             )
         else:
             self.transition(unit, UnitState.READY)
-        # A service that exits after it was ready has failed, whatever its status, unless
-        # its spec says a clean exit is final.
-        return await self._watch(unit, child), not spec.restart.clean_exit_final
+        return True
 
     def _move_taken_ports(self, unit: Unit) -> None:
         """An allocated port of the unit that another process took since it was allocated:
         allocate it again and re-render the stack (portmove) before the spawn; a running unit
         whose templates reference the port is restarted with the new number."""
-        taken = portmove.taken(self.stack, unit.name)
+        taken = portmove.taken(self.stack, unit.name, in_use=self.host.port_in_use)
         if not taken:
             return
-        if self._port_allocator is None:
-            self._port_allocator = ports.PortAllocator()
         try:
             moved = portmove.move(self.stack, unit.name, set(taken),
-                                  allocate_port=self._port_allocator)
+                                  allocate_port=self.host.allocate_port)
         except (SpecErrors, OSError) as exc:
             log.error("unit.ports_not_moved", unit=unit.name, taken=taken, error=str(exc))
             return
         if moved is None:  # fixed ports: the spawn fails as the operator's choice says
             return
-        owners = {n: sorted(ports.listener_pids(p)) for n, p in taken.items()}
+        owners = {n: sorted(self.host.port_owners(p)) for n, p in taken.items()}
         what = "; ".join(
-            f"port {n} {old} taken by {_owners(owners.get(n, []))}, moved to {new}"
+            f"port {n} {old} taken by {self._owners(owners.get(n, []))}, moved to {new}"
             for n, (old, new) in moved.ports.items()
         )
         self.stack = moved.stack
@@ -487,7 +454,7 @@ class Engine:
         for name in [unit.name, *moved.referencing]:
             self.units[name].spec = moved.stack.units[name]
         log.warning("unit.ports_moved", unit=unit.name, moved=what, re_rendered=moved.referencing)
-        self.transition(unit, unit.state, what)
+        self.set_detail(unit, what)
         for name in moved.referencing:
             if self.units[name].state.running:
                 asyncio.get_running_loop().create_task(self._restart_moved(name, unit.name))
@@ -502,21 +469,17 @@ class Engine:
         recorded meanwhile). A stop that cancels the lifecycle during the spawn still
         finds the child: it is kept and the unit is `starting` before the cancel goes on."""
         spec = unit.spec
-        env = process.base_environment(self.run_id, unit.name, self._env(spec))
-        read_fd, write_fd = os.pipe()
+        env = self.host.environment(unit.name, self._env(spec))
+        if not any(name in spec.env for name in unittmp.VARIABLES):
+            env.update(unittmp.fresh(self.state_dir, unit.name))  # emptied at every spawn
         cancelled = False
         try:
-            cgroup = self.containment.unit(unit.name)
-            if cgroup is not None:
-                cgroups.make(cgroup)
             spawning = asyncio.ensure_future(
-                self.spawner.spawn(
-                    self.reaper,
+                self.host.spawn(
+                    unit.name,
                     spec.command,
                     env=env,
                     cwd=Path(spec.cwd) if spec.cwd else None,
-                    stdout_fd=write_fd,
-                    cgroup=cgroup,
                     on_exit=lambda c, exit: self._exited(unit, c, exit),
                 )
             )
@@ -527,7 +490,6 @@ class Engine:
                     cancelled = True
             child = spawning.result()
         except (OSError, cgroups.CgroupError) as exc:
-            os.close(read_fd)
             hint = f" ({spec.install_hint})" if spec.install_hint else ""
             self.transition(
                 unit,
@@ -537,13 +499,11 @@ class Engine:
             if cancelled:
                 raise asyncio.CancelledError from None
             return False
-        finally:
-            os.close(write_fd)
         unit.starts += 1
         unit.child = child
         unit.ready_at = None
         unit.sink.header(f"start #{unit.starts} pid {child.pid}: {' '.join(spec.command)}")
-        unit.sink.attach(read_fd, on_end=functools.partial(self.reaper.poll, child.pid, EOF_SPIN))
+        self.host.attach_output(child, unit.sink)
         self.transition(unit, UnitState.STARTING, f"spawned pid {child.pid}")
         if cancelled:
             raise asyncio.CancelledError
@@ -558,9 +518,9 @@ class Engine:
     def _probe_context(self, unit: Unit) -> ProbeContext:
         return ProbeContext(
             session=self.session,
-            reaper=self.reaper,
+            reaper=self.host.reaper,
             sink=unit.sink,
-            env=process.base_environment(self.run_id, f"{unit.name}:probe", self._env(unit.spec)),
+            env=self.host.environment(f"{unit.name}:probe", self._env(unit.spec)),
         )
 
     async def _await_ready(self, unit: Unit, child: Process) -> tuple[bool, str]:
@@ -584,7 +544,7 @@ class Engine:
                 self._probed(unit, "ready", result)
                 if result.ok and (impostor := self._answered_by_other(unit, child)):
                     result = ProbeResult(False, impostor)
-                self.transition(unit, unit.state, result.detail)
+                self.set_detail(unit, result.detail)
                 if result.ok:
                     return True, result.detail
                 pause = min(spec.interval, deadline - time.monotonic())
@@ -622,14 +582,6 @@ class Engine:
         finally:
             unit.attempt_since = None
 
-    def _unit_pids(self, unit: Unit, child: Process) -> set[int]:
-        """The unit's processes: its cgroup's, or (fallback) its group's and marked ones."""
-        cgroup = self.containment.unit(unit.name)
-        if cgroup is not None:
-            return set(cgroups.procs(cgroup)) | {child.pid}
-        in_group = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
-        return in_group | set(proctable.marked_pids(self.run_id, unit.name)) | {child.pid}
-
     def _answered_by_other(self, unit: Unit, child: Process) -> str | None:
         """A probe passed; if a port it targets is listened on by a process outside the
         unit's process tree (group or run/unit marker), say whose the answer was."""
@@ -641,13 +593,12 @@ class Engine:
         for name, port in unit.spec.ports.items():
             if port not in targets:
                 continue
-            owners = ports.listener_pids(port)
+            owners = self.host.port_owners(port)
             if not owners:
                 continue
-            tree = self._unit_pids(unit, child)
-            if owners & tree:
+            if owners & self.host.unit_pids(unit.name, child):
                 continue
-            who = ", ".join(f"pid {pid} ({_comm(pid)})" for pid in sorted(owners))
+            who = self._owners(sorted(owners))
             return (
                 f"port {name}={port} is answered by {who}, not by {unit.name}'s processes"
                 f" (group {child.pid}): another process holds the port"
@@ -686,7 +637,7 @@ class Engine:
                     )
                     for listener in self.lost_listeners:  # e.g. replace it before it is gone
                         listener(unit, why)
-                    process.kill_group_now(child.pid)
+                    self.host.kill_group_now(child)
                     return await child.wait()
                 self.transition(
                     unit,
@@ -696,22 +647,12 @@ class Engine:
         finally:
             prober.close()
 
-    def _tree(self, unit: Unit, child: Process) -> process.Tree:
-        return process.Tree(
-            pgid=child.pid,
-            run_id=self.run_id,
-            unit=unit.name,
-            cgroup=self.containment.unit(unit.name),
-            reaper=self.reaper,
-            since=child.start_ticks,
-        )
-
     async def _reap_leftovers(self, unit: Unit) -> None:
         """The main process is gone; end whatever it left in its cgroup (with cgroups: one
         file read when it left nothing), or in its group, marked, or re-parented to us."""
         if unit.child is None:
             return
-        await process.stop_tree(self._tree(unit, unit.child), sig=signal.SIGKILL, timeout=0)
+        await self.host.stop_tree(unit.name, unit.child, sig=signal.SIGKILL, timeout=0)
 
     # ------------------------------------------------------------------ stop
 
@@ -738,7 +679,10 @@ class Engine:
             unit.sink.close()
         return survivors
 
-    async def stop_unit(self, unit: Unit) -> list[int]:
+    async def stop_unit(self, unit: Unit, why: str = "") -> list[int]:
+        """Stop one unit: its stop signal, its timeout, then SIGKILL to its group; the
+        hooks see the exit (a registration is revoked). `why` leads the detail it ends with."""
+        lead = f"{why}: " if why else ""
         if unit.task is not None and not unit.task.done():
             unit.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -749,28 +693,27 @@ class Engine:
         if unit.state.running:
             self.transition(unit, UnitState.STOPPING)
         if child is None:  # never spawned
-            self.transition(unit, UnitState.STOPPED)
+            self.transition(unit, UnitState.STOPPED, f"{lead}never started" if why else None)
             return []
         if not child.alive:  # its main process is gone; end what it may have left
-            result = await process.stop_tree(self._tree(unit, child), sig=signal.SIGKILL, timeout=0)
+            result = await self.host.stop_tree(unit.name, child, sig=signal.SIGKILL, timeout=0)
             if result.killed:
                 self.killed.setdefault(unit.name, []).extend(result.killed)
-            self.transition(unit, UnitState.STOPPED)
+            self.transition(unit, UnitState.STOPPED, f"{lead}was not running" if why else None)
             return result.survivors
         started = time.monotonic()
-        self.transition(
+        self.set_detail(
             unit,
-            unit.state,
             f"sending {unit.spec.stop.signal} to "
             + (
                 f"cgroup {cg} (cgroup.kill"
-                if (cg := self.containment.unit(unit.name))
+                if (cg := self.host.cgroup(unit.name))
                 else f"group {child.pid} (SIGKILL"
             )
             + f" after {unit.spec.stop.timeout:g}s)",
         )
-        result = await process.stop_tree(
-            self._tree(unit, child), sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
+        result = await self.host.stop_tree(
+            unit.name, child, sig=unit.spec.stop.signum, timeout=unit.spec.stop.timeout
         )
         if result.killed:
             self.killed.setdefault(unit.name, []).extend(result.killed)
@@ -782,7 +725,7 @@ class Engine:
         how = "escalated to SIGKILL" if result.escalated else exit.describe()
         if result.killed_outside_group:
             how += f"; {result.killed_outside_group} outside its process group"
-        detail = f"stopped in {took:.2f}s ({how})"
+        detail = f"{lead}stopped in {took:.2f}s ({how})"
         if result.survivors:
             detail += f"; SURVIVORS: {result.survivors}"
         self.transition(unit, UnitState.STOPPED, detail)
@@ -792,6 +735,7 @@ class Engine:
         """Operator restart: stop this unit alone, forget its backoff, start it again."""
         unit = self.units[name]
         await self.stop_unit(unit)
+        unit.operator_stop = None  # a restart starts an operator-stopped unit too
         if self.stopping:  # a `down` began meanwhile: starting it again would outlive it
             raise DynamodError(f"{name} was stopped, not started again: the stack is stopping")
         unit.tracker.reset()
@@ -799,11 +743,35 @@ class Engine:
             self._supervise(unit), name=f"unit:{unit.name}"
         )
 
+    async def hold_stopped(self, name: str, by: str) -> None:
+        """Operator stop: stop the unit through the normal stop path and keep it stopped
+        (no restart, no backoff) until `release`; the rest of the stack is untouched."""
+        unit = self.units[name]
+        if self.stopping:
+            raise DynamodError(f"{name} not stopped: the stack is stopping")
+        unit.operator_stop = (by, time.monotonic())
+        log.info("unit.operator_stop", unit=name, by=by, state=str(unit.state))
+        await self.stop_unit(unit, why=f"stopped by {by}")
+
+    def release(self, name: str) -> None:
+        """End an operator stop: start the unit through the normal path (dependencies,
+        spawn, readiness, the hooks: a rollout shard is held and replayed before admission)."""
+        unit = self.units[name]
+        if self.stopping:
+            raise DynamodError(f"{name} not started: the stack is stopping")
+        log.info("unit.operator_start", unit=name)
+        unit.operator_stop = None
+        unit.tracker.reset()
+        unit.task = asyncio.get_running_loop().create_task(
+            self._supervise(unit), name=f"unit:{unit.name}"
+        )
+
     # ------------------------------------------------------------------ views
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[EngineUnitStatus]:
+        """Each unit's row in `status`, the engine's part (the daemon adds the extensions')."""
         now = time.monotonic()
-        rows = []
+        rows: list[EngineUnitStatus] = []
         for unit in self.units.values():
             child = unit.child
             alive = child is not None and child.alive
@@ -832,14 +800,28 @@ class Engine:
                         else None
                     ),
                     "command": list(unit.spec.command),
-                    **unit.extra,
+                    "operator_stop": (
+                        {"by": unit.operator_stop[0],
+                         "since_s": round(now - unit.operator_stop[1], 3)}
+                        if unit.operator_stop else None
+                    ),
                 }
             )
         return rows
 
+    def _owners(self, pids: list[int]) -> str:
+        if not pids:
+            return "another process"
+        return ", ".join(f"pid {pid} ({self.host.command_line(pid)})" for pid in pids)
+
     @staticmethod
     def _current_detail(unit: Unit, now: float) -> str:
-        """The last answer, or, while an attempt has been waiting a while, that wait."""
+        """The last answer, or, while an attempt has been waiting a while, that wait; for
+        a unit the operator stopped, who stopped it and when."""
+        if unit.operator_stop is not None and unit.state is UnitState.STOPPED:
+            by, at = unit.operator_stop
+            how = unit.detail.removeprefix(f"stopped by {by}: ")
+            return f"stopped by {by} {now - at:.0f} s ago; {how}"
         since = unit.attempt_since
         if since is None or now - since < 1.0:
             return unit.detail
@@ -849,19 +831,6 @@ class Engine:
 
 _EXITED = object()
 _DEADLINE = object()
-
-
-def _owners(pids: list[int]) -> str:
-    if not pids:
-        return "another process"
-    return ", ".join(f"pid {pid} ({_comm(pid)})" for pid in pids)
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80].strip()
-    except OSError:
-        return "?"
 
 
 async def _race(work: Awaitable[Any], exited: asyncio.Future[Exit]) -> Any:

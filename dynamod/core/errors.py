@@ -30,6 +30,10 @@ class DynamodError(Exception):
     """Base class: an operator-readable message plus structured context."""
 
 
+class UnknownUnit(DynamodError):
+    """A command named a unit the stack does not have (bad input: exit 2)."""
+
+
 class SpecError(DynamodError):
     """A unit or stack file is invalid. Names the file, the unit and the field."""
 

@@ -2,9 +2,12 @@
 
 sd_notify, metrics, Dynamo lease revocation and the rollout layer's policy manager all
 plug in here, so the core never imports a layer above it. An extension may add control
-socket routes and a section of `status`; what it wants per unit it gets by appending an
-`UnitHooks` to `host.engine.hooks` or a listener to `host.engine.listeners` in `start`.
-It sees the daemon only through `ExtensionHost`, the part of it extensions use.
+socket routes, a section of `status` and its own keys in each unit's row of it
+(`unit_status`, keys declared in core/status.py's ExtensionUnitStatus); what it wants per
+unit it gets by appending an `UnitHooks` to `host.engine.hooks` or a listener to
+`host.engine.listeners` in `start`, and it keeps what it learns of a unit itself, in a
+typed record of its own. It sees the daemon only through `ExtensionHost`, the part of it
+extensions use.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
+from dynamod.core.status import ExtensionUnitStatus
+
 if TYPE_CHECKING:
-    from dynamod.core.engine import Engine
+    from dynamod.core.engine import Engine, Unit
     from dynamod.core.phase import Phase
     from dynamod.core.spec import Stack, UnitSpec
 
@@ -44,6 +49,10 @@ class ExtensionHost(Protocol):
 
     def degraded_units(self) -> dict[str, str]: ...
 
+    def extension_status(self, unit: Unit) -> ExtensionUnitStatus:
+        """What every extension reports of `unit` (its row in `status`, less the engine's)."""
+        ...
+
     def require_running(self, what: str) -> None: ...
 
     async def down(self) -> dict[str, Any]: ...
@@ -54,8 +63,9 @@ class Extension:
 
     `start` runs once the engine exists, before any unit starts; `stop` runs after
     teardown. `routes` are added to the control socket before it listens. `status`
-    returns top-level keys merged into the daemon's status (cheap and synchronous: it is
-    called for every `dynamod status`). `spawn_env` returns variables merged into a unit's
+    returns top-level keys merged into the daemon's status and `unit_status` this
+    extension's keys of one unit's row (both cheap and synchronous: they are called for
+    every `dynamod status` and metrics scrape). `spawn_env` returns variables merged into a unit's
     environment each time it is spawned (after the unit's own `env`): the way secrets reach
     a process without entering its rendered command line, `status` or the state files."""
 
@@ -69,6 +79,9 @@ class Extension:
         return []
 
     def status(self) -> dict[str, Any]:
+        return {}
+
+    def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
         return {}
 
     def spawn_env(self, unit: UnitSpec) -> Mapping[str, str]:

@@ -1,15 +1,14 @@
 """Sweeping what a dead daemon left: a new `up`, or a `down` that finds no daemon, reads the
-previous run's run.json and, under the state dir's lock (so never a live daemon's run),
-empties and removes that run's cgroup and SIGKILLs the processes carrying its marker and
-the unmarked orphans it recorded (pid + start time, so never a reused pid), then marks the
-run as swept. Standard library only: the CLI runs it before it imports
-the daemon."""
+previous run's record (core/runrecord.py) and, under the state dir's lock (so never a live
+daemon's run), empties and removes that run's cgroup and SIGKILLs the processes carrying its
+marker and the unmarked orphans it recorded (pid + start time, so never a reused pid), then
+marks the run as swept. Standard library only: the CLI runs it before it imports the
+daemon."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import signal
 import time
@@ -18,11 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamod.core import cgroups
-from dynamod.core.atomicfile import StateWriteError, write_atomic
+from dynamod.core import cgroups, runrecord
 from dynamod.core.proctable import marked_pids, start_time
+from dynamod.core.runrecord import RunRecord
 
-RUN_FILE = "run.json"
 LOCK_FILE = "dynamod.lock"
 
 
@@ -35,11 +33,13 @@ class Leftovers:
     cgroup: str | None
     killed: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
+    during_down: bool = False  # it died after it had begun a `down` (or SIGTERM)
 
     def describe(self) -> str:
         where = f"cgroup {self.cgroup} and marker" if self.cgroup else "marker and pid"
+        when = "during" if self.during_down else "without"
         text = (
-            f"the previous daemon (pid {self.daemon_pid}, run {self.run_id}) died without "
+            f"the previous daemon (pid {self.daemon_pid}, run {self.run_id}) died {when} "
             f"`down`; swept {len(self.killed)} leftover process(es) by {where}"
         )
         if self.survivors:
@@ -53,6 +53,7 @@ class Leftovers:
             "cgroup": self.cgroup,
             "killed": self.killed,
             "survivors": self.survivors,
+            "during_down": self.during_down,
         }
 
 
@@ -73,29 +74,25 @@ def _locked(state_dir: Path) -> Iterator[bool]:
         yield True
 
 
-def read_run(state_dir: Path) -> dict[str, Any] | None:
+def held_by_daemon(state_dir: Path) -> bool:
+    """Whether a daemon holds the state dir's lock (it may not answer on its socket yet).
+    Creates nothing: no lock file, no daemon ever ran there."""
     try:
-        data = json.loads((state_dir / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
-
-
-def mark_ended(state_dir: Path, how: str) -> None:
-    """Record in run.json that this run is over (`down` finished, or it was swept)."""
-    run = read_run(state_dir)
-    if run is None:
-        return
-    run["ended"] = how
-    # A full disk keeps the old run.json: the next up/down then finds nothing alive to sweep.
-    with contextlib.suppress(StateWriteError):
-        write_atomic(state_dir / RUN_FILE, json.dumps(run, indent=2).encode())
+        fh = (state_dir / LOCK_FILE).open("rb")
+    except OSError:
+        return False
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
 
 
 def sweep_previous(state_dir: Path) -> Leftovers | None:
     """Sweep the previous run if its daemon died; None if there is nothing to sweep (no
     run recorded, it ended cleanly, or a daemon holds the state dir)."""
-    if not (state_dir / RUN_FILE).exists():
+    if not (state_dir / runrecord.RUN_FILE).exists():
         return None
     with _locked(state_dir) as held:
         if not held:
@@ -105,31 +102,21 @@ def sweep_previous(state_dir: Path) -> Leftovers | None:
 
 def sweep_held(state_dir: Path) -> Leftovers | None:
     """`sweep_previous` for a caller that already holds the state dir's lock (the daemon)."""
-    run = read_run(state_dir)
-    if run is None or run.get("ended"):
+    run = runrecord.read(state_dir)
+    if run is None or run.ended:
         return None
     return _sweep(state_dir, run)
 
 
-def _orphans(run: dict[str, Any]) -> list[tuple[int, int]]:
-    found = []
-    for entry in run.get("orphans") or []:
-        if isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, int) for x in entry):
-            found.append((entry[0], entry[1]))
-    return found
-
-
-def _sweep(state_dir: Path, run: dict[str, Any]) -> Leftovers:
-    run_id: str = run["run_id"]
-    cgroup = run.get("cgroup") if isinstance(run.get("cgroup"), str) else None
+def _sweep(state_dir: Path, run: RunRecord) -> Leftovers:
     killed: set[int] = set()
     survivors: set[int] = set()
-    if cgroup is not None:
-        found, left = cgroups.empty_and_remove(Path(cgroup))
+    if run.cgroup is not None:
+        found, left = cgroups.empty_and_remove(Path(run.cgroup))
         killed |= set(found)
         survivors |= set(left)
     for _ in range(20):  # a dying parent may still fork once
-        pids = marked_pids(run_id)
+        pids = marked_pids(run.run_id)
         if not pids:
             break
         for pid in pids:
@@ -137,18 +124,18 @@ def _sweep(state_dir: Path, run: dict[str, Any]) -> Leftovers:
                 os.kill(pid, signal.SIGKILL)
         killed |= set(pids)
         time.sleep(0.05)
-    for pid, started in _orphans(run):  # the fallback's unmarked leftovers, by start time
+    for pid, started in run.orphans:  # the fallback's unmarked leftovers, by start time
         if start_time(pid) == started:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             killed.add(pid)
-    survivors |= set(marked_pids(run_id))
-    mark_ended(state_dir, "swept")
-    daemon_pid = run.get("pid")
+    survivors |= set(marked_pids(run.run_id))
+    runrecord.mark_ended(state_dir, "swept")
     return Leftovers(
-        run_id=run_id,
-        daemon_pid=daemon_pid if isinstance(daemon_pid, int) else None,
-        cgroup=cgroup,
+        run_id=run.run_id,
+        daemon_pid=run.pid,
+        cgroup=run.cgroup,
         killed=sorted(killed),
         survivors=sorted(survivors),
+        during_down=run.stopping,
     )

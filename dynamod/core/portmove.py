@@ -6,6 +6,7 @@ unit and every unit whose templates reference that port get the new number. Fixe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dynamod.core import ports
@@ -22,10 +23,11 @@ class Moved:
     referencing: list[str]
 
 
-def taken(stack: Stack, instance: str, host: str = "127.0.0.1") -> dict[str, int]:
+def taken(
+    stack: Stack, instance: str, in_use: Callable[[int], bool] = ports.in_use
+) -> dict[str, int]:
     """The unit's ports that something listens on now (the unit itself is not running)."""
-    return {name: port for name, port in stack.units[instance].ports.items()
-            if ports.in_use(port, host)}
+    return {name: port for name, port in stack.units[instance].ports.items() if in_use(port)}
 
 
 def move(

@@ -37,24 +37,34 @@ class PortAllocator:
         high: int = 32767,
         rng: random.Random | None = None,
         registry: Path | None = None,
+        claim: bool = True,
     ) -> None:
         self.host = host
         self.low, self.high = low, high
         self.rng = rng or random.Random()
         self.given: set[int] = set()
         self.registry = registry  # None: the machine's (registry_dir())
+        # False: a command that only renders (check, export) avoids the claimed ports but
+        # claims none, and writes nothing to the registry.
+        self.claim = claim
         self._claim_fd: int | None = None
 
     def __call__(self) -> int:
-        with _registry_lock(self.registry or registry_dir()) as root:
-            taken = _claimed_ports(root, own=self._claim_fd)
-            for _ in range(500):
-                port = self.rng.randint(self.low, self.high)
-                if port in self.given or port in taken or in_use(port, self.host):
-                    continue
-                self._claim(root, port)
-                self.given.add(port)
-                return port
+        root = self.registry or registry_dir()
+        if not self.claim:
+            return self._pick(_live_claims(root))
+        with _registry_lock(root):
+            port = self._pick(_claimed_ports(root, own=self._claim_fd))
+            self._claim(root, port)
+            return port
+
+    def _pick(self, taken: set[int]) -> int:
+        for _ in range(500):
+            port = self.rng.randint(self.low, self.high)
+            if port in self.given or port in taken or in_use(port, self.host):
+                continue
+            self.given.add(port)
+            return port
         raise OSError(f"no free loopback port in {self.low}-{self.high} after 500 tries")
 
     def _claim(self, root: Path, port: int) -> None:
@@ -109,6 +119,21 @@ def _claimed_ports(root: Path, own: int | None) -> set[int]:
                 taken |= {int(line) for line in fh.read().split() if line.isdigit()}
         finally:
             os.close(fd)
+    return taken
+
+
+def _live_claims(root: Path) -> set[int]:
+    """Ports in every live claim, read without the registry's lock and changing nothing."""
+    taken: set[int] = set()
+    for path in root.glob("claim-*"):
+        try:
+            with path.open("rb") as fh:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:  # held: a live process's claim
+                    taken |= {int(word) for word in fh.read().split() if word.isdigit()}
+        except OSError:
+            continue
     return taken
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from collections.abc import Iterable
 
 from dynamod.core import ports as portlib
@@ -13,13 +14,21 @@ from dynamod.core.spec import Stack
 
 
 def check(stack: Stack, allocated: Iterable[int]) -> None:
-    """Every command is installed, every cwd exists, every fixed port is free. Raises
-    with all problems."""
+    """Every command is installed, every cwd exists, every fixed port is free, every
+    unit's `preflight` command passes. Raises with all problems (a problem every replica
+    of a unit shares is named once)."""
     problems: list[str] = []
     given = set(allocated)
+    checked: dict[tuple[str, ...], str | None] = {}
     for spec in stack.units.values():
         if spec.remote is not None:  # another node runs it; nothing is spawned here
             continue
+        if spec.preflight is not None:
+            key = tuple(spec.preflight)
+            if key not in checked:
+                checked[key] = _run_preflight(spec.preflight, spec.env)
+                if checked[key] is not None:
+                    problems.append(f"{spec.source}: unit {spec.unit!r}: {checked[key]}")
         env = process.base_environment("preflight", spec.name, spec.env)
         exe = spec.command[0]
         found = (
@@ -30,7 +39,7 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
         if not found:
             hint = f"; {spec.install_hint}" if spec.install_hint else ""
             problems.append(
-                f"{spec.source}: unit {spec.name!r}: command {exe!r} is not installed "
+                f"{spec.source}: unit {spec.unit!r}: command {exe!r} is not installed "
                 f"(not found on PATH){hint}"
             )
         if spec.cwd is not None and not os.path.isdir(spec.cwd):
@@ -45,7 +54,31 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
                     "on 127.0.0.1 (another process listens there; stop it or pick another "
                     "port, 0 allocates a free one)"
                 )
+    problems = list(dict.fromkeys(problems))
     if len(problems) == 1:
         raise PreflightError(f"cannot start the stack: {problems[0]}")
     if problems:
         raise PreflightError("cannot start the stack:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+PREFLIGHT_TIMEOUT_S = 60.0
+
+
+def _run_preflight(command: list[str], env: dict[str, str]) -> str | None:
+    """None when `command` exits 0; else the last line it wrote to stderr (or its exit)."""
+    try:
+        done = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=PREFLIGHT_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"preflight {command[0]!r} could not run: {exc}"
+    if done.returncode == 0:
+        return None
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"preflight {command!r} exited {done.returncode}"

@@ -64,6 +64,16 @@ def children_of(parent: int) -> list[int]:
     return list(children(parent))
 
 
+def command_line(pid: int, limit: int = 80) -> str:
+    """The process's command line in one line (cut at `limit`), or "?" if it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode()[:limit].strip()
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (tells a pid from its reuse)."""
     try:

@@ -56,6 +56,11 @@ def lookup(context: Mapping[str, Any], reference: str) -> Any:
     return node
 
 
+def references(text: str) -> list[str]:
+    """The dotted references `text` makes (`{{` and `}}` are no references)."""
+    return [match.group(1) for match in _REF.finditer(text) if match.group(1)]
+
+
 def render(text: str, context: Mapping[str, Any], max_length: int | None = None) -> str:
     # The output is at most the template's own length plus what substitutions add.
     grown = len(text)

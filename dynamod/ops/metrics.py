@@ -26,7 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -38,6 +38,7 @@ from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.phase import Phase
 from dynamod.core.state import UnitState
+from dynamod.core.status import ExtensionUnitStatus
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -67,20 +68,20 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, port
 
 
-def policy_lag(unit: Unit) -> int:
+def policy_lag(status: ExtensionUnitStatus) -> int:
     """How many policy versions a shard is behind; 0 when it reports none."""
-    policy = unit.extra.get("policy")
-    if not isinstance(policy, dict):
+    policy = status.get("policy")
+    if policy is None:
         return 0
-    version, current = policy.get("version"), policy.get("current")
-    if not isinstance(version, int) or not isinstance(current, int):
+    version, current = policy.get("version"), policy["current"]
+    if version is None or current is None:
         return 0
     return max(current - version, 0)
 
 
-def is_shard(unit: Unit) -> bool:
+def is_shard(unit: Unit, status: ExtensionUnitStatus) -> bool:
     """A rollout shard: a Dynamo worker, or anything the policy ledger tracks."""
-    return unit.spec.dynamo is not None or "policy" in unit.extra
+    return "dynamo" in unit.spec.tables or "policy" in status
 
 
 class RecoveryClock:
@@ -100,12 +101,6 @@ class RecoveryClock:
             self.down_since.pop(unit.name, None)  # stopped on purpose: nothing to recover
 
 
-def spare_info(unit: Unit) -> dict[str, Any]:
-    """The rollout layer's view of a hot spare (`spare` in status), or {}."""
-    info = unit.extra.get("spare")
-    return info if isinstance(info, dict) else {}
-
-
 class StackCollector(Collector):
     """Reads the daemon and its engine at scrape time."""
 
@@ -114,6 +109,13 @@ class StackCollector(Collector):
         self.recovery = recovery
 
     def collect(self) -> Iterator[Metric]:
+        units = list(self.host.engine.units.values()) if self.host.engine else []
+        yield from self._stack_families()
+        yield from self._unit_families(units)
+        yield from self._shard_families(units)
+
+    def _stack_families(self) -> Iterator[Metric]:
+        """The stack's phase, and the units that keep it degraded."""
         host = self.host
         phase = GaugeMetricFamily(
             "dynamod_stack_phase", "1 for the daemon's current phase", labels=["stack", "phase"]
@@ -133,7 +135,8 @@ class StackCollector(Collector):
             degraded.add_metric([host.stack.name, name, state_name, reason[:100]], 1.0)
         yield degraded
 
-        units = list(host.engine.units.values()) if host.engine else []
+    def _unit_families(self, units: list[Unit]) -> Iterator[Metric]:
+        """Every unit's state, restarts and last recovery time."""
         state = GaugeMetricFamily(
             "dynamod_unit_state",
             "1 for the unit's current state, 0 otherwise",
@@ -149,6 +152,18 @@ class StackCollector(Collector):
             "Seconds from the unit's last failure or exit until it was ready again",
             labels=["unit"],
         )
+        for unit in units:
+            for each_state in UnitState:
+                state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
+            restarts.add_metric([unit.name], unit.tracker.total)
+            if unit.name in self.recovery.last:
+                recovery.add_metric([unit.name], self.recovery.last[unit.name])
+        yield state
+        yield restarts
+        yield recovery
+
+    def _shard_families(self, units: list[Unit]) -> Iterator[Metric]:
+        """The rollout shards: policy lag, held shards, hot spares and their promotions."""
         lag = GaugeMetricFamily(
             "dynamod_shard_policy_version_lag",
             "Policy versions a rollout shard is behind the ledger",
@@ -157,23 +172,16 @@ class StackCollector(Collector):
         held = available = asleep = 0
         promotions: dict[str, int] = {}
         for unit in units:
-            spare = spare_info(unit)
-            if spare.get("role") == "spare" and unit.state is UnitState.READY:
+            extended = self.host.extension_status(unit)  # the rollout layer's keys, as in status
+            spare = extended.get("spare")
+            if spare is not None and spare["role"] == "spare" and unit.state is UnitState.READY:
                 available += 1
-                asleep += bool(spare.get("sleeping"))
-            for reason, count in (spare.get("promotions") or {}).items():
-                promotions[reason] = promotions.get(reason, 0) + int(count)
-            for each_state in UnitState:
-                state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
-            restarts.add_metric([unit.name], unit.tracker.total)
-            if unit.name in self.recovery.last:
-                recovery.add_metric([unit.name], self.recovery.last[unit.name])
-            if is_shard(unit):
-                lag.add_metric([unit.name], policy_lag(unit))
+                asleep += spare["sleeping"]
+            for reason, count in (spare["promotions"] if spare else {}).items():
+                promotions[reason] = promotions.get(reason, 0) + count
+            if is_shard(unit, extended):
+                lag.add_metric([unit.name], policy_lag(extended))
                 held += unit.hold_reason is not None
-        yield state
-        yield restarts
-        yield recovery
         yield lag
         yield GaugeMetricFamily(
             "dynamod_shards_held", "Rollout shards held out of routing (catching up)", value=held

@@ -220,7 +220,7 @@ def supervisord_gaps(stack: Stack) -> list[str]:
     gated = [u for u in units if any(c is not Condition.STARTED for c in u.depends_on.values())]
     probed = [u for u in units if u.ready is not None]
     live = [u for u in units if u.live is not None]
-    workers = [u for u in units if u.dynamo is not None]
+    workers = [u for u in units if "dynamo" in u.tables]
     gaps = [
         "readiness gating: programs start in priority order without waiting for readiness "
         + (f"probes (these have one: {_names(probed)})" if probed else "probes")

@@ -284,7 +284,7 @@ def per_unit_gaps(stack: Stack) -> list[str]:
     units = list(stack.units.values())
     live = [u.name for u in units if u.live is not None]
     logged = [u.name for u in units if isinstance(u.ready, LogProbe)]
-    workers = [u.name for u in units if u.dynamo is not None]
+    workers = [u.name for u in units if "dynamo" in u.tables]
     completes = [
         f"{u.name} -> {dep}"
         for u in units

@@ -30,7 +30,7 @@ from dynamod.core.errors import DynamodError
 from dynamod.rollout.etcd import EtcdClient
 
 if TYPE_CHECKING:
-    from dynamod.core.spec import DynamoFrontendProbe
+    from dynamod.rollout.worker_table import DynamoFrontendProbe
 
 INSTANCES_ROOT = "v1/instances"
 GENERATE_ENDPOINT = "generate"

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import aiohttp
 
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, register_prober, timed
-from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.rollout import dynamo
+from dynamod.rollout.worker_table import DynamoFrontendProbe
 
 CurrentInstances = Callable[[str], set[int]]  # namespace -> live workers' instance ids
 Unregistered = Callable[[str], list[str]]  # namespace -> running workers with no registration

@@ -40,13 +40,17 @@ from aiohttp import web
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
-from dynamod.core.spec import DynamoFrontendProbe, PolicySpec, Stack
+from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
-from dynamod.rollout import dynamo
+from dynamod.core.status import ExtensionUnitStatus
+from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
-from dynamod.rollout.shard_driver import ShardAck
+from dynamod.rollout.policy_table import PolicySpec
+from dynamod.rollout.registrations import DynamoRegistrations
+from dynamod.rollout.shard_driver import ShardAck, ShardPolicy
 from dynamod.rollout.spares import Reason, Role, SparePool
+from dynamod.rollout.worker_table import DynamoFrontendProbe, worker_of
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
@@ -140,8 +144,15 @@ class PolicyManager(Extension):
       POST /policy/spares    {"sleep": true|false}: spares sleep (control/sleep) or wake
     """
 
-    def __init__(self, spec: PolicySpec, *, etcd_auth: EtcdAuth | None = None) -> None:
+    def __init__(
+        self,
+        spec: PolicySpec,
+        registrations: DynamoRegistrations,
+        *,
+        etcd_auth: EtcdAuth | None = None,
+    ) -> None:
         self.spec = spec
+        self.registrations = registrations  # the shards' Dynamo instance ids
         self.etcd_auth = etcd_auth  # a cluster stack's credentials for its ledger's etcd
         self.host: ExtensionHost | None = None
         self.lock = asyncio.Lock()  # one push, publish or admission at a time
@@ -151,6 +162,7 @@ class PolicyManager(Extension):
         self._closing: set[asyncio.Task[None]] = set()  # etcd clients left for a moved port
         self._file: FileLedger | None = None
         self.shard_names: set[str] = set()
+        self._shards: dict[str, ShardPolicy] = {}  # shard name -> what is known of its policy
         self.spares = SparePool(self, spec.spares)
         # Set by a multi-node layer: after a push committed, wait for the other nodes'
         # shards (step -> what to add to the push's answer).
@@ -161,7 +173,7 @@ class PolicyManager(Extension):
     async def start(self, host: ExtensionHost) -> None:
         assert host.engine is not None
         self.host = host
-        self.shard_names = set(host.stack.shards())
+        self.shard_names = set(policy_table.shards(host.stack))
         host.engine.hooks.append(self)
         host.engine.hooks.insert(0, self.spares)
         host.engine.lost_listeners.append(self.spares.on_lost)
@@ -178,10 +190,11 @@ class PolicyManager(Extension):
     def restacked(self, stack: Stack) -> None:
         """The engine re-rendered the stack (a port it references moved): the ledger's etcd
         endpoint follows, so the next push, publish or replay talks to where etcd is now."""
-        if stack.policy is None or stack.policy == self.spec:
+        policy = policy_table.policy_of(stack)
+        if policy is None or policy == self.spec:
             return
-        moved = stack.policy.etcd != self.spec.etcd
-        self.spec = stack.policy
+        moved = policy.etcd != self.spec.etcd
+        self.spec = policy
         if moved and self._etcd is not None:
             old, self._etcd = self._etcd, self._etcd_client()
             task = asyncio.get_running_loop().create_task(old.close())
@@ -278,9 +291,7 @@ class PolicyManager(Extension):
         if task is not None:
             task.cancel()
         if unit.name in self.shard_names:
-            info = unit.extra.setdefault("policy", {})
-            info.update(admitted=False, version=None)
-            unit.extra["policy_version"] = None
+            self._shard_policy(unit.name).exited()
 
     # ------------------------------------------------------------------ rejoin
 
@@ -346,25 +357,48 @@ class PolicyManager(Extension):
     def note_current(self, current: PolicyVersion | None) -> None:
         self.current_version = current.version if current else self.spec.initial_version
         for name in self.shard_names:
-            self.engine.units[name].extra.setdefault("policy", {})["current"] = self.current_version
+            self._shard_policy(name).current = self.current_version
 
     def _ack_detail(self, unit: Unit) -> str:
-        info = unit.extra.get("policy", {})
-        ms = info.get("last_ack_ms", {})
+        shard = self.shard_policy(unit)
+        ms = shard.last_ack_ms
         steps = ", ".join(f"{k} {v:.0f}" for k, v in ms.items())
         return (
-            f"at policy version {unit.extra.get('policy_version')} "
-            f"(last update {sum(ms.values()):.0f} ms: {steps})"
+            f"at policy version {shard.version} (last update {sum(ms.values()):.0f} ms: {steps})"
         )
+
+    # ------------------------------------------------------------------ what it knows
+
+    def _shard_policy(self, name: str) -> ShardPolicy:
+        """The shard's record, to write (the only way to)."""
+        return self._shards.setdefault(name, ShardPolicy())
+
+    def shard_policy(self, unit: Unit) -> ShardPolicy:
+        """The shard's record, to read (a blank one before anything is known)."""
+        return self._shards.get(unit.name) or ShardPolicy()
+
+    def shard_version(self, unit: Unit) -> int | None:
+        """The version the shard holds, verified (None: none since it (re)started)."""
+        return self.shard_policy(unit).version
+
+    def note_error(self, unit: Unit, error: str) -> None:
+        self._shard_policy(unit.name).last_error = error
+
+    def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
+        shard = self._shards.get(unit.name)
+        status = shard.as_status() if shard else {}
+        status.update(self.spares.unit_status(unit))
+        return status
 
     # ------------------------------------------------------------------ one shard
 
     async def call(self, unit: Unit, route: str, payload: dict[str, Any]) -> dict[str, Any]:
-        assert unit.spec.dynamo is not None
+        worker = worker_of(unit.spec)
+        assert worker is not None
         try:
             reply = await dynamo.engine_call(
                 self.session,
-                unit.spec.dynamo.system_url,
+                worker.system_url,
                 route,
                 payload,
                 timeout_s=self.spec.call_timeout,
@@ -398,7 +432,7 @@ class PolicyManager(Extension):
             return reply
 
         await step("pause", "pause_generation", {})
-        if target is not None and ADMIT_WITHOUT_REPLAY and unit.extra.get("policy_version") is None:
+        if target is not None and ADMIT_WITHOUT_REPLAY and self.shard_version(unit) is None:
             log.warning("policy.admit_without_replay", unit=unit.name, version=target.version)
             await step("taint", "update/model_taints",
                        {"taints": [f"{self.spec.taint_prefix}{target.version}"]})
@@ -459,7 +493,7 @@ class PolicyManager(Extension):
         ready frontend: nothing routes anything, so nothing to wait for."""
         frontend = self._frontend()
         if frontend is None or not instances:
-            unit.extra.setdefault("policy", {})["routed_version"] = None
+            self._shard_policy(unit.name).routed_version = None
             return
         url, model = frontend
         body = {
@@ -485,7 +519,7 @@ class PolicyManager(Extension):
                 if resp.status == 200:
                     served = (json.loads(text).get("nvext") or {}).get("worker_id") or {}
                     if served.get("decode_worker_id") in instances:
-                        unit.extra.setdefault("policy", {})["routed_version"] = version
+                        self._shard_policy(unit.name).routed_version = version
                         return
                     last = f"served by {served} instead"
                 else:
@@ -504,18 +538,12 @@ class PolicyManager(Extension):
             retry = min(retry * 2, _ROUTE_RETRY_S)
 
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
-        if self.spares.is_spare(unit):
-            self.spares.record(unit, ack)
+        spare = self.spares.is_spare(unit)  # holds the version, untainted: not admitted
+        shard = self._shard_policy(unit.name)
+        shard.acknowledged(ack, current=self.current_version, admitted=not spare)
+        if spare:
+            self.spares.recorded(unit, ack)
             return
-        unit.extra["policy_version"] = ack.version
-        unit.extra["policy"] = {
-            "version": ack.version,
-            "current": self.current_version,
-            "admitted": True,
-            "digest": ack.digest,
-            "last_ack_ms": ack.as_dict()["ms"],
-            "last_error": None,
-        }
         with contextlib.suppress(EtcdError):
             await self.ledger().record_shard(
                 ShardRecord(
@@ -525,8 +553,8 @@ class PolicyManager(Extension):
         self.engine.transition(unit, unit.state, self._ack_detail(unit))
 
     async def _record_failure(self, unit: Unit, error: str) -> None:
-        info = unit.extra.setdefault("policy", {})
-        info.update(admitted=False, last_error=error)
+        shard = self._shard_policy(unit.name)
+        shard.admitted, shard.last_error = False, error
         with contextlib.suppress(EtcdError):
             old = (await self.ledger().shards()).get(self.ledger_name(unit.name))
             await self.ledger().record_shard(
@@ -546,7 +574,7 @@ class PolicyManager(Extension):
         be degraded while its liveness probe fails; it is still not admitted)."""
         return [
             unit
-            for unit in (self.engine.units[n] for n in self.engine.stack.shards())
+            for unit in (self.engine.units[n] for n in policy_table.shards(self.engine.stack))
             if unit.state in {UnitState.READY, UnitState.DEGRADED}
             and unit.hold_reason is None
             and self.spares.is_serving(unit)
@@ -574,6 +602,7 @@ class PolicyManager(Extension):
                     "(held shards: " + ", ".join(self.summary()["held"]) + ")"
                 )
             target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
+            log.info("policy.push_started", version=step, shards=[u.name for u in shards])
             results = await asyncio.gather(
                 *(self.apply(u, target) for u in shards), return_exceptions=True
             )
@@ -622,7 +651,7 @@ class PolicyManager(Extension):
         records = await self.ledger().shards()
         acks = {
             name: {"ok": True, "already": True, "version": records[key].applied_version}
-            for name in self.engine.stack.shards()
+            for name in policy_table.shards(self.engine.stack)
             if (key := self.ledger_name(name)) in records
             and records[key].applied_version == current.version
         }
@@ -633,7 +662,7 @@ class PolicyManager(Extension):
             "path": current.path,
             "digest": current.digest,
             "acks": acks,
-            "stale": sorted(n for n in self.engine.stack.shards() if n not in acks),
+            "stale": sorted(n for n in policy_table.shards(self.engine.stack) if n not in acks),
             "seconds": round(time.monotonic() - started, 3),
         }
         log.info("policy.push_already_committed", version=current.version, path=path)
@@ -746,7 +775,7 @@ class PolicyManager(Extension):
                 unit.name, "verify", f"shard reports digest {seen['digest']}, acknowledged {acked}"
             )
         taints = self.spares.taints(unit, step)
-        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
+        instance_ids = self.registrations.instance_ids(unit)
         own = [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
         for name, route, body in (
             ("taint", "update/model_taints", {"taints": [*taints, *own]}),
@@ -768,14 +797,14 @@ class PolicyManager(Extension):
         records = await ledger.shards()
         admitted = {u.name for u in self.admitted_shards()}
         shards = []
-        for name in self.engine.stack.shards():
+        for name in policy_table.shards(self.engine.stack):
             unit = self.engine.units[name]
             record = records.get(self.ledger_name(name))
             shards.append(
                 {
                     "name": name,
                     "state": str(unit.state),
-                    "policy_version": unit.extra.get("policy_version"),
+                    "policy_version": self.shard_version(unit),
                     "admitted": name in admitted,
                     "role": str(self.spares.role(unit)),
                     "last_ack": record.acked_at if record else None,
@@ -794,7 +823,7 @@ class PolicyManager(Extension):
 
     def summary(self) -> dict[str, Any]:
         """Cheap, synchronous view for `status --json` (no ledger round trip)."""
-        shards = self.engine.stack.shards()
+        shards = policy_table.shards(self.engine.stack)
         admitted = len(self.admitted_shards())
         return {
             "current": self.current_version,
@@ -825,7 +854,7 @@ class PolicyManager(Extension):
             return version
         self.note_current(current)
         for unit in self.admitted_shards():
-            if unit.extra.get("policy_version") != version:
+            if self.shard_version(unit) != version:
                 self._start_rejoin(unit, f"behind the ledger, which is at version {version}")
         return version
 
@@ -833,11 +862,11 @@ class PolicyManager(Extension):
 
     def routing_taints(self, unit: Unit, version: int) -> tuple[list[str], list[str]]:
         """(the version's taint, none for a spare; the shard's own instance taints)."""
-        instance_ids = unit.extra.get("dynamo", {}).get("instance_ids") or []
+        instance_ids = self.registrations.instance_ids(unit)
         return self.spares.taints(unit, version), [f"{_INSTANCE_TAINT}{i:x}" for i in instance_ids]
 
     async def routed(self, unit: Unit, version: int) -> None:
         """Until a canary with this version's taint reaches the shard through the frontend."""
         taints, own = self.routing_taints(unit, version)
-        instance_ids = set(unit.extra.get("dynamo", {}).get("instance_ids") or [])
+        instance_ids = set(self.registrations.instance_ids(unit))
         await self._await_routed(unit, version, [*taints, *own[:1]], instance_ids)

@@ -21,17 +21,19 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
-from dynamod.core.spec import DynamoFrontendProbe
 from dynamod.core.state import UnitState
+from dynamod.core.status import DynamoStatus, ExtensionUnitStatus
 from dynamod.rollout import dynamo, frontend_probe
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import LeaseRecords
+from dynamod.rollout.worker_table import DynamoFrontendProbe, worker_of
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Unit
@@ -53,8 +55,28 @@ def stale_leases(registered: set[int], ours: set[int], others: set[int]) -> set[
     return (registered | ours) - others
 
 
+@dataclass
+class Registration:
+    """What dynamod knows of one Dynamo worker's registration (`dynamo` in status)."""
+
+    namespace: str
+    system_url: str
+    instance_ids: list[int]  # its etcd lease ids, as found when it turned ready
+    routed: bool | None = None  # the frontend routes to it (None: no frontend view yet)
+
+    def as_status(self) -> DynamoStatus:
+        return {
+            "namespace": self.namespace,
+            "system_url": self.system_url,
+            "instance_ids": list(self.instance_ids),
+            "routed": self.routed,
+        }
+
+
 class DynamoRegistrations(Extension):
-    """A daemon extension that is also the engine hook for Dynamo worker units."""
+    """A daemon extension that is also the engine hook for Dynamo worker units. It keeps
+    each worker's registration (unit name -> Registration) since the worker first turned
+    ready; the policy manager and the cluster membership read its instance ids here."""
 
     def __init__(self, etcd_auth: EtcdAuth | None = None) -> None:
         self.host: ExtensionHost | None = None
@@ -67,12 +89,22 @@ class DynamoRegistrations(Extension):
         # Set by a multi-node layer: the instance ids other nodes' live workers hold, which
         # the sweep must leave alone (it raises EtcdError while it cannot tell).
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
+        self.registered: dict[str, Registration] = {}
+
+    def instance_ids(self, unit: Unit) -> list[int]:
+        """The worker's Dynamo instance ids (its etcd leases); [] while it has none."""
+        registration = self.registered.get(unit.name)
+        return list(registration.instance_ids) if registration else []
+
+    def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
+        registration = self.registered.get(unit.name)
+        return {"dynamo": registration.as_status()} if registration else {}
 
     async def start(self, host: ExtensionHost) -> None:
         assert host.engine is not None
         self.host = host
         host.engine.hooks.append(self)
-        if any(u.spec.dynamo for u in host.engine.units.values()):
+        if any(worker_of(u.spec) for u in host.engine.units.values()):
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_routed())
             frontend_probe.count_only(self.live_instances, self.unregistered)
 
@@ -82,11 +114,11 @@ class DynamoRegistrations(Extension):
         return {
             instance
             for unit in self.host.engine.units.values()
-            if unit.spec.dynamo is not None
-            and unit.spec.dynamo.namespace == namespace
+            if (worker := worker_of(unit.spec)) is not None
+            and worker.namespace == namespace
             and unit.state.running
             and unit.pid is not None
-            for instance in unit.extra.get("dynamo", {}).get("instance_ids", [])
+            for instance in self.instance_ids(unit)
         }
 
     def unregistered(self, namespace: str) -> list[str]:
@@ -97,12 +129,12 @@ class DynamoRegistrations(Extension):
         return sorted(
             unit.name
             for unit in self.host.engine.units.values()
-            if unit.spec.dynamo is not None
-            and unit.spec.dynamo.namespace == namespace
+            if (worker := worker_of(unit.spec)) is not None
+            and worker.namespace == namespace
             and unit.state.running
             and unit.pid is not None
-            and "dynamo" in unit.extra
-            and not unit.extra["dynamo"].get("instance_ids")
+            and unit.name in self.registered
+            and not self.registered[unit.name].instance_ids
         )
 
     async def stop(self) -> None:
@@ -134,13 +166,13 @@ class DynamoRegistrations(Extension):
         is not known yet and must not be taken for a stale one)."""
         assert self.host is not None and self.host.engine is not None
         engine = self.host.engine
-        workers = [u for u in engine.units.values() if u.spec.dynamo is not None]
+        workers = [u for u in engine.units.values() if worker_of(u.spec) is not None]
         if self._swept or not workers:
             return
         if any(u.starts > 0 for u in workers):
             self._swept = True  # too late to tell stale from live: a worker may be booting
             return
-        targets = {(u.spec.dynamo.etcd, u.spec.dynamo.namespace) for u in workers if u.spec.dynamo}
+        targets = {(w.etcd, w.namespace) for w in (worker_of(u.spec) for u in workers) if w}
         for endpoint, namespace in sorted(targets):
             try:
                 async with EtcdClient(
@@ -184,7 +216,7 @@ class DynamoRegistrations(Extension):
         if self.host is None or self.host.engine is None:
             return
         await self._sweep_stale()
-        spec = unit.spec.dynamo
+        spec = worker_of(unit.spec)
         if spec is None:
             return
         session = self.host.engine.session
@@ -201,12 +233,7 @@ class DynamoRegistrations(Extension):
                 if ids:
                     break
                 await asyncio.sleep(_ID_RETRY_S)
-        unit.extra["dynamo"] = {
-            "namespace": spec.namespace,
-            "system_url": spec.system_url,
-            "instance_ids": ids,
-            "routed": None,
-        }
+        self.registered[unit.name] = Registration(spec.namespace, spec.system_url, ids)
         if ids:
             log.info("dynamo.registered", unit=unit.name, instances=[f"{i:x}" for i in ids])
             await self._record(unit.name, spec.etcd, spec.namespace, ids)
@@ -219,13 +246,13 @@ class DynamoRegistrations(Extension):
             )
 
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
-        spec = unit.spec.dynamo
-        info = unit.extra.get("dynamo")
-        if spec is None or not info or not info.get("instance_ids") or self.host is None:
+        spec = worker_of(unit.spec)
+        registration = self.registered.get(unit.name)
+        if spec is None or not registration or not registration.instance_ids or not self.host:
             return
         assert self.host.engine is not None
-        ids = list(info["instance_ids"])
-        info.update(instance_ids=[], routed=False)
+        ids = registration.instance_ids
+        registration.instance_ids, registration.routed = [], False
         if not await self._revoke(unit.name, spec.etcd, ids, why=exit.describe()):
             self.pending[unit.name + f"#{ids[0]:x}"] = (unit.name, spec.etcd, ids)
             self._ensure_retrier()
@@ -305,11 +332,8 @@ class DynamoRegistrations(Extension):
                                 engine.session, probe.url, probe.namespace
                             )
                         )
-            for unit in engine.units.values():
-                info = unit.extra.get("dynamo")
-                if info is None:
-                    continue
-                view = views.get(info["namespace"])
-                info["routed"] = (
-                    None if view is None else any(i in view for i in info["instance_ids"])
+            for registration in self.registered.values():
+                view = views.get(registration.namespace)
+                registration.routed = (
+                    None if view is None else any(i in view for i in registration.instance_ids)
                 )

@@ -1,6 +1,7 @@
 """What the spare pool (spares.py) drives a shard with: the policy manager's operations on
 one shard (policy.py), named here so neither module needs the other's class. A shard's
-acknowledgement of a version, `ShardAck`, is what those operations return."""
+acknowledgement of a version, `ShardAck`, is what those operations return; `ShardPolicy`
+is what the manager knows of each shard's policy, which the pool reads."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from dynamod.core.status import ExtensionUnitStatus, PolicyStatus
+
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
-    from dynamod.core.spec import PolicySpec
     from dynamod.rollout.ledger import Ledger, PolicyVersion
+    from dynamod.rollout.policy_table import PolicySpec
 
 
 @dataclass
@@ -31,6 +34,43 @@ class ShardAck:
             "ms": {k: round(v, 1) for k, v in self.timings_ms.items()},
             "total_ms": round(sum(self.timings_ms.values()), 1),
         }
+
+
+@dataclass
+class ShardPolicy:
+    """One shard's policy as the policy manager knows it: `policy` and `policy_version` in
+    its status row. The manager alone writes it; the spare pool reads it."""
+
+    current: int | None = None  # the ledger's version, as last read
+    version: int | None = None  # the version it holds, verified; None since it (re)started
+    version_known: bool = False  # it acknowledged a version, or exited since: status says so
+    admitted: bool = False
+    digest: str | None = None
+    last_ack_ms: dict[str, float] = field(default_factory=dict)
+    last_error: str | None = None
+    routed_version: int | None = None  # a canary through the frontend reached it at this one
+
+    def acknowledged(self, ack: ShardAck, *, current: int | None, admitted: bool) -> None:
+        self.version, self.version_known, self.digest = ack.version, True, ack.digest
+        self.current, self.admitted = current, admitted
+        self.last_ack_ms, self.last_error = ack.as_dict()["ms"], None
+
+    def exited(self) -> None:
+        self.version, self.version_known, self.admitted = None, True, False
+
+    def as_status(self) -> ExtensionUnitStatus:
+        policy: PolicyStatus = {
+            "current": self.current,
+            "admitted": self.admitted,
+            "digest": self.digest,
+            "last_ack_ms": dict(self.last_ack_ms),
+            "last_error": self.last_error,
+            "routed_version": self.routed_version,
+        }
+        if not self.version_known:
+            return {"policy": policy}
+        policy["version"] = self.version
+        return {"policy": policy, "policy_version": self.version}
 
 
 class ShardDriver(Protocol):
@@ -53,6 +93,13 @@ class ShardDriver(Protocol):
 
     def ledger(self) -> Ledger: ...
 
+    def shard_policy(self, unit: Unit) -> ShardPolicy:
+        """What the manager knows of the shard's policy (read it; the manager writes it)."""
+        ...
+
+    def note_error(self, unit: Unit, error: str) -> None:
+        """A replay into the shard failed (its `last_error` in status)."""
+
     def note_current(self, current: PolicyVersion | None) -> None:
         """The ledger was read: `current` is its version now."""
 
@@ -68,7 +115,8 @@ class ShardDriver(Protocol):
         """Until a canary with this version's taint reaches the shard through the frontend."""
 
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
-        """The shard holds `ack.version`: record it (the ledger, status)."""
+        """The shard holds `ack.version`: record it (its ShardPolicy; a serving shard's in
+        the ledger too)."""
 
     def routing_taints(self, unit: Unit, version: int) -> tuple[list[str], list[str]]:
         """(the version's taint, none for a spare; the shard's own instance taints)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -26,6 +27,7 @@ from aiohttp import web
 from dynamod.core.deathwatch import DeathWatch
 from dynamod.core.errors import DynamodError
 from dynamod.core.restart import Exit
+from dynamod.core.status import ExtensionUnitStatus, SpareStatus
 from dynamod.rollout.shard_driver import ShardAck
 
 if TYPE_CHECKING:
@@ -94,6 +96,8 @@ class SparePool:
         self._promotions: set[asyncio.Task[None]] = set()
         self._pushed_at: float | None = None
         self._watches: dict[str, DeathWatch] = {}
+        # shard -> why it was taken into service, how often; from its first role on
+        self.promotions: dict[str, Counter[str]] = {}
 
     # ------------------------------------------------------------------ roles
 
@@ -103,7 +107,8 @@ class SparePool:
         wanted = len(self.driver.shard_names) - self.count
         role = Role.SERVING if self.count == 0 or serving < wanted else Role.SPARE
         self.slots[unit.name] = Slot(role)
-        self._publish(unit)
+        self.promotions.setdefault(unit.name, Counter())
+        self._show_in_detail(unit)
         return role
 
     def role(self, unit: Unit) -> Role:
@@ -122,18 +127,10 @@ class SparePool:
             return []
         return [f"{self.driver.spec.taint_prefix}{version}"]
 
-    def record(self, unit: Unit, ack: ShardAck) -> None:
-        """A spare holds `ack.version` (replayed, KV reset, verified, untainted)."""
-        unit.extra["policy_version"] = ack.version
-        unit.extra["policy"] = {
-            "version": ack.version,
-            "current": self.driver.current_version,
-            "admitted": False,
-            "digest": ack.digest,
-            "last_ack_ms": ack.as_dict()["ms"],
-            "last_error": None,
-        }
-        self._publish(unit)
+    def recorded(self, unit: Unit, ack: ShardAck) -> None:
+        """The manager recorded that a spare holds `ack.version` (replayed, KV reset,
+        verified, untainted)."""
+        self._show_in_detail(unit)
         current = self.driver.current_version
         if ack.version == current and self._pushed_at is not None:  # noqa: SIM102
             if all(self._version(u) == current for u in self.spare_units()):
@@ -166,20 +163,33 @@ class SparePool:
         return [units[n] for n, s in self.slots.items() if s.role is Role.SPARE]
 
     def _version(self, unit: Unit) -> int | None:
-        version = unit.extra.get("policy_version")
-        return version if isinstance(version, int) else None
+        return self.driver.shard_policy(unit).version
 
-    def _publish(self, unit: Unit) -> None:
-        """The spare's view in `status --json` (the `spare` key) and the status detail."""
+    def _behind(self, unit: Unit) -> int | None:
+        version, current = self._version(unit), self.driver.current_version
+        return current - version if version is not None and current is not None else None
+
+    def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
+        """The shard's `spare` key in status, once it was first given a role."""
+        promotions = self.promotions.get(unit.name)
+        if promotions is None:
+            return {}
         slot = self.slots.get(unit.name)
-        info = unit.extra.setdefault("spare", {"promotions": {}})
-        info["role"] = str(slot.role) if slot else None
-        info["sleeping"] = bool(slot and slot.asleep)
+        spare: SpareStatus = {
+            "role": str(slot.role) if slot else None,
+            "sleeping": bool(slot and slot.asleep),
+            "promotions": dict(promotions),
+        }
+        if slot is not None and slot.role is Role.SPARE:
+            spare["version"], spare["behind"] = self._version(unit), self._behind(unit)
+        return {"spare": spare}
+
+    def _show_in_detail(self, unit: Unit) -> None:
+        """A spare's role in its status detail: the version it holds, awake or asleep."""
+        slot = self.slots.get(unit.name)
         if slot is None or slot.role is not Role.SPARE:
             return
-        version, current = self._version(unit), self.driver.current_version
-        behind = current - version if version is not None and current is not None else None
-        info.update(version=version, behind=behind)
+        version, behind = self._version(unit), self._behind(unit)
         state = "asleep" if slot.asleep else "awake"
         lag = "current" if behind == 0 else f"{behind} behind" if behind else "catching up"
         self.driver.engine.transition(
@@ -229,7 +239,7 @@ class SparePool:
             slot = self.slots.pop(unit.name, None)
             if slot is not None and slot.keeper is not None:
                 slot.keeper.cancel()
-            unit.extra.setdefault("spare", {"promotions": {}})["role"] = None
+            self.promotions.setdefault(unit.name, Counter())  # status: no role while it is down
         else:
             slot = self.slots.get(unit.name)
         if self.count == 0 or slot is None or slot.role is Role.SPARE:
@@ -240,7 +250,7 @@ class SparePool:
             if not self._available():
                 return
             slot.role = Role.SPARE  # it rejoins as a spare; the promoted one takes its place
-            self._publish(unit)
+            self._show_in_detail(unit)
         # (a shard swapped out is a spare now, but never its own replacement)
         self._promote_one(unit.name, reason, detail, time.monotonic(), exclude={unit.name})
 
@@ -321,7 +331,7 @@ class SparePool:
                             started = time.monotonic()
                             await driver.routed(unit, version)
                             timings["route"] = (time.monotonic() - started) * 1000
-                            digest = unit.extra.get("policy", {}).get("digest")
+                            digest = driver.shard_policy(unit).digest
                             ack = ShardAck(unit.name, version, digest)
                         slot.role = Role.SERVING
                         ack.timings_ms = {**timings, **ack.timings_ms}
@@ -355,9 +365,8 @@ class SparePool:
             # (a spare that died while promoted was replaced by `lost`, as a serving one)
 
     def _count_promotion(self, unit: Unit, reason: Reason) -> None:
-        counts = unit.extra.setdefault("spare", {"promotions": {}}).setdefault("promotions", {})
-        counts[str(reason)] = counts.get(str(reason), 0) + 1
-        self._publish(unit)
+        self.promotions.setdefault(unit.name, Counter())[str(reason)] += 1
+        self._show_in_detail(unit)
 
     # ------------------------------------------------------------------ keeping current
 
@@ -400,12 +409,12 @@ class SparePool:
                                 unit, route, {"level": 1} if self.sleep_wanted else {}
                             )
                             slot.asleep = self.sleep_wanted
-                            self._publish(unit)
+                            self._show_in_detail(unit)
                             log.info(
                                 "spares.slept" if slot.asleep else "spares.woke", unit=unit.name
                             )
                             continue
-                        self._publish(unit)
+                        self._show_in_detail(unit)
                         if slot.dirty:
                             continue
                         return
@@ -418,7 +427,7 @@ class SparePool:
                 except DynamodError as exc:  # EtcdError is one
                     error = str(exc)
             log.warning("spares.replay_failed", unit=unit.name, error=error, retry_s=delay)
-            unit.extra.setdefault("policy", {})["last_error"] = error
+            driver.note_error(unit, error)
             await asyncio.sleep(delay)
             delay = min(delay * 2, driver.spec.replay_backoff_max)
 
@@ -441,12 +450,10 @@ class SparePool:
                 await task
 
     def summary(self) -> dict[str, Any]:
-        units = self.driver.engine.units
         current = self.driver.current_version
         spares = self.spare_units()
         promotions = sum(
-            sum(units[n].extra.get("spare", {}).get("promotions", {}).values())
-            for n in self.driver.shard_names
+            self.promotions[n].total() for n in self.driver.shard_names if n in self.promotions
         )
         return {
             "wanted": self.count,

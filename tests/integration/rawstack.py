@@ -1,8 +1,11 @@
-"""Spawn the real rollout stack (etcd, NATS, Dynamo frontend, CPU workers) for tests.
+"""Spawn the real rollout stack (etcd, NATS, Dynamo frontend, CPU workers) for tests,
+without a daemon: for tests of the parts the daemon is made of.
 
-Every process runs in its own session (process group) on loopback with allocated ports,
-logs to a file, and is stopped by signalling its whole group: SIGTERM, then SIGKILL.
-Readiness waits fail fast when the process exits and quote the end of its log.
+etcd and NATS are the units of units/etcd.toml and units/nats.toml, rendered as the stock
+infra stack renders them (command, ports, readiness probe). Every process runs in its own
+session (process group) on loopback with allocated ports and the environment dynamod gives
+a unit, logs to a file, and is stopped by signalling its whole group: SIGTERM, then
+SIGKILL. Readiness waits fail fast when the process exits and quote the end of its log.
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamod.core import process, spec
+from dynamod.core.paths import units_dir
 from dynamod.core.ports import PortAllocator
+from dynamod.core.proctable import marked_pids
+from dynamod.core.spec import Stack
 
 REPO = Path(__file__).resolve().parents[2]
 # Dynamo listens on the host's address unless told otherwise (its ZMQ event-plane
@@ -34,6 +42,7 @@ LOOPBACK_ENV = {
     "DYN_SYSTEM_HOST": "127.0.0.1",
 }
 BIN = Path(sys.executable).parent
+INFRA_STACK = units_dir() / "stacks" / "infra.toml"
 
 
 # Below the ephemeral range: Dynamo parses DYN_SYSTEM_PORT as an i16, and a port from
@@ -139,8 +148,12 @@ class RawStack:
     etcd_port: int = 0
     nats_port: int = 0
     http_port: int = 0
+    run_id: str = field(default_factory=lambda: f"rawstack-{uuid.uuid4().hex[:12]}")
+    _infra: Stack | None = None
 
     def spawn(self, name: str, argv: list[str], env: Mapping[str, str] | None = None) -> Proc:
+        """Start argv in a session of its own, logging to logs/NAME.log, with the
+        environment dynamod gives a unit (the venv's bin dir first on PATH, a marker)."""
         log = self.root / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as out:
@@ -149,7 +162,7 @@ class RawStack:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env=process.base_environment(self.run_id, name, env or {}),
                 cwd=REPO,
                 start_new_session=True,
             )
@@ -165,55 +178,39 @@ class RawStack:
             **LOOPBACK_ENV,
         }
 
-    def start_etcd(self, timeout: float = 30) -> Proc:
-        self.etcd_port, peer = free_port(), free_port()
-        url = f"http://127.0.0.1:{self.etcd_port}"
-        proc = self.spawn(
-            "etcd",
-            [
-                str(BIN / "etcd"),
-                "--data-dir",
-                str(self.root / "etcd"),
-                "--listen-client-urls",
-                url,
-                "--advertise-client-urls",
-                url,
-                "--listen-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-advertise-peer-urls",
-                f"http://127.0.0.1:{peer}",
-                "--initial-cluster",
-                f"default=http://127.0.0.1:{peer}",
-            ],
-        )
+    def infra(self) -> Stack:
+        """etcd and NATS as units/etcd.toml and units/nats.toml define them (the stock
+        infra stack), rendered once into this stack's root with allocated ports."""
+        if self._infra is None:
+            self._infra = spec.load(INFRA_STACK, state_dir=self.root, allocate_port=free_port)
+        return self._infra
 
-        def healthy() -> bool:
-            body = http_json("GET", f"{url}/health", timeout=2)[1]
-            return isinstance(body, dict) and body.get("health") == "true"
+    def start_unit(self, name: str, timeout: float) -> Proc:
+        """Start the infra unit NAME with its own command and env; wait for its readiness
+        probe (an HTTP check with an expected JSON body) to pass."""
+        unit = self.infra().units[name]
+        probe: Any = unit.ready
+        assert probe is not None and probe.kind == "http", f"{name}: expected an http probe"
+        proc = self.spawn(name, list(unit.command), env=unit.env)
 
-        proc.wait_until("etcd /health {health: true}", healthy, timeout)
+        def ready() -> bool:
+            status, body = http_json(probe.method, probe.url, timeout=2)
+            expected = probe.expect_json or {}
+            return status == probe.expect_status and isinstance(body, dict) and all(
+                body.get(k) == v for k, v in expected.items()
+            )
+
+        proc.wait_until(f"{name} {probe.url} {probe.expect_json}", ready, timeout)
         return proc
 
-    def start_nats(self, timeout: float = 30, jetstream: bool = True) -> Proc:
-        self.nats_port, monitor = free_port(), free_port()
-        proc = self.spawn(
-            "nats",
-            [
-                str(BIN / "nats-server"),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.nats_port),
-                "-m",
-                str(monitor),
-                *(["-js", "-sd", str(self.root / "nats")] if jetstream else []),
-            ],
-        )
-        proc.wait_until(
-            "nats /healthz",
-            lambda: http_json("GET", f"http://127.0.0.1:{monitor}/healthz", timeout=2)[0] == 200,
-            timeout,
-        )
+    def start_etcd(self, timeout: float = 30) -> Proc:
+        proc = self.start_unit("etcd", timeout)
+        self.etcd_port = self.infra().units["etcd"].ports["client"]
+        return proc
+
+    def start_nats(self, timeout: float = 30) -> Proc:
+        proc = self.start_unit("nats", timeout)
+        self.nats_port = self.infra().units["nats"].ports["client"]
         return proc
 
     def start_frontend(
@@ -295,6 +292,9 @@ class RawStack:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+        for pid in marked_pids(self.run_id):  # a descendant that left its session
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

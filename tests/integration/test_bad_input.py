@@ -236,3 +236,35 @@ def test_hostile_stacks_through_the_real_cli(box: Sandbox, data: st.DataObject) 
 def test_hostile_arguments_through_the_real_cli(box: Sandbox, args: list[str]) -> None:
     assume(not any("\0" in a for a in args))  # argv cannot carry a NUL; in-process tests can
     box.refused(*args, expect="dynamod")
+
+
+_CHECK, _UP = ["check", "local"], ["up", "local", "--detach"]
+_EXPORT = ["export", "supervisord", "local", "--out", "{out}/supervisord.conf"]
+_SYSTEMD = ["systemd", "generate", "local", "--out", "{out}"]
+
+
+# every command that reads --var, and every kind of typo (one command each: they share
+# the one check, so the product would only cost time)
+@pytest.mark.parametrize("command, var, hint", [
+    (_CHECK, "worker=4", "did you mean `workers`"),
+    (_UP, "worker=4", "did you mean `workers`"),
+    (_EXPORT, "worker=4", "did you mean `workers`"),
+    (_SYSTEMD, "worker=4", "did you mean `workers`"),
+    (_CHECK, "Workers=3", "did you mean `workers`"),
+    (_UP, "trainer_step=0", "did you mean `trainer_steps`"),
+])
+def test_an_unknown_var_is_refused_naming_it_the_stack_and_the_closest_names(
+    dm: Dynamod, tmp_path: Path, command: list[str], var: str, hint: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [a.format(out=out) for a in command]
+    result = dm.run(*args, "--var", "workers=1", "--var", var)
+    assert result.returncode == 2, result.stderr
+    name = var.partition("=")[0]
+    stack = paths.units_dir() / "stacks" / "local.toml"
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert f"no variable {name!r}" in result.stderr and hint in result.stderr
+    assert str(stack) in result.stderr and "Traceback" not in result.stderr
+    assert list(out.iterdir()) == [] and result.stdout == ""
+    assert_nothing_started(dm)

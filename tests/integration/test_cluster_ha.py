@@ -150,7 +150,7 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
                  and units["etcd"]["state"] == "ready"
                  and json.loads(rig.run("head", "policy", "status", "--json").stdout)["current"]
                  == 1, 30)  # fmt: skip
-        time.sleep(1.0)
+        time.sleep(1.0)  # serving with the member back: the load's last measured phase
     finally:
         gen.stop()
     requests = list(gen.requests)

@@ -89,7 +89,7 @@ def test_a_ray_worker_joins_the_head_across_nodes(short_dir: Path) -> None:
             alive = status.stdout + status.stderr
             if len(re.findall(r"\bnode_[0-9a-f]+", active)) == 2:
                 break
-            time.sleep(1)
+            time.sleep(1)  # between `ray status` calls (each a CLI start) until the deadline
         else:
             raise AssertionError(
                 f"the worker never joined; ray status:\n{alive[-2000:]}\nworker log:\n"

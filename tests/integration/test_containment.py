@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from dynamod.core import cgroups
+from dynamod.core import cgroups, runrecord
+from dynamod.core.runrecord import RunRecord
 from tests.conftest import Dynamod, pid_alive, unit_by_name, wait_dead
 
 pytestmark = pytest.mark.slow
@@ -44,16 +45,12 @@ def strays(dm: Dynamod) -> Iterator[list[int]]:
         if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
     run = _run(dm)
-    if run and run.get("cgroup"):
-        cgroups.empty_and_remove(Path(run["cgroup"]))
+    if run and run.cgroup:
+        cgroups.empty_and_remove(Path(run.cgroup))
 
 
-def _run(dm: Dynamod) -> dict[str, Any] | None:
-    try:
-        data: dict[str, Any] = json.loads((dm.state_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return data
+def _run(dm: Dynamod) -> RunRecord | None:
+    return runrecord.read(dm.state_dir)
 
 
 def _stack(stack_file: Any, pidfile: Path) -> Path:
@@ -131,7 +128,7 @@ def test_escaped_descendant_is_gone_after_exit_restart_and_down(
         assert killed.startswith("had to kill 1 process(es)") and str(third) in killed
     assert wait_dead([third, unit["pid"], other["pid"]], timeout=5) == []
     if containment == "cgroup":
-        assert run["cgroup"] and not Path(run["cgroup"]).exists()  # emptied and removed
+        assert run.cgroup and not Path(run.cgroup).exists()  # emptied and removed
 
 
 def test_status_shows_the_containment_in_force(
@@ -190,7 +187,7 @@ def test_sigkilled_daemon_leaves_nothing(
     run = _run(dm)
     assert run is not None
     if containment == "cgroup":
-        assert not Path(run["cgroup"]).exists()  # the guardian emptied and removed it
+        assert not Path(run.cgroup).exists()  # the guardian emptied and removed it
     assert wait_dead([status["guardian"]["pid"]], timeout=5) == []
 
 
@@ -211,7 +208,8 @@ def test_dead_guardian_is_restarted_and_a_dead_run_is_swept(
     assert guardian["restarts"] == 1 and guardian["last_death"] == "killed by SIGKILL"
     assert pid_alive(guardian["pid"])
     assert "guardian: pid" in dm.run("status", check=True).stdout
-    assert _run(dm)["guardian_pid"] == guardian["pid"]  # type: ignore[index]
+    run = _run(dm)
+    assert run is not None and run.guardian_pid == guardian["pid"]
     died = [json.loads(line) for line in dm.daemon_log().splitlines()
             if '"guardian.died"' in line]
     assert died and died[0]["pid"] == first and died[0]["new_pid"] == guardian["pid"]
@@ -230,17 +228,20 @@ def test_dead_guardian_is_restarted_and_a_dead_run_is_swept(
     result = dm.run("down")  # ... until the next down finds the dead run
     assert result.returncode == 0, result.stderr
     assert (
-        f"the previous daemon (pid {daemon}, run {_run(dm)['run_id']}) died without `down`; "  # type: ignore[index]
+        f"the previous daemon (pid {daemon}, run {run.run_id}) died without `down`; "
         f"swept 1 leftover process(es)" in result.stderr
     )
     assert wait_dead([stray], timeout=5) == []
     run = _run(dm)
-    assert run is not None and run["ended"] == "swept"
+    assert run is not None and run.ended == "swept"
     if containment == "cgroup":
-        assert not Path(run["cgroup"]).exists()
-    again = dm.run("down")  # swept once: a second down says there is no daemon
-    assert again.returncode != 0 and "swept" not in again.stderr
-    assert "no dynamod daemon is running" in again.stderr
+        assert not Path(run.cgroup).exists()
+    # Swept once: a second down sweeps nothing and, like `systemctl stop` of a stopped
+    # service, exits 0 saying the stack is already down (it exited 1 until issue 25).
+    again = dm.run("down")
+    assert again.returncode == 0, again.stderr
+    assert "leftover" not in again.stderr
+    assert f"is already down: its daemon (pid {daemon}) died" in again.stdout
 
 
 def test_up_sweeps_a_dead_run_first_and_says_how_many(
@@ -261,9 +262,10 @@ def test_up_sweeps_a_dead_run_first_and_says_how_many(
     assert wait_dead([u["pid"] for u in status["units"]], timeout=10) == []
     assert pid_alive(stray)
     result = dm.run("up", str(stack), "--detach", check=True)
-    assert f"run {old_run['run_id']}) died without `down`; swept 1 leftover" in result.stderr
+    assert f"run {old_run.run_id}) died without `down`; swept 1 leftover" in result.stderr
     assert wait_dead([stray], timeout=5) == []
     _stray(pidfile, strays)  # the new run's own escaper
-    assert _run(dm)["run_id"] != old_run["run_id"]  # type: ignore[index]
+    new_run = _run(dm)
+    assert new_run is not None and new_run.run_id != old_run.run_id
     if containment == "cgroup":
-        assert not Path(old_run["cgroup"]).exists()
+        assert not Path(old_run.cgroup).exists()

@@ -82,7 +82,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     with raw_stack(root, NAMESPACE) as raw:
         raw.start_etcd()
-        raw.start_nats(jetstream=False)  # Dynamo 1.6.1 with the TCP request plane needs no JS
+        raw.start_nats()  # as units/nats.toml: no JetStream (the TCP request plane needs none)
         raw.start_frontend(router_mode="kv")
         yield Stack(raw, model_dir)
 
@@ -135,7 +135,11 @@ def test_parse_instance_reads_path_and_transport() -> None:
         key=key,
     )
     assert inst.instance_hex == "20b7a22c1f1a7d08"
-    assert dynamo.parse_instance(key, b"not json", 7) is not None
+    # A value that is not JSON still yields the instance, keyed by its path alone.
+    assert dynamo.parse_instance(key, b"not json", 7) == dynamo.DynamoInstance(
+        namespace="dynamo", component="backend", endpoint="generate",
+        instance_id=0x20B7A22C1F1A7D08, lease_id=7, transport="", address="", key=key,
+    )
     assert dynamo.parse_instance("v1/mdc/dynamo/backend/generate/20b7a22c1f1a7d08", b"", 0) is None
 
 

@@ -176,7 +176,7 @@ async def test_txn_applies_one_branch_atomically(etcd: EtcdClient, prefix: str) 
 
 async def test_lease_keepalive_refreshes_and_reports_a_gone_lease(etcd: EtcdClient) -> None:
     lease = await etcd.lease_grant(2)
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(1.2)  # most of the 2 s TTL gone: the time is the experiment
     assert await etcd.lease_keepalive(lease) == 2
     await asyncio.sleep(1.2)  # past the first expiry: the refresh kept it
     info = await etcd.lease_time_to_live(lease)

@@ -95,8 +95,11 @@ def test_default_stack_serves_and_down_leaves_nothing(dm: Dynamod, tmp_path: Pat
 
     ports = [p for u in status["units"] for p in u["ports"].values()]
     pids = [u["pid"] for u in status["units"] if u["pid"]] + [status["daemon_pid"]]
+    # every unit ran with a private TMPDIR under the state dir, which `down` removes
+    assert (dm.state_dir / "tmp" / "worker@0").is_dir()
     down = dm.run("down", "--json", timeout=120, check=True)
     assert json.loads(down.stdout)["survivors"] == []
+    assert not (dm.state_dir / "tmp").exists()
     assert wait_dead(pids) == []
     assert [p for p in ports if listening(p)] == []
     # Bring etcd back up on the same data dir: no registration survived `down`.
@@ -160,7 +163,7 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
 
     async def scenario() -> tuple[float, float]:
         load = asyncio.create_task(steady_load(url, rate=5, seconds=16, events=events))
-        await asyncio.sleep(5)
+        await asyncio.sleep(5)  # the fault's place in the load's 16 s: traffic before and after
         killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         # The frontend's own view drops the dead worker at once (its lease is revoked),

@@ -120,6 +120,16 @@ class Load:
                 await asyncio.sleep(1 / self.rate)
             await asyncio.gather(*tasks)
 
+    def wait_served(self, count: int, *, after: float = 0.0, timeout: float = 60) -> None:
+        """Until `count` requests started at or after `after` were answered 200."""
+        deadline = time.monotonic() + timeout
+        while sum(t >= after and code == 200 for t, code in self.events) < count:
+            if time.monotonic() > deadline:
+                later = [e for e in self.events if e[0] >= after]
+                raise AssertionError(f"{count} requests not served within {timeout:g}s: "
+                                     f"{len(later)} started, last {later[-3:]}")
+            time.sleep(0.05)
+
     def wait_full_service(self, after: float, timeout: float = 60) -> None:
         """Until every request has succeeded for 5 s since some point after `after`
         (or `timeout` passes: the caller's assertions then say what was seen)."""
@@ -158,7 +168,7 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     seen_states: dict[str, set[str]] = {}
     log_from = len(dm.daemon_log().splitlines())
     with Load(url) as load:
-        time.sleep(3)
+        load.wait_served(8)  # the load flows before the cut
         cut.touch()
         cut_wall, cut_at = time.time(), time.monotonic()
         while time.monotonic() - cut_at < CUT_S:
@@ -169,7 +179,7 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
             for unit in snap["units"]:
                 seen_states.setdefault(unit["name"], set()).add(unit["state"])
             seen_states.setdefault("phase", set()).add(snap["phase"])
-            time.sleep(1)
+            time.sleep(1)  # sampling during the cut, whose length (CUT_S) is the fault
         cut.unlink()
         healed_at = time.monotonic()
         up = dm.wait_for(lambda s: s["phase"] == "up" and s, timeout=90, what="stack up again")
@@ -235,7 +245,7 @@ def test_etcd_frozen_past_the_lease_heals_with_nothing_given_up(
     old_ids = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
     assert len(old_ids) == 2
     with Load(url) as load:
-        time.sleep(3)
+        load.wait_served(8)  # the load flows before the hang
         os.kill(server["pid"], signal.SIGSTOP)
         try:
             stopped_at = time.monotonic()
@@ -243,7 +253,7 @@ def test_etcd_frozen_past_the_lease_heals_with_nothing_given_up(
             while time.monotonic() - stopped_at < CUT_S:
                 with contextlib.suppress(AssertionError):
                     phases.add(dm.status()["phase"])
-                time.sleep(1)
+                time.sleep(1)  # sampling during the stop, whose length (CUT_S) is the fault
         finally:
             os.kill(server["pid"], signal.SIGCONT)
         resumed_at = time.monotonic()
@@ -373,7 +383,7 @@ def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
     history = History(frontend_url(status))
     history.run(lambda: required[0], rate=8)
     try:
-        time.sleep(3)
+        history.wait_served(8)  # traffic flows before etcd is killed
         etcd = unit_by_name(status, "etcd-server")
         os.kill(etcd["pid"], signal.SIGKILL)
         dm.wait_ready_again("etcd-server", etcd["pid"], timeout=30)
@@ -384,7 +394,7 @@ def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
         pushed_took = time.monotonic() - pushed_at
         required[0] = 1
         done_at = time.monotonic()
-        time.sleep(6)
+        history.wait_served(40, after=done_at)  # ~5 s of requests for v1 after the push
     finally:
         history.stop()
     routes = {name: ack["ms"].get("route") for name, ack in result["acks"].items()}
@@ -439,11 +449,11 @@ def test_a_sigstopped_frontend_is_replaced_and_a_saturated_one_is_not(
 
     log_from = len(dm.daemon_log().splitlines())
     with Load(url, rate=8) as load:
-        time.sleep(2)
+        load.wait_served(16)  # the load flows before the hang
         stopped_wall, stopped_at = time.time(), time.monotonic()
         os.kill(frontend["pid"], signal.SIGSTOP)
         back = dm.wait_ready_again("frontend", frontend["pid"], timeout=60)
-        time.sleep(3)
+        load.wait_served(24, after=time.monotonic())  # served again by the new frontend
     killed = next(t for t, new, detail in _transitions(dm, "frontend", log_from)
                   if new in {"backoff", "waiting"})
     since = load.full_service_since(stopped_at)

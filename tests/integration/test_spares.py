@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from dynamod.client import UnitStatus
 from tests.conftest import Dynamod, unit_by_name
 from tests.integration.policystack import (
     History,
@@ -49,9 +50,9 @@ def up(dm: Dynamod, stack: Path, *extra: str) -> dict[str, Any]:
     return dm.status()
 
 
-def role(unit: dict[str, Any]) -> str | None:
-    spare = unit.get("spare") or {}
-    return spare.get("role")
+def role(unit: UnitStatus) -> str | None:
+    spare = unit.get("spare")
+    return spare["role"] if spare else None
 
 
 def settled(dm: Dynamod, version: int, timeout: float = 60) -> dict[str, dict[str, Any]]:
@@ -148,14 +149,14 @@ def test_kill_promotes_the_spare_at_once_and_the_dead_shard_returns_as_spare(
 
     history = History(frontend(first["status"]))
     history.run(lambda: 1)
-    time.sleep(1.5)
+    history.wait_served(12)  # traffic flows before the fault
     victim = roles["serving"][0]
     killed_wall = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     (promoted,) = wait_event(dm, "spares.promoted")
     back = dm.wait_ready_again(victim["name"], victim["pid"], timeout=60, what="victim back")
     again = settled(dm, 1)
-    time.sleep(2)
+    history.wait_served(16, after=time.monotonic())  # traffic after it settled
     history.stop()
 
     assert promoted["unit"] == spare["name"] and promoted["replaced"] == victim["name"]
@@ -207,13 +208,13 @@ def test_sleeping_spare_behind_the_push_is_woken_and_replayed_before_it_serves(
 
     history = History(frontend(status))
     history.run(lambda: 1)
-    time.sleep(1.5)
+    history.wait_served(12)  # traffic flows before the fault
     victim = roles["serving"][1]
     os.kill(victim["pid"], signal.SIGKILL)
     (promoted,) = wait_event(dm, "spares.promoted")
     dm.wait_ready_again(victim["name"], victim["pid"], timeout=60, what="victim back")
     again = settled(dm, 1)
-    time.sleep(2)
+    history.wait_served(16, after=time.monotonic())  # traffic after it settled
     history.stop()
 
     assert promoted["unit"] == spare["name"] and promoted["version"] == 1
@@ -259,12 +260,12 @@ def test_a_spare_that_dies_leaves_the_serving_shards_alone(dm: Dynamod, stack: P
     roles = settled(dm, 0)
     history = History(frontend(status))
     history.run(lambda: 0)
-    time.sleep(1.5)
+    history.wait_served(12)  # traffic flows before the fault
     spare = roles["spare"]
     os.kill(spare["pid"], signal.SIGKILL)
     dm.wait_ready_again(spare["name"], spare["pid"], timeout=60, what="spare back")
     again = settled(dm, 0)
-    time.sleep(1)
+    history.wait_served(8, after=time.monotonic())  # traffic after it settled
     history.stop()
     assert again["spare"]["name"] == spare["name"], "the spare came back serving"
     assert events(dm, "spares.promoted") == []
@@ -281,7 +282,7 @@ def test_two_kills_in_a_row_with_one_spare(dm: Dynamod, stack: Path) -> None:
     roles = settled(dm, 0)
     history = History(frontend(status))
     history.run(lambda: 0)
-    time.sleep(1.5)
+    history.wait_served(12)  # traffic flows before the fault
     first, second = roles["serving"]
     os.kill(first["pid"], signal.SIGKILL)
     wait_event(dm, "spares.promoted")
@@ -289,7 +290,7 @@ def test_two_kills_in_a_row_with_one_spare(dm: Dynamod, stack: Path) -> None:
     (none_left,) = wait_event(dm, "spares.none_available")
     assert none_left["replaced"] == second["name"]
     again = settled(dm, 0)
-    time.sleep(1)
+    history.wait_served(8, after=time.monotonic())  # traffic after it settled
     history.stop()
     # The first shard back took the empty serving place, the second became the spare.
     serving = {u["name"] for u in again["serving"]}
@@ -339,7 +340,7 @@ def test_a_hung_serving_shard_is_replaced_as_lost_before_it_is_killed(
     roles = settled(dm, 0)
     history = History(frontend(status))
     history.run(lambda: 0)
-    time.sleep(1.5)
+    history.wait_served(12)  # traffic flows before the fault
     hung, spare = roles["serving"][0], roles["spare"]
     stopped_wall = time.time()
     os.kill(hung["pid"], signal.SIGSTOP)  # alive, but its liveness probe times out
@@ -350,7 +351,7 @@ def test_a_hung_serving_shard_is_replaced_as_lost_before_it_is_killed(
             os.kill(hung["pid"], signal.SIGCONT)
     dm.wait_ready_again(hung["name"], hung["pid"], timeout=90, what="the hung shard back")
     again = settled(dm, 0)
-    time.sleep(1)
+    history.wait_served(8, after=time.monotonic())  # traffic after it settled
     history.stop()
 
     assert promoted["reason"] == "lost" and promoted["replaced"] == hung["name"]

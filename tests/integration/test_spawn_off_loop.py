@@ -86,8 +86,9 @@ SCRIPT = textwrap.dedent(
         containment = cgroups.detect(run_id) if mode == "cgroup" else None
         out = {}
         async with aiohttp.ClientSession() as session:
-            engine = Engine(stack, state_dir=state, run_id=run_id, reaper=reaper,
-                            session=session, containment=containment)
+            engine = Engine(stack, state_dir=state, run_id=run_id,
+                            host=process.OsHost(run_id, reaper, containment),
+                            session=session)
             a, b = engine.units["a"], engine.units["b"]
             seen = []
 

@@ -131,13 +131,13 @@ def test_a_restarted_worker_serves_no_plain_request_before_it_is_admitted(
 
     stream = History(url)
     stream.run(lambda: None, rate=10)  # plain traffic: the router may pick any worker
-    time.sleep(1.5)
+    stream.wait_served(10)
     burst = PinnedBurst(url, etcd, known)
     burst.start()
     os.kill(victim["pid"], signal.SIGKILL)
     back = dm.wait_ready_again("worker@1", victim["pid"], timeout=90, what="rejoin")
     burst.join()
-    time.sleep(1)
+    stream.wait_served(10, after=time.monotonic())  # plain traffic with the shard back
     stream.stop()
 
     assert back["policy_version"] == 1

@@ -10,6 +10,9 @@ import pytest
 from dynamod.core import spec
 from dynamod.core.paths import units_dir
 from dynamod.core.ports import PortAllocator
+from dynamod.rollout import policy_table
+from dynamod.rollout.policy_table import policy_of
+from dynamod.rollout.worker_table import worker_of
 from tests.conftest import Dynamod
 
 
@@ -32,10 +35,10 @@ def test_verl_dynamo_shards_get_stable_ports_and_one_gpu_each(tmp_path: object) 
     for s in shards:
         kv = json.loads(s.command[s.command.index("--kv-events-config") + 1])
         assert kv["endpoint"].endswith(f":{s.ports['kv_events']}")
-        assert s.dynamo is not None and s.dynamo.system_url.endswith(f":{s.ports['system']}")
+        assert (w := worker_of(s)) is not None and w.system_url.endswith(f":{s.ports['system']}")
         assert s.depends_on["kv-metrics"] == "started"
     frontend = stack.units["frontend"]
     assert "--router-mode" in frontend.command
     assert frontend.command[frontend.command.index("--router-mode") + 1] == "kv"
     assert frontend.ready is not None and getattr(frontend.ready, "min_instances", 0) == 4
-    assert stack.policy is not None and stack.shards() == [s.name for s in shards]
+    assert policy_of(stack) is not None and policy_table.shards(stack) == [s.name for s in shards]

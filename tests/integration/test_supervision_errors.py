@@ -45,7 +45,8 @@ SCRIPT = textwrap.dedent(
         reaper.install(asyncio.get_running_loop())
         seen = []
         async with aiohttp.ClientSession() as session:
-            engine = Engine(stack, state_dir=state, run_id="t" * 16, reaper=reaper,
+            engine = Engine(stack, state_dir=state, run_id="t" * 16,
+                            host=process.OsHost("t" * 16, reaper),
                             session=session, hooks=[Buggy()])
             engine.listeners.append(lambda u, old, new: seen.append([str(new), u.detail]))
             engine.start()

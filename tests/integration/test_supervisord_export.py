@@ -50,6 +50,10 @@ def wait_json(url: str, expected: object, timeout: float = 30) -> None:
 def exported(dm: Dynamod, tmp_path: Path) -> Iterator[tuple[Path, Result]]:
     conf = tmp_path / "infra.conf"
     result = dm.run("export", "supervisord", "infra", "--out", str(conf), check=True)
+    logs = dm.state_dir / "logs"
+    assert not logs.exists()  # an export writes nothing but --out; it says what to create
+    assert f"before starting supervisord: mkdir -p {logs}" in result.stderr
+    logs.mkdir()
     yield conf, result
 
 
@@ -89,6 +93,7 @@ def test_supervisord_parses_the_export(dm: Dynamod, stack_file: object, tmp_path
     )
     conf = tmp_path / "odd.conf"
     dm.run("export", "supervisord", str(path), "--out", str(conf), check=True)
+    (dm.state_dir / "logs").mkdir()  # as the export says: supervisord does not make it
     options = ServerOptions()
     options.realize(args=["-c", str(conf)])
     programs = {g.name: g.process_configs[0] for g in options.process_group_configs}

@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RawStack]:
     with raw_stack(tmp_path_factory.mktemp("stack"), namespace="tokens") as stack:
         stack.start_etcd()
-        stack.start_nats(jetstream=False)
+        stack.start_nats()
         stack.start_frontend(router_mode="kv")
         yield stack
 

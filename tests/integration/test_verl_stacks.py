@@ -8,6 +8,7 @@ import pytest
 from dynamod.core import spec
 from dynamod.core.paths import units_dir
 from dynamod.core.ports import PortAllocator
+from dynamod.rollout.policy_table import shards
 from tests.conftest import Dynamod
 
 
@@ -26,8 +27,8 @@ def test_native_stack_is_the_guides_training_layout() -> None:
     stack = load("verl-native")
     frontend = stack.units["frontend"].command
     assert frontend[frontend.index("--router-mode") + 1] == "kv"
-    assert stack.shards() == ["worker@0", "worker@1"]
-    assert [stack.units[s].env["CUDA_VISIBLE_DEVICES"] for s in stack.shards()] == ["0", "1"]
+    assert shards(stack) == ["worker@0", "worker@1"]
+    assert [stack.units[s].env["CUDA_VISIBLE_DEVICES"] for s in shards(stack)] == ["0", "1"]
     ray = stack.units["ray-head"].command
     assert ray[ray.index("--num-gpus") + 1] == "2" and "--block" in ray
     assert "thunderagent-router" not in stack.units
@@ -49,5 +50,5 @@ def test_thunderagent_stack_starts_in_order_and_stops_in_reverse() -> None:
     assert shard[shard.index("--served-model-name") + 1].endswith("--dynamod-thunderagent-backend")
     assert shard[shard.index("--block-size") + 1] == router[router.index("--router-block-size") + 1]
     ready = stack.units["frontend"].ready
-    assert ready is not None and getattr(ready, "min_instances", 0) == len(stack.shards()) + 1
+    assert ready is not None and getattr(ready, "min_instances", 0) == len(shards(stack)) + 1
 

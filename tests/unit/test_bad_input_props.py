@@ -97,7 +97,7 @@ def test_invalid_stacks_are_refused_naming_the_field(data: st.DataObject) -> Non
         for command in ("check", "up"):
             before = hostile.tree(box.root)
             result = cli_inprocess.run(
-                ["--state-dir", str(box.state_dir), command, str(stack), "--var", "x=1"]
+                ["--state-dir", str(box.state_dir), command, str(stack)]
             )
             hostile.assert_refused(result.code, result.stderr, result.stdout, case.expect)
             assert str(stack) in result.stderr

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from dynamod.cluster import etcd_auth
 from dynamod.control.cliutil import load_stack
-from dynamod.core.spec import PolicySpec
+from dynamod.rollout.policy_table import PolicySpec, policy_of
+from dynamod.rollout.worker_table import worker_of
 from tests import cli_inprocess
 
 STACKS = Path(__file__).resolve().parents[2] / "units" / "stacks"
@@ -51,9 +52,11 @@ def test_every_node_renders_with_all_members_and_no_secret_in_argv(tmp_path: Pat
             assert units["frontend"].env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790"
         relay = units["etcd-relay"].command
         assert relay[relay.index("--members") + 1] == members
-        assert worker.dynamo is not None
-        assert worker.dynamo.etcd == members and worker.depends_on["etcd-login"] == "completed"
-        assert resolved.policy is not None and resolved.policy.etcd == members
+        dynamo = worker_of(worker)
+        assert dynamo is not None
+        assert dynamo.etcd == members and worker.depends_on["etcd-login"] == "completed"
+        policy = policy_of(resolved)
+        assert policy is not None and policy.etcd == members
         assert resolved.cluster is not None and len(resolved.cluster.registry) == 3
         rendered = [" ".join(u.command) + repr(sorted(u.env.items())) for u in units.values()]
         assert not [s for s in secrets for text in rendered if s in text], node

@@ -9,6 +9,7 @@ import pytest
 
 from dynamod.core.errors import DynamodError
 from dynamod.core.state import UnitState as S
+from dynamod.core.status import ExtensionUnitStatus
 from dynamod.ops.metrics import RecoveryClock, is_shard, parse_address, policy_lag
 
 
@@ -31,8 +32,13 @@ def test_parse_address_rejects(address: str) -> None:
         parse_address(address)
 
 
-def unit(name: str = "worker@0", **extra: Any) -> Any:
-    return SimpleNamespace(name=name, extra=extra, spec=SimpleNamespace(dynamo=None))
+def unit(name: str = "worker@0") -> Any:
+    return SimpleNamespace(name=name, spec=SimpleNamespace(tables={}))
+
+
+def policy(version: int | None, current: int | None) -> ExtensionUnitStatus:
+    return {"policy": {"version": version, "current": current, "admitted": True, "digest": None,
+                       "last_ack_ms": {}, "last_error": None, "routed_version": None}}  # fmt: skip
 
 
 def test_recovery_is_measured_from_first_failure_to_ready() -> None:
@@ -67,24 +73,27 @@ def test_a_deliberate_stop_is_not_an_outage() -> None:
 
 
 def test_policy_lag_and_shards() -> None:
-    assert policy_lag(unit(policy={"version": 9, "current": 12})) == 3
-    assert policy_lag(unit(policy={"version": 12, "current": 12})) == 0
-    assert policy_lag(unit(policy={"version": None, "current": 12})) == 0
-    assert policy_lag(unit()) == 0
-    assert is_shard(unit(policy={"version": 1, "current": 1}))
-    assert not is_shard(unit("etcd"))
+    assert policy_lag(policy(9, 12)) == 3
+    assert policy_lag(policy(12, 12)) == 0
+    assert policy_lag(policy(None, 12)) == 0
+    assert policy_lag({}) == 0
+    assert is_shard(unit(), policy(1, 1))
+    assert not is_shard(unit("etcd"), {})
 
 
 def test_spare_gauges_and_promotions_read_from_the_units() -> None:
     from dynamod.core.phase import Phase
     from dynamod.ops.metrics import StackCollector
 
-    def shard(name: str, state: S, **spare: Any) -> Any:
+    spares: dict[str, ExtensionUnitStatus] = {}
+
+    def shard(name: str, state: S, role: str, promotions: dict[str, int], **more: Any) -> Any:
+        spares[name] = {"spare": {"role": role, "sleeping": False, "promotions": promotions,
+                                  **more}}  # fmt: skip
         return SimpleNamespace(
             name=name,
             state=state,
-            extra={"spare": spare},
-            spec=SimpleNamespace(dynamo=object()),
+            spec=SimpleNamespace(tables={"dynamo": object()}),
             tracker=SimpleNamespace(total=0),
             hold_reason=None,
         )
@@ -100,6 +109,7 @@ def test_spare_gauges_and_promotions_read_from_the_units() -> None:
         phase=Phase.UP,
         engine=SimpleNamespace(units={u.name: u for u in units}),
         degraded_units=dict,  # nothing degraded
+        extension_status=lambda unit: spares[unit.name],
     )
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

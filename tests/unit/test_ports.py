@@ -11,7 +11,10 @@ from pathlib import Path
 
 from dynamod.core.ports import PortAllocator, _claimed_ports
 
-LOW, HIGH = 28100, 28119  # 20 ports: random picks would collide without the registry
+# 20 ports: random picks would collide without the registry. Above the kernel's ephemeral
+# range and outside dynamod's default 20000-32767, so the stacks other tests run beside this
+# one never hold one of them (each test needs all 20 free).
+LOW, HIGH = 61100, 61119
 
 
 def test_two_allocators_never_share_a_port(tmp_path: Path) -> None:

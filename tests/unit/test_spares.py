@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from dynamod.rollout.shard_driver import ShardPolicy
 from dynamod.rollout.spares import Candidate, Reason, Role, SparePool, choose
 
 
@@ -29,6 +30,7 @@ def pool(shards: int, spares: int) -> tuple[SparePool, list[Any]]:
         spec=SimpleNamespace(taint_prefix="dynamod.policy/"),
         engine=engine,
         current_version=4,
+        shard_policy=lambda unit: ShardPolicy(),
     )
     return SparePool(manager, spares), units  # type: ignore[arg-type]
 

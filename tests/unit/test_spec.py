@@ -6,6 +6,7 @@ import pytest
 
 from dynamod.core import spec
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
+from dynamod.rollout.policy_table import policy_of, shards
 
 
 def load(tmp_path: Path, text: str, **vars: object) -> spec.Stack:
@@ -255,9 +256,10 @@ SPARES_STACK = """
 
 def test_spares_add_instances_beside_the_serving_shards(tmp_path: Path) -> None:
     stack = load(tmp_path, SPARES_STACK)
-    assert stack.policy is not None and stack.policy.spares == 1
-    assert stack.shards() == ["worker@0", "worker@1", "worker@2"]
-    assert load(tmp_path, SPARES_STACK, spares=0).shards() == ["worker@0", "worker@1"]
+    policy = policy_of(stack)
+    assert policy is not None and policy.spares == 1
+    assert shards(stack) == ["worker@0", "worker@1", "worker@2"]
+    assert shards(load(tmp_path, SPARES_STACK, spares=0)) == ["worker@0", "worker@1"]
 
 
 @pytest.mark.parametrize("value", ["x", "-1", "true"])

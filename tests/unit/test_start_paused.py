@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from dynamod.core.spec import PolicySpec
 from dynamod.rollout import policy
+from dynamod.rollout.policy_table import PolicySpec
+from dynamod.rollout.registrations import DynamoRegistrations
 from dynamod.workers.cpu import args
 from dynamod.workers.cpu.admission import CpuWorker
 from dynamod.workers.weights import load_checkpoint, state_dict_digest
@@ -94,7 +95,8 @@ def test_start_paused_comes_from_the_flag_or_dynamods_variable(
 
 def test_the_policy_manager_starts_its_shards_paused_and_nothing_else() -> None:
     assert policy.START_PAUSED_ENV == args.START_PAUSED_ENV  # one protocol, named twice
-    manager = policy.PolicyManager(PolicySpec(store="file", shards=["worker"]))
+    spec = PolicySpec(store="file", shards=["worker"])
+    manager = policy.PolicyManager(spec, DynamoRegistrations())
     manager.shard_names = {"worker@0", "worker@1"}
     shard, frontend = SimpleNamespace(name="worker@1"), SimpleNamespace(name="frontend")
     assert manager.spawn_env(shard) == {args.START_PAUSED_ENV: "1"}  # type: ignore[arg-type]

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from dynamod.control.cliutil import fail
-from dynamod.core.errors import SpecErrors
+from dynamod.core.errors import DynamodError, SpecErrors
+
+if TYPE_CHECKING:
+    from dynamod.chaos.model import Runbook
 
 
 @click.group("chaos")
@@ -69,6 +73,8 @@ def run_command(names: tuple[str, ...], run_all: bool, quick: bool, report_dir: 
             runbooks = [model.load(model.find(n, folder)) for n in names]
     except SpecErrors as exc:
         fail(f"invalid runbook, nothing was run.\n{exc}", 2)
+    for runbook in runbooks:
+        _check_vars(runbook)
     profile = model.Profile.QUICK if quick else model.Profile.FULL
     report_dir = report_dir.absolute()
     journals = [j.as_dict() for j in runner.run_all(runbooks, profile, report_dir,
@@ -78,6 +84,20 @@ def run_command(names: tuple[str, ...], run_all: bool, quick: bool, report_dir: 
     click.echo(summary(journals))
     click.echo(f"\nreport: {index}")
     sys.exit(0 if all(j["passed"] for j in journals) else 1)
+
+
+def _check_vars(runbook: Runbook) -> None:
+    """A runbook's `vars` are its stack's `--var`s: one the stack has no variable for is
+    refused before any run starts, as `up` would refuse it."""
+    from dynamod.core import paths, spec
+    from dynamod.rollout import tables
+
+    tables.register()
+    try:
+        raw = spec.load_stack(paths.resolve_stack_path(runbook.stack_path()))
+        spec.check_overrides(raw, runbook.vars)
+    except DynamodError as exc:
+        fail(f"runbook {runbook.source or runbook.name}: {exc} (nothing was run)", 2)
 
 
 @chaos_group.command("report")

@@ -30,9 +30,9 @@ def supervisord(
 ) -> None:
     """A supervisord config for STACK: one [program:x] per unit, with the unit's command,
     environment, restart and stop settings, priorities in dependency order, and its logs in
-    STATE_DIR/logs (where `dynamod logs` reads them). Ports are allocated now and fixed in
-    the file. What supervisord cannot do is printed to stderr."""
-    from dynamod.control.cliutil import BAD_INPUT, create_state_dir, fail, load_stack, state_dir_of
+    STATE_DIR/logs (where `dynamod logs` reads them). Ports are chosen now and fixed in
+    the file. What supervisord cannot do is printed to stderr. Writes nothing but --out."""
+    from dynamod.control.cliutil import BAD_INPUT, fail, load_stack, state_dir_of
     from dynamod.ops import supervisord as export
 
     state_dir = state_dir_of(ctx, will_create=True)
@@ -46,11 +46,6 @@ def supervisord(
             out.write_text(text)
         except OSError as exc:
             fail(f"cannot write {out}: {exc.strerror or exc}", BAD_INPUT)
-    create_state_dir(state_dir)
-    try:
-        (state_dir / "logs").mkdir(exist_ok=True)  # supervisord will not create it
-    except OSError as exc:
-        fail(f"cannot create {state_dir / 'logs'}: {exc.strerror or exc}", BAD_INPUT)
     if out is None:
         click.echo(text, nl=False)
     else:
@@ -61,3 +56,6 @@ def supervisord(
     )
     for gap in export.supervisord_gaps(resolved):
         click.echo(f"  - {gap}", err=True)
+    logs = state_dir / "logs"
+    if not logs.is_dir():  # an export writes nothing there; supervisord will not create it
+        click.echo(f"before starting supervisord: mkdir -p {logs}", err=True)

@@ -1,5 +1,6 @@
-"""The lifecycle commands: `check`, `up`, `down`, `status`, `restart`, `logs`. They ask the
-daemon over its socket or read the state dir; starting the daemon itself is control/launch.py."""
+"""The lifecycle commands: `check`, `up`, `down`, `status`, `restart`, `stop`, `start`,
+`logs`. They ask the daemon over its socket or read the state dir; starting the daemon
+itself is control/launch.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import click
 
 from dynamod.client import Client
+from dynamod.client.control import NoDaemonError, UnknownUnitError
 from dynamod.control import launch, render
 from dynamod.control.cliutil import (
     BAD_INPUT,
@@ -28,6 +30,7 @@ from dynamod.control.cliutil import (
     var_option,
 )
 from dynamod.control.launch import describe_daemon
+from dynamod.core import leftovers, paths, runrecord
 from dynamod.core.errors import DaemonError, DynamodError
 
 if TYPE_CHECKING:
@@ -56,12 +59,27 @@ _node_option = click.option(
 @click.argument("stack", required=False)
 @var_option
 @_node_option
+@click.option(
+    "--vars", "list_vars", is_flag=True, help="List the stack's variables and their defaults."
+)
 @click.pass_context
 def check(
-    ctx: click.Context, stack: str | None, variables: tuple[str, ...], node: str | None
+    ctx: click.Context,
+    stack: str | None,
+    variables: tuple[str, ...],
+    node: str | None,
+    list_vars: bool,
 ) -> None:
     """Validate STACK (a path or a stock stack name) without starting anything."""
     resolved = load_stack(stack, state_dir_of(ctx, will_create=True), variables, node)
+    if list_vars and resolved.source is not None:
+        from dynamod.control import stackvars
+        from dynamod.core.spec import parse_var
+
+        overrides = dict(parse_var(v) for v in variables)
+        for line in stackvars.lines(resolved.source.raw, overrides):
+            click.echo(line)
+        return
     click.echo(f"{resolved.path}: stack {resolved.name!r} is valid, {len(resolved.units)} units")
     if resolved.cluster is not None:
         cluster = resolved.cluster
@@ -131,7 +149,7 @@ def up(
         )
     if join_address is not None:
         stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
-    resolved = load_stack(stack, state_dir, variables, node)
+    resolved = load_stack(stack, state_dir, variables, node, claim_ports=True)
     _check_containment_setting()
     create_state_dir(state_dir)
     _sweep_previous(state_dir)
@@ -174,8 +192,6 @@ def _check_containment_setting() -> None:
 
 def _sweep_previous(state_dir: Path) -> Leftovers | None:
     """If the state dir's last daemon died, end what it left and say so."""
-    from dynamod.core import leftovers
-
     swept = leftovers.sweep_previous(state_dir)
     if swept is not None:
         click.echo(f"dynamod: {swept.describe()}", err=True)
@@ -199,7 +215,8 @@ def _sweep_previous(state_dir: Path) -> Leftovers | None:
 )
 @click.pass_context
 def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) -> None:
-    """Stop every unit in reverse dependency order; exit 0 only when nothing is left."""
+    """Stop every unit in reverse dependency order; exit 0 only when nothing is left
+    (also when nothing was running)."""
     state_dir = state_dir_of(ctx)
     client = Client(state_dir)
     if whole_cluster:
@@ -212,7 +229,10 @@ def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) 
         swept = _sweep_previous(state_dir)  # no daemon answers: did the last one die?
         if swept is not None:
             sys.exit(1 if swept.survivors else 0)
-        fail(str(exc))
+        if not isinstance(exc, NoDaemonError) or leftovers.held_by_daemon(state_dir):
+            fail(str(exc))  # a daemon is there (starting, or not answering): not stopped
+        _say_nothing_to_stop(state_dir, as_json)
+        sys.exit(0)
     if result.get("run_id") != asked["run_id"]:  # the daemon changed between the two calls
         fail(
             f"{describe_daemon(asked)} was asked to stop, but {describe_daemon(result)} answered "
@@ -232,6 +252,25 @@ def down(ctx: click.Context, as_json: bool, whole_cluster: bool, wait_s: float) 
         for line in render.down_report(result):
             click.echo(line)
     sys.exit(0 if result["ok"] else 1)
+
+
+def _say_nothing_to_stop(state_dir: Path, as_json: bool) -> None:
+    """`down` where no daemon runs, as `systemctl stop` of a stopped service: exit 0, and
+    what the state dir says of the last run."""
+    run = runrecord.read(state_dir)
+    if run is None or not run.ended:
+        words = f"no dynamod daemon is running for state dir {state_dir}"
+    else:
+        words = f"stack {run.stack_name} (run {run.run_id}) is already down"
+        if run.ended == "swept":
+            words += f": its daemon (pid {run.pid}) died, and what it left was swept"
+    socket = paths.socket_path(state_dir)
+    if socket.exists():
+        words += f"; {socket} is a stale socket its daemon left (nothing listens on it)"
+    if as_json:
+        click.echo(json.dumps({"ok": True, "running": False, "message": words}, indent=2))
+    else:
+        click.echo(f"nothing to stop: {words}")
 
 
 def _down_cluster(client: Client, as_json: bool, wait_s: float) -> None:
@@ -298,6 +337,38 @@ def restart(ctx: click.Context, unit: str) -> None:
 
 @click.command()
 @click.argument("unit", callback=check_unit_name)
+@click.pass_context
+def stop(ctx: click.Context, unit: str) -> None:
+    """Stop UNIT (a replica like worker@1, or every replica by its base name) and keep it
+    stopped, no restart, until `dynamod start UNIT`. The rest of the stack runs on."""
+    _operator(ctx, "stop", unit)
+
+
+@click.command()
+@click.argument("unit", callback=check_unit_name)
+@click.pass_context
+def start(ctx: click.Context, unit: str) -> None:
+    """Start UNIT again after `dynamod stop UNIT`."""
+    _operator(ctx, "start", unit)
+
+
+def _operator(ctx: click.Context, action: str, unit: str) -> None:
+    client = Client(state_dir_of(ctx))
+    try:
+        result = client.stop(unit) if action == "stop" else client.start(unit)
+    except UnknownUnitError as exc:
+        fail(str(exc), BAD_INPUT)
+    except DaemonError as exc:
+        fail(str(exc))
+    done = "stopped; held until `dynamod start`" if action == "stop" else "started"
+    for name in result["done"]:
+        click.echo(f"{name} {done}")
+    for name, why in result["already"].items():
+        click.echo(f"{name}: {why}")
+
+
+@click.command()
+@click.argument("unit", callback=check_unit_name)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @click.option(
     "-n",
@@ -322,4 +393,4 @@ def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
         pass
 
 
-lifecycle_commands = [check, up, down, status, restart, logs]
+lifecycle_commands = [check, up, down, status, restart, stop, start, logs]

@@ -148,7 +148,9 @@ def wait_ready(probe_json: str) -> None:
     from pydantic import TypeAdapter, ValidationError
 
     from dynamod.core.spec import Probe
+    from dynamod.rollout import tables
 
+    tables.register()  # the probe may be of the rollout layer's kind
     try:
         probe: Probe = TypeAdapter(Probe).validate_json(probe_json)
     except ValidationError as exc:

@@ -10,6 +10,7 @@ The package, by job:
   render   templates within the output budget; pydantic errors -> SpecErrors
   resolve  raw -> Stack: expand instances -> assign ports -> render -> link -> order
   links    dependencies;  nodes: a [cluster] stack's placement;  stack: the result
+  tables   the registry of tables a layer above the core adds (rollout: [policy], dynamo)
 Every error names the file, the unit and the field. Sizes, counts and durations are
 bounded (`core/limits.py`): going past a bound is a SpecError, never a memory exhaustion.
 """
@@ -19,14 +20,11 @@ from __future__ import annotations
 from dynamod.core.spec.files import RawStack, RawUnit, load_stack
 from dynamod.core.spec.models import (
     Condition,
-    DynamoFrontendProbe,
-    DynamoWorkerSpec,
     ExecProbe,
     HttpProbe,
     HttpUrl,
     HttpUrls,
     LogProbe,
-    PolicySpec,
     Probe,
     ProbeBase,
     RestartSpec,
@@ -34,21 +32,25 @@ from dynamod.core.spec.models import (
     StopSpec,
     TcpProbe,
     UnitSpec,
+    register_probe,
 )
 from dynamod.core.spec.resolve import load, resolve_stack
 from dynamod.core.spec.stack import PortAllocator, Stack, StackSource
-from dynamod.core.spec.vars import parse_var
+from dynamod.core.spec.tables import (
+    StackTable,
+    UnitTable,
+    register_stack_table,
+    register_unit_table,
+)
+from dynamod.core.spec.vars import Variable, check_overrides, parse_var, variables
 
 __all__ = [
     "Condition",
-    "DynamoFrontendProbe",
-    "DynamoWorkerSpec",
     "ExecProbe",
     "HttpProbe",
     "HttpUrl",
     "HttpUrls",
     "LogProbe",
-    "PolicySpec",
     "PortAllocator",
     "Probe",
     "ProbeBase",
@@ -58,11 +60,19 @@ __all__ = [
     "SpecModel",
     "Stack",
     "StackSource",
+    "StackTable",
     "StopSpec",
     "TcpProbe",
     "UnitSpec",
+    "UnitTable",
+    "Variable",
+    "check_overrides",
     "load",
     "load_stack",
     "parse_var",
+    "register_probe",
+    "register_stack_table",
+    "register_unit_table",
     "resolve_stack",
+    "variables",
 ]

@@ -26,16 +26,25 @@ class RawStack:
     path: Path
     name: str
     units: dict[str, RawUnit] = field(default_factory=dict)
-    vars: dict[str, Any] = field(default_factory=dict)
-    policy: dict[str, Any] | None = None
+    vars: dict[str, Any] = field(default_factory=dict)  # defaults, then --var on top
+    defaults: dict[str, Any] = field(default_factory=dict)  # as the files declare them
     cluster: dict[str, Any] | None = None
+    tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # registered tables
     files_read: int = 0
 
 
-_STACK_KEYS = {"stack", "vars", "units", "policy", "cluster"}
+_STACK_KEYS = ["stack", "vars", "units", "cluster"]
 _STACK_TABLE_KEYS = {"name", "include", "description"}
-# tables only the stack file itself may have, not a file it includes
-_ROOT_ONLY = ("policy", "cluster")
+# tables a layer above the core registered (`tables.register_stack_table`); like
+# [cluster], only the stack file itself may have one, not a file it includes
+_REGISTERED: list[str] = []
+
+
+def register_stack_key(key: str) -> None:
+    if key in _STACK_KEYS:
+        raise ValueError(f"stack table {key!r} is core's")
+    if key not in _REGISTERED:
+        _REGISTERED.append(key)
 
 
 def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> RawStack:
@@ -44,7 +53,8 @@ def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> Ra
     stack = RawStack(path=path, name=path.stem)
     included_vars: dict[str, Any] = {}
     _load_file(path, stack, included_vars, chain=[])
-    stack.vars = {**included_vars, **stack.vars, **(var_overrides or {})}
+    stack.defaults = {**included_vars, **stack.vars}
+    stack.vars = {**stack.defaults, **(var_overrides or {})}
     return stack
 
 
@@ -60,9 +70,11 @@ def _load_file(
     if is_root and "name" in header:
         stack.name = _stack_name(header["name"], path)
     _take_vars(data, path, stack, included_vars, is_root=is_root)
-    for key in _ROOT_ONLY:
+    if "cluster" in data:
+        stack.cluster = _root_table(data, "cluster", path, is_root=is_root)
+    for key in _REGISTERED:
         if key in data:
-            setattr(stack, key, _root_table(data, key, path, is_root=is_root))
+            stack.tables[key] = _root_table(data, key, path, is_root=is_root)
     for target in _includes(header, path):
         _load_file(target, stack, included_vars, [*chain, path])
     _take_units(data, path, stack)
@@ -90,11 +102,11 @@ def _enter(path: Path, stack: RawStack, chain: list[Path]) -> None:
 
 def _header(data: Mapping[str, Any], path: Path) -> dict[str, Any]:
     """The known top-level tables, and the `[stack]` table's keys."""
+    known = [*_STACK_KEYS, *_REGISTERED]
     for key in data:
-        if key not in _STACK_KEYS:
+        if key not in known:
             raise SpecError(
-                f"unknown top-level table {key!r} "
-                "(expected one of: stack, vars, units, policy, cluster)",
+                f"unknown top-level table {key!r} (expected one of: {', '.join(known)})",
                 file=path,
                 field=key,
             )

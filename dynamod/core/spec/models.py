@@ -7,7 +7,16 @@ import signal as _signal
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    WrapValidator,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from dynamod.core import limits
 
@@ -78,6 +87,9 @@ HttpUrls = Annotated[str, AfterValidator(http_urls)]
 
 
 class ProbeBase(SpecModel):
+    """What every probe kind has; `kind` picks the model (see `register_probe`)."""
+
+    kind: str
     interval: float = seconds(0.2, positive=True, description="seconds between attempts")
     timeout: float = seconds(2.0, positive=True, description="seconds one attempt may take")
     deadline: float = seconds(
@@ -127,20 +139,42 @@ class LogProbe(ProbeBase):
         return value
 
 
-class DynamoFrontendProbe(ProbeBase):
-    """Ready = enough `generate` instances registered and the model listed in /v1/models."""
+_CORE_PROBES: dict[str, type[ProbeBase]] = {
+    "tcp": TcpProbe,
+    "http": HttpProbe,
+    "exec": ExecProbe,
+    "log": LogProbe,
+}
+# kinds a layer above the core adds (the Dynamo frontend probe is the rollout layer's)
+_EXTRA_PROBES: dict[str, type[ProbeBase]] = {}
 
-    kind: Literal["dynamo_frontend"]
-    url: HttpUrl
-    namespace: str
-    model: str
-    min_instances: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
+
+def register_probe(kind: str, model: type[ProbeBase]) -> None:
+    """Let stack files use probe `kind`, validated by `model` (idempotent)."""
+    if kind in _CORE_PROBES or _EXTRA_PROBES.get(kind, model) is not model:
+        raise ValueError(f"probe kind {kind!r} is already taken")
+    _EXTRA_PROBES[kind] = model
 
 
-Probe = Annotated[
-    TcpProbe | HttpProbe | ExecProbe | LogProbe | DynamoFrontendProbe,
-    Field(discriminator="kind"),
-]
+def _probe(value: Any, handler: Any) -> ProbeBase:
+    """A probe table -> the model its `kind` names (core's or a registered one)."""
+    if isinstance(value, ProbeBase):
+        return value
+    if not isinstance(value, dict):
+        raise PydanticCustomError("probe_table", "must be a table with a `kind`")
+    kinds = {**_CORE_PROBES, **_EXTRA_PROBES}
+    model = kinds.get(value.get("kind"))  # type: ignore[arg-type]
+    if model is None:
+        raise PydanticCustomError(
+            "probe_kind",
+            "unknown probe kind {kind} (expected one of: {known})",
+            {"kind": repr(value.get("kind")), "known": ", ".join(kinds)},
+        )
+    return model.model_validate(value)
+
+
+# A readiness or liveness probe: serialised with all of its kind's fields.
+Probe = Annotated[SerializeAsAny[ProbeBase], WrapValidator(_probe)]
 
 
 class RestartSpec(SpecModel):
@@ -195,48 +229,6 @@ class StopSpec(SpecModel):
         return _signal.Signals[self.signal]
 
 
-class DynamoWorkerSpec(SpecModel):
-    """Marks a unit as a Dynamo worker: on death its etcd registration is revoked at once."""
-
-    etcd: HttpUrls
-    namespace: str
-    system_url: HttpUrl
-
-
-class PolicySpec(SpecModel):
-    """The stack's policy ledger and which units are rollout shards (`[policy]` table)."""
-
-    store: Literal["etcd", "file"] = "etcd"
-    etcd: HttpUrls | None = Field(
-        None, description="etcd endpoint(s), comma-separated, when store = 'etcd'"
-    )
-    shards: list[str] = Field(min_length=1, description="unit names that are rollout shards")
-    keep: int = count(
-        3, minimum=1, maximum=1000, description="policy versions kept in the ledger's history"
-    )
-    min_ready_shards: int = Field(1, ge=0, le=limits.MAX_INSTANCES)
-    spares: int = Field(
-        0,
-        ge=0,
-        le=limits.MAX_INSTANCES,
-        description="extra shard instances kept ready at the current version, unrouted",
-    )
-    initial_version: int = Field(
-        0, ge=0, le=2**63 - 1, description="version of the weights shards boot with"
-    )
-    taint_prefix: str = "dynamod.policy/"
-    replay_backoff_initial: float = seconds(0.5, positive=True)
-    replay_backoff_max: float = seconds(10.0, positive=True)
-    call_timeout: float = seconds(
-        300.0, positive=True, description="seconds one engine admin call may take"
-    )
-    route_timeout: float = seconds(
-        60.0,
-        positive=True,
-        description="seconds a shard may wait for the router to route its new version",
-    )
-
-
 class UnitSpec(SpecModel):
     """One runnable instance, fully rendered. Replicas become `NAME@i` instances."""
 
@@ -256,7 +248,17 @@ class UnitSpec(SpecModel):
     restart: RestartSpec = RestartSpec()
     stop: StopSpec = StopSpec()
     install_hint: str | None = None
-    dynamo: DynamoWorkerSpec | None = None
+    preflight: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="a command `up` runs before anything spawns; a non-zero exit refuses "
+        "the stack with the last line it wrote to stderr",
+    )
+    tables: dict[str, SerializeAsAny[SpecModel]] = Field(
+        default_factory=dict,
+        description="set by the resolver: the unit's tables that a layer above the core "
+        "registered (e.g. `dynamo`), each validated by its own model",
+    )
     remote: str | None = Field(
         None,
         description="set by the resolver, never in a file: the node that runs this unit; "

@@ -5,14 +5,13 @@ unit and the field as the user wrote them."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, get_args
+from typing import Any
 
 from pydantic import ValidationError
 
 from dynamod.core import limits
 from dynamod.core.errors import SpecError, SpecErrors
 from dynamod.core.spec.files import RawUnit
-from dynamod.core.spec.models import Probe
 from dynamod.core.template import TemplateError, render
 
 
@@ -89,10 +88,13 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def pydantic_errors(exc: ValidationError, raw: RawUnit, instance: str) -> list[SpecError]:
+def pydantic_errors(
+    exc: ValidationError, raw: RawUnit, instance: str, *, prefix: str = ""
+) -> list[SpecError]:
+    """One SpecError per problem, at the field as written (`prefix` + its location)."""
     errors = []
     for err in exc.errors(include_url=False)[: limits.MAX_REPORTED_ERRORS]:
-        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        loc = ".".join([*([prefix] if prefix else []), *(str(p) for p in err["loc"])])
         if err["type"] == "extra_forbidden":
             message = "unknown key"
         elif err["type"] == "missing":
@@ -105,16 +107,6 @@ def pydantic_errors(exc: ValidationError, raw: RawUnit, instance: str) -> list[S
                 message += f" (got {short_repr(err['input'])})"
         errors.append(SpecError(message, file=raw.source, unit=instance, field=loc or None))
     return errors
-
-
-# pydantic puts the probe's `kind` into an error's location; it is not a field the user wrote.
-_PROBE_KINDS = frozenset(
-    get_args(cls.model_fields["kind"].annotation)[0] for cls in get_args(get_args(Probe)[0])
-)
-
-
-def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and part in _PROBE_KINDS
 
 
 def check_error_count(errors: list[SpecError]) -> None:

@@ -21,12 +21,12 @@ from pydantic import ValidationError
 from dynamod.core import graph, limits, paths
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
 from dynamod.core.placement import ClusterSpec
-from dynamod.core.spec import links, nodes
+from dynamod.core.spec import links, nodes, tables
 from dynamod.core.spec.files import RawStack, RawUnit, load_stack
-from dynamod.core.spec.models import Condition, UnitSpec
-from dynamod.core.spec.policy import resolve_policy, spare_replicas
+from dynamod.core.spec.models import Condition, SpecModel, UnitSpec
 from dynamod.core.spec.render import Renderer, as_int, check_error_count, pydantic_errors
 from dynamod.core.spec.stack import PortAllocator, Stack, StackSource
+from dynamod.core.spec.vars import check_overrides
 
 # keys of a unit table the resolver consumes itself; the rest is rendered and validated
 _RESOLVER_KEYS = frozenset({"replicas", "ports", "depends_on", "nodes"})
@@ -78,7 +78,7 @@ def resolve_stack(
     python = python or sys.executable
     cluster, where = _first(lambda: _nodes(raw, node))
     context = base_context(raw, state_dir, python, cluster, renderer)
-    extra = _first(lambda: spare_replicas(raw, context, renderer))
+    extra = _first(lambda: tables.extra_replicas(raw, context, renderer))
     if cluster is not None:
         placed = cluster
         cluster = _first(lambda: nodes.with_registry(placed, raw, context, renderer, where))
@@ -92,10 +92,10 @@ def resolve_stack(
     _raise_any(errors)
     order = start_order(specs)
     errors.extend(links.check_completed(specs))
-    policy = resolve_policy(raw, unit_context, specs, errors, renderer)
+    found = tables.stack_tables(raw, unit_context, specs, renderer, errors)
     _raise_any(errors)
     source = StackSource(raw, state_dir, python, node)
-    return Stack(raw.name, raw.path, specs, order, policy, source=source, cluster=cluster)
+    return Stack(raw.name, raw.path, specs, order, source=source, cluster=cluster, tables=found)
 
 
 def _first(step: Callable[[], T]) -> T:
@@ -341,8 +341,8 @@ def build_specs(
         errors.extend(problems)
         try:
             specs[instance.name] = validate_unit(instance, rendered, ports[instance.name], linked)
-        except ValidationError as exc:
-            errors.extend(pydantic_errors(exc, instance.raw, instance.name))
+        except SpecErrors as exc:
+            errors.extend(exc.errors)
     return specs
 
 
@@ -372,6 +372,8 @@ def render_unit(
             unit=raw.name,
             field="remote",
         )
+    if "tables" in raw.table:  # UnitSpec.tables is the resolver's, never a file's
+        raise SpecError("unknown key", file=raw.source, unit=raw.name, field="tables")
     deps = {} if remote else links.dependencies(raw)
     table = {k: v for k, v in raw.table.items() if k not in _RESOLVER_KEYS}
     rendered: dict[str, Any] = renderer.field(table, context, raw, "")
@@ -396,10 +398,30 @@ def validate_unit(
     ports: dict[str, int],
     depends_on: dict[str, Condition],
 ) -> UnitSpec:
-    """The rendered fields and what the resolver decided -> a UnitSpec (or ValidationError)."""
+    """The rendered fields and what the resolver decided -> a UnitSpec, or SpecErrors
+    naming every field that is wrong (in the unit's registered tables too)."""
+    fields = dict(rendered)
+    found, errors = tables.unit_tables(fields, instance.raw, instance.name)
+    try:
+        spec = _unit_spec(instance, fields, ports, depends_on, found)
+    except ValidationError as exc:
+        errors.extend(pydantic_errors(exc, instance.raw, instance.name))
+    if errors:
+        raise SpecErrors(errors)
+    return spec
+
+
+def _unit_spec(
+    instance: Instance,
+    rendered: Mapping[str, Any],
+    ports: dict[str, int],
+    depends_on: dict[str, Condition],
+    found: dict[str, SpecModel],
+) -> UnitSpec:
     return UnitSpec.model_validate(
         {
             **rendered,
+            "tables": found,
             "name": instance.name,
             "unit": instance.raw.name,
             "index": instance.index,
@@ -432,6 +454,8 @@ def load(
     var_overrides: Mapping[str, Any] | None = None,
     node: str | None = None,
 ) -> Stack:
-    """load_stack + resolve_stack: the one call the CLI and the daemon use."""
+    """load_stack + resolve_stack: the one call the CLI and the daemon use. A `--var`
+    that names no variable of the stack is refused before anything is rendered."""
     raw = load_stack(path, var_overrides)
+    check_overrides(raw, var_overrides or {})
     return resolve_stack(raw, state_dir=state_dir, allocate_port=allocate_port, node=node)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.spec.files import RawStack
-from dynamod.core.spec.models import PolicySpec, UnitSpec
+from dynamod.core.spec.models import SpecModel, UnitSpec
 
 PortAllocator = Callable[[], int]
 
@@ -32,19 +32,8 @@ class Stack:
     path: Path
     units: dict[str, UnitSpec]
     order: list[str]
-    policy: PolicySpec | None = None
     # what it was resolved from, so allocated ports can be moved and the stack re-rendered
     source: StackSource | None = field(default=None, compare=False, repr=False)
     cluster: ClusterSpec | None = None
-
-    def shards(self) -> list[str]:
-        """Instance names of this node's rollout shards, in start order."""
-        if self.policy is None:
-            return []
-        return [
-            n
-            for n in self.order
-            if self.units[n].unit in self.policy.shards and self.units[n].remote is None
-        ]
-
-
+    # the stack tables a layer above the core registered (e.g. [policy]), by key
+    tables: dict[str, SpecModel] = field(default_factory=dict)

@@ -210,15 +210,7 @@ class EtcdClient:
             events: asyncio.Queue[Any] = asyncio.Queue()
             stream = None
             try:
-                await conn.connect()
-                stream = conn.new_watcher()
-                await stream.add_callback(
-                    start, events.put, range_end=end, start_revision=next_revision
-                )
-                # aetcd's stream task catches Exception only: when the channel is closed
-                # under it (another call failed over) it ends with CancelledError and tells
-                # no callback, which would leave this watch waiting for good.
-                stream._request_handler.add_done_callback(functools.partial(_ended, events))
+                stream = await _open_watch(conn, start, end, next_revision, events)
                 while True:
                     item = await events.get()
                     if item is None:
@@ -240,27 +232,39 @@ class EtcdClient:
             except (Exception, asyncio.CancelledError) as err:
                 if isinstance(err, asyncio.CancelledError) and _cancelled():
                     raise
-                failure = (
-                    _CLOSED_UNDER_CALL
-                    if isinstance(err, asyncio.CancelledError | _StreamEnded | grpc.aio.UsageError)
-                    else self._failure(err)
-                )
-                if failure is None:
-                    raise
-                if failure.kind is FailureKind.TOKEN_EXPIRED and not _seen(failures, failure):
-                    failures.append((endpoint, failure))
-                    await self._reauthenticate(conn, "watch_prefix", prefix)
-                    continue
-                if not failure.try_another_endpoint:
-                    raise self._error(endpoint, "watch_prefix", prefix, failure) from None
-                failures.append((endpoint, failure))
-                self._drop(endpoint)
-                if len(failures) >= len(self._rotation.endpoints):
-                    raise self._all_failed("watch_prefix", prefix, failures) from None
+                await self._watch_broke(err, endpoint, conn, prefix, failures)
             finally:
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         await stream.shutdown()
+
+    async def _watch_broke(
+        self,
+        err: Exception | asyncio.CancelledError,
+        endpoint: Endpoint,
+        conn: Connection,
+        prefix: str,
+        failures: list[tuple[Endpoint, Failure]],
+    ) -> None:
+        """A watch stream failed: return to open it again (after a new token, or on the
+        next endpoint), or raise when that cannot help."""
+        failure = (
+            _CLOSED_UNDER_CALL
+            if isinstance(err, asyncio.CancelledError | _StreamEnded | grpc.aio.UsageError)
+            else self._failure(err)
+        )
+        if failure is None:
+            raise err
+        if failure.kind is FailureKind.TOKEN_EXPIRED and not _seen(failures, failure):
+            failures.append((endpoint, failure))
+            await self._reauthenticate(conn, "watch_prefix", prefix)
+            return
+        if not failure.try_another_endpoint:
+            raise self._error(endpoint, "watch_prefix", prefix, failure) from None
+        failures.append((endpoint, failure))
+        self._drop(endpoint)
+        if len(failures) >= len(self._rotation.endpoints):
+            raise self._all_failed("watch_prefix", prefix, failures) from None
 
     # -- leases ---------------------------------------------------------------------------------
 
@@ -441,6 +445,26 @@ _CLOSED_UNDER_CALL = Failure(
     FailureKind.TIMEOUT, "its connection was closed under the call (it may have applied)"
 )
 _CLOSE_GRACE_CALLS = 3
+
+
+async def _open_watch(
+    conn: Connection, start: bytes, end: bytes, revision: int, events: asyncio.Queue[Any]
+) -> Any:
+    """A watch stream on [start, end) from `revision`, its events (and its end) put on
+    `events`."""
+    await conn.connect()
+    stream = conn.new_watcher()
+    try:
+        await stream.add_callback(start, events.put, range_end=end, start_revision=revision)
+    except BaseException:  # the caller gets no stream to shut down
+        with contextlib.suppress(Exception):
+            await stream.shutdown()
+        raise
+    # aetcd's stream task catches Exception only: when the channel is closed under it
+    # (another call failed over) it ends with CancelledError and tells no callback, which
+    # would leave this watch waiting for good.
+    stream._request_handler.add_done_callback(functools.partial(_ended, events))
+    return stream
 
 
 def _ended(events: asyncio.Queue[Any], _: object) -> None:

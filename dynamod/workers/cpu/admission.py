@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamod.workers.cpu.admission_mode import Event, Mode, after
 from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError, engine_shutdown
 from dynamod.workers.weights import CheckpointError, WeightSet, load_checkpoint
@@ -79,11 +80,8 @@ class CpuWorker:
         # New requests wait at admission. A supervised worker starts so: it registers
         # with Dynamo before dynamod can hold it, and must not serve its boot weights to
         # whatever the router sends it meanwhile; the rejoin's resume admits it.
-        self._paused = start_paused
-        self._holding = False  # in-flight output is held back (pause mode "keep")
+        self._mode = Mode.PAUSED if start_paused else Mode.OPEN
         self._swapping = False  # the engine is being replaced; nothing enters it
-        self._closing = False  # shutting down: nothing waits any more
-        self._sleeping = False  # control/sleep: KV cache freed, nothing admitted until wake_up
         self._flights: set[_Flight] = set()
         self._pumping = 0  # requests still inside the engine
 
@@ -121,16 +119,22 @@ class CpuWorker:
                 self._flights.discard(flight)
                 self._changed.notify_all()
 
+    async def _enter(self, event: Event) -> None:
+        """Change the admission mode and wake whoever waits on it."""
+        async with self._changed:
+            self._mode = after(self._mode, event)
+            self._changed.notify_all()
+
     async def _admit(self, probe: bool) -> _Flight:
         async with self._changed:
             # Health probes pass a pause: a paused worker is held, not unhealthy.
             await self._changed.wait_for(
                 lambda: (
-                    self._closing
-                    or (not self._swapping and (probe or not (self._paused or self._sleeping)))
+                    self._mode is Mode.CLOSED
+                    or (not self._swapping and (probe or self._mode.admits))
                 )
             )
-            if self._closing:
+            if self._mode is Mode.CLOSED:
                 # Typed, so the frontend migrates the request to another worker.
                 raise engine_shutdown("worker is shutting down")
             flight = _Flight(self.version, self.weights.digest, probe)
@@ -162,9 +166,7 @@ class CpuWorker:
     async def _wait_output_allowed(self, flight: _Flight) -> bool:
         """Wait while output is held; False when the request was aborted meanwhile."""
         async with self._changed:
-            await self._changed.wait_for(
-                lambda: not self._holding or flight.aborted or self._closing
-            )
+            await self._changed.wait_for(lambda: self._mode is not Mode.HOLDING or flight.aborted)
         return not flight.aborted
 
     def _annotate(self, chunk: Any, flight: _Flight) -> Any:
@@ -184,9 +186,7 @@ class CpuWorker:
 
     async def close(self) -> None:
         """Stop admitting and stop holding, so a graceful shutdown does not wait on a pause."""
-        async with self._changed:
-            self._closing = True
-            self._changed.notify_all()
+        await self._enter(Event.CLOSE)
 
     # ------------------------------------------------------------- engine control
 
@@ -253,8 +253,8 @@ class CpuWorker:
             "status": "ok",
             "alive": True,
             "instance_id": self.instance_id,
-            "paused": self._paused,
-            "sleeping": self._sleeping,
+            "paused": self._mode.paused,
+            "sleeping": self._mode.asleep,
             "engine_generation": self.engine.generation,
             **self.engine.stats(),
         }
@@ -271,10 +271,7 @@ class CpuWorker:
                 "message": f"Invalid mode '{mode}'; expected keep|wait|abort",
             }
         async with self._lock:
-            async with self._changed:
-                self._paused = True
-                self._holding = mode == "keep"
-                self._changed.notify_all()
+            await self._enter(Event.HOLD if mode == "keep" else Event.PAUSE)
             if mode == "abort":
                 await self._abort_in_flight()
             elif mode == "wait":
@@ -299,9 +296,7 @@ class CpuWorker:
         if body is not None and not isinstance(body, dict):
             return NOT_AN_OBJECT
         async with self._lock:
-            async with self._changed:
-                self._paused = self._holding = False
-                self._changed.notify_all()
+            await self._enter(Event.RESUME)
             log.info("[RL] Engine resumed")
             return {"status": "ok", "message": "Engine resumed"}
 
@@ -321,9 +316,9 @@ class CpuWorker:
         if not isinstance(body, dict):
             return NOT_AN_OBJECT
         async with self._lock:
-            if not self._paused:
+            if not self._mode.paused:
                 return {"status": "error", "message": PAUSE_REQUIRED}
-            if self._sleeping:
+            if self._mode.asleep:
                 return {"status": "error", "message": ASLEEP}
             path = body.get("model_path")
             if not path:
@@ -344,9 +339,9 @@ class CpuWorker:
         """Weights that arrived otherwise (a worker extension's colocated transfer), taken
         as `update_weights_from_disk` takes a checkpoint: only while paused and awake."""
         async with self._lock:
-            if not self._paused:
+            if not self._mode.paused:
                 return {"status": "error", "message": PAUSE_REQUIRED}
-            if self._sleeping:
+            if self._mode.asleep:
                 return {"status": "error", "message": ASLEEP}
             return await self._install(weights, version, True)
 
@@ -405,11 +400,9 @@ class CpuWorker:
         if level not in SLEEP_LEVELS:
             return {"status": "error", "message": f"Invalid level {level!r}; expected 1 or 2"}
         async with self._lock:
-            if self._sleeping:
+            if self._mode.asleep:
                 return {"status": "ok", "message": "Engine already sleeping"}
-            async with self._changed:
-                self._sleeping = True
-                self._changed.notify_all()
+            await self._enter(Event.SLEEP)
             await self._abort_in_flight()
             try:
                 await self._reset_engine()
@@ -423,11 +416,9 @@ class CpuWorker:
         if body is not None and not isinstance(body, dict):
             return NOT_AN_OBJECT
         async with self._lock:
-            if not self._sleeping:
+            if not self._mode.asleep:
                 return {"status": "ok", "message": "Engine already awake"}
-            async with self._changed:
-                self._sleeping = False
-                self._changed.notify_all()
+            await self._enter(Event.WAKE)
             log.info("[Wake] Engine woke")
             return {"status": "ok", "message": "Engine woke"}
 

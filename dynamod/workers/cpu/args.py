@@ -39,6 +39,31 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
             "--discovery-backend, --block-size, --speedup-ratio, ...)."
         ),
     )
+    _add_engine_options(own)
+    _add_weights_options(own)
+    ours, rest = own.parse_known_args(argv)
+    if ours.threads < 1 or ours.cache_blocks < 1:
+        raise WorkerError("--threads and --cache-blocks must be at least 1")
+
+    from dynamo.mocker.args import parse_args as parse_mocker_args
+
+    mocker = parse_mocker_args(rest)
+    unsupported = [
+        (mocker.num_workers != 1, "--num-workers (run one worker process per replica)"),
+        (mocker.disaggregation_mode != "agg", "--disaggregation-mode other than agg"),
+        (bool(mocker.bootstrap_ports_list), "--bootstrap-ports"),
+        (bool(mocker.zmq_kv_events_ports_list), "--zmq-kv-events-ports"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise WorkerError(f"{what} is not supported by the CPU worker")
+    if not mocker.model_path:
+        raise WorkerError("--model-path is required (a local model directory)")
+    return ours, mocker
+
+
+def _add_engine_options(own: argparse.ArgumentParser) -> None:
+    """Which engine generates, and with what: threads, cache, drain."""
     own.add_argument(
         "--engine",
         choices=("numpy", "mocker"),
@@ -63,13 +88,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
         help="prefix cache capacity of the numpy engine, in blocks (default 4096)",
     )
     own.add_argument(
-        "--test-serve-previous-weights",
-        action="store_true",
-        help=(
-            "TEST ONLY: generate with the weights of the update before the last one while "
-            "reporting the last one's version and digest (a stale shard, for checkers)"
-        ),
+        "--drain-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a cache flush waits for requests to leave the engine (default 60)",
     )
+
+
+def _add_weights_options(own: argparse.ArgumentParser) -> None:
+    """The weights' side: the version declared at start, starting paused for dynamod's
+    rejoin, a hosted vLLM worker extension, and a test-only stale shard."""
     own.add_argument(
         "--initial-version",
         help="weight version declared at start (an integer step or text); default: undeclared",
@@ -85,10 +113,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
         ),
     )
     own.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a cache flush waits for requests to leave the engine (default 60)",
+        "--test-serve-previous-weights",
+        action="store_true",
+        help=(
+            "TEST ONLY: generate with the weights of the update before the last one while "
+            "reporting the last one's version and digest (a stale shard, for checkers)"
+        ),
     )
     own.add_argument(
         "--worker-extension-cls",
@@ -97,25 +127,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
             "hosts it: its load_weights feeds this worker's update path"
         ),
     )
-    ours, rest = own.parse_known_args(argv)
-    if ours.threads < 1 or ours.cache_blocks < 1:
-        raise WorkerError("--threads and --cache-blocks must be at least 1")
-
-    from dynamo.mocker.args import parse_args as parse_mocker_args
-
-    mocker = parse_mocker_args(rest)
-    unsupported = [
-        (mocker.num_workers != 1, "--num-workers (run one worker process per replica)"),
-        (mocker.disaggregation_mode != "agg", "--disaggregation-mode other than agg"),
-        (bool(mocker.bootstrap_ports_list), "--bootstrap-ports"),
-        (bool(mocker.zmq_kv_events_ports_list), "--zmq-kv-events-ports"),
-    ]
-    for bad, what in unsupported:
-        if bad:
-            raise WorkerError(f"{what} is not supported by the CPU worker")
-    if not mocker.model_path:
-        raise WorkerError("--model-path is required (a local model directory)")
-    return ours, mocker
 
 
 def set_blas_threads(threads: int) -> None:

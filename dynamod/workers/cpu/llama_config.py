@@ -58,66 +58,74 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], where: str = "config") -> LlamaConfig:
-        def refuse(name: str, expected: str) -> WorkerError:
-            return WorkerError(
-                f"{where}: field {name!r} is {raw.get(name)!r}, expected {expected} "
-                "(the CPU worker's Llama implements nothing else)"
-            )
-
-        model_type = raw.get("model_type", "llama")
-        if model_type != "llama":
-            raise refuse("model_type", "'llama'")
+        fields = _Fields(raw, where)
+        if raw.get("model_type", "llama") != "llama":
+            raise fields.refuse("model_type", "'llama'")
         for name, value in _REQUIRED.items():
             if name in raw and raw[name] != value:
-                raise refuse(name, repr(value))
+                raise fields.refuse(name, repr(value))
         for name in ("dtype", "torch_dtype"):
             if raw.get(name) not in _DTYPES:
-                raise refuse(name, "'float32'")
+                raise fields.refuse(name, "'float32'")
         theta = _rope_theta(raw, where)
-
-        def integer(name: str, default: int | None = None) -> int:
-            value = raw.get(name)
-            if value is None:  # absent or null: HF's default
-                value = default
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise refuse(name, "a positive integer")
-            return value
-
-        def flag(name: str) -> bool:
-            value = raw.get(name, False)
-            if not isinstance(value, bool):
-                raise refuse(name, "true or false")
-            return value
-
-        heads = integer("num_attention_heads")
-        hidden = integer("hidden_size")
-        kv_heads = integer("num_key_value_heads", heads)
+        heads = fields.integer("num_attention_heads")
+        hidden = fields.integer("hidden_size")
+        kv_heads = fields.integer("num_key_value_heads", heads)
         if heads % kv_heads:
-            raise refuse("num_key_value_heads", f"a divisor of num_attention_heads ({heads})")
+            raise fields.refuse(
+                "num_key_value_heads", f"a divisor of num_attention_heads ({heads})"
+            )
         head_dim = raw.get("head_dim") or hidden // heads
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim % 2:
-            raise refuse("head_dim", "an even positive integer")
+            raise fields.refuse("head_dim", "an even positive integer")
         eps = raw.get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, int | float) or eps <= 0:
-            raise refuse("rms_norm_eps", "a positive number")
+            raise fields.refuse("rms_norm_eps", "a positive number")
         pad = raw.get("pad_token_id")
         if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
-            raise refuse("pad_token_id", "an integer or null")
+            raise fields.refuse("pad_token_id", "an integer or null")
         return cls(
-            vocab_size=integer("vocab_size"),
+            vocab_size=fields.integer("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=integer("intermediate_size"),
-            num_hidden_layers=integer("num_hidden_layers"),
+            intermediate_size=fields.integer("intermediate_size"),
+            num_hidden_layers=fields.integer("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            max_position_embeddings=integer("max_position_embeddings", 2048),
+            max_position_embeddings=fields.integer("max_position_embeddings", 2048),
             rms_norm_eps=float(eps),
             rope_theta=theta,
-            attention_bias=flag("attention_bias"),
-            mlp_bias=flag("mlp_bias"),
+            attention_bias=fields.flag("attention_bias"),
+            mlp_bias=fields.flag("mlp_bias"),
             pad_token_id=pad,
         )
+
+
+class _Fields:
+    """Typed reads of a config.json's fields; a wrong one is refused naming file and field."""
+
+    def __init__(self, raw: Mapping[str, Any], where: str) -> None:
+        self.raw, self.where = raw, where
+
+    def refuse(self, name: str, expected: str) -> WorkerError:
+        return WorkerError(
+            f"{self.where}: field {name!r} is {self.raw.get(name)!r}, expected {expected} "
+            "(the CPU worker's Llama implements nothing else)"
+        )
+
+    def integer(self, name: str, default: int | None = None) -> int:
+        value = self.raw.get(name)
+        if value is None:  # absent or null: HF's default
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise self.refuse(name, "a positive integer")
+        return value
+
+    def flag(self, name: str) -> bool:
+        value = self.raw.get(name, False)
+        if not isinstance(value, bool):
+            raise self.refuse(name, "true or false")
+        return value
 
 
 def _rope_theta(raw: Mapping[str, Any], where: str) -> float:

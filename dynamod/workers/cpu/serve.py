@@ -53,16 +53,12 @@ def health_check_payload(model_dir: Path) -> dict[str, Any]:
 
 
 async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
-    from dynamo.common.configuration.groups.router_args import build_router_config
-    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
-    from dynamo.mocker.config import build_runtime_config
     from dynamo.runtime import DistributedRuntime
 
     loop = asyncio.get_running_loop()
     model_dir = Path(mocker.model_path)
     weights = await asyncio.to_thread(load_checkpoint, model_dir, "numpy")
     log.info("initial weights %s (digest %s)", weights.source, weights.digest)
-    engine_args = engine_args_for(mocker)
 
     fatal: list[str] = []
     runtime: Any = None
@@ -73,17 +69,7 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         if runtime is not None:
             runtime.shutdown()
 
-    block_size, runtime_config = build_runtime_config(engine_args)
-    engine: Engine
-    if ours.engine == "mocker":
-        engine = MockerEngine(str(model_dir), mocker.model_name, engine_args, engine_died)
-    else:
-        from dynamod.workers.cpu.numpy_engine import NumpyEngine  # numpy after --threads
-
-        engine = NumpyEngine(model_dir, weights, block_size, ours.cache_blocks, engine_died)
-        runtime_config.total_kv_blocks = ours.cache_blocks
-    await engine.start()
-
+    engine, block_size, runtime_config = await _start_engine(ours, mocker, weights, engine_died)
     runtime = DistributedRuntime(
         loop,
         mocker.discovery_backend,
@@ -92,56 +78,18 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         response_plane=mocker.response_plane,
     )
     endpoint = runtime.endpoint(mocker.endpoint.removeprefix("dyn://"))
-    version = parse_version(ours.initial_version) if ours.initial_version is not None else None
-    worker = CpuWorker(
-        engine,
-        weights,
-        version=version,
-        version_declared=ours.initial_version is not None,
-        drain_timeout=ours.drain_timeout,
-        serve_previous_weights=ours.test_serve_previous_weights,
-        start_paused=ours.start_paused,
-    )
+    worker = _worker(ours, engine, weights)
     worker.instance_id = endpoint.connection_id()
     extension = None
     if ours.worker_extension_cls:
         from dynamod.workers.cpu.extension import host_extension
 
         extension = host_extension(ours.worker_extension_cls, worker, loop)
-    for name, handler in worker.routes().items():
-        runtime.register_engine_route(name, catching(name, handler))
-    # As upstream, a bad taint list raises: the system server answers HTTP 500.
-    runtime.register_engine_route(
-        "update/model_taints", worker.serialised(upstream_taint_route(runtime, endpoint))
-    )
-
-    endpoint.metrics.register_prometheus_expfmt_callback(
-        lambda: prefix_cache_metrics(engine.stats(), mocker.model_name)
-    )
+    _add_routes(runtime, endpoint, worker, engine, mocker.model_name)
     engine.bind_kv_events(KvEventBridge(endpoint, block_size))
     runtime_config.enable_local_indexer = True  # the bridge's publisher keeps one
-    await register_model(
-        ModelInput.Tokens,
-        ModelType.Chat | ModelType.Completions,
-        endpoint,
-        str(model_dir),
-        mocker.model_name,
-        worker_type=WorkerType.Aggregated,
-        kv_cache_block_size=block_size,
-        runtime_config=runtime_config,
-        router_config=build_router_config(mocker.router_advertisement),
-    )
-
-    closing: list[asyncio.Future[None]] = []  # keeps the close task referenced
-
-    def shutdown() -> None:
-        log.info("shutdown signal: unregistering and stopping")
-        closing.append(asyncio.ensure_future(worker.close()))
-        engine.halt()
-        runtime.shutdown()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, shutdown)
+    await _register(endpoint, mocker, block_size, runtime_config)
+    closing = _stop_on_signals(loop, worker, engine, runtime)  # keeps the close task referenced
 
     log.info(
         "serving %s as instance %s (etcd lease %x), version %s%s",
@@ -159,10 +107,98 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
         if extension is not None:
             await asyncio.to_thread(extension.dynamod_close)
         await engine.close()
+    del closing  # held until the endpoint stopped serving: the close task ran by then
     if fatal:
         print(f"dynamod.workers.cpu: {fatal[0]}", file=sys.stderr)
         return 1
     return 0
+
+
+async def _start_engine(
+    ours: argparse.Namespace, mocker: argparse.Namespace, weights: Any, on_death: Any
+) -> tuple[Engine, int, Any]:
+    """The engine `--engine` names, started; its KV block size and the runtime config
+    Dynamo is told of."""
+    from dynamo.mocker.config import build_runtime_config
+
+    engine_args = engine_args_for(mocker)
+    block_size, runtime_config = build_runtime_config(engine_args)
+    engine: Engine
+    if ours.engine == "mocker":
+        model = str(Path(mocker.model_path))
+        engine = MockerEngine(model, mocker.model_name, engine_args, on_death)
+    else:
+        from dynamod.workers.cpu.numpy_engine import NumpyEngine  # numpy after --threads
+
+        model_dir = Path(mocker.model_path)
+        engine = NumpyEngine(model_dir, weights, block_size, ours.cache_blocks, on_death)
+        runtime_config.total_kv_blocks = ours.cache_blocks
+    await engine.start()
+    return engine, block_size, runtime_config
+
+
+def _worker(ours: argparse.Namespace, engine: Engine, weights: Any) -> CpuWorker:
+    version = parse_version(ours.initial_version) if ours.initial_version is not None else None
+    return CpuWorker(
+        engine,
+        weights,
+        version=version,
+        version_declared=ours.initial_version is not None,
+        drain_timeout=ours.drain_timeout,
+        serve_previous_weights=ours.test_serve_previous_weights,
+        start_paused=ours.start_paused,
+    )
+
+
+def _add_routes(runtime: Any, endpoint: Any, worker: CpuWorker, engine: Engine, model: str) -> None:
+    """The system server's engine routes (dynamod's and upstream's taint route) and the
+    prefix-cache metrics."""
+    for name, handler in worker.routes().items():
+        runtime.register_engine_route(name, catching(name, handler))
+    # As upstream, a bad taint list raises: the system server answers HTTP 500.
+    runtime.register_engine_route(
+        "update/model_taints", worker.serialised(upstream_taint_route(runtime, endpoint))
+    )
+    endpoint.metrics.register_prometheus_expfmt_callback(
+        lambda: prefix_cache_metrics(engine.stats(), model)
+    )
+
+
+async def _register(
+    endpoint: Any, mocker: argparse.Namespace, block_size: int, runtime_config: Any
+) -> None:
+    from dynamo.common.configuration.groups.router_args import build_router_config
+    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat | ModelType.Completions,
+        endpoint,
+        str(Path(mocker.model_path)),
+        mocker.model_name,
+        worker_type=WorkerType.Aggregated,
+        kv_cache_block_size=block_size,
+        runtime_config=runtime_config,
+        router_config=build_router_config(mocker.router_advertisement),
+    )
+
+
+def _stop_on_signals(
+    loop: asyncio.AbstractEventLoop, worker: CpuWorker, engine: Engine, runtime: Any
+) -> list[asyncio.Future[None]]:
+    """SIGTERM/SIGINT: unregister, stop the engine and the runtime. The returned list
+    holds the close task, which must stay referenced until it is done."""
+    closing: list[asyncio.Future[None]] = []
+
+    def shutdown() -> None:
+        log.info("shutdown signal: unregistering and stopping")
+        closing.append(asyncio.ensure_future(worker.close()))
+        engine.halt()
+        runtime.shutdown()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, shutdown)
+    return closing
 
 
 def main(argv: list[str] | None = None) -> int:
