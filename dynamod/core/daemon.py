@@ -42,6 +42,7 @@ from dynamod.core import (
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 from dynamod.core.engine import Engine, Unit
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError, UnitFailed
+from dynamod.core.events import EventLog, events_path, watch_units
 from dynamod.core.extensions import Extension
 from dynamod.core.guardianship import Guardianship
 from dynamod.core.phase import Phase
@@ -125,6 +126,10 @@ class Daemon:
     containment: cgroups.Containment | None = None
     guardian: Guardianship | None = None
     swept: leftovers.Leftovers | None = None  # what a dead previous run had left
+    events: EventLog = field(init=False)  # the events file `dynamod events` reads
+
+    def __post_init__(self) -> None:
+        self.events = EventLog(events_path(self.state.path))
 
     @property
     def state_dir(self) -> Path:
@@ -138,6 +143,7 @@ class Daemon:
             phase=str(phase),
             degraded=self.degraded_units() or None,
         )
+        self.events.emit("phase", None, phase=str(phase), reason=self.error)
         for callback in self.on_phase:
             callback(phase)
 
@@ -257,6 +263,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self._down_result = loop.create_future()
         self.state.acquire()
+        self.events.emit("phase", None, phase=str(self.phase), stack=self.stack.name,
+                         run_id=self.run_id, daemon_pid=os.getpid())  # fmt: skip
         self.swept = leftovers.sweep_held(self.state.path)
         if self.swept is not None:
             log.warning("stack.swept_previous", **self.swept.as_dict())
@@ -295,6 +303,7 @@ class Daemon:
                 session=session,
                 hooks=[],
             )
+            self.engine.listeners.append(watch_units(self.events))
             self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
             for extension in self.extensions:
                 await extension.start(self)  # as its ExtensionHost

@@ -22,6 +22,7 @@ from dynamod.core.status import ExtensionUnitStatus
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
+    from dynamod.core.events import EventLog
     from dynamod.core.phase import Phase
     from dynamod.core.spec import Stack, UnitSpec
 
@@ -40,6 +41,9 @@ class ExtensionHost(Protocol):
 
     @property
     def run_id(self) -> str: ...
+
+    @property
+    def events(self) -> EventLog: ...  # what happened, for `dynamod events`: emit(kind, unit, ...)
 
     @property
     def phase(self) -> Phase: ...

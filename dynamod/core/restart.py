@@ -54,6 +54,7 @@ class RestartTracker:
 
     def __post_init__(self) -> None:
         self._total = 0
+        self.last: Decision | None = None  # the latest restart decided (its delay, why)
 
     def should_restart(self, exit: Exit, *, premature: bool) -> bool:
         """Policy only. `premature`: the service exited before it was ready or while a
@@ -104,12 +105,14 @@ class RestartTracker:
             self.history.append(now)
             self._total += 1
             delay = self.spec.backoff_max
-            return Decision(True, delay=delay, reason=f"{limit}; retrying in {delay:.2f}s")
+            self.last = Decision(True, delay=delay, reason=f"{limit}; retrying in {delay:.2f}s")
+            return self.last
         delay = self.delay()
         self.attempt += 1
         self.history.append(now)
         self._total += 1
-        return Decision(True, delay=delay, reason=f"restarting in {delay:.2f}s")
+        self.last = Decision(True, delay=delay, reason=f"restarting in {delay:.2f}s")
+        return self.last
 
     def reset(self) -> None:
         """Manual restart: forget the burst window and backoff."""
