@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
 
 install:
 	./scripts/install.sh
@@ -22,6 +22,14 @@ install-vllm: install
 # and the CPU trainer (units/stacks/vllm-cpu.toml).
 vllm-up: install-vllm
 	$(BIN)/dynamod up vllm-cpu
+
+# The integration guide's validation on CPU: verl's own trainer against a dynamod stack
+# (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards), report in
+# validate-cpu-report.txt; then the trainer under faults (tests/integration/test_verl_faults.py).
+# CI runs the script's --quick mode (tests/integration/test_verl_validate_cpu.py).
+validate-cpu: install
+	./scripts/validate-cpu.sh
+	DYNAMOD_VERL_FAULTS=1 $(BIN)/pytest -q -ra tests/integration/test_verl_faults.py
 
 lint:
 	$(BIN)/ruff check dynamod tests bench

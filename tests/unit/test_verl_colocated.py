@@ -78,7 +78,7 @@ def test_updates_check_passes_when_every_shard_acknowledged_every_step() -> None
 
 
 @pytest.mark.parametrize(("records", "why"), [
-    ([], "no colocated update was logged"),
+    ([], "no weight update was logged"),
     ([update(1, acks={"worker@0": "d"}, errors={"worker@1": "begin: no reply"})],
      "no acknowledgement from ['worker@1']"),
     ([update(1, acks={"worker@0": "d", "worker@1": "e"})], "different digests"),

@@ -9,8 +9,9 @@ drain the generator (it may gather shards collectively) and return. The step lan
 ledger, so a shard that missed it, or restarts later, is held and replayed by dynamod
 from that checkpoint. With `weight_sync: ipc` (colocated GPUs) every rank sends its
 tensors to its shards' worker extension instead and rank 0 publishes the step
-(`colocated.ColocatedSync`). `resume` and `release` are no-ops: the shards' memory is
-theirs, reached through the replica's sleep/wake_up.
+(`colocated.ColocatedSync`). `resume` wakes the replica's shards the trainer slept
+(verl's sleep/wake cycle around each update); `release` is a no-op: the shards' memory
+is theirs, freed through the replica's sleep.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from typing import Any
 import structlog
 from verl.workers.rollout.base import BaseRollout
 
-from dynamod.integrations.verl import checkpoint
+from dynamod.integrations.verl import checkpoint, updates
 from dynamod.integrations.verl.attach import state_dir_of
 from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.config import parse_settings
 from dynamod.integrations.verl.errors import VerlIntegrationError
+from dynamod.integrations.verl.versions import StepVersions, new_run_id
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
@@ -46,10 +48,12 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
             * self.config.data_parallel_size
             * self.config.pipeline_model_parallel_size
         )
+        self.replica_world = world
         self.rank = int(os.environ.get("RANK", "0"))
         self.replica_rank = self.rank // world
         self.is_leader_rank = self.rank % world == 0
         self.last_push: dict[str, Any] | None = None
+        self.versions = StepVersions(self.settings.run_name or new_run_id())
         self.colocated: ColocatedSync | None = None
         if self.settings.weight_sync == "ipc":
             self.colocated = ColocatedSync(
@@ -64,6 +68,23 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
             )
 
     async def resume(self, tags: list[str]) -> None:
+        """verl's trainer sleeps the replicas after each generation (`free_cache_engine`)
+        and calls this on every rank before `update_weights` (tags ["weights"]) and after
+        it (["kv_cache"]). A sleeping shard refuses new weights, so the leader rank of each
+        replica wakes that replica's shards; waking an awake shard is a no-op."""
+        if not self.is_leader_rank:
+            return None
+        import aiohttp
+
+        from dynamod.integrations.verl import engine
+
+        replicas = max(1, int(os.environ.get("WORLD_SIZE", "1")) // self.replica_world)
+        async with aiohttp.ClientSession() as session:
+            answers = await engine.replica_call(
+                session, self.state_dir, self.replica_rank, replicas, "wake_up"
+            )
+        log.info("verl.resume", tags=tags, replica=self.replica_rank,
+                 shards=[a["shard"] for a in answers])
         return None
 
     async def release(self) -> None:
@@ -78,36 +99,49 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
                 f"rollout 'dynamod' takes full named tensors, not {wire_format!r}: set "
                 "actor_rollout_ref.rollout.checkpoint_engine.backend=naive"
             )
+        version = await self._version_of(global_steps)
         if self.colocated is not None:
-            if global_steps is None:
-                from dynamod.client import Client
-
-                status = await asyncio.to_thread(Client(self.state_dir).policy_status)
-                global_steps = int(status["current"]) + 1
-            return await self.colocated.update(weights, global_steps)
+            return await self.colocated.update(weights, version, self._origin(global_steps))
         if self.rank != 0:
             for _ in weights:
                 pass
             return None
         return await push_weights(
-            self.state_dir, self.checkpoint_dir, weights, global_steps,
+            self.state_dir, self.checkpoint_dir, weights, version,
             keep=self.settings.checkpoint_keep,
+            origin=self._origin(global_steps),
         )
+
+    def _origin(self, global_steps: int | None) -> dict[str, Any]:
+        return {"run": self.versions.run, "verl_step": global_steps}
+
+    async def _version_of(self, global_steps: int | None) -> int:
+        """The ledger version verl's step becomes (`versions.py`); no step: the next one."""
+        from dynamod.client import Client
+
+        status = await asyncio.to_thread(Client(self.state_dir).policy_status)
+        current = int(status["current"])
+        if global_steps is None:
+            return current + 1
+        return self.versions.version(global_steps, current, bool(status.get("initial")))
 
 
 async def push_weights(
     state_dir: Path, root: Path, weights: Iterable[tuple[str, Any]], step: int | None,
-    keep: int = 2,
+    keep: int = 2, origin: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write `weights` as step `step` (default: the ledger's next) and push it."""
+    """Write `weights` as version `step` (default: the ledger's next) and push it;
+    `origin` (verl's run and step) is recorded with it."""
     from dynamod.client import Client
 
     client = Client(state_dir)
     if step is None:
         step = int((await asyncio.to_thread(client.policy_status))["current"]) + 1
-    path = await asyncio.to_thread(checkpoint.write_checkpoint, weights, root, step)
+    path = await asyncio.to_thread(checkpoint.write_checkpoint, weights, root, step, origin)
     answer: dict[str, Any] = await asyncio.to_thread(client.policy_push, step, path)
     await asyncio.to_thread(checkpoint.prune, root, keep, step)
+    await asyncio.to_thread(updates.log_update, state_dir,
+                            updates.push_record(step, origin, answer, path))
     log.info(
         "verl.weights_pushed", step=step, path=str(path), seconds=answer.get("seconds"),
         acks={k: v.get("total_ms", v.get("error")) for k, v in answer.get("acks", {}).items()},

@@ -14,6 +14,7 @@ replay that starts before its write ends finds no directory, fails and is retrie
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Iterable
@@ -30,8 +31,13 @@ STEP_PREFIX = "step-"
 log = structlog.get_logger("dynamod.integrations.verl")
 
 
-def write_checkpoint(weights: Iterable[tuple[str, Any]], root: Path, step: int) -> Path:
-    """Write the tensors for `step`; returns the step's directory. Atomic per directory."""
+ORIGIN = "verl.json"
+
+
+def write_checkpoint(weights: Iterable[tuple[str, Any]], root: Path, step: int,
+                     origin: dict[str, Any] | None = None) -> Path:
+    """Write the tensors for `step`; returns the step's directory. Atomic per directory.
+    `origin` (verl's run and step) goes beside them as verl.json."""
     from safetensors.torch import save_file
 
     tensors = {name: tensor.detach().to("cpu").contiguous() for name, tensor in weights}
@@ -40,6 +46,8 @@ def write_checkpoint(weights: Iterable[tuple[str, Any]], root: Path, step: int) 
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     save_file(tensors, str(partial / WEIGHTS_FILE))
+    if origin is not None:
+        (partial / ORIGIN).write_text(json.dumps({**origin, "version": step}) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     return final

@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import structlog
 
+from dynamod.integrations.verl import updates
 from dynamod.integrations.verl.checkpoint import CheckpointWriter, HostCopy
 from dynamod.integrations.verl.engine import call_route
 from dynamod.integrations.verl.errors import EngineCallError, StackNotReadyError
@@ -41,7 +42,6 @@ from dynamod.integrations.verl.stack import Shard, read_stack
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
-UPDATES_LOG = "updates.jsonl"
 ACK_WAIT_S = 300.0
 
 
@@ -67,7 +67,8 @@ class ColocatedSync:
         ordered = sorted(shards, key=lambda s: s.name)
         return [s for i, s in enumerate(ordered) if i % self.world == self.rank]
 
-    async def update(self, weights: Iterable[tuple[str, Any]], step: int) -> dict[str, Any]:
+    async def update(self, weights: Iterable[tuple[str, Any]], step: int,
+                     origin: dict[str, Any] | None = None) -> dict[str, Any]:
         started = time.monotonic()
         view = read_stack(self.state_dir)
         targets = self.owned(view.admitted)
@@ -125,6 +126,7 @@ class ColocatedSync:
         )
         record = {
             "step": step,
+            **(origin or {}),
             "shards": sorted(s.name for s in view.admitted),
             "acks": acks,
             "errors": errors,
@@ -139,10 +141,7 @@ class ColocatedSync:
             "write_stall_s": round(write_stall_s, 3),
             "seconds": round(time.monotonic() - started, 3),
         }
-        log_file = self.state_dir / "verl" / UPDATES_LOG
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        with log_file.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        updates.log_update(self.state_dir, record)
         log.info("verl.colocated_update", **{k: v for k, v in record.items() if k != "acks"})
         return {**record, "publish": published}
 

@@ -67,9 +67,9 @@ _BOOLS = {
     "include_payload_request_id",
 }
 _STRINGS = {"namespace", "served_model_name", "router_mode", "state_dir", "checkpoint_dir",
-            "ipc_dir"}
+            "ipc_dir", "run_name"}
 _CHOICES = {"weight_sync": ("push", "ipc"), "checkpoint_write": ("background", "inline")}
-_POSITIVE = {"request_timeout_s"}
+_POSITIVE = {"request_timeout_s", "retry_window_s"}
 _INTS = {"checkpoint_keep", "ipc_bucket_mb"}
 KNOWN = _BOOLS | _STRINGS | _POSITIVE | _INTS | set(_CHOICES) | {"thunderagent"}
 
@@ -93,10 +93,14 @@ class RolloutSettings:
     force_logprobs_for_token_ids: bool = False
     include_payload_request_id: bool = False
     request_timeout_s: float = 600.0
+    # How long a request is retried while no shard serves the current version or the
+    # frontend is down (a shard replayed, the frontend restarted by dynamod).
+    retry_window_s: float = 60.0
     namespace: str | None = None
     served_model_name: str | None = None
     router_mode: str | None = None
     thunderagent: bool | None = None
+    run_name: str | None = None  # recorded with each push; default: start time and pid
     ignored: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
 

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import structlog
 
 from dynamod.integrations.verl.errors import EngineCallError
-from dynamod.integrations.verl.stack import Shard
+from dynamod.integrations.verl.stack import Shard, read_stack
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
@@ -76,3 +77,14 @@ async def fan_out(
     answers = await asyncio.gather(*(call_route(session, s, route, body) for s in targets))
     log.info("verl.lifecycle", call=call, route=route, shards=[a.shard for a in answers])
     return list(answers)
+
+
+async def replica_call(
+    session: aiohttp.ClientSession, state_dir: Path, replica_rank: int, replicas: int,
+    call: str,
+) -> list[dict[str, Any]]:
+    """verl's `call` on the shards replica `replica_rank` of `replicas` owns, read afresh."""
+    view = await asyncio.to_thread(read_stack, state_dir)
+    shards = view.shards_of_replica(replica_rank, replicas)
+    answers = await fan_out(session, shards, call)
+    return [{"shard": a.shard, "route": a.route, **a.body} for a in answers]

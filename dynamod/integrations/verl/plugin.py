@@ -1,4 +1,5 @@
-"""What verl loads: refuses an unsupported verl, then registers rollout `dynamod`.
+"""What verl loads: refuses an unsupported verl, installs the `cpu` platform, then
+registers rollout `dynamod`.
 
 Loaded by `import verl` through the `verl.plugins` entry point (installed with the
 `verl` extra) or VERL_USE_EXTERNAL_MODULES=dynamod.integrations.verl.plugin. verl
@@ -22,6 +23,8 @@ except UnsupportedVerlError as _exc:
     logging.getLogger("dynamod.integrations.verl").error("%s", _exc)
     raise
 
+from dynamod.integrations.verl import cpu_platform  # noqa: E402  (verl checked first)
+
 
 def _load_replica() -> type:
     from dynamod.integrations.verl.replica import DynamodReplica
@@ -38,4 +41,5 @@ def register() -> None:
     _ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = ADAPTER
 
 
+cpu_platform.install()
 register()

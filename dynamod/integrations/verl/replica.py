@@ -68,6 +68,7 @@ class DynamodReplica(RolloutReplica):  # type: ignore[misc]
         server: Any = actor.remote(
             str(self.state_dir), self.settings, self.replica_rank, self.replicas, model,
             view.frontend_url, self.config.prompt_length, self.config.response_length,
+            bool(self.config.free_cache_engine),
         )
         self.servers = [server]
         self._server_handle = server

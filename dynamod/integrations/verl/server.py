@@ -5,7 +5,8 @@ from dynamod, sends one completions request to the frontend requiring that versi
 taint, and returns verl's `TokenOutput` (completion token ids, their logprobs, the stop
 reason, and the serving shard's weight version as `global_steps`). A 500 with a required
 taint means no admitted shard holds the version yet (an update is landing, or the shard
-is being replayed): the request is sent again at the version read then, a few times.
+is being replayed) and a refused connection that the frontend is restarting: the request
+is sent again at the version read then, until `retry_window_s` (default 60 s) has passed.
 Lifecycle calls fan out to this replica's shards (`engine.py`). Counters keep completed,
 aborted, retried and failed attempts apart, for the validation's first boundary.
 """
@@ -13,6 +14,7 @@ aborted, retried and failed attempts apart, for the validation's first boundary.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,11 @@ import structlog
 from dynamod.integrations.verl import completions, engine
 from dynamod.integrations.verl.config import RolloutSettings
 from dynamod.integrations.verl.errors import GenerationError
-from dynamod.integrations.verl.stack import StackView, read_stack
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
-ATTEMPTS = 5
-RETRY_DELAY_S = 0.2
+RETRY_DELAY_S = 0.2  # grows by this much per attempt, up to MAX_RETRY_DELAY_S
+MAX_RETRY_DELAY_S = 2.0
 
 
 class DynamodRolloutServer:
@@ -46,6 +47,7 @@ class DynamodRolloutServer:
         frontend_url: str,
         prompt_length: int,
         response_length: int,
+        free_cache_engine: bool = True,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.settings = settings
@@ -55,6 +57,7 @@ class DynamodRolloutServer:
         self.url = f"{frontend_url}/v1/completions"
         self.prompt_length = prompt_length
         self.response_length = response_length
+        self.free_cache_engine = free_cache_engine
         self.counts: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
 
@@ -99,7 +102,10 @@ class DynamodRolloutServer:
             sampling_params, len(prompt_ids), self.prompt_length, self.response_length
         )
         last = ""
-        for attempt in range(1, ATTEMPTS + 1):
+        attempt = 0
+        deadline = time.monotonic() + self.settings.retry_window_s
+        while True:
+            attempt += 1
             version = await self.current_version()
             body = completions.build_request(
                 model=self.model, prompt_ids=prompt_ids, sampling_params=sampling_params,
@@ -120,17 +126,20 @@ class DynamodRolloutServer:
                 return completion
             if status:
                 last = f"HTTP {status}: {str(answer)[:300]}"
-            if 400 <= status < 500:
+            delay = min(RETRY_DELAY_S * attempt, MAX_RETRY_DELAY_S)
+            if 400 <= status < 500 or time.monotonic() + delay > deadline:
                 break
             self.counts["retried"] += 1
             log.warning("verl.generate_retry", request_id=request_id, attempt=attempt,
                         required=completions.policy_taint(version), error=last)
-            await asyncio.sleep(RETRY_DELAY_S * attempt)
+            await asyncio.sleep(delay)
         self.counts["failed"] += 1
         raise GenerationError(
-            f"request {request_id} failed after {attempt} attempt(s) at {self.url} (last: "
-            f"{last}); a 500 with a required taint means no admitted shard holds the current "
-            "policy version: see `dynamod policy status`"
+            f"request {request_id} failed after {attempt} attempt(s) in "
+            f"{self.settings.retry_window_s:g} s at {self.url} (last: {last}); a 500 with a "
+            "required taint means no admitted shard holds the current policy version: see "
+            "`dynamod policy status`; a refused connection, that the frontend is down "
+            "(`dynamod status`)"
         )
 
     def stats(self) -> dict[str, int]:
@@ -139,15 +148,21 @@ class DynamodRolloutServer:
     # ---------------------------------------------------------------- lifecycle
 
     async def _lifecycle(self, call: str) -> list[dict[str, Any]]:
-        view: StackView = await asyncio.to_thread(read_stack, self.state_dir)
-        shards = view.shards_of_replica(self.replica_rank, self.replicas)
-        answers = await engine.fan_out(self._http(), shards, call)
-        return [{"shard": a.shard, "route": a.route, **a.body} for a in answers]
+        return await engine.replica_call(
+            self._http(), self.state_dir, self.replica_rank, self.replicas, call
+        )
 
     async def wake_up(self) -> list[dict[str, Any]]:
         return await self._lifecycle("wake_up")
 
     async def sleep(self) -> list[dict[str, Any]]:
+        """verl sleeps the replicas after each generation to free their memory for the
+        update, and wakes them through the adapter's `resume` only when
+        `rollout.free_cache_engine` is set: without it a slept shard would refuse the
+        update, so the shards stay awake."""
+        if not self.free_cache_engine:
+            log.info("verl.sleep_skipped", reason="rollout.free_cache_engine is false")
+            return []
         return await self._lifecycle("sleep")
 
     async def clear_kv_cache(self) -> list[dict[str, Any]]:

@@ -44,11 +44,14 @@ class StackView:
     frontend_state: str | None
     router_mode: str | None
     model: str | None
+    model_path: str | None  # the shards' weights: what verl's actor must load too
     namespace: str | None
     thunderagent: bool
     shards: tuple[Shard, ...]
     current_version: int
     ray_address: str | None
+    ray_cpus: float | None = None  # what the `ray-head` unit offers (--num-cpus/--num-gpus)
+    ray_gpus: float | None = None
 
     @property
     def admitted(self) -> list[Shard]:
@@ -103,6 +106,12 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
             )
         )
     model = None
+    model_path = None
+    for unit in units:
+        if unit["name"] in {s.name for s in shards}:
+            command = unit.get("command") or []
+            model_path = _flag(command, "--model-path") or _flag(command, "--model")
+            break
     if router is not None:
         model = _flag(router.get("command") or [], "--model-name")
     for unit in units if model is None else []:
@@ -114,7 +123,9 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         (u["dynamo"].get("namespace") for u in units if u.get("dynamo")), None
     )
     http = (frontend or {}).get("ports", {}).get("http")
-    gcs = (by_name.get(RAY_HEAD_UNIT) or {}).get("ports", {}).get("gcs")
+    ray_head = by_name.get(RAY_HEAD_UNIT) or {}
+    gcs = ray_head.get("ports", {}).get("gcs")
+    ray_command = ray_head.get("command") or []
     return StackView(
         state_dir=Path(str(status.get("state_dir", "."))),
         stack=str(status.get("stack", "?")),
@@ -123,12 +134,22 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         frontend_state=str(frontend["state"]) if frontend else None,
         router_mode=_flag((frontend or {}).get("command") or [], "--router-mode"),
         model=model,
+        model_path=model_path,
         namespace=namespace,
         thunderagent=router is not None,
         shards=tuple(sorted(shards, key=lambda s: s.name)),
         current_version=int(policy.get("current") or 0),
         ray_address=f"127.0.0.1:{gcs}" if gcs else None,
+        ray_cpus=_number(_flag(ray_command, "--num-cpus")),
+        ray_gpus=_number(_flag(ray_command, "--num-gpus")),
     )
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def diagnose(view: StackView, needed_shards: int) -> None:

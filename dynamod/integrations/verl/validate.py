@@ -8,9 +8,9 @@
   ids; completed, aborted and failed attempts are counted apart.
 * `steps --step S`: the ledger is at S, every shard reports S and is admitted, and a
   request sent after the update is served at S.
-* `updates`: the colocated path (`weight_sync: ipc`): after every update the module
-  logged (`<state_dir>/verl/updates.jsonl`), every shard it found admitted acknowledged
-  the trainer's step with one digest, and publish held none; steps move forward.
+* `updates`: after every update the backend logged (`<state_dir>/verl/updates.jsonl`,
+  both weight paths), every shard it found admitted acknowledged the trainer's step
+  with one digest, and the commit held none; steps move forward.
 * `routing --label L`: a fixed prompt set at fixed concurrency; prints useful output
   (completion tokens/s, KV hit rate = cached / prompt tokens) as one JSON line to append
   to the report, so the round-robin and kv runs can be compared side by side.
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamod.integrations.verl.completions import Completion
+from dynamod.integrations.verl.updates import read_updates
 
 
 def judge_tokens(results: Sequence[Completion | Exception]) -> tuple[bool, str]:
@@ -65,7 +66,7 @@ def judge_steps(policy: Mapping[str, Any], step: int, served: Sequence[Any]) -> 
 
 def judge_updates(records: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
     if not records:
-        return False, "no colocated update was logged (is weight_sync=ipc set?)"
+        return False, "no weight update was logged (<state_dir>/verl/updates.jsonl)"
     previous = None
     for record in records:
         step, shards, acks = record.get("step"), record.get("shards") or [], record.get("acks")
@@ -87,15 +88,6 @@ def judge_updates(records: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
     shards = sorted({n for r in records for n in r.get("shards") or []})
     return True, (f"{len(records)} updates (steps {records[0]['step']}..{previous}): every shard "
                   f"of {shards} acknowledged each step")
-
-
-def read_updates(state_dir: Path) -> list[dict[str, Any]]:
-    from dynamod.integrations.verl.colocated import UPDATES_LOG
-
-    path = state_dir / "verl" / UPDATES_LOG
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 async def _requests(state_dir: Path, prompts: list[list[int]], concurrency: int,
