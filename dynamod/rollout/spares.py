@@ -335,29 +335,13 @@ class SparePool:
                             ack = ShardAck(unit.name, version, digest)
                         slot.role = Role.SERVING
                         ack.timings_ms = {**timings, **ack.timings_ms}
-                        self._count_promotion(unit, reason)
-                        driver.event(
-                            "spares.promoted",
-                            unit.name,
-                            replaced=replaced,
-                            reason=str(reason),
-                            version=version,
-                            total_ms=round((time.monotonic() - since) * 1000, 1),
-                        )
-                        log.info(
-                            "spares.promoted",
-                            unit=unit.name,
-                            replaced=replaced,
-                            reason=str(reason),
-                            why=detail,
-                            version=version,
-                            was_version=was_version,
-                            was_asleep=was_asleep,
-                            waited_ms=round(waited, 1),
-                            replay_ms=round(replay_ms, 1),
+                        self._promoted(
+                            unit, reason, replaced=replaced, why=detail, version=version,
+                            was_version=was_version, was_asleep=was_asleep,
+                            waited_ms=round(waited, 1), replay_ms=round(replay_ms, 1),
                             steps_ms={k: round(v, 1) for k, v in ack.timings_ms.items()},
                             total_ms=round((time.monotonic() - since) * 1000, 1),
-                        )
+                        )  # fmt: skip
                         await driver.record_ack(unit, ack)
                         break
         except DynamodError as exc:  # EtcdError is one
@@ -371,6 +355,17 @@ class SparePool:
                 self._keep_current(unit)
                 self._promote_one(replaced, reason, detail, since, exclude={unit.name})
             # (a spare that died while promoted was replaced by `lost`, as a serving one)
+
+    def _promoted(self, unit: Unit, reason: Reason, **facts: Any) -> None:
+        """A spare serves: counted, logged in full, and recorded for `dynamod events`."""
+        self._count_promotion(unit, reason)
+        self.driver.event(
+            "spares.promoted",
+            unit.name,
+            reason=str(reason),
+            **{k: facts[k] for k in ("replaced", "version", "total_ms")},
+        )
+        log.info("spares.promoted", unit=unit.name, reason=str(reason), **facts)
 
     def _count_promotion(self, unit: Unit, reason: Reason) -> None:
         self.promotions.setdefault(unit.name, Counter())[str(reason)] += 1

@@ -105,20 +105,7 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
                 instance_ids=tuple(int(i) for i in dynamo.get("instance_ids") or []),
             )
         )
-    model = None
-    model_path = None
-    for unit in units:
-        if unit["name"] in {s.name for s in shards}:
-            command = unit.get("command") or []
-            model_path = _flag(command, "--model-path") or _flag(command, "--model")
-            break
-    if router is not None:
-        model = _flag(router.get("command") or [], "--model-name")
-    for unit in units if model is None else []:
-        if unit["name"] in {s.name for s in shards}:
-            command = unit.get("command") or []
-            model = _flag(command, "--served-model-name") or _flag(command, "--model-name")
-            break
+    model, model_path = _model(units, {s.name for s in shards}, router)
     namespace = next(
         (u["dynamo"].get("namespace") for u in units if u.get("dynamo")), None
     )
@@ -143,6 +130,26 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         ray_cpus=_number(_flag(ray_command, "--num-cpus")),
         ray_gpus=_number(_flag(ray_command, "--num-gpus")),
     )
+
+
+def _model(
+    units: list[Mapping[str, Any]], shards: set[str], router: Mapping[str, Any] | None
+) -> tuple[str | None, str | None]:
+    """The served model's name (the router's, else the first shard's) and its path."""
+    model = model_path = None
+    for unit in units:
+        if unit["name"] in shards:
+            command = unit.get("command") or []
+            model_path = _flag(command, "--model-path") or _flag(command, "--model")
+            break
+    if router is not None:
+        model = _flag(router.get("command") or [], "--model-name")
+    for unit in units if model is None else []:
+        if unit["name"] in shards:
+            command = unit.get("command") or []
+            model = _flag(command, "--served-model-name") or _flag(command, "--model-name")
+            break
+    return model, model_path
 
 
 def _number(text: str | None) -> float | None:
