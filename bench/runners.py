@@ -160,6 +160,8 @@ class Supervisord:
         for var in variables:
             args += ["--var", var]
         subprocess.run(args, capture_output=True, text=True, check=True, timeout=60)
+        # the export only renders (it writes no directory); its config says to make this
+        (state / "logs").mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
