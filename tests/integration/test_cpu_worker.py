@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -491,13 +492,14 @@ def test_sigterm_while_paused_migrates_waiting_requests(
     held_id = instance_id(held)
     wait_until_routed_to(stack, {instance_id(worker), held_id})
     # Both paused while the requests arrive, so each holds what it is given and the router
-    # spreads them by load: some are certain to wait in `held` (with `worker` serving, its
-    # cached prefix drew all eight once).
+    # spreads them by load: some are certain to wait in `held`. Prompts that share no prefix
+    # with anything cached: `worker` holds PROMPT's blocks, and the KV router's overlap
+    # score once drew all eight requests there.
     for paused in (held, worker):
         assert paused.engine("pause_generation")[1]["status"] == "ok"
     replies: list[dict[str, Any]] = []
     requests = [
-        threading.Thread(target=lambda i=i: replies.append(complete(stack, f"{PROMPT} {i}")))
+        threading.Thread(target=lambda i=i: replies.append(complete(stack, fresh_prompt(i))))
         for i in range(8)
     ]
     for request in requests:
@@ -521,6 +523,11 @@ def test_sigterm_while_paused_migrates_waiting_requests(
     assert served_by == {instance_id(worker)}
     routed_to = [r["nvext"]["worker_id"]["decode_worker_id"] for r in replies]
     assert routed_to.count(held_id) == waiting_in_held, routed_to
+
+
+def fresh_prompt(i: int) -> str:
+    """A prompt no worker has cached a block of (its first token differs from any other)."""
+    return f"{i} {secrets.token_hex(6)} " + " ".join(["waits while its worker is paused"] * 6)
 
 
 def instance_id(worker: Worker) -> int:

@@ -7,9 +7,11 @@ write nothing at all: no state dir, no logs dir, no port claim."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,15 @@ def test_a_daemon_killed_during_down_is_said_to_have_died_during_it(
     assert not pid_alive(daemon)
 
 
+@pytest.fixture
+def short_tmp() -> Any:
+    """A short folder in /tmp: the default state dir under it must fit a unix socket path,
+    which pytest's own tmp_path (deep under /tmp/pytest-of-root/...) may not."""
+    path = Path(tempfile.mkdtemp(prefix="dm-render-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _render_env(tmp_path: Path) -> dict[str, str]:
     """No state dir given: the default one under an empty HOME; a port registry of its own."""
     env = {k: v for k, v in os.environ.items()
@@ -128,7 +139,8 @@ def _render_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("command", [["export", "supervisord", "infra"], ["check", "infra"]])
-def test_commands_that_only_render_write_nothing(tmp_path: Path, command: list[str]) -> None:
+def test_commands_that_only_render_write_nothing(short_tmp: Path, command: list[str]) -> None:
+    tmp_path = short_tmp
     env = _render_env(tmp_path)
     result = subprocess.run([sys.executable, "-m", "dynamod", *command], env=env,
                             capture_output=True, text=True, timeout=120)
