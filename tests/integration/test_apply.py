@@ -89,7 +89,8 @@ def test_apply_and_scale_change_only_what_differs(dm: Dynamod, stack_file: Any) 
                      name="bad.toml")
     refused = cli(dm, "apply", str(bad), code=2)
     assert refused.stderr.strip().count("\n") == 0
-    assert "nothing was changed" in refused.stderr and "unit 'base', field 'comand'" in refused.stderr
+    assert "nothing was changed" in refused.stderr
+    assert "unit 'base', field 'comand'" in refused.stderr
     unknown = cli(dm, "scale", "wroker=2", code=2)
     assert "did you mean worker" in unknown.stderr
     assert pids(dm) == two
