@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -137,6 +138,16 @@ def _host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+def folder_stamp(folder: Path) -> tuple[tuple[str, int], ...]:
+    """Each run folder's name and change time: a new run, or a journal written into its
+    folder, changes it (the page asks every 0.5 s; journals are read again only then)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return ()
+    return tuple(sorted((e.name, e.stat().st_mtime_ns) for e in entries if e.is_dir()))
+
+
 def chaos_listing(folder: Path, list_runs: ChaosRuns) -> list[dict[str, Any]]:
     """The chaos runs kept under `folder`, newest first: what the page links to."""
     if not folder.is_dir():
@@ -167,6 +178,7 @@ class StatusPage(Extension):
                          option="--web address")  # fmt: skip
         self.url = f"{self.site.base_url}/"
         self._host: ExtensionHost | None = None
+        self._chaos: tuple[tuple[tuple[str, int], ...], list[dict[str, Any]]] | None = None
 
     def status(self) -> dict[str, Any]:
         return {"web": {"url": self.url, "token": self.settings.token is not None}}
@@ -212,8 +224,14 @@ class StatusPage(Extension):
         return web.json_response({
             "status": self._host.status(),
             "events": recent,
-            "chaos": chaos_listing(state_dir / CHAOS_DIR, self.list_runs),
+            "chaos": self._chaos_runs(state_dir / CHAOS_DIR),
         }, dumps=_dumps)  # fmt: skip
+
+    def _chaos_runs(self, folder: Path) -> list[dict[str, Any]]:
+        stamp = folder_stamp(folder)
+        if self._chaos is None or self._chaos[0] != stamp:
+            self._chaos = (stamp, chaos_listing(folder, self.list_runs))
+        return self._chaos[1]
 
     async def _chaos_file(self, request: web.Request) -> web.StreamResponse:
         assert self._host is not None

@@ -93,7 +93,7 @@ class Browser:
         return Page(self, session)
 
     def close(self) -> None:
-        with contextlib.suppress(BrowserError):
+        with contextlib.suppress(BrowserError, OSError):  # OSError: it has gone already
             self.call("Browser.close", timeout=5)
         try:
             self.proc.wait(timeout=10)

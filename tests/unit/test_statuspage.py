@@ -6,6 +6,7 @@ tests/integration/test_status_page.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,15 @@ def test_up_refuses_a_bad_web_address_with_one_line(
     assert result.code == 2 and len(lines) == 1, result
     assert lines[0].startswith("dynamod: up") and words in lines[0], lines
     assert not state.exists()  # refused before anything was made
+
+
+def test_the_folder_stamp_changes_with_a_new_run_or_a_journal_written(tmp_path: Path) -> None:
+    assert sp.folder_stamp(tmp_path / "none") == ()
+    (tmp_path / "run-a").mkdir()
+    first = sp.folder_stamp(tmp_path)
+    (tmp_path / "run-a" / "journal.json").write_text("{}")
+    os.utime(tmp_path / "run-a", ns=(1, 1))  # as if the write came a tick later
+    second = sp.folder_stamp(tmp_path)
+    (tmp_path / "run-b").mkdir()
+    (tmp_path / "stray.txt").write_text("")
+    assert first != second and [n for n, _ in sp.folder_stamp(tmp_path)] == ["run-a", "run-b"]
