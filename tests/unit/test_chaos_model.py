@@ -56,6 +56,14 @@ def test_every_stock_runbook_loads_with_a_quick_profile_within_a_minute_of_load(
         assert rb.invariants, rb.name
 
 
+def test_the_real_engine_runbooks_load_on_the_vllm_cpu_stack() -> None:
+    """runbooks/real-engine/ (make chaos-real-engine, not in CI): valid, on real shards."""
+    runbooks = model.load_all(model.runbooks_dir() / "real-engine")
+    assert runbooks, "runbooks/real-engine/ holds the real engine's runbooks"
+    for rb in runbooks:
+        assert rb.stack_path() == "vllm-cpu" and rb.invariants, rb.name
+
+
 def test_good_runbook_is_typed_and_signals_normalised(tmp_path: Path) -> None:
     rb = model.load(write(tmp_path, GOOD.format(name="rb")))
     kill, wait = rb.method
