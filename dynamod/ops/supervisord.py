@@ -239,4 +239,10 @@ def supervisord_gaps(stack: Stack) -> list[str]:
         "exponential backoff with jitter, and restarts a program that ran past startsecs "
         "without any limit",
     ]
+    limited = [u for u in units if u.limits is not None and u.limits.words()]
+    if limited:
+        gaps.append(
+            f"limits: supervisord sets no memory, CPU or process limits ({_names(limited)} "
+            "have them); run them under systemd (`dynamod systemd generate --per-unit`) or dynamod"
+        )
     return gaps

@@ -220,3 +220,11 @@ def test_a_dead_runs_v1_cgroups_are_removed_and_only_its_own(tmp_path: Path) -> 
     assert remove_v1_run("r1", {"memory": memory, "pids": pids, "cpu": tmp_path / "cpu"}) == []
     assert sorted(p.name for p in memory.iterdir()) == ["dynamod-r2"]
     assert list(pids.iterdir()) == []
+
+
+def test_the_supervisord_export_says_it_drops_the_limits(tmp_path: Path) -> None:
+    from dynamod.ops.supervisord import supervisord_gaps
+
+    limited = supervisord_gaps(load(tmp_path, '{ pids_max = 64 }'))
+    assert any(g.startswith("limits: supervisord sets no") and "(app have" in g for g in limited)
+    assert not any(g.startswith("limits:") for g in supervisord_gaps(load(tmp_path, "{}")))
