@@ -19,6 +19,7 @@ from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
 from dynamod.ops.sdnotify import SystemdNotifier
 from dynamod.rollout import frontend_probe, tables
+from dynamod.rollout.identity import StackIdentity
 from dynamod.rollout.policy import PolicyManager
 from dynamod.rollout.policy_table import policy_of
 from dynamod.rollout.registrations import DynamoRegistrations
@@ -44,7 +45,9 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
         else None
     )
     registrations = DynamoRegistrations(etcd_auth)
-    extensions: list[Extension] = [registrations, ExposureWatch()]
+    # the identity first: a refused one stops the daemon before the others start anything
+    extensions: list[Extension] = [StackIdentity(registrations, etcd_auth), registrations]
+    extensions.append(ExposureWatch())
     if secrets_dir:
         extensions.append(SecretsEnv(Path(secrets_dir)))
     spec = policy_of(stack)
