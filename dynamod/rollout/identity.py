@@ -201,18 +201,44 @@ def check_before_up(stack: Stack, state_dir: str, auth: EtcdAuth | None = None) 
     if endpoint is None:
         return
     me = record_of(stack, pid=os.getpid(), state_dir=state_dir, run_id="")
-
-    async def look() -> list[DaemonRecord]:
-        async with EtcdClient(endpoint, timeout_s=CHECK_TIMEOUT_S, auth=auth) as etcd:
-            return await live_daemons(etcd)
-
-    try:
-        live = asyncio.run(asyncio.wait_for(look(), CHECK_TIMEOUT_S * 2))
-    except (TimeoutError, EtcdError):
-        return
-    problems = conflicts(me, live)
+    problems = conflicts(me, _look_in_child(endpoint, auth))
     if problems:
         raise IdentityTaken(f"{problems[0]} (etcd {endpoint}); nothing was started")
+
+
+def _look_in_child(endpoint: str, auth: EtcdAuth | None) -> list[DaemonRecord]:
+    """The live daemons in etcd, read by a forked child: `up` forks the daemon next, and a
+    process that has run gRPC cannot fork one that uses it (seen: the daemon aborted in
+    gRPC's channel teardown). [] when etcd does not answer."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover  (the child; its answer is what the parent checks)
+        code = 1
+        try:
+            os.close(read)
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps([r.encode() for r in asyncio.run(_look(endpoint, auth))]))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as got:
+        raw = got.read()
+    os.waitpid(pid, 0)
+    try:
+        encoded = json.loads(raw) if raw else []
+    except ValueError:
+        encoded = []
+    return [r for r in (DaemonRecord.decode(e) for e in encoded) if r is not None]
+
+
+async def _look(endpoint: str, auth: EtcdAuth | None) -> list[DaemonRecord]:
+    try:
+        async with asyncio.timeout(CHECK_TIMEOUT_S * 2):
+            async with EtcdClient(endpoint, timeout_s=CHECK_TIMEOUT_S, auth=auth) as etcd:
+                return await live_daemons(etcd)
+    except (TimeoutError, EtcdError):
+        return []
 
 
 class StackIdentity(Extension):
