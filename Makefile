@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
 
 install:
 	./scripts/install.sh
@@ -60,6 +60,11 @@ soak-side-by-side: install
 # Two stacks on one infra stack, the issue's 20 rounds (CI runs 2).
 soak-stack-identity: install
 	DYNAMOD_STACK_IDENTITY_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stack_identity.py
+
+# `apply`/`scale` on the CPU-worker stack: a new shard replayed before it is routed, a removed
+# one drained before it stops (~35 s; the CI suite runs the same commands on test programs).
+test-apply-shards: install
+	DYNAMOD_TEST_APPLY_SHARDS=1 $(BIN)/pytest -q -ra tests/integration/test_apply.py
 
 bench: install
 	$(BIN)/python -m bench.run_all
