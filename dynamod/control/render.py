@@ -96,6 +96,7 @@ def status_table(status: Mapping[str, Any]) -> str:
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
+    out += limits_lines(units)
     if status.get("cluster"):
         out += cluster_tree(status["cluster"])
     return "\n".join(out)
@@ -114,6 +115,22 @@ def identity_lines(identity: Mapping[str, Any]) -> list[str]:
     if identity.get("refused"):
         lines.append(f"identity not held: {identity['refused']}")
     return lines
+
+
+def limits_lines(units: Sequence[UnitStatus]) -> list[str]:
+    """Each unit with limits: every limit with how this host enforces it, and its OOM kills."""
+    out = []
+    for unit in units:
+        limits = unit.get("limits")
+        if not limits:
+            continue
+        ooms = limits["oom_kills"]
+        out.append(
+            f"limits {unit['name']} ({limits['mechanism']}): "
+            + "; ".join(f"{name} {how}" for name, how in limits["limits"].items())
+            + (f"; OOM-killed {ooms} time(s)" if ooms else "")
+        )
+    return out
 
 
 def cluster_tree(cluster: Mapping[str, Any]) -> list[str]:
@@ -219,6 +236,8 @@ def _detail(unit: UnitStatus) -> str:
     detail = unit.get("detail") or ""
     if detail:
         parts.append(detail.splitlines()[0][:120])
+    if unit.get("cause"):
+        parts.append(f"cause: {unit.get('cause')}")
     return "  ".join(parts)
 
 
