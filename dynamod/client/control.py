@@ -33,6 +33,11 @@ class UnknownUnitError(DaemonError):
     """The daemon has no unit by the name a command gave (bad input)."""
 
 
+class BadInputError(DaemonError):
+    """The daemon refused what a command sent as invalid (a stack file that does not
+    validate): bad input, exit 2, nothing changed."""
+
+
 class Client:
     def __init__(self, state_dir: Path, timeout: float = 30.0) -> None:
         self.state_dir = state_dir
@@ -72,6 +77,8 @@ class Client:
             raise DaemonError(f"dynamod answered {route} with non-JSON: {data[:200]!r}") from None
         if resp.status == 404 and "error" in answer:
             raise UnknownUnitError(answer["error"])
+        if resp.status == 422 and "error" in answer:
+            raise BadInputError(answer["error"])
         if resp.status >= 400:
             raise DaemonError(answer.get("error", f"{route}: HTTP {resp.status}"))
         return answer
@@ -110,6 +117,26 @@ class Client:
     def start(self, unit: str) -> dict[str, Any]:
         """Start units held stopped by `stop` again."""
         result: dict[str, Any] = self.request("POST", f"/start/{unit}", timeout=60)
+        return result
+
+    def apply(
+        self,
+        path: str | Path | None = None,
+        variables: dict[str, Any] | None = None,
+        *,
+        scale: tuple[str, int] | None = None,
+        dry_run: bool = False,
+        timeout: float = 300,
+    ) -> dict[str, Any]:
+        """The diff from the running stack to the file at `path` (with `variables` on top of
+        the ones it was started with), or to it with `scale` = (unit, replicas); applied
+        unless `dry_run`. BadInputError if the file does not validate."""
+        body: dict[str, Any] = {"vars": variables or {}, "dry_run": dry_run, "timeout": timeout}
+        if path is not None:
+            body["path"] = str(Path(path).absolute())
+        if scale is not None:
+            body["scale"] = list(scale)
+        result: dict[str, Any] = self.request("POST", "/apply", body, timeout=timeout + 60)
         return result
 
     def policy_push(self, step: int, path: str | Path, timeout: float = 900) -> dict[str, Any]:

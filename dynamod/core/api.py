@@ -7,6 +7,8 @@ ask the daemon object. Routes:
   POST /restart/{unit}   operator restart of one unit
   POST /stop/{unit}      hold a unit (a replica, or every replica of a base name) stopped
   POST /start/{unit}     start units held stopped again
+  POST /apply            {"path" | "scale", "vars", "dry_run"}: the diff to a new stack
+                         definition, applied unless a dry run (an invalid one: 422)
 Extensions add their own routes (the rollout layer's /policy family).
 """
 
@@ -21,7 +23,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from dynamod.core.errors import DynamodError, UnknownUnit
+from dynamod.core.errors import DynamodError, SpecError, SpecErrors, UnknownUnit
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -34,6 +36,8 @@ class Controlled(Protocol):
     async def restart(self, unit: str) -> dict[str, Any]: ...
 
     async def operator(self, action: str, name: str) -> dict[str, Any]: ...
+
+    async def apply(self, body: object) -> dict[str, Any]: ...
 
 
 def _peer_uid(request: web.Request) -> int | None:
@@ -55,7 +59,11 @@ async def _owner_only(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         return await handler(request)
     except DynamodError as exc:
-        status = 404 if isinstance(exc, UnknownUnit) else 400
+        status = (
+            404 if isinstance(exc, UnknownUnit)
+            else 422 if isinstance(exc, SpecError | SpecErrors)
+            else 400
+        )  # fmt: skip
         return web.json_response({"error": str(exc)}, status=status)
 
 
@@ -77,7 +85,15 @@ def build_app(daemon: Controlled) -> web.Application:
     async def start(request: web.Request) -> web.Response:
         return web.json_response(await daemon.operator("start", request.match_info["unit"]))
 
+    async def apply(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise DynamodError("expected a JSON body") from None
+        return web.json_response(await daemon.apply(body))
+
     app.router.add_get("/status", status)
+    app.router.add_post("/apply", apply)
     app.router.add_post("/down", down)
     app.router.add_post("/restart/{unit}", restart)
     app.router.add_post("/stop/{unit}", stop)

@@ -32,8 +32,10 @@ from dynamod.core import (
     api,
     cgroups,
     leftovers,
+    live,
     opstop,
     paths,
+    ports,
     process,
     runrecord,
     statedir,
@@ -47,6 +49,7 @@ from dynamod.core.extensions import Extension
 from dynamod.core.guardianship import Guardianship
 from dynamod.core.phase import Phase
 from dynamod.core.spec import Stack
+from dynamod.core.spec.diff import diff, lines
 from dynamod.core.state import UnitState
 from dynamod.core.status import EngineUnitStatus, ExtensionUnitStatus, UnitStatus
 
@@ -127,6 +130,7 @@ class Daemon:
     guardian: Guardianship | None = None
     swept: leftovers.Leftovers | None = None  # what a dead previous run had left
     events: EventLog = field(init=False)  # the events file `dynamod events` reads
+    applying: str | None = None  # an apply in progress, in words
 
     def __post_init__(self) -> None:
         self.events = EventLog(events_path(self.state.path))
@@ -219,9 +223,56 @@ class Daemon:
         return cast(ExtensionUnitStatus, merged)
 
     def require_running(self, what: str) -> None:
-        """Raise unless the stack is starting or up (for commands that change it)."""
+        """Raise unless the stack is starting or up (for commands that change it), and no
+        apply is changing it (they never interleave)."""
         if not self.phase.running:
             raise DynamodError(f"stack is {self.phase}; {what} needs a running stack")
+        if self.applying is not None:
+            raise DynamodError(
+                f"an apply is changing the stack ({self.applying}); {what} is refused "
+                "until it is done: try again then"
+            )
+
+    async def apply(self, body: object) -> dict[str, Any]:
+        """`apply FILE` / `scale UNIT=N`: the diff, and (unless a dry run) the change made."""
+        assert self.engine is not None
+        request = live.Request.from_json(body)
+        if self.phase not in {Phase.UP, Phase.DEGRADED}:
+            raise DynamodError(f"stack is {self.phase}; apply needs a stack that is up")
+        if self.applying is not None:
+            raise DynamodError(f"another apply is in progress ({self.applying}); try again then")
+        running = self.engine.stack
+        allocate = (
+            ports.PortAllocator(claim=False) if request.dry_run else self.engine.host.allocate_port
+        )
+        new = live.next_stack(running, request, allocate)
+        change = diff(running, new)
+        bases = {n: u.unit for s in (running, new) for n, u in s.units.items()}
+        answer: dict[str, Any] = {
+            "stack": running.name,
+            "file": str(new.path),
+            "dry_run": request.dry_run,
+            "diff": change.as_json(),
+            "lines": lines(change, bases),
+            "done": [],
+        }
+        if request.dry_run or change.empty:
+            return answer
+        self.applying = f"apply of {new.path}" if request.scale is None else "scale"
+        try:
+            for extension in self.extensions:  # a policy push in flight finishes first
+                await extension.settle()
+            self.events.emit("apply", None, file=str(new.path), diff=answer["lines"])
+            applier = live.Applier(self.engine, self.extensions, request.timeout,
+                                   self.events.emit)  # fmt: skip
+            answer["done"] = await applier.run(new, change)
+        finally:
+            self.applying = None
+            self.stack = self.engine.stack
+            if self.guardian is not None:
+                with contextlib.suppress(StateWriteError):
+                    self._write_run(self.guardian.pid)
+        return answer
 
     async def down(self) -> dict[str, Any]:
         self._shutdown.set()

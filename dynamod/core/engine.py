@@ -31,6 +31,7 @@ from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
+from dynamod.core.spec.diff import unit_fields
 from dynamod.core.state import ALLOWED, UnitState, check_transition
 from dynamod.core.status import EngineUnitStatus
 
@@ -107,6 +108,13 @@ def _satisfied(state: UnitState, condition: Condition) -> bool:
 _DEAD_END = {UnitState.FAILED, UnitState.STOPPING, UnitState.STOPPED}
 
 
+def _serving(unit: Unit) -> bool:
+    return unit.state is UnitState.COMPLETED or (
+        unit.state is UnitState.READY and unit.hold_reason is None
+    )
+
+
+
 class Engine:
     def __init__(
         self,
@@ -134,6 +142,7 @@ class Engine:
         self.stopping = False
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
         self._changed = asyncio.Event()
+        self.log_max_bytes = log_max_bytes
         logs = state_dir / "logs"
         for name in stack.order:
             spec = stack.units[name]
@@ -765,6 +774,82 @@ class Engine:
         unit.task = asyncio.get_running_loop().create_task(
             self._supervise(unit), name=f"unit:{unit.name}"
         )
+
+    # ------------------------------------------------------------------ live changes
+
+    def adopt(self, stack: Stack) -> list[str]:
+        """Take `stack` (the running one after `apply`) as the stack: units it no longer has
+        must be stopped already and are dropped; units it adds get a record (started by
+        `start_added`); units in both keep theirs, and their spec unless the new one
+        differs (that is `replace`'s, one at a time). Returns the added names."""
+        added = [name for name in stack.order if name not in self.units]
+        units: dict[str, Unit] = {}
+        for name in stack.order:
+            unit = self.units.get(name)
+            if unit is None:
+                spec = stack.units[name]
+                path = self.state_dir / "logs" / f"{name}.log"
+                unit = Unit(spec=spec, sink=OutputSink(LogFile(path, max_bytes=self.log_max_bytes)),
+                            log_path=path, tracker=RestartTracker(spec.restart))  # fmt: skip
+            elif not unit_fields(unit.spec, stack.units[name]):
+                unit.spec = stack.units[name]
+            units[name] = unit
+        for name, unit in self.units.items():
+            if name not in units:
+                unit.sink.close()
+        self.units = units
+        self.stack = stack
+        for listener in self.restack_listeners:  # e.g. which units are rollout shards now
+            listener(stack)
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return added
+
+    def start_added(self, names: Iterable[str]) -> None:
+        """Start units `adopt` added: each waits for its dependencies as at bring-up."""
+        if self.stopping:
+            raise DynamodError("not started: the stack is stopping")
+        for name in names:
+            unit = self.units[name]
+            unit.task = asyncio.get_running_loop().create_task(
+                self._supervise(unit), name=f"unit:{name}"
+            )
+
+    async def replace(self, name: str, spec: UnitSpec, why: str) -> bool:
+        """Stop the unit, give it `spec` and start it again (a unit the operator holds
+        stopped only gets the spec). Whether it was started."""
+        unit = self.units[name]
+        if unit.operator_stop is None:
+            await self.stop_unit(unit, why=why)
+        unit.spec = spec
+        unit.tracker = RestartTracker(spec.restart)
+        if unit.operator_stop is not None:
+            return False
+        if self.stopping:
+            raise DynamodError(f"{name} was stopped, not started again: the stack is stopping")
+        unit.task = asyncio.get_running_loop().create_task(
+            self._supervise(unit), name=f"unit:{name}"
+        )
+        return True
+
+    async def wait_serving(self, names: list[str], timeout: float) -> None:
+        """Until every unit named is ready (or completed) and not held; UnitFailed if one
+        fails or the timeout passes first, naming it and why."""
+        deadline = time.monotonic() + timeout
+        while True:
+            units = [self.units[n] for n in names if n in self.units]
+            failed = [u for u in units if u.state is UnitState.FAILED]
+            if failed:
+                raise UnitFailed(failed[0].name, self.explain(failed[0]))
+            waiting = [u for u in units if not _serving(u)]
+            if not waiting:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0 or self.stopping:
+                first = waiting[0]
+                why = "the stack is stopping" if self.stopping else f"not ready within {timeout:g}s"
+                raise UnitFailed(first.name, f"{why}: {first.state}: {first.detail}")
+            await self.changed(timeout=min(left, 1.0))
 
     # ------------------------------------------------------------------ views
 

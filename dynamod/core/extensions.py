@@ -90,3 +90,20 @@ class Extension:
 
     def spawn_env(self, unit: UnitSpec) -> Mapping[str, str]:
         return {}
+
+    # `apply` / `scale` (core/live.py): what a live change must wait for or go through
+
+    async def settle(self) -> None:
+        """Return once no operation an apply must not interleave with (a policy push) is in
+        flight; the daemon refuses new ones until the apply is done."""
+        return None
+
+    def may_stop(self, unit: Unit) -> str | None:
+        """Why `unit` may not be taken out of service now (too few shards would be left),
+        or None. An apply waits until no extension objects."""
+        return None
+
+    async def drain(self, unit: Unit, why: str) -> None:
+        """Take `unit` out of service before an apply stops it (out of routing, its
+        in-flight requests finished)."""
+        return None

@@ -188,8 +188,11 @@ class PolicyManager(Extension):
         return EtcdClient(self.spec.etcd, session=self.host.engine.session, auth=self.etcd_auth)
 
     def restacked(self, stack: Stack) -> None:
-        """The engine re-rendered the stack (a port it references moved): the ledger's etcd
-        endpoint follows, so the next push, publish or replay talks to where etcd is now."""
+        """The engine re-rendered the stack (a port it references moved) or adopted a new
+        one (`apply`): the shards are the new stack's (a new replica is held and replayed
+        like any restarted shard) and the ledger's etcd endpoint follows, so the next push,
+        publish or replay talks to where etcd is now."""
+        self.shard_names = set(policy_table.shards(stack))
         policy = policy_table.policy_of(stack)
         if policy is None or policy == self.spec:
             return
@@ -209,6 +212,46 @@ class PolicyManager(Extension):
         for task in list(self._rejoins.values()):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    # ------------------------------------------------------------------ apply
+
+    async def settle(self) -> None:
+        """A push, publish or admission in flight finishes before an apply begins."""
+        async with self.lock:
+            return
+
+    def may_stop(self, unit: Unit) -> str | None:
+        """An admitted shard goes out of service only if min_ready_shards stay admitted."""
+        admitted = self.admitted_shards()
+        if unit.name not in self.shard_names or unit not in admitted:
+            return None
+        left, least = len(admitted) - 1, self.spec.min_ready_shards
+        if left >= least:
+            return None
+        return (f"without it {left} shard(s) would be admitted, fewer than [policy] "
+                f"min_ready_shards={least}")  # fmt: skip
+
+    async def drain(self, unit: Unit, why: str) -> None:
+        """Before an apply stops a shard: hold it (no push includes it), drop its version
+        taint (the router sends no trainer traffic to it, as to a spare) and pause it in
+        `wait` mode, which returns once its in-flight requests have finished."""
+        if unit.name not in self.shard_names or not unit.state.running:
+            return
+        started = time.monotonic()
+        self.engine.hold(unit, f"draining: {why}")
+        self._shard_policy(unit.name).admitted = False
+        _, own = self.routing_taints(unit, self.current_version or 0)
+        try:
+            async with asyncio.timeout(self.spec.call_timeout):
+                await self.call(unit, "update/model_taints", {"taints": own})
+                await self.call(unit, "pause_generation", {"mode": "wait"})
+            outcome = "drained: out of routing, no request in flight"
+        except (ShardError, TimeoutError) as exc:
+            outcome = f"not drained ({exc or 'timed out'}); stopped anyway"
+        took = round((time.monotonic() - started) * 1000, 1)
+        self.engine.set_detail(unit, f"{outcome} in {took:.0f} ms")
+        self.event("shard.drained", unit.name, why=why, outcome=outcome, ms=took)
+        log.info("policy.shard_drained", unit=unit.name, why=why, outcome=outcome, ms=took)
 
     def spawn_env(self, unit: UnitSpec) -> Mapping[str, str]:
         """A shard comes up paused, so it serves nothing before its rejoin admits it (the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from dynamod.control.commands.apply import apply_commands
 from dynamod.control.commands.chaos import chaos_group
 from dynamod.control.commands.events import events_command
 from dynamod.control.commands.export import export_group
@@ -16,6 +17,8 @@ from dynamod.control.commands.systemd import systemd_group
 def register_commands(main: click.Group) -> None:
     """Attach the commands defined in this package to the `dynamod` group."""
     for command in lifecycle_commands:
+        main.add_command(command)
+    for command in apply_commands:
         main.add_command(command)
     main.add_command(events_command)
     main.add_command(systemd_group)

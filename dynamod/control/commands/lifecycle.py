@@ -10,12 +10,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
 from dynamod.client import Client
-from dynamod.client.control import NoDaemonError, UnknownUnitError
+from dynamod.client.control import BadInputError, NoDaemonError, UnknownUnitError
 from dynamod.control import launch, render
 from dynamod.control.cliutil import (
     BAD_INPUT,
@@ -29,6 +29,7 @@ from dynamod.control.cliutil import (
     state_dir_of,
     var_option,
 )
+from dynamod.control.commands.apply import diff_lines, stack_path
 from dynamod.control.launch import describe_daemon
 from dynamod.core import leftovers, paths, runrecord
 from dynamod.core.errors import DaemonError, DynamodError
@@ -143,10 +144,7 @@ def up(
     except DaemonError:
         other = None
     if other is not None:
-        fail(
-            f"{describe_daemon(other)} already runs with state dir {state_dir}; "
-            "`dynamod status` shows it, `dynamod down` stops it"
-        )
+        _refuse_running(other, state_dir, stack, variables)
     if join_address is not None:
         stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
     resolved = load_stack(stack, state_dir, variables, node, claim_ports=True)
@@ -161,6 +159,38 @@ def up(
         resolved, state_dir, progress=True, metrics_addr=metrics_addr, run_id=run_id
     )
     sys.exit(code)
+
+
+def _refuse_running(
+    other: dict[str, Any], state_dir: Path, stack: str | None, variables: tuple[str, ...]
+) -> NoReturn:
+    """`up` while the stack runs: as it is, or, for its own file edited (or other --var
+    values), the diff and the way to apply it."""
+    running = f"{describe_daemon(other)} already runs with state dir {state_dir}"
+    path = stack_path(stack) if stack is not None else paths.resolve_stack_path(None).absolute()
+    if path == Path(str(other.get("stack_file"))):
+        from dynamod.core.spec import parse_var
+
+        try:
+            answer = Client(state_dir).apply(
+                path, dict(parse_var(v) for v in variables), dry_run=True
+            )
+        except BadInputError as exc:
+            fail(f"{running}, and {exc}", BAD_INPUT)
+        except DaemonError:
+            answer = None
+        if answer is not None and not answer["diff"]["empty"]:
+            shown = " ".join(f"{stack or path}" .split()) + "".join(
+                f" --var {v}" for v in variables
+            )
+            fail(
+                "\n".join([
+                    f"{running}; {path} differs from it:",
+                    *diff_lines(answer),
+                    f"`dynamod apply {shown}` applies the change (--dry-run shows it first)",
+                ])
+            )  # fmt: skip
+    fail(f"{running}; `dynamod status` shows it, `dynamod down` stops it")
 
 
 def _joined(
