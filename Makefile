@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu clean
 
 install:
 	./scripts/install.sh
@@ -56,6 +56,11 @@ test: install install-vllm
 # The issue's twenty rounds of five stacks started at once (CI runs 3 rounds of the same test).
 soak-side-by-side: install
 	DYNAMOD_SIDE_BY_SIDE_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stacks_side_by_side.py
+
+# `apply`/`scale` on the CPU-worker stack: a new shard replayed before it is routed, a removed
+# one drained before it stops (~35 s; the CI suite runs the same commands on test programs).
+test-apply-shards: install
+	DYNAMOD_TEST_APPLY_SHARDS=1 $(BIN)/pytest -q -ra tests/integration/test_apply.py
 
 bench: install
 	$(BIN)/python -m bench.run_all

@@ -10,17 +10,24 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 # The multi-node tests make network namespaces (ip, nsenter) and look at sockets and
-# certificates (ss, openssl): Debian's iproute2, util-linux and openssl, installed here
-# when missing and we may (root with apt-get); without them those tests skip, saying why.
+# certificates (ss, openssl): Debian's iproute2, util-linux and openssl; the status page's
+# test opens it in a real browser: Debian's chromium-headless-shell (chromium will do).
+# Installed here when missing and we may (root with apt-get); without them those tests
+# skip, saying why.
+apt_install() {  # PACKAGE...: where root with apt-get; a failure is a note, not an error
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
+    local apt=(apt-get install -y -q --no-install-recommends "$@")
+    "${apt[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt[@]}" >/dev/null; } \
+        || echo "note: apt-get could not install $*; the tests that need them will skip" >&2
+}
 missing=()
 for tool in ip:iproute2 ss:iproute2 nsenter:util-linux openssl:openssl; do
     command -v "${tool%%:*}" >/dev/null || missing+=("${tool##*:}")
 done
-if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt=(apt-get install -y -q --no-install-recommends "${missing[@]}")
-    "${apt[@]}" >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && "${apt[@]}" >/dev/null; } \
-        || echo "note: apt-get could not install ${missing[*]}; the multi-node tests will skip" >&2
-fi
+[ ${#missing[@]} -eq 0 ] || apt_install "${missing[@]}"
+# on its own: a distribution without this package still gets the tools above
+command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null \
+    || apt_install chromium-headless-shell
 pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # torch first and pinned, with pip: 2.13.0 is a CPU build on this machine's disk, which only
 # pip looks at (elsewhere it resolves to a CPU build too); anything else pulls CUDA. uv

@@ -3,13 +3,14 @@
 Extensions add behaviour around units without touching the engine: Dynamo lease
 revocation on worker death, shard admission and policy updates when the stack has a
 [policy] table, the node's cluster membership when it has a [cluster] table, sd_notify
-under systemd, metrics when asked for.
+under systemd, metrics and the status page when asked for.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from dynamod.chaos import report
 from dynamod.cluster.exposure import ExposureWatch
 from dynamod.cluster.membership import Membership
 from dynamod.cluster.secrets import load_etcd_auth
@@ -18,6 +19,7 @@ from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
 from dynamod.ops.sdnotify import SystemdNotifier
+from dynamod.ops.statuspage import StatusPage, WebSettings
 from dynamod.rollout import frontend_probe, tables
 from dynamod.rollout.policy import PolicyManager
 from dynamod.rollout.policy_table import policy_of
@@ -30,10 +32,13 @@ def _secrets_dir(stack: Stack) -> str | None:
     return getattr(cluster, "secrets", None) or None
 
 
-def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list[Extension]:
+def default_extensions(
+    stack: Stack, *, metrics_addr: str | None = None, web: WebSettings | None = None
+) -> list[Extension]:
     """Dynamo registrations and the exposure watch always (the former a no-op without
     Dynamo units); a cluster stack's secrets for its Dynamo units; the policy manager for a
-    stack with rollout shards; sd_notify when run under systemd; metrics when asked for."""
+    stack with rollout shards; sd_notify when run under systemd; metrics and the status
+    page when asked for."""
     tables.register()
     frontend_probe.register()
     secrets_dir = _secrets_dir(stack)
@@ -60,4 +65,6 @@ def default_extensions(stack: Stack, *, metrics_addr: str | None = None) -> list
         extensions.append(notifier)
     if metrics_addr:
         extensions.append(MetricsServer(metrics_addr))
+    if web is not None:
+        extensions.append(StatusPage(web, report.runs))
     return extensions

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,6 +20,9 @@ from dynamod.control import render
 from dynamod.control.cliutil import BAD_INPUT, fail
 from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError, DynamodError, StateDirError
+
+if TYPE_CHECKING:
+    from dynamod.ops.statuspage import WebSettings
 
 
 def describe_daemon(status: dict[str, Any]) -> str:
@@ -36,6 +39,7 @@ def run_daemon(
     progress: bool,
     run_id: str,
     metrics_addr: str | None = None,
+    web: WebSettings | None = None,
 ) -> int:
     """Run the daemon in this process until it stops; its exit status."""
     from dynamod.control.compose import default_extensions
@@ -48,7 +52,7 @@ def run_daemon(
         daemon = Daemon(
             stack=resolved,
             state=StateDir(state_dir),
-            extensions=default_extensions(resolved, metrics_addr=metrics_addr),
+            extensions=default_extensions(resolved, metrics_addr=metrics_addr, web=web),
             run_id=run_id,
         )
         printer = asyncio.ensure_future(_print_progress(daemon)) if progress else None
@@ -83,11 +87,18 @@ async def _print_progress(daemon: Any) -> None:
                 f"stack {status['stack']} ready in {time.monotonic() - started:.1f}s "
                 f"({len(status['units'])} units); Ctrl-C or `dynamod down` stops it"
             )
+            if status.get("web"):
+                click.echo(f"status page: {status['web']['url']}")
         await asyncio.sleep(0.25)
 
 
 def run_detached(
-    resolved: Any, state_dir: Path, timeout: float | None, metrics_addr: str | None, run_id: str
+    resolved: Any,
+    state_dir: Path,
+    timeout: float | None,
+    metrics_addr: str | None,
+    run_id: str,
+    web: WebSettings | None = None,
 ) -> int:
     """Fork the daemon off this process (it keeps the validated stack and the imports, so
     nothing is loaded twice), then follow its progress over the socket; 0 once the stack
@@ -96,7 +107,7 @@ def run_detached(
 
     log_path = state_dir / "daemon.log"
     log_start = log_path.stat().st_size if log_path.exists() else 0
-    pid = _fork_daemon(resolved, state_dir, log_path, metrics_addr, run_id)
+    pid = _fork_daemon(resolved, state_dir, log_path, metrics_addr, run_id, web)
     sdnotify.notify(f"MAINPID={pid}")
     click.echo(f"dynamod daemon pid {pid}, state dir {state_dir}, log {log_path}")
     forked = ForkedDaemon(Client(state_dir), state_dir, log_path, log_start, pid, run_id)
@@ -104,7 +115,12 @@ def run_detached(
 
 
 def _fork_daemon(
-    resolved: Any, state_dir: Path, log_path: Path, metrics_addr: str | None, run_id: str
+    resolved: Any,
+    state_dir: Path,
+    log_path: Path,
+    metrics_addr: str | None,
+    run_id: str,
+    web: WebSettings | None,
 ) -> int:
     """The child's pid; the child runs the daemon and never returns."""
     sys.stdout.flush()
@@ -116,7 +132,7 @@ def _fork_daemon(
     try:
         _become_daemon(log_path)
         code = run_daemon(
-            resolved, state_dir, progress=False, metrics_addr=metrics_addr, run_id=run_id
+            resolved, state_dir, progress=False, metrics_addr=metrics_addr, run_id=run_id, web=web
         )
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -184,6 +200,8 @@ class ForkedDaemon:
                     f"stack {status['stack']} ready in {time.monotonic() - started:.1f}s "
                     f"({len(status['units'])} units)"
                 )
+                if status.get("web"):
+                    click.echo(f"status page: {status['web']['url']}")
                 return 0
             if status["phase"] in {"failed", "stopping", "stopped"}:
                 return self.explain_exit(self._wait())

@@ -72,6 +72,8 @@ def status_table(status: Mapping[str, Any]) -> str:
     ]
     if status.get("containment"):
         out.append(f"containment: {status['containment']['summary']}")
+    if status.get("web"):
+        out.append(f"status page: {status['web']['url']}")
     guardian = status.get("guardian")
     if guardian and guardian.get("restarts"):
         out.append(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -31,7 +32,6 @@ from dynamod.core.logs import LogFile, OutputSink
 from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
-from dynamod.core.spec.diff import unit_fields
 from dynamod.core.state import ALLOWED, UnitState, check_transition
 from dynamod.core.status import EngineUnitStatus
 
@@ -777,11 +777,16 @@ class Engine:
 
     # ------------------------------------------------------------------ live changes
 
-    def adopt(self, stack: Stack) -> list[str]:
+    def adopt(self, stack: Stack, changed: Iterable[str] = ()) -> list[str]:
         """Take `stack` (the running one after `apply`) as the stack: units it no longer has
         must be stopped already and are dropped; units it adds get a record (started by
-        `start_added`); units in both keep theirs, and their spec unless the new one
-        differs (that is `replace`'s, one at a time). Returns the added names."""
+        `start_added`); units in both keep theirs and take the new spec, except the
+        `changed` ones (a change that restarts them): they keep the spec they run with, here
+        and in the stack, until `replace` gives them the new one (one at a time: an apply
+        cut short leaves a stack that says what runs). Returns the added names."""
+        keep = {n: self.units[n].spec for n in changed if n in self.units and n in stack.units}
+        if keep:
+            stack = dataclasses.replace(stack, units={**stack.units, **keep})
         added = [name for name in stack.order if name not in self.units]
         units: dict[str, Unit] = {}
         for name in stack.order:
@@ -791,8 +796,9 @@ class Engine:
                 path = self.state_dir / "logs" / f"{name}.log"
                 unit = Unit(spec=spec, sink=OutputSink(LogFile(path, max_bytes=self.log_max_bytes)),
                             log_path=path, tracker=RestartTracker(spec.restart))  # fmt: skip
-            elif not unit_fields(unit.spec, stack.units[name]):
+            elif name not in keep:
                 unit.spec = stack.units[name]
+                unit.tracker.spec = unit.spec.restart  # its count and backoff go on
             units[name] = unit
         for name, unit in self.units.items():
             if name not in units:
@@ -821,7 +827,7 @@ class Engine:
         unit = self.units[name]
         if unit.operator_stop is None:
             await self.stop_unit(unit, why=why)
-        unit.spec = spec
+        unit.spec = self.stack.units[name] = spec
         unit.tracker = RestartTracker(spec.restart)
         if unit.operator_stop is not None:
             return False

@@ -150,6 +150,39 @@ def read(state_dir: Path) -> tuple[list[dict[str, Any]], tuple[int, int] | None]
     return records, where
 
 
+def tail(state_dir: Path, count: int, *, chunk: int = 64 * 1024) -> list[dict[str, Any]]:
+    """The last `count` records, oldest first, read from the files' ends (the status page
+    asks for them every second: the whole file each time would be megabytes)."""
+    path = events_path(state_dir)
+    records: list[dict[str, Any]] = []
+    for part in (path, path.with_name(path.name + ".1")):
+        if len(records) >= count:
+            break
+        records = _last_records(part, count - len(records), chunk) + records
+    return records[-count:] if count > 0 else []
+
+
+def _last_records(path: Path, count: int, chunk: int) -> list[dict[str, Any]]:
+    try:
+        fh = path.open("rb")
+    except FileNotFoundError:
+        return []
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        start = size
+        while True:
+            start = max(0, start - chunk)
+            fh.seek(start)
+            data = fh.read(size - start)
+            lines = data.decode("utf-8", "replace").splitlines()
+            if start > 0:
+                lines = lines[1:]  # begun mid-line: that line is read whole next round
+            parsed = [r for r in map(parse_line, lines) if r is not None]
+            if len(parsed) >= count or start == 0:
+                return parsed[-count:]
+            chunk *= 2
+
+
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*(s|m|h|d)$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -53,6 +53,10 @@ class ExtensionHost(Protocol):
 
     def degraded_units(self) -> dict[str, str]: ...
 
+    def status(self) -> dict[str, Any]:
+        """What `dynamod status --json` answers: the stack and every unit's row."""
+        ...
+
     def extension_status(self, unit: Unit) -> ExtensionUnitStatus:
         """What every extension reports of `unit` (its row in `status`, less the engine's)."""
         ...

@@ -7,8 +7,10 @@ it would become, the diff, and the change applied with the least disruption.
   2. the engine adopts the new stack: added units start in dependency order and go the
      way of any start (a rollout shard is held, replayed to the current policy version and
      verified before it is admitted); the apply waits until they serve;
-  3. changed units, one at a time in start order: the same wait and drain, then a restart
-     with the new spec, then the wait until it serves again before the next one.
+  3. changed units: a change to what the process is started with (command, env, ports,
+     ...) restarts them one at a time in start order: the same wait and drain, then a
+     restart with the new spec, then the wait until it serves again before the next one.
+     Any other change (dependencies, probes, restart settings) is taken in place at step 2.
 
 A file that fails validation changes nothing (SpecErrors before step 1). Adding or removing
 a stack table ([policy]) or changing a [cluster] table is refused: the extensions that own
@@ -122,12 +124,15 @@ class Applier:
         deadline = time.monotonic() + self.timeout
         try:
             await self._remove(change.removed)
-            added = self.engine.adopt(new)
+            restarted = change.restarted()
+            added = self.engine.adopt(new, restarted)
+            if in_place := [n for n in change.changed if n not in restarted]:
+                self._did(f"updated {', '.join(in_place)} in place")
             if added:
                 self.engine.start_added(added)
                 await self.engine.wait_serving(added, max(deadline - time.monotonic(), 0.1))
                 self._did(f"started {', '.join(added)}")
-            for name in [n for n in new.order if n in change.changed]:
+            for name in [n for n in new.order if n in restarted]:
                 await self._replace(name, new, change.changed[name], deadline)
         except UnitFailed as exc:
             raise ApplyError(str(exc), self.done) from None

@@ -22,8 +22,6 @@ from the loop's thread.
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -34,11 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dynamod.core.errors import DaemonError, DynamodError
+from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.phase import Phase
 from dynamod.core.state import UnitState
 from dynamod.core.status import ExtensionUnitStatus
+from dynamod.ops.httpsite import Site
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -210,17 +209,8 @@ class MetricsServer(Extension):
 
     def __init__(self, address: str) -> None:
         host, port = parse_address(address)
-        try:
-            self.sock = socket.create_server(
-                (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
-            )
-        except OSError as exc:
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            raise DaemonError(
-                f"cannot serve metrics on {address}: {reason} "
-                "(is another process listening there? pick another --metrics-addr)"
-            ) from None
-        self.url = "http://{}:{}/metrics".format(*self.sock.getsockname()[:2])
+        self.site = Site(host, port, what="metrics", option="--metrics-addr")
+        self.url = f"{self.site.base_url}/metrics"
         self.registry = CollectorRegistry(auto_describe=True)
         self.recovery = RecoveryClock()
         self.probe_duration = Histogram(
@@ -230,7 +220,6 @@ class MetricsServer(Extension):
             buckets=_PROBE_BUCKETS,
             registry=self.registry,
         )
-        self._runner: web.AppRunner | None = None
 
     def on_probe(self, unit: Unit, probe: str, result: ProbeResult) -> None:
         outcome = "ok" if result.ok else "fail"
@@ -243,16 +232,11 @@ class MetricsServer(Extension):
         host.engine.probe_listeners.append(self.on_probe)
         app = web.Application()
         app.router.add_get("/metrics", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.SockSite(self._runner, self.sock).start()
+        await self.site.start(app)
         log.info("metrics.serving", url=self.url)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        self.sock.close()
+        await self.site.stop()
 
     async def _handle(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -137,3 +137,23 @@ def test_show_filters_by_unit_and_time_and_keeps_the_last_n(tmp_path: Path) -> N
     assert show(lines=50, unit="b@1", since=None) == [30]
     assert show(lines=50, unit=None, since=25) == [30, 40]
     assert show(lines=0, unit=None, since=None) == []
+
+
+def test_tail_reads_the_last_records_across_the_rotation_from_the_ends(tmp_path: Path) -> None:
+    log = ev.EventLog(ev.events_path(tmp_path), max_bytes=400)
+    for i in range(40):
+        log.emit("tick", "u", i=i)
+    everything = [r["i"] for r in ev.read(tmp_path)[0]]
+    live = [r["i"] for r in _lines(ev.events_path(tmp_path))]
+    for count in (1, len(live), len(live) + 2, 1000):  # a small chunk: several rounds back
+        assert [r["i"] for r in ev.tail(tmp_path, count, chunk=50)] == everything[-count:]
+    assert ev.tail(tmp_path, 0) == [] and ev.tail(tmp_path / "none", 5) == []
+
+
+def test_tail_skips_a_torn_last_line_and_a_line_cut_by_the_chunk(tmp_path: Path) -> None:
+    log = ev.EventLog(ev.events_path(tmp_path))
+    for kind in ("a", "b", "c"):
+        log.emit(kind, reason="x" * 30)
+    with ev.events_path(tmp_path).open("a") as fh:
+        fh.write('{"time": 1, "kind": "d"')
+    assert [r["kind"] for r in ev.tail(tmp_path, 2, chunk=40)] == ["b", "c"]

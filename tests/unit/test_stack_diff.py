@@ -99,6 +99,22 @@ def test_edited_command_env_and_removed_unit(tmp_path: Path) -> None:
     assert lines(removed, bases(running)) == ["- unit plain (plain@0)"]
 
 
+def test_dependencies_and_probes_change_in_place(tmp_path: Path) -> None:
+    text = BASE + """
+    [units.front]
+    command = ["f"]
+    depends_on = { worker = "started" }
+    ready = { kind = "tcp", port = 1, deadline = "{vars.workers}" }
+    """
+    running = load(tmp_path, text)
+    new = reread(tmp_path, running, text, workers=3)
+    change_ = diff(running, new)
+    assert change_.changed == {"front": ["depends_on", "ready"]} and change_.restarted() == []
+    assert "~ front: depends_on, ready changed (in place, no restart)" in lines(change_, {})
+    edited = diff(running, reread(tmp_path, running, text.replace('["f"]', '["g"]')))
+    assert edited.restarted() == ["front"]
+
+
 def test_description_alone_is_no_change(tmp_path: Path) -> None:
     running = load(tmp_path, BASE)
     new = reread(tmp_path, running, BASE.replace('command = ["p"]',

@@ -36,6 +36,7 @@ from dynamod.core.errors import DaemonError, DynamodError
 
 if TYPE_CHECKING:
     from dynamod.core.leftovers import Leftovers
+    from dynamod.ops.statuspage import WebSettings
 
 
 _metrics_option = click.option(
@@ -117,6 +118,20 @@ def check(
     help="With --detach: give up (and tear down) after this many seconds.",
 )
 @_metrics_option
+@click.option(
+    "--web",
+    "web_addr",
+    default=None,
+    metavar="HOST:PORT",
+    help="Serve a status page on this address (loopback; beyond it only with --web-token).",
+)
+@click.option(
+    "--web-token",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="A file whose first line is a token the status page asks of every request.",
+)
 @_node_option
 @click.option(
     "--join",
@@ -136,8 +151,11 @@ def up(
     timeout: float | None,
     node: str | None,
     join_address: str | None,
+    web_addr: str | None,
+    web_token: Path | None,
 ) -> None:
     """Start STACK (default: the local CPU rollout stack) and supervise it."""
+    web = _web_settings(web_addr, web_token)
     state_dir = state_dir_of(ctx, will_create=True)
     try:
         other = Client(state_dir).status()
@@ -154,11 +172,25 @@ def up(
     # The daemon we start carries this id; we only ever report on a daemon that has it.
     run_id = uuid.uuid4().hex[:16]
     if detach:
-        sys.exit(launch.run_detached(resolved, state_dir, timeout, metrics_addr, run_id))
+        sys.exit(launch.run_detached(resolved, state_dir, timeout, metrics_addr, run_id, web))
     code = launch.run_daemon(
-        resolved, state_dir, progress=True, metrics_addr=metrics_addr, run_id=run_id
+        resolved, state_dir, progress=True, metrics_addr=metrics_addr, run_id=run_id, web=web
     )
     sys.exit(code)
+
+
+def _web_settings(address: str | None, token_file: Path | None) -> WebSettings | None:
+    """`--web` and `--web-token`, refused with one line (exit 2) before anything starts."""
+    from dynamod.ops import statuspage
+
+    if address is None:
+        if token_file is not None:
+            fail("up: --web-token needs --web HOST:PORT", BAD_INPUT)
+        return None
+    try:
+        return statuspage.settings(address, token_file)
+    except DynamodError as exc:
+        fail(f"up --web: {exc}", BAD_INPUT)
 
 
 def _refuse_running(

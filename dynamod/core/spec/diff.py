@@ -4,7 +4,8 @@ or as JSON (`as_json`).
 
   added / removed   instances (`worker@2`) that only one side has
   changed           instance -> the fields of its spec that differ (command, env, ports, ready,
-                    ...): the instance is restarted with the new spec
+                    ...): restarted with the new spec if one is a RESTART_FIELD, else the
+                    new spec is taken in place
   replicas          base unit -> (old count, new count), where the count differs
   vars              variable -> (old, new) (None: the side that does not have it)
   tables            stack table (`policy`) -> field -> (old, new)
@@ -23,6 +24,10 @@ from dynamod.core.spec.models import SpecModel, UnitSpec
 from dynamod.core.spec.stack import Stack
 
 _IGNORED = frozenset({"name", "index", "source", "description", "install_hint"})
+# What the process itself is started with: a change restarts the unit. The rest (its
+# dependencies, probes, restart and stop settings, tables) is dynamod's own business and
+# changes in place, taking effect where it is next used (a probe: at the next start).
+RESTART_FIELDS = frozenset({"command", "env", "cwd", "ports", "type", "remote"})
 _SHOWN = 60  # characters of one value in a line
 
 
@@ -34,6 +39,10 @@ class StackDiff:
     replicas: dict[str, tuple[int, int]] = field(default_factory=dict)
     vars: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     tables: dict[str, dict[str, tuple[Any, Any]]] = field(default_factory=dict)
+
+    def restarted(self) -> list[str]:
+        """The changed instances that a change restarts (in the order they changed)."""
+        return [n for n, fields in self.changed.items() if RESTART_FIELDS.intersection(fields)]
 
     @property
     def empty(self) -> bool:
@@ -156,7 +165,8 @@ def lines(change: StackDiff, bases: Mapping[str, str]) -> list[str]:
             moves = [f"+{n}" for n in plus] + [f"-{n}" for n in minus]
             out.append(f"~ {unit}: {what} ({', '.join(moves)})")
     for differ, names in _group_changed(change.changed).items():
-        out.append(f"~ {', '.join(names)}: {', '.join(differ)} changed (restarted)")
+        how = "restarted" if RESTART_FIELDS.intersection(differ) else "in place, no restart"
+        out.append(f"~ {', '.join(names)}: {', '.join(differ)} changed ({how})")
     for name, (old, new) in change.vars.items():
         out.append(f"~ var {name}: {_shown(old)} -> {_shown(new)}")
     for key, fields in change.tables.items():
