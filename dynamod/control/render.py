@@ -95,9 +95,26 @@ def status_table(status: Mapping[str, Any]) -> str:
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
+    out += limits_lines(units)
     if status.get("cluster"):
         out += cluster_tree(status["cluster"])
     return "\n".join(out)
+
+
+def limits_lines(units: Sequence[UnitStatus]) -> list[str]:
+    """Each unit with limits: every limit with how this host enforces it, and its OOM kills."""
+    out = []
+    for unit in units:
+        limits = unit.get("limits")
+        if not limits:
+            continue
+        ooms = limits["oom_kills"]
+        out.append(
+            f"limits {unit['name']} ({limits['mechanism']}): "
+            + "; ".join(f"{name} {how}" for name, how in limits["limits"].items())
+            + (f"; OOM-killed {ooms} time(s)" if ooms else "")
+        )
+    return out
 
 
 def cluster_tree(cluster: Mapping[str, Any]) -> list[str]:

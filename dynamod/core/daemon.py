@@ -127,6 +127,7 @@ class Daemon:
     _down_result: asyncio.Future[dict[str, Any]] | None = None
     on_phase: list[Callable[[Phase], None]] = field(default_factory=list)
     containment: cgroups.Containment | None = None
+    units_host: process.OsHost | None = None  # the engine's, kept for the teardown
     guardian: Guardianship | None = None
     swept: leftovers.Leftovers | None = None  # what a dead previous run had left
     events: EventLog = field(init=False)  # the events file `dynamod events` reads
@@ -350,7 +351,7 @@ class Daemon:
                 self.stack,
                 state_dir=self.state.path,
                 run_id=self.run_id,
-                host=process.OsHost(self.run_id, reaper, self.containment),
+                host=self._units_host(reaper),
                 session=session,
                 hooks=[],
             )
@@ -387,6 +388,10 @@ class Daemon:
             self.state.release()
             self.set_phase(Phase.STOPPED)
         return exit_code
+
+    def _units_host(self, reaper: process.Reaper) -> process.OsHost:
+        self.units_host = process.OsHost(self.run_id, reaper, self.containment)
+        return self.units_host
 
     def _write_run(self, guardian_pid: int | None) -> None:
         """run.json: what a later `up` or `down` needs to sweep this run if we die."""
@@ -460,6 +465,9 @@ class Daemon:
             keep=frozenset({guardian} if guardian else set()),
         )
         survivors = sorted(set(survivors) | set(swept.survivors))
+        if self.units_host is not None:
+            for path in self.units_host.enforcer.remove_all():  # v1 cgroups of `limits`
+                log.error("limits.cgroup_left", path=str(path))
         # Every unit's private TMPDIR (engines' socket files, per-start JSON files) goes
         # with its processes: `down` leaves no file behind outside the state dir.
         left_files = unittmp.remove_all(self.state.path)

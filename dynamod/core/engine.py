@@ -78,6 +78,8 @@ class Unit:
     recorded: tuple[Process | None, Decision, float] | None = None
     # held stopped by an operator: (who, monotonic since); no restart until released
     operator_stop: tuple[str, float] | None = None
+    last_oom: exits.OomKill | None = None  # the last exit was the kernel's OOM killer's
+    oom_kills: int = 0  # exits by the OOM killer, over the daemon's run
 
     @property
     def name(self) -> str:
@@ -373,6 +375,7 @@ class Engine:
         """The restart decision for this exit, and the transition it makes."""
         exited_at = time.monotonic()
         unit.last_exit = exit
+        unit.last_oom = self._oom_kill(unit, exit)
         unit.hold_reason = None
         was_ready = unit.ready_at is not None
         if not was_ready and unit.spec.type != "oneshot" and unit.failure_hint is None:
@@ -385,11 +388,25 @@ class Engine:
                 now=exited_at,
                 away=self._away(unit),
                 hint=unit.failure_hint,
+                oom=unit.last_oom,
             ),
             unit.tracker,
         )
         self.transition(unit, outcome.state, outcome.detail)
         return outcome.decision, exited_at
+
+    def _oom_kill(self, unit: Unit, exit: Exit) -> exits.OomKill | None:
+        """Whether the kernel's OOM killer ended the unit (read before its cgroups go)."""
+        if exit.signal != signal.SIGKILL:
+            return None
+        plan = self.host.limits(unit.name)
+        limit = plan.memory_max_words() if plan is not None else None
+        oom = exits.oom_kill(exit, self.host.oom_kills(unit.name), limit)
+        if oom is not None:
+            unit.oom_kills += 1
+            log.warning("unit.oom_killed", unit=unit.name, limit=limit,
+                        pid=unit.child.pid if unit.child else None)  # fmt: skip
+        return oom
 
     async def _run_once(self, unit: Unit) -> Exit | None:
         """Spawn, wait for readiness, watch. The exit, or None if it could not spawn."""
@@ -490,6 +507,7 @@ class Engine:
                     env=env,
                     cwd=Path(spec.cwd) if spec.cwd else None,
                     on_exit=lambda c, exit: self._exited(unit, c, exit),
+                    limits=spec.limits,
                 )
             )
             while not spawning.done():
@@ -727,7 +745,7 @@ class Engine:
         if result.killed:
             self.killed.setdefault(unit.name, []).extend(result.killed)
         exit = await child.wait()
-        unit.last_exit = exit
+        unit.last_exit, unit.last_oom = exit, None
         for hook in self.hooks:  # e.g. revoke a registration the unit did not remove itself
             await hook.on_exit(unit, exit)
         took = time.monotonic() - started
@@ -877,7 +895,10 @@ class Engine:
                     "uptime_s": round(now - child.started_at, 3) if alive and child else None,
                     "restarts": unit.tracker.total,
                     "starts": unit.starts,
-                    "last_exit": unit.last_exit.describe() if unit.last_exit else None,
+                    "last_exit": (
+                        exits.describe_exit(unit.last_exit, unit.last_oom)
+                        if unit.last_exit else None
+                    ),
                     "detail": self._current_detail(unit, now),
                     "log_dropped_bytes": unit.sink.logfile.dropped_bytes,
                     "log_drop_reason": unit.sink.logfile.drop_reason,
@@ -895,6 +916,10 @@ class Engine:
                         {"by": unit.operator_stop[0],
                          "since_s": round(now - unit.operator_stop[1], 3)}
                         if unit.operator_stop else None
+                    ),
+                    "limits": (
+                        plan.status(unit.oom_kills)
+                        if (plan := self.host.limits(unit.name)) is not None else None
                     ),
                 }
             )

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from dynamod.core.errors import DynamodError
+from dynamod.core.exits import describe_exit
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Unit
@@ -89,11 +90,17 @@ class EventLog:
 
 
 def watch_units(events: EventLog) -> Callable[[Unit, UnitState, UnitState], None]:
-    """An engine listener that records each unit's state change with its reason, and each
-    decided restart with the exit that caused it and the delay before it."""
+    """An engine listener that records each unit's state change with its reason, each
+    decided restart with the exit that caused it and the delay before it, and each exit
+    by the kernel's OOM killer with the unit's memory limit."""
     counted: dict[str, int] = {}  # unit -> restarts already recorded
+    ooms: dict[str, int] = {}  # unit -> OOM kills already recorded
 
     def listener(unit: Unit, old: UnitState, new: UnitState) -> None:
+        if unit.oom_kills > ooms.get(unit.name, 0) and unit.last_oom is not None:
+            ooms[unit.name] = unit.oom_kills
+            events.emit("oom_kill", unit.name, limit=unit.last_oom.limit,
+                        oom_kills=unit.oom_kills)  # fmt: skip
         events.emit("state", unit.name, **{"from": str(old), "to": str(new),
                                            "reason": unit.detail})  # fmt: skip
         decision, total = unit.tracker.last, unit.tracker.total
@@ -102,7 +109,7 @@ def watch_units(events: EventLog) -> Callable[[Unit, UnitState, UnitState], None
             events.emit(
                 "restart",
                 unit.name,
-                exit=unit.last_exit.describe() if unit.last_exit else None,
+                exit=describe_exit(unit.last_exit, unit.last_oom) if unit.last_exit else None,
                 delay_s=round(decision.delay, 3),
                 restarts=unit.tracker.total,
                 reason=decision.reason,
@@ -217,6 +224,9 @@ def describe(event: Mapping[str, Any]) -> str:
     fields = {k: v for k, v in event.items() if k not in RESERVED}
     if kind == "state":
         head = f"{fields.pop('from', '?')} -> {fields.pop('to', '?')}"
+    elif kind == "oom_kill":
+        limit = fields.pop("limit", None)
+        head = "killed by the kernel's OOM killer" + (f" ({limit})" if limit else "")
     elif kind == "restart":
         head = f"restart #{fields.pop('restarts', '?')} in {fields.pop('delay_s', '?')}s"
         fields.pop("reason", None)  # "restarting in N s": the head says it

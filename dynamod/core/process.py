@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -34,7 +35,7 @@ from typing import Protocol
 
 import structlog
 
-from dynamod.core import cgroups, ports, proctable
+from dynamod.core import cgroups, enforce, ports, proctable
 from dynamod.core.logs import OutputSink
 from dynamod.core.proctable import (
     MARK_RUN,
@@ -46,7 +47,9 @@ from dynamod.core.proctable import (
     marked_pids,
     start_time,
 )
+from dynamod.core.resources import Confinement, Plan
 from dynamod.core.restart import Exit
+from dynamod.core.spec.models import LimitsSpec
 
 log = structlog.get_logger("dynamod.core.process")
 
@@ -275,11 +278,16 @@ def block_child_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
 
 
-def _child_setup(parent_pid: int, cgroup_fd: int | None) -> None:  # between fork and exec
-    # a child forked by the spawner thread inherits its mask: start it as the loop would
+def _child_setup(parent_pid: int, cgroup_fds: Sequence[int], confine: Confinement) -> None:
+    # between fork and exec. A child forked by the spawner thread inherits its mask:
+    # start it as the loop would.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
-    if cgroup_fd is not None:  # "0" moves the writer: the unit starts inside its cgroup
-        os.write(cgroup_fd, b"0")
+    for fd in cgroup_fds:  # "0" moves the writer: the unit starts inside its cgroups
+        os.write(fd, b"0")
+    for which, value in confine.rlimits:  # limits no cgroup controller could carry
+        resource.setrlimit(which, (value, value))
+    if confine.cpus is not None:
+        os.sched_setaffinity(0, confine.cpus)
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(137)
@@ -292,16 +300,22 @@ def _popen(
     stdout_fd: int | None,
     cgroup: Path | None,
     parent: int,
+    confine: Confinement | None = None,
 ) -> tuple[int, int | None]:
-    """fork+exec argv in a new session with PDEATHSIG (inside `cgroup` if given); returns
-    its pid and kernel start time. Blocking: it returns once the child has exec'd."""
-    cgroup_fd = None
-    if cgroup is not None:
-        try:
-            cgroup_fd = os.open(cgroup / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise OSError(exc.errno, f"cannot enter cgroup {cgroup}: {exc.strerror}") from exc
+    """fork+exec argv in a new session with PDEATHSIG (inside `cgroup` and the cgroups of
+    `confine`, with its rlimits and CPUs); returns its pid and kernel start time.
+    Blocking: it returns once the child has exec'd."""
+    confine = confine or Confinement()
+    procs = ([cgroup / "cgroup.procs"] if cgroup is not None else []) + list(confine.procs_files)
+    fds: list[int] = []
     try:
+        for path in procs:
+            try:
+                fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            except OSError as exc:
+                raise OSError(
+                    exc.errno, f"cannot enter cgroup {path.parent}: {exc.strerror}"
+                ) from exc
         proc = subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -310,14 +324,15 @@ def _popen(
             stdout=stdout_fd if stdout_fd is not None else subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=lambda: _child_setup(parent, cgroup_fd),
+            preexec_fn=functools.partial(_child_setup, parent, fds, confine),
             close_fds=True,
         )
-    except subprocess.SubprocessError as exc:  # the cgroup write in the child failed
-        raise OSError(0, f"cannot move the new process into cgroup {cgroup}: {exc}") from exc
+    except subprocess.SubprocessError as exc:  # a cgroup write or a limit in the child failed
+        where = ", ".join(str(p.parent) for p in procs) or "its limits"
+        raise OSError(0, f"cannot confine the new process ({where}): {exc}") from exc
     finally:
-        if cgroup_fd is not None:
-            os.close(cgroup_fd)
+        for fd in fds:
+            os.close(fd)
     proc.returncode = 0  # the Reaper owns waiting; stop Popen from ever calling waitpid
     return proc.pid, start_time(proc.pid)
 
@@ -381,6 +396,7 @@ class Spawner:
         stdout_fd: int | None = None,
         cgroup: Path | None = None,
         on_exit: Callable[[Child, Exit], None] | None = None,
+        confine: Confinement | None = None,
     ) -> Child:
         """Like `spawn`, without blocking the loop. Run it as a task of its own and
         shield it: cancelled while the thread forks, the child would exist unwatched."""
@@ -391,7 +407,9 @@ class Spawner:
         reaper.spawn_began()
         try:
             pid, ticks = await asyncio.wrap_future(
-                self._pool.submit(_popen, argv, env, cwd, stdout_fd, cgroup, os.getpid())
+                self._pool.submit(
+                    _popen, argv, env, cwd, stdout_fd, cgroup, os.getpid(), confine
+                )
             )
             return _child(reaper, pid, ticks, on_exit)
         finally:
@@ -677,11 +695,19 @@ class ProcessHost(Protocol):
 
     async def spawn(
         self, unit: str, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path | None,
-        on_exit: OnExit,
+        on_exit: OnExit, limits: LimitsSpec | None = None,
     ) -> Child:
-        """Start the unit's main process, its output on a pipe (`Child.output`). Raises
-        OSError or CgroupError if it cannot. `on_exit` is called in the step that reaps
-        it, before anyone awaiting `Child.exited` wakes."""
+        """Start the unit's main process, its output on a pipe (`Child.output`), under
+        `limits`. Raises OSError or CgroupError if it cannot. `on_exit` is called in the
+        step that reaps it, before anyone awaiting `Child.exited` wakes."""
+        ...
+
+    def limits(self, unit: str) -> Plan | None:
+        """How the unit's limits are enforced since its last spawn; None without limits."""
+        ...
+
+    def oom_kills(self, unit: str) -> int:
+        """OOM kills in the unit's memory cgroup since its last spawn (0 where unknown)."""
         ...
 
     def attach_output(self, child: Child, sink: OutputSink) -> None:
@@ -733,6 +759,7 @@ class OsHost:
         self._reaper = reaper
         self.containment = containment or cgroups.Containment(cgroups.Kind.PGROUP, None)
         self.spawner = spawner or Spawner()
+        self.enforcer = enforce.Enforcer(run_id, self.containment)
         self._ports: ports.PortAllocator | None = None  # made when a port first moves
 
     @property
@@ -747,16 +774,17 @@ class OsHost:
 
     async def spawn(
         self, unit: str, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path | None,
-        on_exit: OnExit,
+        on_exit: OnExit, limits: LimitsSpec | None = None,
     ) -> Child:
         read_fd, write_fd = os.pipe()
         try:
             cgroup = self.cgroup(unit)
             if cgroup is not None:
                 cgroups.make(cgroup)
+            confine = self.enforcer.prepare(unit, limits)
             child = await self.spawner.spawn(
                 self._reaper, argv, env=env, cwd=cwd, stdout_fd=write_fd, cgroup=cgroup,
-                on_exit=on_exit,
+                on_exit=on_exit, confine=confine,
             )
         except BaseException:
             os.close(read_fd)
@@ -775,7 +803,16 @@ class OsHost:
         kill_group_now(child.pid)
 
     async def stop_tree(self, unit: str, child: Child, *, sig: int, timeout: float) -> TreeStopped:
-        return await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
+        stopped = await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
+        if not stopped.survivors:
+            self.enforcer.release(unit)
+        return stopped
+
+    def limits(self, unit: str) -> Plan | None:
+        return self.enforcer.plans.get(unit)
+
+    def oom_kills(self, unit: str) -> int:
+        return self.enforcer.oom_kills(unit)
 
     def _tree(self, unit: str, child: Child) -> Tree:
         return Tree(

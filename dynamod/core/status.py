@@ -49,6 +49,14 @@ class OperatorStop(TypedDict):
     since_s: float
 
 
+class LimitsStatus(TypedDict):
+    """`limits`: a unit's limits, how each is enforced here, OOM kills (core/resources.py)."""
+
+    mechanism: str  # the mechanisms in use, e.g. "cgroup v1" or "cgroup v1 + rlimit"
+    limits: dict[str, str]  # limit -> "64M via cgroup v1 memory.limit_in_bytes"
+    oom_kills: int  # exits by the kernel's OOM killer over the daemon's run
+
+
 class EngineUnitStatus(TypedDict):
     name: str
     unit: str
@@ -69,6 +77,7 @@ class EngineUnitStatus(TypedDict):
     explain: str | None  # why a unit that keeps failing fails: its telling log lines
     command: list[str]
     operator_stop: OperatorStop | None  # held stopped by `dynamod stop` until `start`
+    limits: LimitsStatus | None  # set by the unit's `limits` table
 
 
 class ExtensionUnitStatus(TypedDict, total=False):

@@ -11,6 +11,7 @@ from the loop's thread.
   dynamod_stack_degraded_unit{stack,unit,state,reason}   1 per unit keeping it degraded
   dynamod_unit_state{unit,state}                1 for the unit's current state, else 0
   dynamod_unit_restarts_total{unit}             restarts decided by the restart policy
+  dynamod_unit_oom_kills_total{unit}            exits by the kernel's OOM killer
   dynamod_unit_last_recovery_seconds{unit}      last failure/exit -> ready again
   dynamod_probe_duration_seconds{unit,probe,result}   readiness/liveness probe latency
   dynamod_shards_held                           rollout shards held out of routing
@@ -146,6 +147,11 @@ class StackCollector(Collector):
             "Restarts decided by the unit's restart policy",
             labels=["unit"],
         )
+        oom_kills = CounterMetricFamily(
+            "dynamod_unit_oom_kills",
+            "Exits of the unit by the kernel's OOM killer (its memory limit reached)",
+            labels=["unit"],
+        )
         recovery = GaugeMetricFamily(
             "dynamod_unit_last_recovery_seconds",
             "Seconds from the unit's last failure or exit until it was ready again",
@@ -155,10 +161,12 @@ class StackCollector(Collector):
             for each_state in UnitState:
                 state.add_metric([unit.name, each_state], 1.0 if unit.state is each_state else 0.0)
             restarts.add_metric([unit.name], unit.tracker.total)
+            oom_kills.add_metric([unit.name], unit.oom_kills)
             if unit.name in self.recovery.last:
                 recovery.add_metric([unit.name], self.recovery.last[unit.name])
         yield state
         yield restarts
+        yield oom_kills
         yield recovery
 
     def _shard_families(self, units: list[Unit]) -> Iterator[Metric]:

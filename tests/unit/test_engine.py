@@ -24,7 +24,9 @@ from dynamod.core import spec
 from dynamod.core.engine import Engine, Unit, UnitHooks
 from dynamod.core.logs import OutputSink
 from dynamod.core.process import Child, OnExit, Reaper, TreeStopped
+from dynamod.core.resources import Plan
 from dynamod.core.restart import Exit
+from dynamod.core.spec.models import LimitsSpec
 from dynamod.core.state import UnitState
 
 S = UnitState
@@ -61,6 +63,7 @@ class FakeHost:
         env: Mapping[str, str],
         cwd: Path | None,
         on_exit: OnExit,
+        limits: LimitsSpec | None = None,
     ) -> Child:
         if self.spawn_gate is not None:
             await self.spawn_gate.wait()
@@ -86,6 +89,12 @@ class FakeHost:
 
     def unit_pids(self, unit: str, child: Child) -> set[int]:
         return {child.pid}
+
+    def limits(self, unit: str) -> Plan | None:
+        return None
+
+    def oom_kills(self, unit: str) -> int:
+        return 0
 
     def port_in_use(self, port: int) -> bool:
         return port in self.ports_taken

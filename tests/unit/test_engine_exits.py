@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from dynamod.core.exits import ExitFacts, before_ready_hint, decide_exit, premature
+from dynamod.core.exits import (
+    ExitFacts,
+    OomKill,
+    before_ready_hint,
+    decide_exit,
+    describe_exit,
+    oom_kill,
+    premature,
+)
 from dynamod.core.restart import Exit, RestartTracker
 from dynamod.core.spec import RestartSpec, UnitSpec
 from dynamod.core.state import UnitState
@@ -100,3 +108,38 @@ def test_backoff_counts_and_the_limit_fails() -> None:
         "exited with status 1 (oom); restart limit reached: 2 restarts within 60s (limit_burst=2)"
     )
     assert t.total == 2
+
+
+# --------------------------------------------------------------------------- OOM kills
+
+KILLED = Exit(code=None, signal=9)
+
+
+def test_a_sigkill_with_an_oom_kill_counted_is_named_with_its_limit() -> None:
+    oom = oom_kill(KILLED, kills=1, limit="memory_max 64M")
+    assert oom == OomKill("memory_max 64M")
+    outcome = decide_exit(
+        ExitFacts(KILLED, premature=True, uptime=5, now=100, oom=oom), tracker(limit_burst=1)
+    )
+    assert outcome.state is UnitState.BACKOFF
+    assert outcome.detail.startswith("killed by the kernel's OOM killer (memory_max 64M); ")
+    assert describe_exit(KILLED, OomKill(None)) == "killed by the kernel's OOM killer"
+
+
+def test_an_operators_kill_9_is_not_an_oom_kill_and_keeps_its_words() -> None:
+    t = tracker(limit_burst=1)
+    decide_exit(ExitFacts(KILLED, premature=True, uptime=5, now=100), t)
+    assert oom_kill(KILLED, kills=0, limit="memory_max 64M") is None  # nothing counted
+    outcome = decide_exit(
+        ExitFacts(KILLED, premature=True, uptime=5, now=101,
+                  oom=oom_kill(KILLED, kills=0, limit="memory_max 64M")),
+        t,
+    )  # fmt: skip
+    assert outcome.state is UnitState.FAILED
+    assert outcome.detail.startswith("killed by SIGKILL; restart limit reached")
+
+
+@pytest.mark.parametrize("exit", [FAIL, OK, Exit(code=None, signal=15)])
+def test_only_a_sigkill_is_taken_for_the_oom_killer(exit: Exit) -> None:
+    # a child of the unit OOM-killed while the main process exits otherwise: its own words
+    assert oom_kill(exit, kills=2, limit="memory_max 64M") is None

@@ -13,7 +13,8 @@ import pytest
 
 from dynamod.control.commands import events as cmd
 from dynamod.core import events as ev
-from dynamod.core.restart import Decision
+from dynamod.core.exits import OomKill
+from dynamod.core.restart import Decision, Exit
 from dynamod.core.state import UnitState
 
 
@@ -103,7 +104,8 @@ def test_a_write_that_fails_loses_the_event_and_raises_nothing(tmp_path: Path) -
 def test_unit_listener_records_transitions_and_each_restart_once(tmp_path: Path) -> None:
     log = ev.EventLog(ev.events_path(tmp_path))
     tracker = SimpleNamespace(last=None, total=0)
-    unit = SimpleNamespace(name="w", detail="spawned pid 7", tracker=tracker, last_exit=None)
+    unit = SimpleNamespace(name="w", detail="spawned pid 7", tracker=tracker, last_exit=None,
+                           last_oom=None, oom_kills=0)  # fmt: skip
     listener = ev.watch_units(log)
     listener(unit, UnitState.INACTIVE, UnitState.STARTING)  # type: ignore[arg-type]
     tracker.last, tracker.total = Decision(True, 0.5, "restarting in 0.50s"), 1
@@ -117,6 +119,24 @@ def test_unit_listener_records_transitions_and_each_restart_once(tmp_path: Path)
         ("state", "starting"), ("state", "backoff"), ("restart", None), ("state", "backoff")]
     assert got[2]["delay_s"] == 0.5 and got[2]["exit"] == "killed by SIGKILL"
     assert got[2]["restarts"] == 1
+
+
+def test_an_oom_kill_is_recorded_once_with_its_limit_and_names_the_restart(
+    tmp_path: Path,
+) -> None:
+    log = ev.EventLog(ev.events_path(tmp_path))
+    tracker = SimpleNamespace(last=Decision(True, 0.1, "restarting"), total=1)
+    unit = SimpleNamespace(name="w", detail="killed by the kernel's OOM killer (memory_max 64M)",
+                           tracker=tracker, last_exit=Exit(code=None, signal=9),
+                           last_oom=OomKill("memory_max 64M"), oom_kills=1)  # fmt: skip
+    listener = ev.watch_units(log)
+    listener(unit, UnitState.READY, UnitState.BACKOFF)  # type: ignore[arg-type]
+    listener(unit, UnitState.BACKOFF, UnitState.STARTING)  # type: ignore[arg-type]
+    got = _lines(ev.events_path(tmp_path))
+    assert [r["kind"] for r in got] == ["oom_kill", "state", "restart", "state"]
+    assert got[0]["limit"] == "memory_max 64M" and got[0]["oom_kills"] == 1
+    assert got[2]["exit"] == "killed by the kernel's OOM killer (memory_max 64M)"
+    assert "killed by the kernel's OOM killer (memory_max 64M)" in ev.describe(got[0])
 
 
 def test_show_filters_by_unit_and_time_and_keeps_the_last_n(tmp_path: Path) -> None:

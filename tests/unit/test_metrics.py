@@ -96,6 +96,7 @@ def test_spare_gauges_and_promotions_read_from_the_units() -> None:
             spec=SimpleNamespace(tables={"dynamo": object()}),
             tracker=SimpleNamespace(total=0),
             hold_reason=None,
+            oom_kills=2 if name == "worker@3" else 0,
         )
 
     units = [
@@ -121,3 +122,5 @@ def test_spare_gauges_and_promotions_read_from_the_units() -> None:
     assert samples[("dynamod_spare_promotions_total", (("reason", "exit"),))] == 3
     assert samples[("dynamod_spare_promotions_total", (("reason", "verification"),))] == 1
     assert samples[("dynamod_spare_promotions_total", (("reason", "lost"),))] == 0
+    assert samples[("dynamod_unit_oom_kills_total", (("unit", "worker@3"),))] == 2
+    assert samples[("dynamod_unit_oom_kills_total", (("unit", "worker@0"),))] == 0

@@ -10,15 +10,18 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializeAsAny,
+    ValidationInfo,
     WrapValidator,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from dynamod.core import limits
+from dynamod.core.spec import quantities
 
 
 class Condition(StrEnum):
@@ -229,6 +232,63 @@ class StopSpec(SpecModel):
         return _signal.Signals[self.signal]
 
 
+Size = Annotated[
+    int, BeforeValidator(quantities.parse_size),
+    Field(ge=quantities.MIN_MEMORY, le=quantities.MAX_MEMORY),
+]
+Percent = Annotated[
+    float, BeforeValidator(quantities.parse_percent), Field(ge=1, le=quantities.MAX_CPUS * 100)
+]
+CpuList = Annotated[str, BeforeValidator(quantities.cpuset)]
+
+
+class LimitsSpec(SpecModel):
+    """A unit's `limits` table, named as systemd's resource control names them (MemoryMax=,
+    MemoryHigh=, CPUWeight=, CPUQuota=, AllowedCPUs=, TasksMax=); each one unset is not
+    limited. How the host enforces them is core/resources.py's.
+
+        limits = { memory_max = "2G", memory_high = "1.5G", cpu_weight = 100,
+                   cpu_quota = "150%", cpuset = "0-1", pids_max = 512 }
+    """
+
+    memory_max: Size | None = Field(None, description="hard memory limit; past it: OOM kill")
+    memory_high: Size | None = Field(
+        None, description="memory above which the unit is throttled and reclaimed first"
+    )
+    cpu_weight: int | None = Field(
+        None, ge=1, le=10000, description="relative CPU share (100 is the default)"
+    )
+    cpu_quota: Percent | None = Field(None, description='CPU time cap, "150%" = 1.5 CPUs')
+    cpuset: CpuList | None = Field(None, description='the CPUs it may run on, e.g. "0-1"')
+    pids_max: int | None = Field(None, ge=1, le=4194304, description="processes and threads")
+
+    @field_validator("memory_high")
+    @classmethod
+    def _high_below_max(cls, high: int | None, info: ValidationInfo) -> int | None:
+        top = info.data.get("memory_max")
+        if high is not None and top is not None and high > top:
+            raise ValueError(
+                f"memory_high {quantities.size_text(high)} is above memory_max "
+                f"{quantities.size_text(top)}"
+            )
+        return high
+
+    def words(self) -> dict[str, str]:
+        """Each limit set, as a person would write it: {"memory_max": "64M", ...}."""
+        out: dict[str, str] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if name.startswith("memory_"):
+                out[name] = quantities.size_text(value)
+            elif name == "cpu_quota":
+                out[name] = f"{value:g}%"
+            else:
+                out[name] = str(value)
+        return out
+
+
 class UnitSpec(SpecModel):
     """One runnable instance, fully rendered. Replicas become `NAME@i` instances."""
 
@@ -247,6 +307,9 @@ class UnitSpec(SpecModel):
     live: Probe | None = None
     restart: RestartSpec = RestartSpec()
     stop: StopSpec = StopSpec()
+    limits: LimitsSpec | None = Field(
+        None, description="memory, CPU, CPU set and process limits (core/resources.py)"
+    )
     install_hint: str | None = None
     preflight: list[str] | None = Field(
         None,
