@@ -220,6 +220,8 @@ def _detail(unit: UnitStatus) -> str:
     detail = unit.get("detail") or ""
     if detail:
         parts.append(detail.splitlines()[0][:120])
+    if unit.get("cause"):
+        parts.append(f"cause: {unit.get('cause')}")
     return "  ".join(parts)
 
 

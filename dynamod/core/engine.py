@@ -74,6 +74,7 @@ class Unit:
     attempt_since: float | None = None  # a probe attempt is in flight since then
     attempt_what: str = ""  # that attempt, in words
     failure_hint: str | None = None  # why its last run ended early, added to its exit's line
+    cause: str | None = None  # its own words for its last failed exit, until it is ready again
     # (child, decision, when) as recorded at reap time for that child's exit
     recorded: tuple[Process | None, Decision, float] | None = None
     # held stopped by an operator: (who, monotonic since); no restart until released
@@ -169,6 +170,8 @@ class Engine:
         check_transition(unit.name, old, new)
         unit.state = new
         unit.state_since = time.monotonic()
+        if new is UnitState.READY:
+            unit.cause = None
         if detail is not None:
             unit.detail = detail
         log.info("unit.state", unit=unit.name, old=str(old), new=str(new), detail=unit.detail)
@@ -222,6 +225,8 @@ class Engine:
             failed = [u for u in self.units.values() if u.state is UnitState.FAILED]
             if failed:
                 unit = failed[0]
+                await unit.sink.drain(timeout=0.5)  # its last lines may name the cause
+                unit.cause = unit.cause or unit.sink.cause()
                 raise UnitFailed(unit.name, self.explain(unit))
             if self.all_up():
                 return
@@ -230,7 +235,11 @@ class Engine:
             await self.changed()
 
     def explain(self, unit: Unit) -> str:
-        lines = [unit.detail, f"log: {unit.log_path}"]
+        lines = [unit.detail]
+        cause = unit.cause or unit.sink.cause()
+        if cause:
+            lines.append(f"its own cause: {cause}")
+        lines.append(f"log: {unit.log_path}")
         earlier, tail = unit.sink.telling(12)
         if earlier:
             lines.append("earlier lines that say what went wrong:")
@@ -325,6 +334,8 @@ class Engine:
                 await hook.on_exit(unit, exit)
             await self._reap_leftovers(unit)
             await unit.sink.drain(timeout=0.5)
+            if unit.state is not UnitState.COMPLETED:  # kept past `down` for last-down.json
+                unit.cause = unit.sink.cause()
             if not decision.restart:
                 return
             await asyncio.sleep(max(0.0, decision.delay - (time.monotonic() - exited_at)))
@@ -908,6 +919,12 @@ class Engine:
                     # why a unit that keeps failing fails: its telling log lines (ENOSPC, ...)
                     "explain": (
                         self.explain(unit)
+                        if unit.state in {UnitState.BACKOFF, UnitState.FAILED}
+                        else None
+                    ),
+                    "cause": unit.cause
+                    or (
+                        unit.sink.cause()
                         if unit.state in {UnitState.BACKOFF, UnitState.FAILED}
                         else None
                     ),

@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from dynamod.core import causes
+
 LineWatcher = Callable[[str], None]
 
 CUT_MARK = " [dynamod: line cut at {n} bytes, continues]"
@@ -208,6 +210,10 @@ class OutputSink:
         before = [line for line in older if CAUSES.search(line)]
         before = before or [line for line in older if FAILURES.search(line)]
         return before[-earlier:], last
+
+    def cause(self) -> str | None:
+        """The process's own cause line in the tail (core/causes.py), if it names one."""
+        return causes.cause_line(list(self.tail))
 
     def seen(self, pattern: re.Pattern[str]) -> bool:
         return any(pattern.search(line) for line in self.tail)

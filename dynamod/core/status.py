@@ -75,6 +75,7 @@ class EngineUnitStatus(TypedDict):
     depends_on: dict[str, str]
     log: str
     explain: str | None  # why a unit that keeps failing fails: its telling log lines
+    cause: str | None  # its own cause line (core/causes.py) for its last failed exit, until ready
     command: list[str]
     operator_stop: OperatorStop | None  # held stopped by `dynamod stop` until `start`
     limits: LimitsStatus | None  # set by the unit's `limits` table

@@ -42,6 +42,8 @@ SKIPPED: dict[str, str] = {
     "foreground until it is stopped (minutes to start, ~4 GB a shard)",
     "dynamod chaos run": "starts a stack of its own for the runbook (a minute or more); "
     "tests/integration/test_chaos_runbooks.py runs every runbook",
+    "dynamod scale": "starts and replays one more CPU shard (seconds of CI time); "
+    "tests/integration/test_apply.py scales test programs, `make test-apply-shards` shards",
     "dynamod systemd install": "writes into /etc/systemd/system (root); "
     "`dynamod systemd generate` of the same stack runs here",
 }

@@ -3,6 +3,8 @@
 and a minute or more to start, so the module starts the stack once and its tests run in
 file order against it, the last one tearing it down:
 
+* (first, alone) a shard that dies at start: `up`'s failure and the unit's status name
+  the engine's own cause (vLLM's error line), not only its exit status;
 * the trainer pushes real weights into the real shard through dynamod's policy ledger;
 * one model for both engines: our CPU worker (in a namespace of its own, with its own
   frontend, on the stack's etcd and NATS) serves the same model; at the same weights,
@@ -10,7 +12,11 @@ file order against it, the last one tearing it down:
   `LOGPROB_TOLERANCE` (float32 on both sides);
 * nothing the stack runs listens beyond loopback;
 * kill -9 of the shard's main pid leaves no EngineCore or Worker behind, its registration
-  is revoked at once, and it comes back at the current policy version;
+  is revoked at once, and it comes back at the current policy version. The module runs
+  under the containment the machine gives (cgroup v2 here and on CI);
+  `make real-engine-pgroup` runs it again under the process-group fallback
+  (DYNAMOD_CONTAINMENT=pgroup), where the daemon's process group, markers and subreaper
+  must find EngineCore and Worker (a second full module run, ~11 min: not in CI);
 * `down` stops the shard with SIGTERM inside its grace period (no SIGKILL needed) and
   leaves no process, port or file: each unit's private TMPDIR, which the engine filled
   (ZMQ sockets, `tmp*.json`), is removed.
@@ -36,7 +42,7 @@ from dynamod.client import Client
 from dynamod.cluster import exposure
 from dynamod.core import cgroups, paths
 from dynamod.core.ports import listening
-from dynamod.core.proctable import marked_pids
+from dynamod.core.proctable import descendants, marked_pids
 from tests.conftest import ROOT, Dynamod, unit_by_name, wait_dead
 from tests.integration.rawstack import RawStack, Worker, http_json
 from tests.integration.test_local_stack import etcd_keys
@@ -161,11 +167,12 @@ def greedy(frontend: str, instance: int, prompt: list[int], max_tokens: int = 12
 
 
 def shard_pids(status: dict[str, Any], name: str) -> list[int]:
-    """Every process of the unit: its cgroup's, or its process group's."""
+    """Every process of the unit: its cgroup's or its process group's, and everything below
+    its main pid (seen from outside, so a process that left the group still counts)."""
     root = (status.get("containment") or {}).get("cgroup")
     unit = unit_by_name(status, name)
-    pids = cgroups.procs(Path(root) / name) if root else []
-    return pids or exposure.group_pids(unit["pid"])
+    pids = set(cgroups.procs(Path(root) / name) if root else exposure.group_pids(unit["pid"]))
+    return sorted(pids | {unit["pid"]} | set(descendants(unit["pid"])))
 
 
 def comm(pid: int) -> str:
@@ -173,6 +180,44 @@ def comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "(gone)"
+
+
+def test_a_shard_that_dies_at_start_shows_the_engines_own_cause(tmp_path: Path) -> None:
+    """First, before the module's stack starts: a shard whose flag vLLM refuses
+    (`--max-model-len` beyond the model's 2048 positions) dies in its engine config, before
+    any engine process; `up` fails naming vLLM's own words, not only "exited with status 1",
+    and so does the unit's `cause` in status (last-down.json keeps the final rows). The
+    shard is the stock unit with restarts off, so one failed start fails `up`."""
+    units = ROOT / "units"
+    worker = (units / "worker-vllm-cpu.toml").read_text()
+    once = worker.replace('policy = "always"', 'policy = "never"', 1)
+    assert once != worker
+    (tmp_path / "worker.toml").write_text(once)
+    stack = tmp_path / "refused.toml"
+    stack.write_text(
+        f'[stack]\nname = "refused"\n'
+        f'include = ["{units}/etcd.toml", "{units}/nats.toml", "{tmp_path}/worker.toml"]\n'
+    )
+    d = Dynamod(Path(tempfile.mkdtemp(prefix="dm-refused-", dir="/tmp")))
+    try:
+        up = d.run(
+            "up", "--detach", str(stack), "--var", f"vllm_python={VLLM_PYTHON}",
+            "--var", "max_model_len=999999", "--timeout", "900", timeout=1000,
+        )  # fmt: skip
+        said = "its own cause: ValidationError: 1 validation error for ModelConfig: Value " \
+            "error, User-specified max_model_len (999999) is greater than the derived"
+        assert up.returncode == 1 and said in up.stderr, up.stderr
+        rows = json.loads((d.state_dir / "last-down.json").read_text())["units"]
+        cause = unit_by_name({"units": rows}, "worker@0")["cause"]
+        assert cause is not None and "max_model_len (999999)" in cause, rows
+        print(f"up failed in its own words: {cause}")
+    finally:
+        run_id = d.run_id()
+        if (d.state_dir / "dynamod.sock").exists():
+            d.run("down", timeout=180)
+        for pid in marked_pids(run_id) if run_id else []:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(d.state_dir, ignore_errors=True)
 
 
 def test_the_stack_serves_the_trainers_pushes_on_the_real_engine(
@@ -235,6 +280,9 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     dm: Dynamod,
 ) -> None:
     status = dm.status()
+    containment = status["containment"]["kind"]
+    asked = os.environ.get(cgroups.CONTAINMENT_ENV, "auto")  # pgroup: the fallback's run
+    assert asked == "auto" or containment == asked, status["containment"]
     shard = unit_by_name(status, "worker@0")
     etcd = unit_by_name(status, "etcd")["ports"]["client"]
     instance = instance_of(shard)
@@ -254,7 +302,10 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
         assert time.monotonic() < deadline, "the dead shard's registration is still in etcd"
         time.sleep(0.05)
     revoked = time.monotonic() - killed_at
-    print(f"kill -9: {len(tree)} processes gone in {gone:.2f}s, registration in {revoked:.2f}s")
+    print(
+        f"kill -9 ({containment}): {len(tree)} processes gone in {gone:.2f}s, "
+        f"registration in {revoked:.2f}s"
+    )
     # Back, replayed to the current version and verified before it is admitted.
     back = dm.wait_ready_again("worker@0", shard["pid"], timeout=1800)
     assert engine(back, "get_weight_version")["version"] == STEPS

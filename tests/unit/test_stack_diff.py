@@ -188,3 +188,35 @@ def test_scaling_adds_and_removes_exactly_the_top_replicas(before: int, after: i
     assert result.changed == {}
     assert result.replicas == ({"worker": (before, after)} if before != after else {})
     assert result.empty == (before == after)
+
+
+def test_a_push_is_refused_while_an_apply_changes_the_stack(tmp_path: Path) -> None:
+    from dynamod.core.daemon import Daemon, StateDir
+    from dynamod.core.errors import DynamodError
+    from dynamod.core.phase import Phase
+
+    daemon = Daemon(stack=load(tmp_path, BASE), state=StateDir(tmp_path / "s"))
+    (tmp_path / "s").mkdir()
+    daemon.phase = Phase.UP
+    daemon.require_running("a policy update")  # nothing in the way
+    daemon.applying = "apply of stack.toml"
+    with pytest.raises(DynamodError, match=r"an apply is changing the stack \(apply of stack"):
+        daemon.require_running("a policy update")
+
+
+@pytest.mark.parametrize(("body", "problem"), [
+    ([], "a JSON object"),
+    ({"path": "a.toml", "scale": ["w", 2]}, "either"),
+    ({}, "either"),
+    ({"scale": ["w", True]}, '"scale"'),
+    ({"path": 3}, '"path"'),
+    ({"path": "a.toml", "vars": {"w": [1]}}, '"vars"'),
+    ({"path": "a.toml", "timeout": 0}, '"timeout"'),
+])
+def test_apply_requests_of_the_wrong_shape_are_refused(body: object, problem: str) -> None:
+    from dynamod.core import live
+    from dynamod.core.errors import DynamodError
+
+    with pytest.raises(DynamodError, match=problem):
+        live.Request.from_json(body)
+    assert live.Request.from_json({"scale": ["w", 2], "dry_run": True}).scale == ("w", 2)
