@@ -46,6 +46,7 @@ BENCHMARKS = [
     "outages",
     "cluster",
     "verl_checkpoint",
+    "real_engine",
 ]
 
 

