@@ -113,6 +113,8 @@ def test_dependencies_and_probes_change_in_place(tmp_path: Path) -> None:
     assert "~ front: depends_on, ready changed (in place, no restart)" in lines(change_, {})
     edited = diff(running, reread(tmp_path, running, text.replace('["f"]', '["g"]')))
     assert edited.restarted() == ["front"]
+    limited = text.replace('command = ["f"]', 'command = ["f"]\nlimits = { pids_max = 64 }')
+    assert diff(running, reread(tmp_path, running, limited)).restarted() == ["front"]
 
 
 def test_description_alone_is_no_change(tmp_path: Path) -> None:
