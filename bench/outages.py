@@ -400,7 +400,7 @@ async def _instances(port: int) -> set[int]:
     from dynamod.rollout.etcd import EtcdClient
 
     async with EtcdClient(f"http://127.0.0.1:{port}") as etcd:
-        return {i.instance_id for i in await dynamo.list_instances(etcd, "dynamod")}
+        return {i.instance_id for i in await dynamo.list_instances(etcd, "outage")}  # stack id
 
 
 def etcd_cuts(report: Report) -> dict[str, dict[str, Any]]:
