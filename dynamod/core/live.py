@@ -123,7 +123,7 @@ class Applier:
     async def run(self, new: Stack, change: StackDiff) -> list[str]:
         deadline = time.monotonic() + self.timeout
         try:
-            await self._remove(change.removed)
+            await self._remove(change.removed, deadline)
             restarted = change.restarted()
             added = self.engine.adopt(new, restarted)
             if in_place := [n for n in change.changed if n not in restarted]:
@@ -143,15 +143,14 @@ class Applier:
         self.emit("apply.step", None, step=what)
         log.info("apply.step", step=what)
 
-    async def _remove(self, names: list[str]) -> None:
+    async def _remove(self, names: list[str], deadline: float) -> None:
         if not names:
             return
         edges = {n: list(u.spec.depends_on) for n, u in self.engine.units.items()}
         order = [n for n in reversed(graph.start_order(edges)) if n in names]
         for name in order:
             unit = self.engine.units[name]
-            await self._out_of_service(unit, "removed by `dynamod apply`",
-                                       time.monotonic() + self.timeout)  # fmt: skip
+            await self._out_of_service(unit, "removed by `dynamod apply`", deadline)
             await self.engine.stop_unit(unit, why="removed by `dynamod apply`")
             self._did(f"stopped {name}")
 

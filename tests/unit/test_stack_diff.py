@@ -222,3 +222,12 @@ def test_apply_requests_of_the_wrong_shape_are_refused(body: object, problem: st
     with pytest.raises(DynamodError, match=problem):
         live.Request.from_json(body)
     assert live.Request.from_json({"scale": ["w", 2], "dry_run": True}).scale == ("w", 2)
+
+
+@pytest.mark.parametrize("target", ["worker=abc", "worker", "=3", "worker=999999"])
+def test_scale_of_a_malformed_target_is_one_line_and_exit_2(target: str) -> None:
+    from tests import cli_inprocess
+
+    result = cli_inprocess.run(["--state-dir", "/nonexistent/dynamod", "scale", target])
+    assert result.code == 2 and result.stderr.count("\n") == 1
+    assert "expects a replicated unit's name" in result.stderr
