@@ -224,7 +224,7 @@ def test_etcd_unreachable_past_the_lease_heals_with_nothing_given_up(
     live = {i for u in units.values() if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
     assert len(live) == 2 and not live & old_ids
     registered = {int(k.rsplit("/", 1)[1], 16)
-                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+                  for k in etcd_keys(etcd_port, "v1/instances/outage/")}
     assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
     assert live <= registered
 
@@ -272,7 +272,7 @@ def test_etcd_frozen_past_the_lease_heals_with_nothing_given_up(
     live = {i for u in units.values() if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
     etcd_port = unit_by_name(up, "etcd")["ports"]["client"]
     registered = {int(k.rsplit("/", 1)[1], 16)
-                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+                  for k in etcd_keys(etcd_port, "v1/instances/outage/")}
     assert len(live) == 2 and live <= registered
     assert not registered - live, f"registrations of no live worker: {registered - live}"
 
@@ -326,7 +326,7 @@ def test_daemon_sigkilled_and_restarted_counts_no_dead_instance_and_repush_is_a_
     assert "2/2 generate instances" in detail and "of the stack's live workers" in detail
     etcd_port = unit_by_name(again, "etcd-server")["ports"]["client"]
     registered = {int(k.rsplit("/", 1)[1], 16)
-                  for k in etcd_keys(etcd_port, "v1/instances/dynamod/")}
+                  for k in etcd_keys(etcd_port, "v1/instances/outage/")}
     assert not registered & old_ids, f"dead instances left: {registered & old_ids}"
     assert others in registered, "another stack's live registration was revoked"
     assert orphan not in registered, "a registration no stack records was left"
@@ -357,17 +357,18 @@ async def _lease_records(etcd_url: str) -> dict[str, set[int]]:
 
 
 async def _plant(etcd_url: str, other_stack: str, orphan_name: str) -> tuple[int, int]:
-    """Two registrations in the `dynamod` namespace on leases of their own (5 min TTL): one
-    recorded by `other_stack`, one by no stack. Returns their lease ids."""
+    """Two registrations in the stack's namespace (`outage`, its identity) on leases of
+    their own (5 min TTL): one recorded by `other_stack`, one by no stack. Returns their
+    lease ids."""
     from dynamod.rollout.etcd import EtcdClient
 
     async with EtcdClient(etcd_url) as etcd:
         leases = []
         for name in ("kept", orphan_name):
             lease = await etcd.lease_grant(300)
-            await etcd.put(f"v1/instances/dynamod/{name}/other/{lease:x}", "{}", lease=lease)
+            await etcd.put(f"v1/instances/outage/{name}/other/{lease:x}", "{}", lease=lease)
             leases.append(lease)
-        record = {"namespace": "dynamod", "instance_ids": [leases[0]], "recorded_at": 0}
+        record = {"namespace": "outage", "instance_ids": [leases[0]], "recorded_at": 0}
         await etcd.put(f"dynamod/{other_stack}/leases/worker@0", json.dumps(record))
     return leases[0], leases[1]
 
