@@ -140,6 +140,11 @@ def test_a_typo_or_an_invalid_file_is_refused(tmp_path: Path) -> None:
         reread(tmp_path, running, BASE.replace("system = 0", "system = -1"))
     with pytest.raises(SpecErrors, match="running stack is 'stack'"):
         reread(tmp_path, running, '[stack]\nname = "other"\n' + BASE)
+    from dynamod.core import live
+
+    request = live.Request(path=str(write(tmp_path, BASE)), vars={"stack_id": "two"})
+    with pytest.raises(SpecErrors, match="changes the stack's identity \\('stack' -> 'two'\\)"):
+        live.next_stack(running, request, ports())
 
 
 def test_policy_table_fields(tmp_path: Path) -> None:
