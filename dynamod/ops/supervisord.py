@@ -214,6 +214,15 @@ def _program(spec: UnitSpec, name: str, level: int, base: str) -> list[str]:
     return lines
 
 
+def lease_note(workers: Sequence[UnitSpec]) -> str:
+    """How long a dead worker that nothing revokes stays routable: its Dynamo lease."""
+    ttls = sorted({u.env["ETCD_LEASE_TTL"] for u in workers if "ETCD_LEASE_TTL" in u.env})
+    if not ttls:
+        return ""
+    return (f"; one that dies stays routable until its Dynamo lease runs out (ETCD_LEASE_TTL "
+            f"{'/'.join(ttls)} s; --var dynamo_lease_ttl=30 shortens it)")
+
+
 def supervisord_gaps(stack: Stack) -> list[str]:
     """What the exported config does not do, in words an operator can act on."""
     units = list(stack.units.values())
@@ -232,7 +241,8 @@ def supervisord_gaps(stack: Stack) -> list[str]:
         + (f"; a hung {_names(live)} is not restarted" if live else ""),
         "rejoin / lease revocation: a restarted rollout shard takes traffic without policy "
         "replay, and a dead worker's etcd lease is not revoked"
-        + (f" (Dynamo workers: {_names(workers)})" if workers else ""),
+        + (f" (Dynamo workers: {_names(workers)})" if workers else "")
+        + lease_note(workers),
         "process tree sweep: stopasgroup/killasgroup signal the process group only; "
         "descendants that left it survive, and nothing is killed if supervisord is SIGKILLed",
         "restart limits: supervisord retries failed starts with a linear delay, not "

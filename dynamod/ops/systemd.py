@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter
 
 from dynamod.core.spec import Condition, LogProbe, Probe, Stack, UnitSpec
-from dynamod.ops.supervisord import ENV_NAME, bin_dir, resolve_command
+from dynamod.ops.supervisord import ENV_NAME, bin_dir, lease_note, resolve_command
 
 STACK_SERVICE = "dynamod@.service"
 STATE_ROOT = "/run/dynamod"
@@ -302,6 +302,7 @@ def per_unit_gaps(stack: Stack) -> list[str]:
         gaps.append(
             "rejoin / lease revocation: a restarted shard takes traffic without policy replay "
             f"and a dead worker's etcd lease is not revoked ({', '.join(workers)})"
+            + lease_note([u for u in units if "dynamo" in u.tables])
         )
     if completes:
         gaps.append(

@@ -216,3 +216,25 @@ def test_enable_commands_start_the_entry_point(tmp_path: Path) -> None:
     assert systemd.enable_commands(single, stack)[-1] == (
         "systemctl enable --now dynamod@rollout.service"
     )
+
+
+@pytest.mark.parametrize("lease", [None, "30"])
+def test_exports_say_how_long_a_dead_worker_stays_routable(
+    tmp_path: Path, lease: str | None
+) -> None:
+    """Nothing revokes a dead worker's lease under supervisord or systemd: the gap names
+    the Dynamo lease the stock units set (300 s), or the one --var gives."""
+    from dynamod.ops.supervisord import supervisord_gaps
+
+    counter = itertools.count(40000)
+    stack = spec.load(
+        Path(__file__).resolve().parents[2] / "units/stacks/local.toml",
+        state_dir=tmp_path / "state", allocate_port=lambda: next(counter),
+        var_overrides={"dynamo_lease_ttl": lease} if lease else None,
+    )  # fmt: skip
+    want = f"stays routable until its Dynamo lease runs out (ETCD_LEASE_TTL {lease or 300} s;"
+    for gaps in (supervisord_gaps(stack), systemd.per_unit_gaps(stack)):
+        (rejoin,) = [g for g in gaps if g.startswith("rejoin")]
+        assert want in rejoin, rejoin
+    no_workers = systemd.per_unit_gaps(load(tmp_path))
+    assert not [g for g in no_workers if "Dynamo lease" in g]
