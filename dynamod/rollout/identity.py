@@ -198,8 +198,8 @@ def check_before_up(stack: Stack, state_dir: str, auth: EtcdAuth | None = None) 
     the stack, in the etcd the stack would use. An etcd that does not answer is one the
     stack starts itself: no other daemon can be in it yet."""
     endpoint = stack_etcd(stack)
-    if endpoint is None:
-        return
+    if endpoint is None or stack.cluster is not None:
+        return  # a cluster node's etcd members may not be reachable yet: its daemon claims
     me = record_of(stack, pid=os.getpid(), state_dir=state_dir, run_id="")
     problems = conflicts(me, _look_in_child(endpoint, auth))
     if problems:
@@ -267,8 +267,10 @@ class StackIdentity(Extension):
         self.record = record_of(host.stack, pid=pid, state_dir=state_dir, run_id=run_id)
         self.etcd = EtcdClient(self.endpoint, timeout_s=CHECK_TIMEOUT_S, auth=self.auth)
         self.registrations.others_in_namespace = self.others_in_namespace
-        with contextlib.suppress(TimeoutError, EtcdError):
-            await self.claim()  # an outside etcd: now, before any unit starts
+        if host.stack.cluster is None:  # a cluster node's members may not be up: claim later
+            with contextlib.suppress(TimeoutError, EtcdError):
+                async with asyncio.timeout(CHECK_TIMEOUT_S):
+                    await self.claim()  # an outside etcd: now, before any unit starts
         if self.refused is not None:
             raise IdentityTaken(f"{self.refused}; nothing was started")
         self._task = asyncio.get_running_loop().create_task(self._keep())
@@ -288,19 +290,26 @@ class StackIdentity(Extension):
             if other.id == me.id and other.node == me.node and other.lease:
                 await self.etcd.lease_revoke(other.lease)
         lease = await self.etcd.lease_grant(LEASE_TTL_S)
-        if not await self.etcd.put_if(daemon_key(me.id, me.node), me.encode(), 0, lease):
+        key = daemon_key(me.id, me.node)
+        if not await self.etcd.put_if(key, me.encode(), 0, lease):
             await self.etcd.lease_revoke(lease)
-            self.refused = f"stack identity {me.id!r} was taken by another daemon meanwhile"
-            return False
+            held = await self.etcd.get_kv(key)  # ours, from a claim cut short by its timeout?
+            record = DaemonRecord.decode(held.value) if held is not None else None
+            if held is None or record is None or record.run_id != me.run_id:
+                self.refused = f"stack identity {me.id!r} was taken by another daemon meanwhile"
+                return False
+            lease = held.lease
         self.lease = lease
         log.info("identity.held", key=daemon_key(me.id, me.node), lease=f"{lease:x}")
         return True
 
-    async def others_in_namespace(self, namespace: str) -> list[DaemonRecord]:
+    async def others_in_namespace(self, namespace: str) -> list[DaemonRecord] | None:
         """The other live stacks whose workers use `namespace` (the sweep asks; it raises
-        EtcdError while etcd cannot tell). Claims the identity first if not yet held."""
+        EtcdError while etcd cannot tell). Claims the identity first if not yet held; None
+        if another daemon holds it (then this stack's lease records are that daemon's)."""
         assert self.etcd is not None and self.record is not None
-        await self.claim()
+        if not await self.claim():
+            return None
         return sharers(self.record, await live_daemons(self.etcd)).get(namespace, [])
 
     async def _keep(self) -> None:

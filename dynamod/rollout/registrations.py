@@ -95,7 +95,7 @@ class DynamoRegistrations(Extension):
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
         # Set by the stack identity (rollout/identity.py): the other live stacks whose
         # workers use a namespace; their registrations are not this sweep's to judge.
-        self.others_in_namespace: Callable[[str], Awaitable[list[Any]]] | None = None
+        self.others_in_namespace: Callable[[str], Awaitable[list[Any] | None]] | None = None
         self.registered: dict[str, Registration] = {}
 
     def instance_ids(self, unit: Unit) -> list[int]:
@@ -192,6 +192,11 @@ class DynamoRegistrations(Extension):
                     # other nodes' live workers (a multi-node stack) are never revoked here
                     keep = await self.others_live() if self.others_live is not None else set()
                     sharing = await self._sharing(namespace)
+                    if sharing is None:  # another live daemon holds this stack's identity
+                        log.error("dynamo.sweep_skipped", namespace=namespace,
+                                  why="this stack's identity is held by another live daemon")
+                        self._swept = True  # its records are that daemon's: revoke none
+                        return
                     mine = [r for r in records if r.owned_by(self.stack, self.node)]
                     ours = {i for r in mine for i in r.instance_ids}
                     others = {i for r in records if r not in mine for i in r.instance_ids}
@@ -222,11 +227,13 @@ class DynamoRegistrations(Extension):
                 )
         self._swept = True
 
-    async def _sharing(self, namespace: str) -> list[str]:
-        """The other live stacks that use `namespace` (raises EtcdError while unknown)."""
+    async def _sharing(self, namespace: str) -> list[str] | None:
+        """The other live stacks that use `namespace` (raises EtcdError while unknown; None:
+        this stack's identity is another daemon's)."""
         if self.others_in_namespace is None:
             return []
-        return [other.describe() for other in await self.others_in_namespace(namespace)]
+        others = await self.others_in_namespace(namespace)
+        return None if others is None else [other.describe() for other in others]
 
     # ------------------------------------------------------------------ hooks
 

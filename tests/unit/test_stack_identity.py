@@ -154,3 +154,14 @@ def test_the_sweep_leaves_unrecorded_registrations_alone_in_a_shared_namespace()
     # 1: ours (recorded, dead); 3: recorded by no stack; 7: another stack's record
     assert stale_leases({1, 3, 7}, ours={1}, others={7}) == {1, 3}
     assert stale_leases({1, 3, 7}, ours={1}, others={7}, shared=True) == {1}
+
+
+def test_status_shows_a_shared_namespace_as_degraded_with_the_count() -> None:
+    from dynamod.control.render import identity_lines
+
+    other = record(id="b", namespaces=("a",)).describe()
+    lines = identity_lines({"shared_namespaces": {"a": {"stacks": [other], "workers": 2}}})
+    assert lines == [f"degraded: Dynamo namespace 'a' is shared with 2 worker(s) of {other} "
+                     "(the frontends of both stacks may route to the other's workers)"]
+    assert identity_lines({"shared_namespaces": {}, "refused": None}) == []
+    assert identity_lines({"refused": "taken"}) == ["identity not held: taken"]
