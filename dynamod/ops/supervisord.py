@@ -136,6 +136,8 @@ def supervisord_config(stack: Stack, *, state_dir: Path) -> str:
     (where `dynamod logs` looks)."""
     names: dict[str, str] = {}
     for instance in stack.order:
+        if stack.units[instance].outside is not None:
+            continue  # it runs outside the stack (`outside = HOST:PORT`): not ours to start
         name = program_name(instance)
         if name in names:
             raise ExportError(
@@ -186,6 +188,8 @@ def _program(spec: UnitSpec, name: str, level: int, base: str) -> list[str]:
     ]
     if spec.depends_on:
         after = ", ".join(f"{dep} ({cond})" for dep, cond in spec.depends_on.items())
+        # (a dependency outside the stack has no program here: supervisord never waits
+        # for it, only its priority wave orders the rest)
         lines.append(f"; dynamod starts it after: {after}")
     command = supervisord_command(resolve_command(spec))
     lines += [f"[program:{name}]", f"command={_ini(command, f'{where} command')}"]

@@ -165,3 +165,23 @@ def test_status_shows_a_shared_namespace_as_degraded_with_the_count() -> None:
                      "(the frontends of both stacks may route to the other's workers)"]
     assert identity_lines({"shared_namespaces": {}, "refused": None}) == []
     assert identity_lines({"refused": "taken"}) == ["identity not held: taken"]
+
+
+def test_exports_start_no_unit_that_runs_outside_the_stack(tmp_path: Path) -> None:
+    from dynamod.ops import systemd
+    from dynamod.ops.supervisord import supervisord_config
+
+    local = paths.units_dir() / "stacks" / "local.toml"
+    outside = load(local, tmp_path, etcd="127.0.0.1:2379", nats="127.0.0.1:4222")
+    own = load(local, tmp_path)
+    config = supervisord_config(outside, state_dir=tmp_path / "sv")
+    assert "[program:etcd]" not in config and "[program:nats]" not in config
+    assert "[program:worker-0]" in config and "[program:frontend]" in config
+    assert "[program:etcd]" in supervisord_config(own, state_dir=tmp_path / "sv")
+    names = [f.name for f in systemd.per_unit_services(outside, dynamod=["dynamod"])]
+    assert systemd.service_name("etcd") not in names and systemd.service_name("nats") not in names
+    worker = next(f for f in systemd.per_unit_services(outside, dynamod=["dynamod"])
+                  if f.name == systemd.service_name("worker@0"))
+    assert systemd.service_name("etcd") not in worker.text
+    assert systemd.service_name("etcd") in [
+        f.name for f in systemd.per_unit_services(own, dynamod=["dynamod"])]
