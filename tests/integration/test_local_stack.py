@@ -167,7 +167,7 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
         killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         # The frontend's own view drops the dead worker at once (its lease is revoked),
-        # not after the ~30 s lease TTL.
+        # not after its lease TTL (300 s in the stock units).
         async with aiohttp.ClientSession() as session:
             while time.monotonic() - killed_at < 20:
                 view = await dynamo.frontend_routed_instances(session, url, "local")
