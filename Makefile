@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -67,6 +67,10 @@ test: install install-vllm
 # The issue's twenty rounds of five stacks started at once (CI runs 3 rounds of the same test).
 soak-side-by-side: install
 	DYNAMOD_SIDE_BY_SIDE_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stacks_side_by_side.py
+
+# Two stacks on one infra stack, the issue's 20 rounds (CI runs 2).
+soak-stack-identity: install
+	DYNAMOD_STACK_IDENTITY_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stack_identity.py
 
 # `apply`/`scale` on the CPU-worker stack: a new shard replayed before it is routed, a removed
 # one drained before it stops (~35 s; the CI suite runs the same commands on test programs).

@@ -7,9 +7,11 @@ workers, frontend, policy ledger in etcd) under steady load (8 req/s; "full serv
 first request from which every later one succeeded). Faults, each beside today's recipe
 behaviour where that comparison means something:
 
-  etcd_cut       etcd's client port cut for 45 s (past Dynamo's 30 s lease). Recipe: the
-                 units record Dynamo's exit 0 as final (clean_exit_final, as `completed`
-                 did before), so nothing restarts.
+  etcd_cut       etcd's client port cut for 45 s, with Dynamo's lease (ETCD_LEASE_TTL) as
+                 the stock units set it (300 s: nothing exits) and at Dynamo's default
+                 30 s (past it: every worker and the frontend exit and start again).
+                 Recipe (30 s): the units record Dynamo's exit 0 as final
+                 (clean_exit_final, as `completed` did before), so nothing restarts.
   kill9_push     etcd kill -9, then a push as soon as etcd is ready: how long the push
                  waited for the router, failed / stale requests for the new version after it.
   frontend_hang  SIGSTOP of the frontend: detection, serving back, failed requests. Recipe:
@@ -18,7 +20,8 @@ behaviour where that comparison means something:
                  restarts (false positives).
   daemon_kill    dynamod SIGKILLed, `up` again on the same state dir: time to ready,
                  dead instances left in etcd.
---quick runs kill9_push, frontend_hang and saturation once, without the recipe rows.
+--quick runs kill9_push (after a 5 s etcd cut with the stock lease, on the same stack),
+frontend_hang and saturation once, without the before and recipe rows.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import re
 import signal
 import threading
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,13 @@ from bench.stack import prebuilt_model
 REPO = Path(__file__).resolve().parent.parent
 PROXY = REPO / "tests" / "fixtures" / "tcpproxy.py"
 CUT_S = 45.0
+QUICK_CUT_S = 5.0
+# Dynamo's lease in the stock units, and Dynamo 1.6.1's own default (the TTL etcd granted a
+# worker's lease with ETCD_LEASE_TTL unset), which the units had before.
+STOCK_LEASE_S = tomllib.loads((REPO / "units" / "worker-cpu.toml").read_text())["vars"][
+    "dynamo_lease_ttl"]
+OLD_LEASE_S = 30
+STOCK = f"dynamod, lease {STOCK_LEASE_S} s (stock)"
 MODEL = "tiny-cpu"
 OLD_LIVENESS = "interval = 2\ntimeout = 2\nfailure_threshold = 3"
 
@@ -199,37 +210,63 @@ def settle(load: Load, after: float, limit: float) -> float | None:
     return None
 
 
-def etcd_cut(recipe: bool) -> dict[str, Any]:
+def etcd_cut(lease_ttl: int | None, recipe: bool, cut_s: float) -> dict[str, Any]:
+    """etcd's client port cut for `cut_s` under load, with Dynamo's lease at `lease_ttl` s
+    (None: the stock units' setting)."""
     with state_dir("oc") as state:
         cut = state / "cut"
         dm = Dynamod(state)
         try:
-            dm.up(write_stack(state, cut, recipe_exits=recipe))
+            lease = [f"dynamo_lease_ttl={lease_ttl}"] if lease_ttl is not None else []
+            dm.up(write_stack(state, cut, recipe_exits=recipe), *lease)
             with Load(frontend_url(dm)) as load:
                 time.sleep(3)
-                cut.touch()
-                time.sleep(CUT_S)
-                cut.unlink()
-                healed = time.monotonic()
-                full = settle(load, healed, 60)
-            states = {u["name"]: u["state"] for u in dm.status()["units"]}
-            return {"full_service_s": full, "failed_after": load.failed_after(healed),
-                    "states_after": states}
+                result = cut_etcd(dm, load, cut, cut_s)
+            result["states_after"] = {u["name"]: u["state"] for u in dm.status()["units"]}
+            return result
         finally:
             stop(dm)
 
 
-def kill9_push() -> dict[str, Any]:
+def cut_etcd(dm: Dynamod, load: Load, cut: Path, cut_s: float) -> dict[str, Any]:
+    """Cut etcd's port for `cut_s`, heal it, wait for full service: what it cost. A Dynamo
+    process exit is a worker's or the frontend's `exited`/`killed` transition from the cut
+    until full service; a shard restart is a worker whose pid changed."""
+    dynamo = {u["name"]: u["pid"] for u in dm.status()["units"]
+              if u["name"] == "frontend" or u["name"].startswith("worker@")}
+    cut_wall, cut_at = time.time(), time.monotonic()
+    cut.touch()
+    time.sleep(cut_s)
+    cut.unlink()
+    healed = time.monotonic()
+    full = settle(load, healed, 60 + cut_s)
+    pids = {u["name"]: u["pid"] for u in dm.status()["units"]}
+    exits = [e for e in dm.transitions() if e["unit"] in dynamo and e["t"] >= cut_wall
+             and str(e.get("detail", "")).startswith(("exited", "killed"))]
+    return {"cut_s": cut_s, "full_service_s": full, "failed_after": load.failed_after(healed),
+            "failed_during": sum(1 for r in load.rows if cut_at <= r[0] < healed and r[1] != 200),
+            "requests_during": sum(1 for r in load.rows if cut_at <= r[0] < healed),
+            "dynamo_exits": len(exits),
+            "shard_restarts": sum(1 for name, pid in dynamo.items()
+                                  if name != "frontend" and pids.get(name) != pid)}
+
+
+def kill9_push(cut_s: float | None = None) -> dict[str, Any]:
+    """etcd kill -9, then a push; with `cut_s` (the quick profile) an etcd cut of that
+    length first, on the same stack and load (its result under `etcd_cut`)."""
     from bench.policy_push import weights
 
     with state_dir("ok") as state:
         dm = Dynamod(state)
         try:
-            dm.up(write_stack(state, state / "never"))
+            dm.up(write_stack(state, state / "cut"))
             path = weights(None).checkpoint
             required: list[int | None] = [0]
+            cut: dict[str, Any] = {}
             with Load(frontend_url(dm), required=required) as load:
                 time.sleep(3)
+                if cut_s:
+                    cut["etcd_cut"] = cut_etcd(dm, load, state / "cut", cut_s)
                 etcd = dm.unit("etcd-server")
                 os.kill(etcd["pid"], signal.SIGKILL)
                 wait_until(lambda: dm.unit("etcd-server")["state"] == "ready"
@@ -243,7 +280,7 @@ def kill9_push() -> dict[str, Any]:
                 time.sleep(8)
             acks = json.loads(out.stdout)["acks"]
             after = [r for r in load.rows if r[0] >= done]
-            return {"push_s": took,
+            return {**cut, "push_s": took,
                     "route_wait_ms": max(a["ms"].get("route", 0) for a in acks.values()),
                     "requests_after": len(after),
                     "failed_after": sum(1 for r in after if r[1] != 200),
@@ -363,7 +400,38 @@ async def _instances(port: int) -> set[int]:
     from dynamod.rollout.etcd import EtcdClient
 
     async with EtcdClient(f"http://127.0.0.1:{port}") as etcd:
-        return {i.instance_id for i in await dynamo.list_instances(etcd, "dynamod")}
+        return {i.instance_id for i in await dynamo.list_instances(etcd, "outage")}  # stack id
+
+
+def etcd_cuts(report: Report) -> dict[str, dict[str, Any]]:
+    """The 45 s etcd cut with the stock lease and Dynamo's default one, and the recipe's
+    units on the default one, one stack each."""
+    variants = [(STOCK, None, False),
+                (f"dynamod, lease {OLD_LEASE_S} s (before)", OLD_LEASE_S, False),
+                (f"recipe, lease {OLD_LEASE_S} s", OLD_LEASE_S, True)]
+    return {variant: r for variant, lease, recipe in variants
+            if (r := guarded(f"etcd_cut {variant}", report, etcd_cut, lease, recipe, CUT_S))
+            is not None}
+
+
+def lease_table(report: Report) -> None:
+    """What the cut cost with each lease; the targets are judged on the stock lease."""
+    cuts = report.data["etcd_cut"]
+    report.tables.append(Table(
+        "etcd port cut under load: what Dynamo's lease decides",
+        ["variant", "cut s", "full service s after", "failed after", "failed during",
+         "shard restarts", "Dynamo process exits"],
+        [[v, r["cut_s"], r["full_service_s"], r["failed_after"],
+          f"{r['failed_during']} of {r['requests_during']}", r["shard_restarts"],
+          r["dynamo_exits"]] for v, r in cuts.items()], digits=2))
+    stock = cuts.get(STOCK)
+    if stock is None:
+        return
+    full, cut = stock["full_service_s"], f"{stock['cut_s']:.0f} s etcd cut"
+    report.target(f"full service after a {cut} ends",
+                  full if full is not None else float("nan"), 5, "s")
+    report.target(f"shard restarts during a {cut}", stock["shard_restarts"], 0, "")
+    report.target(f"Dynamo process exits during a {cut}", stock["dynamo_exits"], 0, "")
 
 
 @entry
@@ -373,13 +441,11 @@ def main() -> None:
     prebuilt_model()
     report = Report("outages", "8. Outages: fault end -> full service", args.quick)
     data = report.data
-    if not args.quick:
-        data["etcd_cut"] = {
-            variant: r for variant, recipe in (("dynamod", False), ("recipe", True))
-            if (r := guarded(f"etcd_cut {variant}", report, etcd_cut, recipe)) is not None
-        }
-    kill = guarded("kill9_push", report, kill9_push)
+    data["etcd_cut"] = {} if args.quick else etcd_cuts(report)
+    kill = guarded("kill9_push", report, kill9_push, QUICK_CUT_S if args.quick else None)
     if kill is not None:
+        if "etcd_cut" in kill:  # quick: the cut ran on kill9_push's stack
+            data["etcd_cut"][STOCK] = kill.pop("etcd_cut")
         data["kill9_push"] = kill
     data["frontend_hang"] = {}
     if (hang := guarded("frontend_hang", report, frontend_hang, False,
@@ -392,8 +458,8 @@ def main() -> None:
             data["daemon_kill"] = killed
     table = Table("Fault end -> full service", ["fault", "variant", "full service s",
                                                   "failed requests", "other"], digits=2)
-    for variant, r in data.get("etcd_cut", {}).items():
-        table.rows.append([f"etcd port cut {CUT_S:.0f} s", variant, r["full_service_s"],
+    for variant, r in data["etcd_cut"].items():
+        table.rows.append([f"etcd port cut {r['cut_s']:.0f} s", variant, r["full_service_s"],
                            r["failed_after"], "after the cut ended"])
     k = data.get("kill9_push", {"push_s": None, "failed_after": float("nan"), "stale": 0,
                                  "route_wait_ms": float("nan"), "requests_after": 0})
@@ -416,10 +482,7 @@ def main() -> None:
         ["requests", "ok", "req/s", "liveness misses", "restarts (false positives)"],
         [[s["saturation_requests"], s["saturation_ok"], s["saturation_rps"],
           s["liveness_miss_events"], s["false_restarts"]]]))
-    if "dynamod" in data.get("etcd_cut", {}):
-        full = data["etcd_cut"]["dynamod"]["full_service_s"]
-        report.target("full service after etcd returns", full if full is not None
-                      else float("nan"), 5, "s")
+    lease_table(report)
     report.target("requests failed or stale around a push after etcd's return",
                   k["failed_after"] + k["stale"], 0, "")
     back = s["serving_back_s"]

@@ -21,6 +21,7 @@ from dynamod.ops.metrics import MetricsServer
 from dynamod.ops.sdnotify import SystemdNotifier
 from dynamod.ops.statuspage import StatusPage, WebSettings
 from dynamod.rollout import frontend_probe, tables
+from dynamod.rollout.identity import StackIdentity
 from dynamod.rollout.policy import PolicyManager
 from dynamod.rollout.policy_table import policy_of
 from dynamod.rollout.registrations import DynamoRegistrations
@@ -49,7 +50,9 @@ def default_extensions(
         else None
     )
     registrations = DynamoRegistrations(etcd_auth)
-    extensions: list[Extension] = [registrations, ExposureWatch()]
+    # the identity first: a refused one stops the daemon before the others start anything
+    extensions: list[Extension] = [StackIdentity(registrations, etcd_auth), registrations]
+    extensions.append(ExposureWatch())
     if secrets_dir:
         extensions.append(SecretsEnv(Path(secrets_dir)))
     spec = policy_of(stack)

@@ -92,6 +92,7 @@ def status_table(status: Mapping[str, Any]) -> str:
     degraded = status.get("degraded") or {}
     if degraded:
         out.append("degraded: " + "; ".join(f"{name} {why}" for name, why in degraded.items()))
+    out += identity_lines(status.get("identity") or {})
     for row in [header, *rows]:
         cells = [cell.ljust(widths[i]) for i, cell in enumerate(row[:-1])]
         out.append("  ".join([*cells, row[-1]]).rstrip())
@@ -99,6 +100,21 @@ def status_table(status: Mapping[str, Any]) -> str:
     if status.get("cluster"):
         out += cluster_tree(status["cluster"])
     return "\n".join(out)
+
+
+def identity_lines(identity: Mapping[str, Any]) -> list[str]:
+    """A Dynamo namespace shared with other stacks' workers (rollout/identity.py), and an
+    identity another daemon took first."""
+    lines = []
+    for namespace, shared in (identity.get("shared_namespaces") or {}).items():
+        lines.append(
+            f"degraded: Dynamo namespace {namespace!r} is shared with {shared['workers']} "
+            f"worker(s) of {'; '.join(shared['stacks'])} (the frontends of both stacks may "
+            "route to the other's workers)"
+        )
+    if identity.get("refused"):
+        lines.append(f"identity not held: {identity['refused']}")
+    return lines
 
 
 def limits_lines(units: Sequence[UnitStatus]) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 from dynamod.core.errors import DynamodError
 
 CONTAINMENT_ENV = "DYNAMOD_CONTAINMENT"  # auto (default) | cgroup | pgroup
+CONTROLLERS = ("memory", "cpu", "cpuset", "pids")  # what a unit's `limits` use
 _SETTINGS = ("auto", "cgroup", "pgroup")
 
 
@@ -130,6 +131,52 @@ def detect(run_id: str, environ: dict[str, str] | None = None) -> Containment:
     return Containment(Kind.PGROUP, None, f"no writable cgroup v2: {why}")
 
 
+# --------------------------------------------------------------------------- v1
+
+
+def v1_hierarchies(
+    proc_cgroup: str | None = None, mountinfo: str | None = None
+) -> dict[str, Path]:
+    """controller -> this process's cgroup directory in that controller's v1 hierarchy
+    (hybrid and older hosts), for the controllers a unit's `limits` use."""
+    try:
+        proc_cgroup = proc_cgroup or Path("/proc/self/cgroup").read_text()
+        mountinfo = mountinfo or Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return {}
+    own: dict[str, str] = {}
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[1]:
+            for controller in parts[1].split(","):
+                own[controller] = parts[2]
+    found: dict[str, Path] = {}
+    for line in mountinfo.splitlines():
+        if " - " not in line:
+            continue
+        fields, (fstype, _source, options) = line.split(), line.split(" - ", 1)[1].split()[:3]
+        if fstype != "cgroup" or len(fields) < 5:
+            continue
+        root, mountpoint = fields[3], fields[4]
+        for controller in options.split(","):
+            path = own.get(controller)
+            if controller not in CONTROLLERS or path is None:
+                continue
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                rel = path[len(root.rstrip("/")) :].lstrip("/")
+                found[controller] = Path(mountpoint) / rel if rel else Path(mountpoint)
+    return found
+
+
+def remove_v1_run(run_id: str, hierarchies: dict[str, Path] | None = None) -> list[Path]:
+    """Remove a run's cgroups from every v1 hierarchy (made for its units' limits) once
+    their processes are gone (the guardian's and the next command's sweep of a daemon
+    that died); returns those that could not be removed."""
+    bases = set((v1_hierarchies() if hierarchies is None else hierarchies).values())
+    paths = [base / f"dynamod-{run_id}" for base in sorted(bases)]
+    return [path for path in paths if path.exists() and not remove_waiting(path, 1.0)]
+
+
 # --------------------------------------------------------------------------- one cgroup
 
 
@@ -186,6 +233,17 @@ def remove(path: Path) -> bool:
     except OSError:
         return False
     return ok
+
+
+def remove_waiting(path: Path, wait: float) -> bool:
+    """`remove`, retried for up to `wait` seconds: a process just reaped may keep a
+    cgroup busy for a moment."""
+    deadline = time.monotonic() + wait
+    while not remove(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def empty_and_remove(path: Path, timeout: float = 5.0) -> tuple[list[int], list[int]]:

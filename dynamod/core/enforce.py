@@ -10,7 +10,6 @@ as the v2 one is `<our cgroup>/dynamod-RUN/UNIT`.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,32 +20,6 @@ from dynamod.core.resources import Confinement, Mechanism, Offer, Plan
 from dynamod.core.spec.models import LimitsSpec
 
 log = structlog.get_logger("dynamod.enforce")
-
-
-def v1_hierarchies(proc_cgroup: str, mountinfo: str) -> dict[str, Path]:
-    """controller -> this process's cgroup directory in that controller's v1 hierarchy."""
-    own: dict[str, str] = {}
-    for line in proc_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) == 3 and parts[1]:
-            for controller in parts[1].split(","):
-                own[controller] = parts[2]
-    found: dict[str, Path] = {}
-    for line in mountinfo.splitlines():
-        if " - " not in line:
-            continue
-        fields, (fstype, _source, options) = line.split(), line.split(" - ", 1)[1].split()[:3]
-        if fstype != "cgroup" or len(fields) < 5:
-            continue
-        root, mountpoint = fields[3], fields[4]
-        for controller in options.split(","):
-            path = own.get(controller)
-            if controller not in resources.CONTROLLERS or path is None:
-                continue
-            if path == root or path.startswith(root.rstrip("/") + "/"):
-                rel = path[len(root.rstrip("/")) :].lstrip("/")
-                found[controller] = Path(mountpoint) / rel if rel else Path(mountpoint)
-    return found
 
 
 class Enforcer:
@@ -92,7 +65,7 @@ class Enforcer:
                     missing[controller] = f"cannot enable {controller} in {root}: {exc.strerror}"
         hierarchies = self._hierarchies
         if hierarchies is None:
-            hierarchies = _read_hierarchies()
+            hierarchies = cgroups.v1_hierarchies()
         v1: set[str] = set()
         for controller in resources.CONTROLLERS:
             if controller in v2:
@@ -173,28 +146,19 @@ class Enforcer:
         """The unit's processes are gone: remove its v1 cgroups (its v2 one goes with the
         containment's)."""
         for path in self._v1_unit.pop(unit, {}).values():
-            if not _remove(path, wait=0.05):
+            if not cgroups.remove_waiting(path, 0.05):
                 log.warning("limits.cgroup_left", unit=unit, path=str(path))
 
     def remove_all(self) -> list[Path]:
         """At the end of the run: every v1 cgroup it made; returns those still there."""
         for unit in list(self._v1_unit):
             self.release(unit)
-        left = [path for path in self._v1_run.values() if not _remove(path)]
+        left = [path for path in self._v1_run.values() if not cgroups.remove_waiting(path, 1.0)]
         self._v1_run = {}
         return left
 
     def run_dirs(self) -> list[Path]:
         return list(self._v1_run.values())
-
-
-def _read_hierarchies() -> dict[str, Path]:
-    try:
-        proc = Path("/proc/self/cgroup").read_text()
-        mounts = Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return {}
-    return v1_hierarchies(proc, mounts)
 
 
 def _read(path: Path, name: str) -> str:
@@ -214,14 +178,3 @@ def _write(path: Path, name: str, value: str) -> None:
 def _write_all(path: Path, files: Mapping[str, str]) -> None:
     for name, value in files.items():
         _write(path, name, value)
-
-
-def _remove(path: Path, wait: float = 1.0) -> bool:
-    """Remove an emptied cgroup (and its children); a process just reaped may keep it
-    busy for a moment."""
-    deadline = time.monotonic() + wait
-    while not cgroups.remove(path):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True

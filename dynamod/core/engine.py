@@ -38,6 +38,13 @@ from dynamod.core.status import EngineUnitStatus
 log = structlog.get_logger("dynamod.engine")
 
 
+
+def _place(spec: UnitSpec) -> str:
+    """Where a unit this daemon does not run runs: another node, or outside the stack."""
+    if spec.outside:
+        return f"at {spec.outside} (outside the stack)"
+    return f"on node {spec.remote}"
+
 class UnitHooks(Protocol):
     """Extension points around a unit's life. Hooks must not raise for normal outcomes."""
 
@@ -253,8 +260,8 @@ class Engine:
         """Dependencies that do not meet their condition now, as 'name (condition)', or
         'name on NODE' for a unit another node runs."""
         return [
-            f"{dep} on {remote}"
-            if (remote := self.units[dep].spec.remote)
+            (f"{dep} at {spec.outside}" if spec.outside else f"{dep} on {spec.remote}")
+            if (spec := self.units[dep].spec).remote
             else f"{dep} ({condition})"
             for dep, condition in unit.spec.depends_on.items()
             if not _satisfied(self.units[dep].state, condition)
@@ -347,7 +354,7 @@ class Engine:
         spec = unit.spec.ready
         assert spec is not None and unit.spec.remote is not None
         prober = make_prober(spec, self._probe_context(unit))
-        node = unit.spec.remote
+        node = _place(unit.spec)
         try:
             while True:
                 unit.attempt_since = time.monotonic()
@@ -362,15 +369,15 @@ class Engine:
                         if unit.state is not UnitState.STARTING:
                             self.transition(unit, UnitState.STARTING)
                         unit.ready_at = time.monotonic()
-                    self.transition(unit, UnitState.READY, f"on node {node}: {result.detail}")
+                    self.transition(unit, UnitState.READY, f"{node}: {result.detail}")
                 else:
                     if unit.state is UnitState.READY:
                         self.transition(
-                            unit, UnitState.BACKOFF, f"not ready on node {node}: {result.detail}"
+                            unit, UnitState.BACKOFF, f"not ready {node}: {result.detail}"
                         )
                     if unit.state is not UnitState.STARTING:
                         self.transition(unit, UnitState.STARTING)
-                    self.set_detail(unit, f"waiting for {unit.name} on {node}: {result.detail}")
+                    self.set_detail(unit, f"waiting for {unit.name} {node}: {result.detail}")
                 await asyncio.sleep(spec.interval if not result.ok else max(spec.interval, 0.5))
         finally:
             prober.close()

@@ -89,6 +89,8 @@ def main(argv: list[str]) -> int:
                 print(f"dynamod guardian: could not kill {survivors} in {cgroup}", file=sys.stderr)
     killed += _kill_marked(run_id)
     killed += _kill_orphans(orphans)
+    for path in cgroups.remove_v1_run(run_id):  # its units' limits; their processes are gone
+        print(f"dynamod guardian: could not remove {path}", file=sys.stderr)
     if killed:
         print(
             f"dynamod guardian: daemon gone, killed {killed} leftover process(es)", file=sys.stderr

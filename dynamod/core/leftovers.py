@@ -130,6 +130,8 @@ def _sweep(state_dir: Path, run: RunRecord) -> Leftovers:
                 os.kill(pid, signal.SIGKILL)
             killed.add(pid)
     survivors |= set(marked_pids(run.run_id))
+    if not survivors:  # the v1 cgroups of its units' limits, empty now
+        cgroups.remove_v1_run(run.run_id)
     runrecord.mark_ended(state_dir, "swept")
     return Leftovers(
         run_id=run.run_id,

@@ -13,8 +13,8 @@ it would become, the diff, and the change applied with the least disruption.
      Any other change (dependencies, probes, restart settings) is taken in place at step 2.
 
 A file that fails validation changes nothing (SpecErrors before step 1). Adding or removing
-a stack table ([policy]) or changing a [cluster] table is refused: the extensions that own
-them were chosen at `up`.
+a stack table ([policy]), changing a [cluster] table or the stack's identity (`stack_id`) is
+refused: the extensions that own them, and the etcd keys, were chosen at `up`.
 """
 
 from __future__ import annotations
@@ -105,6 +105,9 @@ def _refused(running: Stack, new: Stack) -> str | None:
     for key in sorted({*running.tables} ^ {*new.tables}):
         verb = "adds" if key in new.tables else "removes"
         return f"{verb} the [{key}] table: that needs `dynamod down` and `dynamod up`"
+    if running.id != new.id:
+        return (f"changes the stack's identity ({running.id!r} -> {new.id!r}): that needs "
+                "`dynamod down` and `dynamod up`")  # fmt: skip
     if running.cluster != new.cluster:
         return "changes the [cluster] table: that needs `dynamod down` and `dynamod up`"
     return None
@@ -123,7 +126,7 @@ class Applier:
     async def run(self, new: Stack, change: StackDiff) -> list[str]:
         deadline = time.monotonic() + self.timeout
         try:
-            await self._remove(change.removed)
+            await self._remove(change.removed, deadline)
             restarted = change.restarted()
             added = self.engine.adopt(new, restarted)
             if in_place := [n for n in change.changed if n not in restarted]:
@@ -143,15 +146,14 @@ class Applier:
         self.emit("apply.step", None, step=what)
         log.info("apply.step", step=what)
 
-    async def _remove(self, names: list[str]) -> None:
+    async def _remove(self, names: list[str], deadline: float) -> None:
         if not names:
             return
         edges = {n: list(u.spec.depends_on) for n, u in self.engine.units.items()}
         order = [n for n in reversed(graph.start_order(edges)) if n in names]
         for name in order:
             unit = self.engine.units[name]
-            await self._out_of_service(unit, "removed by `dynamod apply`",
-                                       time.monotonic() + self.timeout)  # fmt: skip
+            await self._out_of_service(unit, "removed by `dynamod apply`", deadline)
             await self.engine.stop_unit(unit, why="removed by `dynamod apply`")
             self._did(f"stopped {name}")
 

@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from dynamod.core import cgroups
 from dynamod.core.spec import quantities
 from dynamod.core.spec.models import LimitsSpec
 from dynamod.core.status import LimitsStatus
 
-CONTROLLERS = ("memory", "cpu", "cpuset", "pids")
+CONTROLLERS = cgroups.CONTROLLERS
 CONTROLLER_OF = {
     "memory_max": "memory",
     "memory_high": "memory",

@@ -136,6 +136,8 @@ def supervisord_config(stack: Stack, *, state_dir: Path) -> str:
     (where `dynamod logs` looks)."""
     names: dict[str, str] = {}
     for instance in stack.order:
+        if stack.units[instance].outside is not None:
+            continue  # it runs outside the stack (`outside = HOST:PORT`): not ours to start
         name = program_name(instance)
         if name in names:
             raise ExportError(
@@ -186,6 +188,8 @@ def _program(spec: UnitSpec, name: str, level: int, base: str) -> list[str]:
     ]
     if spec.depends_on:
         after = ", ".join(f"{dep} ({cond})" for dep, cond in spec.depends_on.items())
+        # (a dependency outside the stack has no program here: supervisord never waits
+        # for it, only its priority wave orders the rest)
         lines.append(f"; dynamod starts it after: {after}")
     command = supervisord_command(resolve_command(spec))
     lines += [f"[program:{name}]", f"command={_ini(command, f'{where} command')}"]
@@ -214,6 +218,15 @@ def _program(spec: UnitSpec, name: str, level: int, base: str) -> list[str]:
     return lines
 
 
+def lease_note(workers: Sequence[UnitSpec]) -> str:
+    """How long a dead worker that nothing revokes stays routable: its Dynamo lease."""
+    ttls = sorted({u.env["ETCD_LEASE_TTL"] for u in workers if "ETCD_LEASE_TTL" in u.env})
+    if not ttls:
+        return ""
+    return (f"; one that dies stays routable until its Dynamo lease runs out (ETCD_LEASE_TTL "
+            f"{'/'.join(ttls)} s; --var dynamo_lease_ttl=30 shortens it)")
+
+
 def supervisord_gaps(stack: Stack) -> list[str]:
     """What the exported config does not do, in words an operator can act on."""
     units = list(stack.units.values())
@@ -232,11 +245,18 @@ def supervisord_gaps(stack: Stack) -> list[str]:
         + (f"; a hung {_names(live)} is not restarted" if live else ""),
         "rejoin / lease revocation: a restarted rollout shard takes traffic without policy "
         "replay, and a dead worker's etcd lease is not revoked"
-        + (f" (Dynamo workers: {_names(workers)})" if workers else ""),
+        + (f" (Dynamo workers: {_names(workers)})" if workers else "")
+        + lease_note(workers),
         "process tree sweep: stopasgroup/killasgroup signal the process group only; "
         "descendants that left it survive, and nothing is killed if supervisord is SIGKILLed",
         "restart limits: supervisord retries failed starts with a linear delay, not "
         "exponential backoff with jitter, and restarts a program that ran past startsecs "
         "without any limit",
     ]
+    limited = [u for u in units if u.limits is not None and u.limits.words()]
+    if limited:
+        gaps.append(
+            f"limits: supervisord sets no memory, CPU or process limits ({_names(limited)} "
+            "have them); run them under systemd (`dynamod systemd generate --per-unit`) or dynamod"
+        )
     return gaps

@@ -313,7 +313,7 @@ class PolicyManager(Extension):
 
     def ledger(self) -> Ledger:
         if self._etcd is not None:
-            return EtcdLedger(self._etcd, self.engine.stack.name)
+            return EtcdLedger(self._etcd, self.engine.stack.identity)
         assert self._file is not None
         return self._file
 

@@ -48,11 +48,15 @@ _PENDING_RETRY_S = 0.5
 _SWEEP_TIMEOUT_S = 2.0
 
 
-def stale_leases(registered: set[int], ours: set[int], others: set[int]) -> set[int]:
-    """The leases to revoke before any of this stack's workers has started: every registered
-    one that no other stack records for a live unit, and this stack's own recorded ones
-    (its units are all dead now) even where no instance key is left."""
-    return (registered | ours) - others
+def stale_leases(
+    registered: set[int], ours: set[int], others: set[int], *, shared: bool = False
+) -> set[int]:
+    """The leases to revoke before any of this stack's workers has started: this stack's
+    own recorded ones (its units are all dead now) even where no instance key is left, and
+    every registered one that no other stack records for a live unit, unless the namespace
+    is `shared` with another live stack (its worker may not have recorded its lease yet:
+    a registration whose owner may be alive is never revoked)."""
+    return (ours | (set() if shared else registered)) - others
 
 
 @dataclass
@@ -89,6 +93,9 @@ class DynamoRegistrations(Extension):
         # Set by a multi-node layer: the instance ids other nodes' live workers hold, which
         # the sweep must leave alone (it raises EtcdError while it cannot tell).
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
+        # Set by the stack identity (rollout/identity.py): the other live stacks whose
+        # workers use a namespace; their registrations are not this sweep's to judge.
+        self.others_in_namespace: Callable[[str], Awaitable[list[Any] | None]] | None = None
         self.registered: dict[str, Registration] = {}
 
     def instance_ids(self, unit: Unit) -> list[int]:
@@ -148,8 +155,9 @@ class DynamoRegistrations(Extension):
 
     @property
     def stack(self) -> str:
+        """The stack's identity: its lease records live under `dynamod/<identity>/`."""
         assert self.host is not None
-        return self.host.stack.name
+        return self.host.stack.identity
 
     @property
     def node(self) -> str | None:
@@ -183,6 +191,12 @@ class DynamoRegistrations(Extension):
                     records = [r for r in await store.every_stack() if r.namespace == namespace]
                     # other nodes' live workers (a multi-node stack) are never revoked here
                     keep = await self.others_live() if self.others_live is not None else set()
+                    sharing = await self._sharing(namespace)
+                    if sharing is None:  # another live daemon holds this stack's identity
+                        log.error("dynamo.sweep_skipped", namespace=namespace,
+                                  why="this stack's identity is held by another live daemon")
+                        self._swept = True  # its records are that daemon's: revoke none
+                        return
                     mine = [r for r in records if r.owned_by(self.stack, self.node)]
                     ours = {i for r in mine for i in r.instance_ids}
                     others = {i for r in records if r not in mine for i in r.instance_ids}
@@ -191,14 +205,16 @@ class DynamoRegistrations(Extension):
                         for inst in await dynamo.list_instances(etcd, namespace)
                         if inst.instance_id not in keep and inst.lease_id not in keep
                     }
-                    leases = sorted(stale_leases(registered, ours - keep, others))
+                    leases = sorted(
+                        stale_leases(registered, ours - keep, others, shared=bool(sharing))
+                    )
                     for lease in leases:
                         await dynamo.revoke_instance(etcd, lease)
                     for record in mine:
                         await store.forget(record)
             except (TimeoutError, EtcdError):
                 return
-            kept = sorted(registered & others)
+            kept = sorted((registered & others) | (registered - ours if sharing else set()))
             if leases or kept:
                 log.warning(
                     "dynamo.stale_revoked",
@@ -207,8 +223,17 @@ class DynamoRegistrations(Extension):
                     why="registered by no live unit (left by an earlier run of this stack, "
                     "or recorded by no stack)",
                     kept_for_other_stacks=[f"{lease:x}" for lease in kept],
+                    shared_with=sharing,
                 )
         self._swept = True
+
+    async def _sharing(self, namespace: str) -> list[str] | None:
+        """The other live stacks that use `namespace` (raises EtcdError while unknown; None:
+        this stack's identity is another daemon's)."""
+        if self.others_in_namespace is None:
+            return []
+        others = await self.others_in_namespace(namespace)
+        return None if others is None else [other.describe() for other in others]
 
     # ------------------------------------------------------------------ hooks
 

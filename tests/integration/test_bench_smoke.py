@@ -107,6 +107,9 @@ def check_outages(result: dict[str, Any]) -> None:
     # a scenario that crashed is only a note there: here it fails the smoke run
     assert not [n for n in result["notes"] if "did not complete" in n], result["notes"]
     assert result["data"]["kill9_push"] and result["data"]["frontend_hang"]["dynamod"]
+    # the quick etcd cut ran (on kill9_push's stack), with the stock Dynamo lease
+    (cut,) = result["data"]["etcd_cut"].values()
+    assert cut["cut_s"] > 0 and cut["requests_during"] > 0, cut
 
 
 CHECKS = {

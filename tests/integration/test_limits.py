@@ -13,7 +13,6 @@ import pytest
 
 from dynamod.control.render import status_table
 from dynamod.core import cgroups, events
-from dynamod.core.enforce import v1_hierarchies
 from tests.conftest import Dynamod, unit_by_name
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -52,8 +51,7 @@ def _memory_cgroup() -> bool:
     try:
         if base is not None and "memory" in (base / "cgroup.subtree_control").read_text():
             return True
-        own = Path("/proc/self/cgroup").read_text()
-        v1 = v1_hierarchies(own, Path("/proc/self/mountinfo").read_text()).get("memory")
+        v1 = cgroups.v1_hierarchies().get("memory")
     except OSError:
         return False
     return v1 is not None and os.access(v1, os.W_OK)

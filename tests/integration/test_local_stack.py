@@ -90,7 +90,7 @@ def test_default_stack_serves_and_down_leaves_nothing(dm: Dynamod, tmp_path: Pat
     }
     assert len(instances) == 2
     assert reply["nvext"]["worker_id"]["decode_worker_id"] in instances
-    keys = etcd_keys(etcd_port, "v1/instances/dynamod/")
+    keys = etcd_keys(etcd_port, "v1/instances/local/")
     assert {int(k.rsplit("/", 1)[1], 16) for k in keys} >= instances
 
     ports = [p for u in status["units"] for p in u["ports"].values()]
@@ -167,10 +167,10 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
         killed_at = time.monotonic()
         os.kill(victim["pid"], signal.SIGKILL)
         # The frontend's own view drops the dead worker at once (its lease is revoked),
-        # not after the ~30 s lease TTL.
+        # not after its lease TTL (300 s in the stock units).
         async with aiohttp.ClientSession() as session:
             while time.monotonic() - killed_at < 20:
-                view = await dynamo.frontend_routed_instances(session, url, "dynamod")
+                view = await dynamo.frontend_routed_instances(session, url, "local")
                 if not view & dead_ids:
                     break
                 await asyncio.sleep(0.02)
@@ -193,7 +193,7 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
     assert new_ids and set(new_ids).isdisjoint(victim["dynamo"]["instance_ids"])
     etcd_port = unit_by_name(status, "etcd")["ports"]["client"]
     registered = {
-        int(k.rsplit("/", 1)[1], 16) for k in etcd_keys(etcd_port, "v1/instances/dynamod/")
+        int(k.rsplit("/", 1)[1], 16) for k in etcd_keys(etcd_port, "v1/instances/local/")
     }
     assert set(new_ids) <= registered
     assert not set(victim["dynamo"]["instance_ids"]) & registered

@@ -103,8 +103,8 @@ def reference(
     dm: Dynamod, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Worker]]:
     """Our CPU worker and a frontend of its own, in namespace `vllmref` on the stack's etcd
-    and NATS (the stack's frontend sees namespace `dynamod` only), serving the same model
-    directory: (that frontend's URL, the worker)."""
+    and NATS (the stack's frontend sees namespace `vllm-cpu`, its identity, only), serving
+    the same model directory: (that frontend's URL, the worker)."""
     ports = {u["name"]: u["ports"] for u in dm.status()["units"]}
     stack = RawStack(tmp_path_factory.mktemp("reference"), namespace="vllmref")
     stack.etcd_port, stack.nats_port = ports["etcd"]["client"], ports["nats"]["client"]
@@ -292,13 +292,13 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     # kernel's comm keeps 15 characters: "VLLM::EngineCor")
     assert any(n.startswith("VLLM::EngineCor") for n in names.values()), names
     assert any(n == "VLLM::Worker" for n in names.values()), names
-    assert any(f"{instance:x}" in k for k in etcd_keys(etcd, "v1/instances/dynamod/"))
+    assert any(f"{instance:x}" in k for k in etcd_keys(etcd, "v1/instances/vllm-cpu/"))
     killed_at = time.monotonic()
     os.kill(shard["pid"], signal.SIGKILL)
     assert wait_dead(tree, timeout=15) == [], {p: comm(p) for p in tree}
     gone = time.monotonic() - killed_at
     deadline = time.monotonic() + 10
-    while any(f"{instance:x}" in k for k in etcd_keys(etcd, "v1/instances/dynamod/")):
+    while any(f"{instance:x}" in k for k in etcd_keys(etcd, "v1/instances/vllm-cpu/")):
         assert time.monotonic() < deadline, "the dead shard's registration is still in etcd"
         time.sleep(0.05)
     revoked = time.monotonic() - killed_at

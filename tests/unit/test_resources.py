@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynamod.core import resources, spec
-from dynamod.core.enforce import v1_hierarchies
+from dynamod.core.cgroups import remove_v1_run, v1_hierarchies
 from dynamod.core.errors import SpecErrors
 from dynamod.core.resources import Mechanism, Offer
 from dynamod.core.spec.models import LimitsSpec
@@ -210,3 +210,21 @@ def test_the_v1_hierarchies_are_found_with_our_own_cgroup_in_each() -> None:
         "pids": Path("/sys/fs/cgroup/pids/job"),
     }
     assert v1_hierarchies("0::/\n", MOUNTINFO) == {}  # pure v2: none
+
+
+def test_a_dead_runs_v1_cgroups_are_removed_and_only_its_own(tmp_path: Path) -> None:
+    memory, pids = tmp_path / "memory" / "job", tmp_path / "pids"
+    for base in (memory, pids):
+        (base / "dynamod-r1" / "hog").mkdir(parents=True)
+    (memory / "dynamod-r2").mkdir()  # another run's
+    assert remove_v1_run("r1", {"memory": memory, "pids": pids, "cpu": tmp_path / "cpu"}) == []
+    assert sorted(p.name for p in memory.iterdir()) == ["dynamod-r2"]
+    assert list(pids.iterdir()) == []
+
+
+def test_the_supervisord_export_says_it_drops_the_limits(tmp_path: Path) -> None:
+    from dynamod.ops.supervisord import supervisord_gaps
+
+    limited = supervisord_gaps(load(tmp_path, '{ pids_max = 64 }'))
+    assert any(g.startswith("limits: supervisord sets no") and "(app have" in g for g in limited)
+    assert not any(g.startswith("limits:") for g in supervisord_gaps(load(tmp_path, "{}")))

@@ -128,7 +128,8 @@ def test_units_context_lists_ports_and_replicas() -> None:
     stack = raw_stack({"w": {"replicas": 2, "ports": {"h": 0}}})
     expanded, _ = expand(stack)
     context = units_context(expanded, {"w@0": {"h": 1}, "w@1": {"h": 2}})
-    assert context == {"w@0": {"ports": {"h": 1}}, "w@1": {"ports": {"h": 2}},
+    assert context == {"w@0": {"ports": {"h": 1}, "host": "127.0.0.1"},
+                       "w@1": {"ports": {"h": 2}, "host": "127.0.0.1"},
                        "w": {"instances": ["w@0", "w@1"]}}
 
 

@@ -113,6 +113,8 @@ def test_dependencies_and_probes_change_in_place(tmp_path: Path) -> None:
     assert "~ front: depends_on, ready changed (in place, no restart)" in lines(change_, {})
     edited = diff(running, reread(tmp_path, running, text.replace('["f"]', '["g"]')))
     assert edited.restarted() == ["front"]
+    limited = text.replace('command = ["f"]', 'command = ["f"]\nlimits = { pids_max = 64 }')
+    assert diff(running, reread(tmp_path, running, limited)).restarted() == ["front"]
 
 
 def test_description_alone_is_no_change(tmp_path: Path) -> None:
@@ -138,6 +140,11 @@ def test_a_typo_or_an_invalid_file_is_refused(tmp_path: Path) -> None:
         reread(tmp_path, running, BASE.replace("system = 0", "system = -1"))
     with pytest.raises(SpecErrors, match="running stack is 'stack'"):
         reread(tmp_path, running, '[stack]\nname = "other"\n' + BASE)
+    from dynamod.core import live
+
+    request = live.Request(path=str(write(tmp_path, BASE)), vars={"stack_id": "two"})
+    with pytest.raises(SpecErrors, match="changes the stack's identity \\('stack' -> 'two'\\)"):
+        live.next_stack(running, request, ports())
 
 
 def test_policy_table_fields(tmp_path: Path) -> None:
@@ -220,3 +227,12 @@ def test_apply_requests_of_the_wrong_shape_are_refused(body: object, problem: st
     with pytest.raises(DynamodError, match=problem):
         live.Request.from_json(body)
     assert live.Request.from_json({"scale": ["w", 2], "dry_run": True}).scale == ("w", 2)
+
+
+@pytest.mark.parametrize("target", ["worker=abc", "worker", "=3", "worker=999999"])
+def test_scale_of_a_malformed_target_is_one_line_and_exit_2(target: str) -> None:
+    from tests import cli_inprocess
+
+    result = cli_inprocess.run(["--state-dir", "/nonexistent/dynamod", "scale", target])
+    assert result.code == 2 and result.stderr.count("\n") == 1
+    assert "expects a replicated unit's name" in result.stderr

@@ -41,13 +41,15 @@ def test_declared_and_referenced_variables(tmp_path: Path) -> None:
         "dir": spec.Variable("dir", "{state_dir}/{vars.name}"),
         "name": spec.Variable("name", "top"),  # the stack file's default wins
         "port": spec.Variable("port", 80),
+        "stack_id": spec.Variable("stack_id", "s"),  # every stack's: its name by default
         "model": spec.Variable("model", required=True),  # only referenced: --var gives it
     }
 
 
 def test_overrides_keep_the_defaults_apart(tmp_path: Path) -> None:
     raw = raw_of(tmp_path, '[vars]\nworkers = 2\n[units.a]\ncommand = ["x"]\n', workers=4)
-    assert raw.vars == {"workers": 4} and raw.defaults == {"workers": 2}
+    builtin = {"stack_id": "s"}  # every stack has it (its identity, rollout/identity.py)
+    assert raw.vars == {**builtin, "workers": 4} and raw.defaults == {**builtin, "workers": 2}
 
 
 @pytest.mark.parametrize("name, hint", [
@@ -71,9 +73,9 @@ def test_several_unknown_in_one_line_and_a_list_when_nothing_is_close(tmp_path: 
         spec.check_overrides(raw, {"alpah": 1, "zzz": 2})
     message = caught.value.message
     assert "no variables 'alpah' (did you mean `alpha`?)" in message
-    assert "'zzz' (its variables: alpha, beta)" in message and "\n" not in message
+    assert "'zzz' (its variables: alpha, beta, stack_id)" in message and "\n" not in message
     bare = raw_of(tmp_path, '[units.a]\ncommand = ["x"]\n')
-    with pytest.raises(SpecError, match="it has no variables"):
+    with pytest.raises(SpecError, match=r"its variables: stack_id\)"):
         spec.check_overrides(bare, {"x": 1})
 
 

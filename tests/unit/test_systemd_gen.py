@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from dynamod.core import spec
+from dynamod.core.spec import LimitsSpec
 from dynamod.ops import systemd
 from dynamod.ops.supervisord import ExportError
 
@@ -34,6 +36,7 @@ STACK = """
     stop = { signal = "SIGINT", timeout = 20.5 }
     ready = { kind = "tcp", port = "{ports.system}", deadline = 60 }
     live = { kind = "log", pattern = "alive" }
+    limits = { memory_max = "64M", cpu_quota = "50%" }
 
     [units.frontend]
     command = ["/bin/sleep", "1"]
@@ -183,6 +186,23 @@ def test_per_unit_services_mirror_dependencies_restart_and_stop(tmp_path: Path) 
     assert frontend["Requires"] == ["dynamod-worker@0.service dynamod-worker@1.service"]
 
 
+def test_a_units_limits_become_systemds_resource_control(tmp_path: Path) -> None:
+    limits = LimitsSpec.model_validate(
+        {"memory_max": "2G", "memory_high": "1.5G", "cpu_weight": 50, "cpu_quota": "150%",
+         "cpuset": str(min(os.sched_getaffinity(0))), "pids_max": 512}
+    )
+    assert systemd.resource_control(limits) == [
+        f"MemoryMax={2 << 30}", f"MemoryHigh={3 << 29}", "CPUWeight=50", "CPUQuota=150%%",
+        f"AllowedCPUs={min(os.sched_getaffinity(0))}", "TasksMax=512",
+    ]
+    assert systemd.resource_control(None) == []
+    stack = load(tmp_path)
+    files = {f.name: f.text for f in systemd.per_unit_services(stack, dynamod=DYNAMOD)}
+    assert "MemoryMax" not in files["dynamod-etcd.service"]  # no limits: none written
+    worker = settings(files["dynamod-worker@0.service"])
+    assert worker["MemoryMax"] == [str(64 << 20)] and worker["CPUQuota"] == ["50%%"]
+
+
 def test_per_unit_gaps_name_the_units_concerned(tmp_path: Path) -> None:
     gaps = systemd.per_unit_gaps(load(tmp_path))
     text = "\n".join(gaps)
@@ -216,3 +236,25 @@ def test_enable_commands_start_the_entry_point(tmp_path: Path) -> None:
     assert systemd.enable_commands(single, stack)[-1] == (
         "systemctl enable --now dynamod@rollout.service"
     )
+
+
+@pytest.mark.parametrize("lease", [None, "30"])
+def test_exports_say_how_long_a_dead_worker_stays_routable(
+    tmp_path: Path, lease: str | None
+) -> None:
+    """Nothing revokes a dead worker's lease under supervisord or systemd: the gap names
+    the Dynamo lease the stock units set (300 s), or the one --var gives."""
+    from dynamod.ops.supervisord import supervisord_gaps
+
+    counter = itertools.count(40000)
+    stack = spec.load(
+        Path(__file__).resolve().parents[2] / "units/stacks/local.toml",
+        state_dir=tmp_path / "state", allocate_port=lambda: next(counter),
+        var_overrides={"dynamo_lease_ttl": lease} if lease else None,
+    )  # fmt: skip
+    want = f"stays routable until its Dynamo lease runs out (ETCD_LEASE_TTL {lease or 300} s;"
+    for gaps in (supervisord_gaps(stack), systemd.per_unit_gaps(stack)):
+        (rejoin,) = [g for g in gaps if g.startswith("rejoin")]
+        assert want in rejoin, rejoin
+    no_workers = systemd.per_unit_gaps(load(tmp_path))
+    assert not [g for g in no_workers if "Dynamo lease" in g]

@@ -72,8 +72,8 @@ def _scale_arg(ctx: click.Context, param: click.Parameter, value: str) -> tuple[
     match = _SCALE.match(value)
     if match is None or int(match.group(2)) > limits.MAX_INSTANCES:
         raise click.BadParameter(
-            f"expects UNIT=N (a unit name, N replicas from 0 to {limits.MAX_INSTANCES}), "
-            f"got {value!r}"
+            f"expects a replicated unit's name, '=' and its replica count (0 to "
+            f"{limits.MAX_INSTANCES}), e.g. worker=3, got {value!r}"
         )
     return match.group(1), int(match.group(2))
 

@@ -36,6 +36,7 @@ from dynamod.core.errors import DaemonError, DynamodError
 
 if TYPE_CHECKING:
     from dynamod.core.leftovers import Leftovers
+    from dynamod.core.spec import Stack
     from dynamod.ops.statuspage import WebSettings
 
 
@@ -95,6 +96,10 @@ def check(
     edges = {n: list(u.depends_on) for n, u in resolved.units.items()}
     for i, wave in enumerate(graph.levels(edges)):
         click.echo(f"  start wave {i}: {', '.join(wave)}")
+    outside = [f"{n} at {u.outside}" for n, u in resolved.units.items() if u.outside]
+    if outside:
+        click.echo(f"  outside the stack (waited for, not started): {', '.join(outside)}")
+    click.echo(f"  identity {resolved.identity!r}: keys under dynamod/{resolved.identity}/")
     from dynamod.cluster import exposure
 
     tls = bool(getattr(getattr(resolved, "cluster", None), "secrets", None))
@@ -166,6 +171,7 @@ def up(
     if join_address is not None:
         stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
     resolved = load_stack(stack, state_dir, variables, node, claim_ports=True)
+    _check_identity(resolved, state_dir)
     _check_containment_setting()
     create_state_dir(state_dir)
     _sweep_previous(state_dir)
@@ -241,6 +247,21 @@ def _joined(
     click.echo(f"joining stack {bundle.stack!r} from {address} as node {node}", err=True)
     published = tuple(f"{k}={v}" for k, v in bundle.variables.items())
     return str(path), (*published, *variables), node
+
+
+def _check_identity(resolved: Stack, state_dir: Path) -> None:
+    """A live daemon elsewhere holds this stack's identity, or its workers use this stack's
+    Dynamo namespace, in the etcd the stack would use: refused, nothing started."""
+    from dynamod.cluster.secrets import load_etcd_auth
+    from dynamod.rollout import identity
+
+    cluster = resolved.cluster
+    secrets = getattr(cluster, "secrets", None)
+    auth = load_etcd_auth(secrets, cluster.node) if secrets and cluster else None
+    try:
+        identity.check_before_up(resolved, str(state_dir.absolute()), auth)
+    except identity.IdentityTaken as exc:
+        fail(str(exc), BAD_INPUT)
 
 
 def _check_containment_setting() -> None:

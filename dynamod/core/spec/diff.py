@@ -27,7 +27,9 @@ _IGNORED = frozenset({"name", "index", "source", "description", "install_hint"})
 # What the process itself is started with: a change restarts the unit. The rest (its
 # dependencies, probes, restart and stop settings, tables) is dynamod's own business and
 # changes in place, taking effect where it is next used (a probe: at the next start).
-RESTART_FIELDS = frozenset({"command", "env", "cwd", "ports", "type", "remote"})
+RESTART_FIELDS = frozenset(
+    {"command", "env", "cwd", "ports", "type", "remote", "outside", "limits"}
+)
 _SHOWN = 60  # characters of one value in a line
 
 

@@ -31,10 +31,16 @@ class RawStack:
     cluster: dict[str, Any] | None = None
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # registered tables
     files_read: int = 0
+    id: str | None = None  # `[stack] id`: the stack's identity in a shared etcd (see below)
 
 
 _STACK_KEYS = ["stack", "vars", "units", "cluster"]
-_STACK_TABLE_KEYS = {"name", "include", "description"}
+_STACK_TABLE_KEYS = {"name", "id", "include", "description"}
+# Every stack has this variable: its identity in an etcd it shares (dynamod's keys live
+# under `dynamod/<stack_id>/`, and the stock units' Dynamo namespace is it). Its default is
+# `[stack] id`, else the stack's name ('.' made '-': a Dynamo namespace has no dots);
+# `--var stack_id=NAME` runs a second copy of a stack beside the first.
+STACK_ID_VAR = "stack_id"
 # tables a layer above the core registered (`tables.register_stack_table`); like
 # [cluster], only the stack file itself may have one, not a file it includes
 _REGISTERED: list[str] = []
@@ -53,7 +59,8 @@ def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> Ra
     stack = RawStack(path=path, name=path.stem)
     included_vars: dict[str, Any] = {}
     _load_file(path, stack, included_vars, chain=[])
-    stack.defaults = {**included_vars, **stack.vars}
+    builtin = {STACK_ID_VAR: stack.id or default_id(stack.name)}
+    stack.defaults = {**builtin, **included_vars, **stack.vars}
     stack.vars = {**stack.defaults, **(var_overrides or {})}
     return stack
 
@@ -69,6 +76,8 @@ def _load_file(
     header = _header(data, path)
     if is_root and "name" in header:
         stack.name = _stack_name(header["name"], path)
+    if is_root and "id" in header:
+        stack.id = check_id(header["id"], path, "stack.id")
     _take_vars(data, path, stack, included_vars, is_root=is_root)
     if "cluster" in data:
         stack.cluster = _root_table(data, "cluster", path, is_root=is_root)
@@ -206,5 +215,30 @@ def _stack_name(value: Any, path: Path) -> str:
             f"or '.', got {value!r}",
             file=path,
             field="stack.name",
+        )
+    return value
+
+
+def default_id(name: str) -> str:
+    """A stack's identity when nothing names one: its name, '.' made '-'."""
+    return name.replace(".", "-")
+
+
+def check_id(value: Any, path: Path, where: str) -> str:
+    """A stack identity: an etcd key segment and a Dynamo namespace, so the unit-name
+    alphabet (no '.', no '/')."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # `--var stack_id=2` arrives as an int
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > limits.MAX_NAME_LENGTH
+        or not set(value) <= limits.UNIT_NAME_CHARS
+    ):
+        raise SpecError(
+            f"a stack identity is at most {limits.MAX_NAME_LENGTH} letters, digits, '_' or "
+            f"'-', got {value!r}",
+            file=path,
+            field=where,
         )
     return value

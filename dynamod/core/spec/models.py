@@ -327,6 +327,12 @@ class UnitSpec(SpecModel):
         description="set by the resolver, never in a file: the node that runs this unit; "
         "here it is only a dependency, ready when its probe passes against that node",
     )
+    outside: str | None = Field(
+        None,
+        description="set by the resolver from the unit's `outside = \"HOST:PORT\"`: it runs "
+        "outside the stack there (`remote` is that address too); never spawned, ready while "
+        "the address takes a connection",
+    )
 
     @field_validator("env")
     @classmethod

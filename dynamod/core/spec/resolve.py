@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,26 +22,28 @@ from dynamod.core import graph, limits, paths
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.spec import links, nodes, tables
-from dynamod.core.spec.files import RawStack, RawUnit, load_stack
+from dynamod.core.spec.files import STACK_ID_VAR, RawStack, RawUnit, check_id, load_stack
 from dynamod.core.spec.models import Condition, SpecModel, UnitSpec
 from dynamod.core.spec.render import Renderer, as_int, check_error_count, pydantic_errors
 from dynamod.core.spec.stack import PortAllocator, Stack, StackSource
 from dynamod.core.spec.vars import check_overrides
 
 # keys of a unit table the resolver consumes itself; the rest is rendered and validated
-_RESOLVER_KEYS = frozenset({"replicas", "ports", "depends_on", "nodes"})
+_RESOLVER_KEYS = frozenset({"replicas", "ports", "depends_on", "nodes", "outside"})
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Instance:
     """One instance of a raw unit: `NAME` (index None) or replica `NAME@i`. `remote` names
-    the node that runs it when this node only depends on it."""
+    the node that runs it when this node only depends on it; `outside` the HOST:PORT of a
+    unit that runs outside the stack (`outside = "{vars.etcd}"` rendered non-empty)."""
 
     name: str
     raw: RawUnit
     index: int | None = None
     remote: str | None = None
+    outside: tuple[str, int] | None = None
 
 
 @dataclass
@@ -78,6 +80,7 @@ def resolve_stack(
     python = python or sys.executable
     cluster, where = _first(lambda: _nodes(raw, node))
     context = base_context(raw, state_dir, python, cluster, renderer)
+    stack_id = _first(lambda: check_id(context["vars"].get(STACK_ID_VAR), raw.path, "--var"))
     extra = _first(lambda: tables.extra_replicas(raw, context, renderer))
     if cluster is not None:
         placed = cluster
@@ -95,7 +98,9 @@ def resolve_stack(
     found = tables.stack_tables(raw, unit_context, specs, renderer, errors)
     _raise_any(errors)
     source = StackSource(raw, state_dir, python, node)
-    return Stack(raw.name, raw.path, specs, order, source=source, cluster=cluster, tables=found)
+    return Stack(
+        raw.name, raw.path, specs, order, source=source, cluster=cluster, tables=found, id=stack_id
+    )
 
 
 def _first(step: Callable[[], T]) -> T:
@@ -158,6 +163,14 @@ def expand_instances(
         try:
             value = renderer.field(unit.table.get("replicas"), context, unit, "replicas")
             room = limits.MAX_INSTANCES - len(expanded.instances)
+            outside = outside_address(unit, context, renderer)
+            if outside is not None:
+                if value is not None:
+                    raise SpecError("a unit outside the stack has no replicas here",
+                                    file=unit.source, unit=unit.name, field="outside")  # fmt: skip
+                instance = replace(_single(unit, None, room), outside=outside)
+                expanded.add(unit, [instance], replicated=False)
+                continue
             if value is None:
                 expanded.add(unit, [_single(unit, remote, room)], replicated=False)
                 continue
@@ -187,6 +200,25 @@ def _single(unit: RawUnit, remote: str | None, room: int) -> Instance:
             unit=unit.name,
         )
     return Instance(unit.name, unit, None, remote)
+
+
+def outside_address(
+    unit: RawUnit, context: Mapping[str, Any], renderer: Renderer
+) -> tuple[str, int] | None:
+    """`outside = "HOST:PORT"`: the unit runs outside the stack there (this stack only
+    waits for it to answer); empty or absent: the stack runs it."""
+    value = renderer.field(unit.table.get("outside", ""), context, unit, "outside")
+    if value in ("", None):
+        return None
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= limits.MAX_PORT:
+        raise SpecError(
+            f"expects HOST:PORT (or empty: the stack runs it), got {value!r}",
+            file=unit.source,
+            unit=unit.name,
+            field="outside",
+        )
+    return host.strip("[]"), int(port)
 
 
 # --------------------------------------------------------------------------- 2. ports
@@ -272,6 +304,9 @@ def _instance_ports(
 ) -> None:
     raw, index = instance.raw, instance.index
     context = {**context, "index": index if index is not None else 0}
+    if instance.outside is not None:  # it listens where `outside` says: nothing to allocate
+        out.update((name, instance.outside[1]) for name in table)
+        return
     for name, value in table.items():
         where = f"ports.{name}"
         number = as_int(renderer.field(value, context, raw, where), raw, where, 0, limits.MAX_PORT)
@@ -306,12 +341,23 @@ def _here(context: Mapping[str, Any]) -> str:
 
 
 def units_context(expanded: Expanded, ports: Mapping[str, dict[str, int]]) -> dict[str, Any]:
-    """`{units.NAME.ports.x}` for every instance, `{units.NAME.instances}` for a
+    """`{units.NAME.ports.x}` and `{units.NAME.host}` (where to reach it: the HOST of a unit
+    outside the stack, else 127.0.0.1) for every instance, `{units.NAME.instances}` for a
     replicated unit."""
-    context: dict[str, Any] = {name: {"ports": p} for name, p in ports.items()}
+    context: dict[str, Any] = {
+        name: {"ports": p, "host": _host(expanded.instances[name])} for name, p in ports.items()
+    }
     for base, members in expanded.replicated.items():
         context.setdefault(base, {"instances": members})
     return context
+
+
+def _address(outside: tuple[str, int] | None) -> str | None:
+    return f"{outside[0]}:{outside[1]}" if outside is not None else None
+
+
+def _host(instance: Instance) -> str:
+    return instance.outside[0] if instance.outside is not None else "127.0.0.1"
 
 
 # --------------------------------------------------------------------------- 3. render + 4. link
@@ -374,9 +420,11 @@ def render_unit(
         )
     if "tables" in raw.table:  # UnitSpec.tables is the resolver's, never a file's
         raise SpecError("unknown key", file=raw.source, unit=raw.name, field="tables")
-    deps = {} if remote else links.dependencies(raw)
+    deps = {} if remote or instance.outside else links.dependencies(raw)
     table = {k: v for k, v in raw.table.items() if k not in _RESOLVER_KEYS}
     rendered: dict[str, Any] = renderer.field(table, context, raw, "")
+    if instance.outside is not None:
+        rendered["ready"] = _outside_probe(instance.outside, rendered.get("ready"))
     if remote and rendered.get("ready") is None:
         raise SpecError(
             f"runs on node {remote} and a unit of node {cluster.node if cluster else '?'} "
@@ -390,6 +438,14 @@ def render_unit(
         if isinstance(env, dict):
             rendered["env"] = {**cluster.environment(), **env}
     return rendered, deps
+
+
+def _outside_probe(address: tuple[str, int], ready: Any) -> dict[str, Any]:
+    """A unit outside the stack is ready while its address takes a TCP connection (its own
+    probe may name ports it has not there), at the pace its probe asked for."""
+    pace = {k: ready[k] for k in ("interval", "timeout") if k in ready} if isinstance(
+        ready, Mapping) else {}  # fmt: skip
+    return {"kind": "tcp", "host": address[0], "port": address[1], **pace}
 
 
 def validate_unit(
@@ -428,7 +484,8 @@ def _unit_spec(
             "source": str(instance.raw.source),
             "ports": ports,
             "depends_on": depends_on,
-            "remote": instance.remote,
+            "remote": instance.remote or _address(instance.outside),
+            "outside": _address(instance.outside),
         }
     )
 

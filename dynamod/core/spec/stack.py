@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dynamod.core.placement import ClusterSpec
-from dynamod.core.spec.files import RawStack
+from dynamod.core.spec.files import RawStack, default_id
 from dynamod.core.spec.models import SpecModel, UnitSpec
 
 PortAllocator = Callable[[], int]
@@ -37,3 +37,10 @@ class Stack:
     cluster: ClusterSpec | None = None
     # the stack tables a layer above the core registered (e.g. [policy]), by key
     tables: dict[str, SpecModel] = field(default_factory=dict)
+    id: str = ""  # `vars.stack_id` as rendered; empty: a stack built without the resolver
+
+    @property
+    def identity(self) -> str:
+        """The stack's identity in a shared etcd: its keys live under `dynamod/<identity>/`,
+        and two daemons of one identity on one etcd are refused (rollout/identity.py)."""
+        return self.id or default_id(self.name)
