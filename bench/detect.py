@@ -426,7 +426,7 @@ def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
     bench_mark()
     # 200 kills a run: with 60, the p99 is an interpolation between the two slowest kills.
-    kills, polled, stops = (10, 4, 4) if args.quick else (200, 30, 30)
+    kills, polled, stops = (5, 2, 2) if args.quick else (200, 30, 30)
     window = 5.0 if args.quick else 25.0
     crowd_size = 200 if args.quick else CROWD
     report = Report("detect", "1. Failure detection (SIGKILL -> noticed)", args.quick)

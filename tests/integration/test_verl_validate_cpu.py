@@ -46,6 +46,12 @@ def names(lines: list[str]) -> list[str]:
     return [line.split()[1].rstrip(":") for line in lines]
 
 
+# The passing run costs ~4.5 min on CI's 2 cores (a stack, Ray, verl's trainer); the suite's
+# 25-minute budget keeps it to `make validate-cpu`, which runs it with the full validation.
+# Its must-fail side below stays in every run, and test_verl_trainer.py runs main_ppo in CI.
+@pytest.mark.skipif(os.environ.get("DYNAMOD_VERL_VALIDATE") != "1",
+                    reason="the passing quick validation: `make validate-cpu` "
+                           "(DYNAMOD_VERL_VALIDATE=1)")
 def test_quick_validation_passes(tmp_path: Path) -> None:
     result, lines = validate(tmp_path)
     assert result.returncode == 0, (lines, result.stdout[-3000:], result.stderr[-2000:])
