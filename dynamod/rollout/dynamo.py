@@ -180,15 +180,26 @@ _WORKER_ID_LABEL = re.compile(r'worker_id="([0-9a-fA-F]+)"')
 _NAMESPACE_LABEL = re.compile(r'dynamo_namespace="([^"]*)"')
 
 
+_NOT_IN_A_METRIC_NAME = re.compile(r"[^A-Za-z0-9_]")
+
+
+def namespace_label(namespace: str) -> str:
+    """`namespace` as the runtime writes it in its metrics' `dynamo_namespace` label: it
+    turns what a Prometheus name may not hold into `_` (namespace `local-serve` is labelled
+    `local_serve`, while its etcd keys keep `local-serve`)."""
+    return _NOT_IN_A_METRIC_NAME.sub("_", namespace)
+
+
 def worker_ids_in_metrics(metrics_text: str, namespace: str) -> set[int]:
     """Instance ids found in the `worker_id` label of a worker's Prometheus metrics."""
     ids: set[int] = set()
+    label = namespace_label(namespace)
     for line in metrics_text.splitlines():
         if line.startswith("#"):
             continue
         worker = _WORKER_ID_LABEL.search(line)
         ns = _NAMESPACE_LABEL.search(line)
-        if worker and ns and ns.group(1) == namespace:
+        if worker and ns and namespace_label(ns.group(1)) == label:
             ids.add(int(worker.group(1), 16))
     return ids
 
