@@ -140,6 +140,22 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
         (1, ["worker@0", "worker@1"], [])
     ]
     assert any(e["kind"] == "dynamo.revoked" and e["unit"] == "worker@1" for e in events)
+    assert "not_pushed" not in result  # every shard was reached: none is listed as left out
+
+    # A push while a shard is away names it too, with what happens to it; started again,
+    # it is replayed to that version before it serves.
+    dm.run("stop", "worker@1", check=True)
+    out = dm.run("policy", "push", "--step", "2", "--path",
+                 str(checkpoint(base, tmp_path / "step-2", 1.02)), check=True).stdout
+    assert "policy version 2" in out, out
+    assert any(line.split()[:2] == ["worker@0", "ok"] for line in out.splitlines()), out
+    away = [line for line in out.splitlines() if line.split()[:1] == ["worker@1"]]
+    assert away and "replayed to version 2" in away[0] and "stopped" in away[0], out
+    dm.run("start", "worker@1", check=True)
+    rejoined = dm.wait_for(
+        lambda s: (u := unit_by_name(s, "worker@1"))["state"] == "ready" and u,
+        what="worker@1 ready again after the push")
+    assert rejoined["policy_version"] == 2
 
 
 def test_kill_during_push_completes_on_others_and_killed_shard_catches_up(
