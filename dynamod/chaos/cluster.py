@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -298,19 +299,26 @@ def running_cluster(
 ) -> Iterator[ClusterRig]:
     """A started cluster for a test module or a benchmark: every node up, then, whatever
     happened, every daemon stopped and the sandbox removed; raises ClusterError naming what
-    was left behind (a process, a namespace). The daemons' logs stay in `rig.work_dir`."""
+    was left behind (a process, a namespace). The daemons' logs stay in `rig.work_dir` when
+    something failed; a clean run leaves nothing in /tmp."""
     rig = ClusterRig(n_nodes, stack=stack, variables=variables)
     rig.open()
     assert rig.sandbox is not None
     names = [rig.sandbox.switch, *rig.sandbox.nodes]
+    failed = False
     try:
         rig.up(timeout=timeout)
         yield rig
+    except BaseException:
+        failed = True
+        raise
     finally:
         problems = rig.close()
         problems += [f"namespace {n} left" for n in names if Path("/run/netns", n).exists()]
         if problems:
             raise ClusterError(f"cluster in {rig.work_dir} not cleaned up: {problems}")
+        if not failed:
+            shutil.rmtree(rig.work_dir, ignore_errors=True)
 
 
 def _bind_when_free(address: str, port: int, timeout: float = 5.0) -> socket.socket:
