@@ -715,6 +715,22 @@ class PolicyManager(Extension):
         log.info("policy.push_already_committed", version=current.version, path=path)
         return answer
 
+    def _not_reached(self, version: int, acks: dict[str, Any], stale: dict[str, str]
+                     ) -> dict[str, str]:
+        """Every shard the step did not reach (restarting, stopped, a spare), with what
+        happens to it: a push's answer names every shard of the stack."""
+        out: dict[str, str] = {}
+        for name in policy_table.shards(self.engine.stack):
+            if name in acks or name in stale:
+                continue
+            unit = self.engine.units[name]
+            if self.spares.role(unit) is Role.SPARE:
+                out[name] = f"spare: caught up to version {version} before it is promoted"
+            else:
+                out[name] = (f"{unit.state}: not serving now; replayed to version {version}"
+                             " and verified before it serves")
+        return out
+
     async def _resume_after_failed_push(self, shards: list[Unit]) -> None:
         """Nothing took the new weights: every shard still holds the current version, so
         it goes back to serving rather than staying paused."""
@@ -791,6 +807,9 @@ class PolicyManager(Extension):
             **others,
             "seconds": round(time.monotonic() - started, 3),
         }
+        away = self._not_reached(target.version, acks, stale)
+        if away:
+            answer["not_pushed"] = away
         log.info(
             f"policy.{how}",
             version=target.version,

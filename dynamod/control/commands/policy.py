@@ -44,29 +44,6 @@ def _report(result: dict[str, Any], as_json: bool) -> None:
         click.echo(f"  {shard:<12} {why}")
 
 
-def _not_pushed(client: Client, result: dict[str, Any]) -> dict[str, str]:
-    """Every shard the push did not reach, and why (restarting, stopped, a spare): named
-    with what happens to it, so a push lists every shard of the stack."""
-    if "version" not in result:
-        return {}
-    try:
-        shards = client.policy_status().get("shards", [])
-    except DaemonError:
-        return {}
-    reached = set(result.get("acks", {})) | set(result.get("stale", []))
-    version = result["version"]
-    out: dict[str, str] = {}
-    for shard in shards:
-        if shard["name"] in reached:
-            continue
-        if shard.get("role") == "spare":
-            out[shard["name"]] = f"spare: caught up to version {version} before it is promoted"
-        else:
-            out[shard["name"]] = (f"{shard['state']}: not serving now; replayed to version "
-                                  f"{version} and verified before it serves")
-    return out
-
-
 @click.group("policy")
 def policy_group() -> None:
     """Policy (weight) updates for the rollout shards, and the ledger."""
@@ -115,10 +92,6 @@ def _send(ctx: click.Context, name: str, call: Any, as_json: bool) -> None:
     except DaemonError as exc:
         click.echo(f"dynamod: policy {name} failed: {exc}", err=True)
         sys.exit(1)
-    if isinstance(result, dict):
-        others = _not_pushed(_client(ctx), result)
-        if others:
-            result = {**result, "not_pushed": others}
     _report(result, as_json)
 
 
