@@ -123,9 +123,14 @@ def _serving_gap(history: History, after: float) -> float | None:
     return min(ok) - after if ok else None
 
 
+_RECOVERED = ("ready", "completed")  # completed: it was started again and finished its work
+
+
 def recovery_time(history: History, inv: Invariant) -> Verdict:
     """Every fault is recovered from within `max_seconds`: a unit fault once the unit is
-    ready again after it left ready; any fault once a request sent after the heal is served."""
+    ready again after it left ready (or, a unit that runs to an end such as the trainer,
+    once it ran again and completed: a resumed trainer with little left to do may finish
+    before it counts as ready); any fault once a request sent after the heal is served."""
     if not history.faults:
         return Verdict(inv.check, False, "no fault was recorded: nothing recovered")
     bound = inv.max_seconds if inv.max_seconds is not None else float("inf")
@@ -138,7 +143,7 @@ def recovery_time(history: History, inv: Invariant) -> Verdict:
         if fault.target:
             after = [s for s in history.states if s.unit == fault.target and s.at >= fault.at]
             left = next((s for s in after if s.old == "ready"), None)
-            back = next((s for s in after if left and s.at >= left.at and s.new == "ready"), None)
+            back = next((s for s in after if left and s.at > left.at and s.new in _RECOVERED), None)
             if left is None:
                 row["unit_s"] = 0.0
                 row["note"] = "the unit never left ready"

@@ -51,7 +51,7 @@ def check_shape(result: dict[str, Any], name: str) -> None:
     assert result["tables"], "a benchmark prints at least one table"
     for table in result["tables"]:
         assert table["title"] and table["headers"]
-        assert table["rows"], f"table {table['title']!r} is empty"
+        assert table["rows"], f"table {table['title']!r} is empty; notes: {result.get('notes')}"
         for row in table["rows"]:
             assert len(row) == len(table["headers"]), (table["title"], row)
     assert isinstance(result["targets"], list)  # some benchmarks judge none (tables only)

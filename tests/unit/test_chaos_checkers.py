@@ -135,6 +135,17 @@ def test_recovery_time_measures_fault_to_ready_again() -> None:
     assert v.ok and v.measured["faults"][0]["unit_s"] == 6.0
 
 
+def test_recovery_time_counts_a_trainer_that_ran_again_to_completion() -> None:
+    # the resumed trainer pushed its last steps and exited 0 before min_uptime made it ready
+    states = [StateChange(10.01, "trainer", "ready", "backoff"),
+              StateChange(10.2, "trainer", "backoff", "starting"),
+              StateChange(10.9, "trainer", "starting", "completed")]
+    h = History(faults=[Fault(10, "SIGKILL trainer", "trainer")], states=states,
+                requests=[ok(10.5, 0)])
+    v = checkers.recovery_time(h, inv("recovery_time", max_seconds=10))
+    assert v.ok and v.measured["faults"][0]["unit_s"] == 0.9
+
+
 @pytest.mark.parametrize("history", [
     # too slow
     History(faults=[Fault(10, "kill", "worker@1")], states=unit_down_and_up(10, 25),
@@ -142,6 +153,11 @@ def test_recovery_time_measures_fault_to_ready_again() -> None:
     # never ready again
     History(faults=[Fault(10, "kill", "worker@1")],
             states=[StateChange(10, "worker@1", "ready", "failed")], requests=[ok(11, 0)]),
+    # the trainer was killed and gave up: failed is not completed
+    History(faults=[Fault(10, "kill", "trainer")],
+            states=[StateChange(10, "trainer", "ready", "backoff"),
+                    StateChange(11, "trainer", "backoff", "starting"),
+                    StateChange(12, "trainer", "starting", "failed")], requests=[ok(11, 0)]),
     # nothing served after the heal of a fault without a unit
     History(faults=[Fault(10, "proxy down", None, healed_at=20)], requests=[ok(5, 0)]),
     # no fault at all: nothing was recovered
