@@ -28,6 +28,8 @@ from dynamod.rollout import tables
 # entry points do: the CLI and the daemon register them before a stack is read.
 tables.register()
 
+pytest_plugins = ["tests.xdist_groups"]  # each module's tests on one xdist worker
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PROC = FIXTURES / "proc.py"
@@ -47,14 +49,6 @@ def _failed(request: pytest.FixtureRequest) -> bool:
         for when in ("setup", "call")
     )
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under xdist (`make test` runs `-n 2 --dist loadgroup`) a module's tests stay on one
-    worker, so module-scoped stacks start once; a test marked with its own group (each
-    chaos stack group, the netns tests together) keeps that group."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 class Dynamod:
     """Runs the real `dynamod` CLI against one state dir."""
