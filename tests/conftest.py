@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from dynamod.client import Client, UnitStatus
+from dynamod.control import tables
 from dynamod.core import runrecord
 from dynamod.core.errors import DaemonError
 from dynamod.core.proctable import marked_pids
-from dynamod.rollout import tables
 
 # Stack files in tests use the rollout layer's tables ([policy], dynamo) as dynamod's own
 # entry points do: the CLI and the daemon register them before a stack is read.

@@ -58,8 +58,8 @@ def load_stack(
     """Read, render and validate STACK (NODE's share of it, for a cluster stack), then
     preflight it; exit 2 with the problems. Only a stack that will run (`claim_ports`, for
     `up`) claims its ports in the machine's registry: rendering it writes nothing."""
+    from dynamod.control import tables
     from dynamod.core import ports, preflight, spec
-    from dynamod.rollout import tables
 
     tables.register()  # the rollout layer's [policy] and dynamo tables
     path = paths.resolve_stack_path(stack)

@@ -15,12 +15,13 @@ from dynamod.cluster.exposure import ExposureWatch
 from dynamod.cluster.membership import Membership
 from dynamod.cluster.secrets import load_etcd_auth
 from dynamod.cluster.secrets_env import SecretsEnv
+from dynamod.control import tables
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack
 from dynamod.ops.metrics import MetricsServer
 from dynamod.ops.sdnotify import SystemdNotifier
 from dynamod.ops.statuspage import StatusPage, WebSettings
-from dynamod.rollout import frontend_probe, tables
+from dynamod.rollout import frontend_probe
 from dynamod.rollout.identity import StackIdentity
 from dynamod.rollout.policy import PolicyManager
 from dynamod.rollout.policy_table import policy_of

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dynamod.control import tables
 from dynamod.core import paths, spec
-from dynamod.rollout import tables
 
 
 def shown(value: Any) -> str:

@@ -127,3 +127,21 @@ def test_the_page_follows_a_kill_and_a_new_daemon(
     assert get(f"{base}api/status?token=not-{TOKEN}")[0] == 403
     code, body, _ = get(f"{base}api/status", Authorization=f"Bearer {TOKEN}")
     assert code == 200 and json.loads(body)["status"]["run_id"] == second["run_id"]
+
+
+def test_the_stack_file_names_the_page(dm: Dynamod, stack_file: Any, tmp_path: Path) -> None:
+    """`[web]` in the stack file serves the page without `--web`; its token file unreadable:
+    one line naming the file and field, exit 2, nothing started."""
+    port = free_port()
+    missing = stack_file(STACK + f'\n[web]\naddress = "127.0.0.1:{port}"\n'
+                         'token_file = "no-such-token"\n', name="missing.toml")  # fmt: skip
+    refused = dm.run("up", str(missing), "--detach")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "missing.toml, field 'web.token_file'" in lines[0], lines
+    assert not (dm.state_dir / "dynamod.sock").exists()
+    stack = stack_file(STACK + f'\n[web]\naddress = "127.0.0.1:{port}"\n')
+    up = dm.run("up", str(stack), "--detach", check=True)
+    assert f"status page: http://127.0.0.1:{port}/" in up.stdout
+    code, body, _ = get(f"http://127.0.0.1:{port}/api/status")
+    assert code == 200 and json.loads(body)["status"]["run_id"] == dm.status()["run_id"]

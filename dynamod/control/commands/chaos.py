@@ -89,8 +89,8 @@ def run_command(names: tuple[str, ...], run_all: bool, quick: bool, report_dir: 
 def _check_vars(runbook: Runbook) -> None:
     """A runbook's `vars` are its stack's `--var`s: one the stack has no variable for is
     refused before any run starts, as `up` would refuse it."""
+    from dynamod.control import tables
     from dynamod.core import paths, spec
-    from dynamod.rollout import tables
 
     tables.register()
     try:

@@ -171,6 +171,7 @@ def up(
     if join_address is not None:
         stack, variables, node = _joined(join_address, stack, variables, node, state_dir)
     resolved = load_stack(stack, state_dir, variables, node, claim_ports=True)
+    web = web or _stack_web(resolved)
     _check_identity(resolved, state_dir)
     _check_containment_setting()
     create_state_dir(state_dir)
@@ -197,6 +198,17 @@ def _web_settings(address: str | None, token_file: Path | None) -> WebSettings |
         return statuspage.settings(address, token_file)
     except DynamodError as exc:
         fail(f"up --web: {exc}", BAD_INPUT)
+
+
+def _stack_web(resolved: Stack) -> WebSettings | None:
+    """The stack file's `[web]` table (`--web` overrides it); its token file unreadable:
+    one line naming the file and field, exit 2."""
+    from dynamod.ops import web_table
+
+    try:
+        return web_table.settings_of(resolved)
+    except DynamodError as exc:
+        fail(f"{resolved.path}, field 'web.token_file': {exc}", BAD_INPUT)
 
 
 def _refuse_running(

@@ -147,8 +147,8 @@ def wait_ready(probe_json: str) -> None:
     """ExecStartPost of a per-unit service: wait until its readiness probe passes."""
     from pydantic import TypeAdapter, ValidationError
 
+    from dynamod.control import tables
     from dynamod.core.spec import Probe
-    from dynamod.rollout import tables
 
     tables.register()  # the probe may be of the rollout layer's kind
     try:
