@@ -54,7 +54,7 @@ typecheck:
 # Two pytest-xdist workers on CI's 2 cores: one worker keeps only ~0.8 of them busy (most of
 # a test is a stack waiting on recovery, load or an outage). A module's tests stay on one
 # worker (module-scoped stacks start once); each chaos stack group, and the netns tests
-# together, are groups of their own (tests/conftest.py).
+# together, are groups of their own (tests/xdist_groups.py).
 pytest:
 	$(BIN)/pytest -q -ra --durations=25 -n 2 --dist loadgroup
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dynamod.core import ports as portlib
 from dynamod.core import process
 from dynamod.core.errors import PreflightError
-from dynamod.core.spec import Stack
+from dynamod.core.spec import Stack, UnitSpec, quantities
 
 
 def check(stack: Stack, allocated: Iterable[int]) -> None:
@@ -47,6 +47,7 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
                 f"{spec.source}: unit {spec.name!r}: cwd {spec.cwd!r} is not an existing "
                 "directory"
             )
+        problems += _cpus_not_here(spec)
         for name, port in spec.ports.items():
             if port not in given and portlib.in_use(port):
                 problems.append(
@@ -59,6 +60,24 @@ def check(stack: Stack, allocated: Iterable[int]) -> None:
         raise PreflightError(f"cannot start the stack: {problems[0]}")
     if problems:
         raise PreflightError("cannot start the stack:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _cpus_not_here(spec: UnitSpec) -> list[str]:
+    """A cpuset (or a placement's CPUs) that names CPUs this process may not use."""
+    cpuset = spec.limits.cpuset if spec.limits is not None else None
+    if cpuset is None:
+        return []
+    here = frozenset(os.sched_getaffinity(0))
+    missing = quantities.parse_cpu_list(cpuset) - here
+    if not missing:
+        return []
+    placement = spec.placement
+    how = (f" (placement cpus_per_replica={placement.cpus_per_replica}, replica "
+           f"{spec.index or 0}: fewer replicas or fewer CPUs each)"
+           if placement is not None and placement.cpus_per_replica else "")  # fmt: skip
+    return [f"{spec.source}: unit {spec.name!r}: CPUs {quantities.cpu_list_text(missing)} of "
+            f"its cpuset {cpuset!r}{how} are not on this machine (it may use "
+            f"{quantities.cpu_list_text(here)})"]  # fmt: skip
 
 
 PREFLIGHT_TIMEOUT_S = 60.0

@@ -289,6 +289,32 @@ class LimitsSpec(SpecModel):
         return out
 
 
+class PlacementSpec(SpecModel):
+    """Where each replica of a unit runs on this machine (`placement` table): with
+    `cpus_per_replica = N`, replica i gets CPUs i*N .. i*N+N-1 as its `limits.cpuset`
+    (unless the unit sets one) and, with `cpus_env`, that CPU list in the named environment
+    variable (a real-engine shard's VLLM_CPU_OMP_THREADS_BIND): the CPU analogue of one
+    GPU per shard. N = 0 places nothing.
+
+        placement = { cpus_per_replica = 1, cpus_env = "VLLM_CPU_OMP_THREADS_BIND" }
+    """
+
+    cpus_per_replica: int = Field(0, ge=0, le=4096, description="CPUs each replica gets")
+    cpus_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable that receives the replica's CPU list",
+    )
+
+    def cpus(self, index: int | None) -> str | None:
+        """The CPU list of replica `index` (a unit without replicas is replica 0)."""
+        n = self.cpus_per_replica
+        if n == 0:
+            return None
+        first = (index or 0) * n
+        return str(first) if n == 1 else f"{first}-{first + n - 1}"
+
+
 class UnitSpec(SpecModel):
     """One runnable instance, fully rendered. Replicas become `NAME@i` instances."""
 
@@ -309,6 +335,9 @@ class UnitSpec(SpecModel):
     stop: StopSpec = StopSpec()
     limits: LimitsSpec | None = Field(
         None, description="memory, CPU, CPU set and process limits (core/resources.py)"
+    )
+    placement: PlacementSpec | None = Field(
+        None, description="CPUs per replica, as its cpuset and in an environment variable"
     )
     install_hint: str | None = None
     preflight: list[str] | None = Field(

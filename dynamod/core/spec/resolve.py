@@ -23,7 +23,7 @@ from dynamod.core.errors import CycleError, SpecError, SpecErrors
 from dynamod.core.placement import ClusterSpec
 from dynamod.core.spec import links, nodes, tables
 from dynamod.core.spec.files import STACK_ID_VAR, RawStack, RawUnit, check_id, load_stack
-from dynamod.core.spec.models import Condition, SpecModel, UnitSpec
+from dynamod.core.spec.models import Condition, LimitsSpec, SpecModel, UnitSpec
 from dynamod.core.spec.render import Renderer, as_int, check_error_count, pydantic_errors
 from dynamod.core.spec.stack import PortAllocator, Stack, StackSource
 from dynamod.core.spec.vars import check_overrides
@@ -474,7 +474,7 @@ def _unit_spec(
     depends_on: dict[str, Condition],
     found: dict[str, SpecModel],
 ) -> UnitSpec:
-    return UnitSpec.model_validate(
+    spec = UnitSpec.model_validate(
         {
             **rendered,
             "tables": found,
@@ -488,6 +488,22 @@ def _unit_spec(
             "outside": _address(instance.outside),
         }
     )
+    return placed(spec)
+
+
+def placed(spec: UnitSpec) -> UnitSpec:
+    """The replica's CPUs (its `placement`) as its cpuset, unless `limits` names one, and
+    in the environment variable `placement.cpus_env` names."""
+    cpus = spec.placement.cpus(spec.index) if spec.placement is not None else None
+    if cpus is None or spec.placement is None:
+        return spec
+    limits = spec.limits or LimitsSpec()
+    if limits.cpuset is None:
+        limits = limits.model_copy(update={"cpuset": cpus})
+    env = dict(spec.env)
+    if spec.placement.cpus_env is not None:
+        env[spec.placement.cpus_env] = limits.cpuset or cpus
+    return spec.model_copy(update={"limits": limits, "env": env})
 
 
 # --------------------------------------------------------------------------- 5. order
