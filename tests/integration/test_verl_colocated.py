@@ -134,7 +134,7 @@ def completions(stack: Dynamod, version: int, n: int) -> list[dict[str, Any]]:
 
 
 RECEIVER = textwrap.dedent("""
-    import pickle, sys, time
+    import os, pickle, sys, time
     from dynamod.integrations.verl.ipc import WeightReceiver
 
     class Keep:
@@ -148,21 +148,23 @@ RECEIVER = textwrap.dedent("""
 
     receiver = WeightReceiver(sys.argv[1], Keep())
     receiver.start()
-    print("bound", flush=True)
+    os.write(1, b"\\nbound\\n")  # one write: the receiver's own log lines share the pipe
     sys.stdin.read()  # until the test closes our stdin
     receiver.close()
 """)
 
 
 def _wait_bound(receiver: subprocess.Popen[bytes], timeout: float) -> None:
-    """Until the receiver prints its "bound" line, for `timeout` seconds at most. Its log
-    lines come first on the same pipe; a whole-suite run once hung here for 8 minutes with
-    the receiver already past its print, so no read waits without a deadline."""
+    """Until the receiver writes its "bound" line, for `timeout` seconds at most. Its log
+    lines share the pipe, from another thread too (a `print` of "bound" once had one land
+    between the word and its newline), so the line is one os.write. A whole-suite run once
+    hung here for 8 minutes with the receiver already past it: no read waits without a
+    deadline."""
     assert receiver.stdout is not None
     fd = receiver.stdout.fileno()
     seen = b""
     deadline = time.monotonic() + timeout
-    while b"bound\n" not in seen:
+    while b"\nbound\n" not in seen:
         left = deadline - time.monotonic()
         ready, _, _ = select.select([fd], [], [], max(0.0, left))
         chunk = os.read(fd, 4096) if ready else b""
