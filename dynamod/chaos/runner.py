@@ -7,7 +7,8 @@ group (`groups`: the same stack, vars and env, each allowing it) share one start
 the next one starts once its steady state holds again, the leftover search between them
 looks at the live stack (dead units' processes, registrations of dead instances), and the
 group's last runbook judges the `down`. A runbook that leaves the steady state broken
-hands the next one a fresh stack."""
+hands the next one a fresh stack. A stack someone else started (a test module's) can be
+adopted: the runbooks run on it, and it is left up for its owner to take down."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from dynamod.chaos import checkers, faults, steady
 from dynamod.chaos.history import History, Teardown
@@ -24,7 +26,7 @@ from dynamod.chaos.journal import Activity, Journal, RunStatus, timed
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Probe, Profile, Runbook, Step
 from dynamod.chaos.observer import Observer, states_from_log
-from dynamod.chaos.stack import Stack
+from dynamod.chaos.stack import Stack, served_model_name
 from dynamod.chaos.timeline import draw
 
 
@@ -76,14 +78,33 @@ def _verdict(journal: Journal) -> str:
 
 
 class Session:
-    """The stack a group of runbooks shares, with what every run of it saw."""
+    """The stack a group of runbooks shares, with what every run of it saw. `owned`: the
+    runner started it on a state dir of its own, takes it down and removes that dir; an
+    adopted one (`adopt`) belongs to its caller, who took it up and takes it down."""
 
-    def __init__(self, runbook: Runbook) -> None:
-        self.state_dir = Path(tempfile.mkdtemp(prefix="dmc-", dir="/tmp"))
-        self.stack = Stack(runbook.stack_path(), self.state_dir, dict(runbook.vars),
-                           dict(runbook.env))
-        self.started_by: str | None = None  # the runbook whose `up` started it
+    def __init__(self, stack: Stack, started_by: str | None = None, owned: bool = True) -> None:
+        self.stack = stack
+        self.state_dir = stack.state_dir
+        self.started_by = started_by  # the runbook whose `up` started it (or the owner)
+        self.owned = owned
         self.pids: set[int] = set()
+
+    @classmethod
+    def fresh(cls, runbook: Runbook) -> Session:
+        state_dir = Path(tempfile.mkdtemp(prefix="dmc-", dir="/tmp"))
+        return cls(Stack(runbook.stack_path(), state_dir, dict(runbook.vars),
+                         dict(runbook.env)))
+
+    @classmethod
+    def adopt(cls, stack: str, state_dir: Path, started_by: str,
+              variables: dict[str, Any] | None = None) -> Session:
+        """A stack `started_by` took up on `state_dir` (`stack` and `variables`: as it was
+        started, should a step have to `up` it again): runbooks run on it once their
+        steady state holds, each judging no_leftovers on the live stack; it is never taken
+        down here."""
+        adopted = Stack(stack, state_dir, dict(variables or {}))
+        adopted.note_run_id()
+        return cls(adopted, started_by=started_by, owned=False)
 
     def close(self) -> Teardown:
         """`down` (if a daemon runs) and the leftover search over every pid any run saw."""
@@ -129,24 +150,25 @@ def run_all(runbooks: list[Runbook], profile: Profile, report_dir: Path,
 
 
 def run_group(runbooks: list[Runbook], profile: Profile, report_dir: Path,
-              echo: Callable[[str], None] = print) -> list[Journal]:
+              echo: Callable[[str], None] = print,
+              session: Session | None = None) -> list[Journal]:
     """The runbooks one after the other on one shared stack (fresh again after a run that
-    left it broken); the stack is always down at the end."""
-    session: Session | None = None
+    left it broken); the stack is always down at the end. With an adopted `session`
+    (Session.adopt) every runbook runs on that stack and it stays up: its owner downs it."""
     journals = []
     try:
         for i, runbook in enumerate(runbooks):
             if session is None:
-                session = Session(runbook)
+                session = Session.fresh(runbook)
             last = i == len(runbooks) - 1
             journal, kept = _run_one(runbook, profile, report_dir, session, last, echo)
             journals.append(journal)
-            if not kept:  # down already (the last run, or a broken steady state)
+            if not kept and session.owned:  # down already (the last run, or broken)
                 session = None
             if _OPERATOR_STOP in journal.notes:
                 break
     finally:
-        if session is not None:  # only after an exception: a run closes it otherwise
+        if session is not None and session.owned:  # only after an exception
             session.close()
             session.discard()
     return journals
@@ -292,16 +314,17 @@ class _RunbookRun:
         history = self._history()
         session.pids |= self.observer.pids
         keep = steady and not last and session.started_by is not None and self.stack.running()
-        if keep:
+        if keep or not session.owned:
             history.teardown = self.stack.live_leftovers(self.observer.pids)
-            journal.notes.append("shared stack left up for the next runbook: no_leftovers "
-                                 "judged on the live stack (processes of units that are gone, "
-                                 "registrations of dead instances); the group's last run "
-                                 "judges the `down`")
+            journal.notes.append(
+                "shared stack left up: no_leftovers judged on the live stack (processes of "
+                "units that are gone, registrations of dead instances); "
+                + ("the group's last run judges the `down`" if session.owned else
+                   f"the stack is {session.started_by}'s, which takes it down"))
         else:
             history.teardown = session.close()
         self._judge_and_save(history)
-        if not keep:
+        if not keep and session.owned:
             session.discard()
         self.echo(f"  {self.runbook.name}: {journal.verdict} ({journal.status}, "
                   f"{journal.end - journal.start:.0f}s)")
@@ -370,8 +393,7 @@ def _performer(ctx: faults.RunContext, step: Step) -> Callable[[], object]:
 
 def _model_name(stack: Stack) -> str:
     worker = next(u for u in stack.status()["units"] if u["name"].startswith("worker@"))
-    command: list[str] = worker["command"]
-    return command[command.index("--model-name") + 1] if "--model-name" in command else "tiny-cpu"
+    return served_model_name(worker["command"])
 
 
 def _describe(values: dict[str, object]) -> str:

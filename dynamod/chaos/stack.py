@@ -27,6 +27,18 @@ class StackError(DynamodError):
     """A unit the runbook names is not in the stack, or the stack would not come up."""
 
 
+# The flag that names the served model: our CPU worker's, then dynamo.vllm's.
+_MODEL_NAME_FLAGS = ("--model-name", "--served-model-name")
+
+
+def served_model_name(command: list[str], default: str = "tiny-cpu") -> str:
+    """The model a shard serves, from its command line (`default` if it names none)."""
+    for flag in _MODEL_NAME_FLAGS:
+        if flag in command and command.index(flag) + 1 < len(command):
+            return command[command.index(flag) + 1]
+    return default
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -55,10 +67,11 @@ class Stack:
         var_args = [a for k, v in self.variables.items() for a in ("--var", f"{k}={v}")]
         result = self.cli("up", self.stack, "--detach", "--timeout", str(timeout), *var_args,
                           timeout=timeout + 120)
-        self._note_run_id()
+        self.note_run_id()
         return result
 
-    def _note_run_id(self) -> None:
+    def note_run_id(self) -> None:
+        """Remember the run id of the daemon on the state dir (its processes' marker)."""
         run = runrecord.read(self.state_dir)
         if run is not None:
             self.run_ids.add(run.run_id)

@@ -10,7 +10,7 @@ import urllib.request
 from typing import Any
 
 from dynamod.chaos.model import Probe
-from dynamod.chaos.stack import Stack
+from dynamod.chaos.stack import Stack, served_model_name
 from dynamod.core.errors import DaemonError
 
 _SETTLED = {"ready", "completed"}
@@ -26,9 +26,7 @@ def serves(stack: Stack) -> tuple[bool, str]:
     status = stack.status()
     current = (status.get("policy") or {}).get("current")
     model = next((u for u in status["units"] if u["name"].startswith("worker@")), None)
-    name = "tiny-cpu"
-    if model and "--model-name" in model["command"]:
-        name = model["command"][model["command"].index("--model-name") + 1]
+    name = served_model_name(model["command"]) if model else "tiny-cpu"
     nvext: dict[str, Any] = {"extra_fields": ["engine_data"]}
     if current is not None:
         nvext["routing_constraints"] = {"required_taints": [f"dynamod.policy/{current}"]}

@@ -17,6 +17,8 @@ file order against it, the last one tearing it down:
   `make real-engine-pgroup` runs it again under the process-group fallback
   (DYNAMOD_CONTAINMENT=pgroup), where the daemon's process group, markers and subreaper
   must find EngineCore and Worker (a second full module run, ~11 min: not in CI);
+* the runbooks of runbooks/real-engine/ that restart no shard (CHAOS_IN_CI), quick
+  profile, on this stack: their verdicts must pass;
 * `down` stops the shard with SIGTERM inside its grace period (no SIGKILL needed) and
   leaves no process, port or file: each unit's private TMPDIR, which the engine filled
   (ZMQ sockets, `tmp*.json`), is removed.
@@ -38,6 +40,8 @@ from typing import Any
 
 import pytest
 
+from dynamod.chaos import model, runner
+from dynamod.chaos.journal import summary
 from dynamod.client import Client
 from dynamod.cluster import exposure
 from dynamod.core import cgroups, paths
@@ -310,6 +314,31 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     back = dm.wait_ready_again("worker@0", shard["pid"], timeout=1800)
     assert engine(back, "get_weight_version")["version"] == STEPS
     assert instance_of(back) != instance
+
+
+# The CI subset of runbooks/real-engine/ (`make chaos-real-engine-quick` runs them all, on
+# stacks of their own): those that restart no shard (a real start is minutes), run on this
+# module's stack rather than on one more.
+CHAOS_IN_CI = ["real-cache-reuse-after-update"]
+
+
+def test_chaos_runbooks_on_the_real_shard(dm: Dynamod, tmp_path: Path) -> None:
+    """Quick profile, on this module's stack (adopted: the runner neither starts nor downs
+    it; the next test does). Each must pass, and the shard itself must have answered its
+    weight version: the verdict is the real engine's, not dynamod's claim."""
+    folder = model.runbooks_dir() / "real-engine"
+    group = [model.load(model.find(name, folder)) for name in CHAOS_IN_CI]
+    session = runner.Session.adopt("vllm-cpu", dm.state_dir, "test_real_engine",
+                                   {"dtype": DTYPE, "trainer_steps": STEPS})
+    journals = [j.as_dict() for j in runner.run_group(
+        group, model.Profile.QUICK, tmp_path, echo=print, session=session)]
+    assert dm.status()["daemon_pid"], "the runner took the module's stack down"
+    assert all(j["passed"] for j in journals), summary(journals)
+    current = Client(dm.state_dir).policy_status()["current"]
+    for journal in journals:
+        engine_says = journal["measurements"]["shards_current"]["engine_versions"]
+        assert engine_says == {"worker@0": current}, journal["measurements"]
+    print(summary(journals))
 
 
 def test_down_honours_the_grace_period_and_leaves_no_process_port_or_file(

@@ -57,11 +57,26 @@ def test_every_stock_runbook_loads_with_a_quick_profile_within_a_minute_of_load(
 
 
 def test_the_real_engine_runbooks_load_on_the_vllm_cpu_stack() -> None:
-    """runbooks/real-engine/ (make chaos-real-engine, not in CI): valid, on real shards."""
+    """runbooks/real-engine/ (make chaos-real-engine; CI runs the one that restarts no
+    shard, in tests/integration/test_real_engine.py): valid, on real shards."""
     runbooks = model.load_all(model.runbooks_dir() / "real-engine")
     assert runbooks, "runbooks/real-engine/ holds the real engine's runbooks"
     for rb in runbooks:
         assert rb.stack_path() == "vllm-cpu" and rb.invariants, rb.name
+
+
+def test_the_real_engine_runbooks_share_three_stacks() -> None:
+    """One real shard start serves several runbooks: the one-shard group, the two-shard
+    group (a push that one shard misses needs another to take it), shutdown's own."""
+    from dynamod.chaos.runner import groups
+
+    found = groups(model.load_all(model.runbooks_dir() / "real-engine"))
+    assert [[b.name for b in g] for g in found] == [
+        ["real-cache-reuse-after-update", "real-token-alignment", "real-worker-hang",
+         "real-worker-sigkill"],
+        ["real-shutdown-leaves-nothing"],
+        ["real-stale-shard", "real-worker-dies-during-update"],
+    ]
 
 
 def test_good_runbook_is_typed_and_signals_normalised(tmp_path: Path) -> None:
