@@ -138,10 +138,6 @@ def test_resumed_run_continues_after_the_ledger(stack: Dynamod) -> None:
     generate(stack, last + 2)
 
 
-# A third trainer run (~1.5 min): `make validate-cpu` runs it (DYNAMOD_VERL_VALIDATE=1);
-# CI keeps the resumed run above, which crosses the same ledger-ahead path from verl's step 2.
-@pytest.mark.skipif(os.environ.get("DYNAMOD_VERL_VALIDATE") != "1",
-                    reason="a third trainer run: `make validate-cpu` (DYNAMOD_VERL_VALIDATE=1)")
 def test_fresh_run_on_a_stack_whose_ledger_is_ahead(stack: Dynamod) -> None:
     """A new verl run (its step 0) on a stack that served an earlier run continues from
     the ledger instead of failing `step 0 is older than the current policy version`."""
