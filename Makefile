@@ -79,8 +79,10 @@ soak-side-by-side: install
 soak-stack-identity: install
 	DYNAMOD_STACK_IDENTITY_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stack_identity.py
 
-# `apply`/`scale` on the CPU-worker stack: a new shard replayed before it is routed, a removed
-# one drained before it stops (~35 s; the CI suite runs the same commands on test programs).
+# `apply`/`scale` on the CPU-worker stack under trainer and plain load: a new shard replayed
+# before it is routed, a removed one out of the frontend's routing and drained before it stops
+# (0 failed requests of either kind), a [policy] spares change giving roles as the table says
+# (~2 min; the CI suite runs the same commands on test programs).
 test-apply-shards: install
 	DYNAMOD_TEST_APPLY_SHARDS=1 $(BIN)/pytest -q -ra tests/integration/test_apply.py
 
