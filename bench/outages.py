@@ -22,6 +22,11 @@ behaviour where that comparison means something:
                  dead instances left in etcd.
 --quick runs kill9_push (after a 5 s etcd cut with the stock lease, on the same stack),
 frontend_hang and saturation once, without the before and recipe rows.
+
+--real-engine runs etcd_cut alone (stock lease), with one real `dynamo.vllm` shard
+(units/worker-vllm-cpu.toml, from .venv-vllm) in the CPU workers' place, at 2 req/s (a
+real shard's start takes minutes here; `make bench-outages-real-engine`; with --quick a
+5 s cut). Not in CI's smoke run of the benchmarks.
 """
 
 from __future__ import annotations
@@ -56,13 +61,17 @@ OLD_LEASE_S = 30
 STOCK = f"dynamod, lease {STOCK_LEASE_S} s (stock)"
 MODEL = "tiny-cpu"
 OLD_LIVENESS = "interval = 2\ntimeout = 2\nfailure_threshold = 3"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+REAL_UP_TIMEOUT = 3600.0  # a real shard starts in 1-10 min on a loaded 2-core machine
+REAL = f"dynamod, real engine, lease {STOCK_LEASE_S} s (stock)"
 
 
 def write_stack(root: Path, cut_file: Path, *, recipe_exits: bool = False,
-                old_liveness: bool = False) -> Path:
+                old_liveness: bool = False, real_engine: bool = False) -> Path:
     units = REPO / "units"
+    worker = "worker-vllm-cpu.toml" if real_engine else "worker-cpu.toml"
     copies = {}
-    for name in ("worker-cpu.toml", "frontend.toml"):
+    for name in (worker, "frontend.toml"):
         text = (units / name).read_text()
         if recipe_exits:  # Dynamo's exit 0 on lease loss is final, as `completed` was
             text = re.sub(r"(\[units\.\w+\.restart\]\n)", r"\1clean_exit_final = true\n", text)
@@ -79,9 +88,12 @@ def write_stack(root: Path, cut_file: Path, *, recipe_exits: bool = False,
     path.write_text(f"""
 [stack]
 name = "outage"
-include = ["{units / 'nats.toml'}", "{copies['worker-cpu.toml']}", "{copies['frontend.toml']}"]
+include = ["{units / 'nats.toml'}", "{copies[worker]}", "{copies['frontend.toml']}"]
 [vars]
-workers = 2
+{'shards = 1' if real_engine else 'workers = 2'}
+{f'vllm_python = "{VLLM_PYTHON}"' if real_engine else ''}
+{'workers = "{vars.shards}"' if real_engine else ''}
+{'frontend_ready_deadline = 3600' if real_engine else ''}
 [units.etcd-server]
 command = ["etcd", "--name", "dynamod", "--data-dir", "{{state_dir}}/etcd",
   "--listen-client-urls", "http://127.0.0.1:{{ports.client}}",
@@ -154,8 +166,9 @@ class Load:
                 try:
                     async with session.post(f"{self.url}/v1/completions", json=body) as resp:
                         code, text = resp.status, await resp.text()
-                    if code == 200:
-                        version = json.loads(text)["nvext"]["engine_data"]["weight_version"]
+                    if code == 200:  # dynamo.vllm's completions carry no engine_data
+                        data = (json.loads(text).get("nvext") or {}).get("engine_data") or {}
+                        version = data.get("weight_version")
                 except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
                     code = -1
                 self.rows.append((sent, code, need, version))
@@ -210,16 +223,18 @@ def settle(load: Load, after: float, limit: float) -> float | None:
     return None
 
 
-def etcd_cut(lease_ttl: int | None, recipe: bool, cut_s: float) -> dict[str, Any]:
+def etcd_cut(lease_ttl: int | None, recipe: bool, cut_s: float,
+             real_engine: bool = False) -> dict[str, Any]:
     """etcd's client port cut for `cut_s` under load, with Dynamo's lease at `lease_ttl` s
-    (None: the stock units' setting)."""
+    (None: the stock units' setting); `real_engine`: one dynamo.vllm shard, 2 req/s."""
     with state_dir("oc") as state:
         cut = state / "cut"
         dm = Dynamod(state)
         try:
             lease = [f"dynamo_lease_ttl={lease_ttl}"] if lease_ttl is not None else []
-            dm.up(write_stack(state, cut, recipe_exits=recipe), *lease)
-            with Load(frontend_url(dm)) as load:
+            stack = write_stack(state, cut, recipe_exits=recipe, real_engine=real_engine)
+            dm.up(stack, *lease, timeout=REAL_UP_TIMEOUT if real_engine else 300)
+            with Load(frontend_url(dm), rate=2 if real_engine else 8) as load:
                 time.sleep(3)
                 result = cut_etcd(dm, load, cut, cut_s)
             result["states_after"] = {u["name"]: u["state"] for u in dm.status()["units"]}
@@ -414,7 +429,7 @@ def etcd_cuts(report: Report) -> dict[str, dict[str, Any]]:
             is not None}
 
 
-def lease_table(report: Report) -> None:
+def lease_table(report: Report, judged: str = STOCK) -> None:
     """What the cut cost with each lease; the targets are judged on the stock lease."""
     cuts = report.data["etcd_cut"]
     report.tables.append(Table(
@@ -424,22 +439,39 @@ def lease_table(report: Report) -> None:
         [[v, r["cut_s"], r["full_service_s"], r["failed_after"],
           f"{r['failed_during']} of {r['requests_during']}", r["shard_restarts"],
           r["dynamo_exits"]] for v, r in cuts.items()], digits=2))
-    stock = cuts.get(STOCK)
+    stock = cuts.get(judged)
     if stock is None:
         return
     full, cut = stock["full_service_s"], f"{stock['cut_s']:.0f} s etcd cut"
+    if judged == REAL:
+        cut += " (real engine)"
     report.target(f"full service after a {cut} ends",
                   full if full is not None else float("nan"), 5, "s")
     report.target(f"shard restarts during a {cut}", stock["shard_restarts"], 0, "")
     report.target(f"Dynamo process exits during a {cut}", stock["dynamo_exits"], 0, "")
 
 
+def real_engine_cut(report: Report, cut_s: float) -> None:
+    """`--real-engine`: the etcd cut on a real dynamo.vllm shard, judged as on our worker."""
+    report.data["etcd_cut"] = {}
+    if (r := guarded(f"etcd_cut {REAL}", report, etcd_cut, None, False, cut_s, True)):
+        report.data["etcd_cut"][REAL] = r
+    lease_table(report, REAL)
+
+
 @entry
 def main() -> None:
-    args = options(__doc__.splitlines()[0]).parse_args()
+    parser = options(__doc__.splitlines()[0])
+    parser.add_argument("--real-engine", action="store_true",
+                        help="the etcd cut alone, on one real dynamo.vllm shard")
+    args = parser.parse_args()
     bench_mark()
     prebuilt_model()
     report = Report("outages", "8. Outages: fault end -> full service", args.quick)
+    if args.real_engine:
+        real_engine_cut(report, QUICK_CUT_S if args.quick else CUT_S)
+        emit(report, args.json)
+        return
     data = report.data
     data["etcd_cut"] = {} if args.quick else etcd_cuts(report)
     kill = guarded("kill9_push", report, kill9_push, QUICK_CUT_S if args.quick else None)

@@ -102,6 +102,12 @@ class Extension:
         flight; the daemon refuses new ones until the apply is done."""
         return None
 
+    async def prepare(self, new: Stack, removed: list[str], timeout: float) -> None:
+        """An apply is about to remove the units `removed` (drained, then stopped) and then
+        adopt `new`: make ready for it (a spare takes a removed shard's place first).
+        Returns within `timeout`."""
+        return None
+
     def may_stop(self, unit: Unit) -> str | None:
         """Why `unit` may not be taken out of service now (too few shards would be left),
         or None. An apply waits until no extension objects."""

@@ -1,9 +1,11 @@
 """Live changes to a running stack (`dynamod apply FILE`, `dynamod scale UNIT=N`): the stack
 it would become, the diff, and the change applied with the least disruption.
 
-  1. removed units: dependents first; each waits until no extension objects to it going
-     out of service (a rollout shard: never below [policy] min_ready_shards), is drained
-     (out of routing, in-flight requests finished) and stopped;
+  1. removed units: the extensions prepare (a spare that stays is promoted for each
+     removed serving shard the new [policy] table still needs); then dependents first,
+     each waits until no extension objects to it going out of service (a rollout shard:
+     never below [policy] min_ready_shards), is drained (out of the frontend's routing,
+     in-flight requests finished) and stopped;
   2. the engine adopts the new stack: added units start in dependency order and go the
      way of any start (a rollout shard is held, replayed to the current policy version and
      verified before it is admitted); the apply waits until they serve;
@@ -126,6 +128,8 @@ class Applier:
     async def run(self, new: Stack, change: StackDiff) -> list[str]:
         deadline = time.monotonic() + self.timeout
         try:
+            for extension in self.extensions:  # e.g. a spare promoted for a removed shard
+                await extension.prepare(new, change.removed, max(deadline - time.monotonic(), 0.1))
             await self._remove(change.removed, deadline)
             restarted = change.restarted()
             added = self.engine.adopt(new, restarted)

@@ -18,7 +18,8 @@ from the loop's thread.
   dynamod_shard_policy_version_lag{unit}        ledger version - shard's applied version
   dynamod_spares_available                      hot spares ready to be promoted
   dynamod_spares_asleep                         hot spares sleeping (control/sleep)
-  dynamod_spare_promotions_total{reason}        spares taken into service (exit, verification, lost)
+  dynamod_spare_promotions_total{reason}        spares taken into service (exit, verification,
+                                                lost, apply)
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class StackCollector(Collector):
             "Hot spares taken into service, by why the shard they replaced left",
             labels=["reason"],
         )
-        for reason in ("exit", "verification", "lost"):
+        for reason in ("exit", "verification", "lost", "apply"):
             promoted.add_metric([reason], promotions.get(reason, 0))
         yield promoted
 

@@ -174,6 +174,22 @@ async def revoke_instance(etcd: EtcdClient, instance_id: int) -> list[str]:
     return sorted(removed)
 
 
+async def withdraw_instance(
+    etcd: EtcdClient, namespace: str, instance_ids: set[int], endpoint: str = GENERATE_ENDPOINT
+) -> list[str]:
+    """Take a live worker out of the frontend's routing: delete its `endpoint` instance
+    keys and nothing else, as the worker's own `unregister_endpoint_instance` does (what
+    dynamo.vllm calls before it sleeps or shuts down). Its lease, its model card and the
+    streams it serves stay; the frontend's watch drops it from the instances its router
+    picks from. Returns the keys deleted."""
+    deleted = []
+    for inst in await list_instances(etcd, namespace, endpoint):
+        mine = inst.instance_id in instance_ids or inst.lease_id in instance_ids
+        if mine and await etcd.delete(inst.key):
+            deleted.append(inst.key)
+    return deleted
+
+
 # -- which instance ids belong to which worker process ---------------------------------------
 
 _WORKER_ID_LABEL = re.compile(r'worker_id="([0-9a-fA-F]+)"')

@@ -164,6 +164,7 @@ class PolicyManager(Extension):
         self.shard_names: set[str] = set()
         self._shards: dict[str, ShardPolicy] = {}  # shard name -> what is known of its policy
         self.spares = SparePool(self, spec.spares)
+        self._removing: set[str] = set()  # the shards an apply in progress removes
         # Set by a multi-node layer: after a push committed, wait for the other nodes'
         # shards (step -> what to add to the push's answer).
         self.after_commit: Callable[[int], Awaitable[dict[str, Any]]] | None = None
@@ -191,10 +192,15 @@ class PolicyManager(Extension):
         """The engine re-rendered the stack (a port it references moved) or adopted a new
         one (`apply`): the shards are the new stack's (a new replica is held and replayed
         like any restarted shard) and the ledger's etcd endpoint follows, so the next push,
-        publish or replay talks to where etcd is now."""
+        publish or replay talks to where etcd is now. The spare pool takes the new table's
+        count: roles are rebalanced until that many spares are left."""
         self.shard_names = set(policy_table.shards(stack))
+        self._removing.clear()
         policy = policy_table.policy_of(stack)
-        if policy is None or policy == self.spec:
+        if policy is None:
+            return
+        self.spares.resize(policy.spares)  # [policy] spares, of the shards there are now
+        if policy == self.spec:
             return
         moved = policy.etcd != self.spec.etcd
         self.spec = policy
@@ -220,6 +226,18 @@ class PolicyManager(Extension):
         async with self.lock:
             return
 
+    async def prepare(self, new: Stack, removed: list[str], timeout: float) -> None:
+        """Before an apply removes shards: a spare that stays is promoted for each serving
+        shard the new table would be short of, so the spare role goes, not a serving one."""
+        policy = policy_table.policy_of(new)
+        self._removing = {n for n in removed if n in self.shard_names}
+        if policy is None or not self._removing:
+            return
+        shards = policy_table.shards(new)
+        staying = [n for n in shards if n in self.shard_names]
+        wanted = min(len(staying), len(shards) - policy.spares)
+        await self.spares.fill(staying, wanted, self._removing, timeout)
+
     def may_stop(self, unit: Unit) -> str | None:
         """An admitted shard goes out of service only if min_ready_shards stay admitted."""
         admitted = self.admitted_shards()
@@ -232,12 +250,16 @@ class PolicyManager(Extension):
                 f"min_ready_shards={least}")  # fmt: skip
 
     async def drain(self, unit: Unit, why: str) -> None:
-        """Before an apply stops a shard: hold it (no push includes it), drop its version
-        taint (the router sends no trainer traffic to it, as to a spare) and pause it in
-        `wait` mode, which returns once its in-flight requests have finished."""
+        """Before an apply stops a shard (the registrations' drain, earlier in line, took
+        it out of the frontend's routing already): hold it (no push includes it), drop its
+        version taint (no trainer traffic, should it be routed again) and pause it in
+        `wait` mode, which returns once its in-flight requests have finished. A shard the
+        apply removes leaves the spare pool first: its stop promotes no spare."""
         if unit.name not in self.shard_names or not unit.state.running:
             return
         started = time.monotonic()
+        if unit.name in self._removing:  # its stop promotes no spare in its place
+            self.spares.retire(unit.name)
         self.engine.hold(unit, f"draining: {why}")
         self._shard_policy(unit.name).admitted = False
         _, own = self.routing_taints(unit, self.current_version or 0)

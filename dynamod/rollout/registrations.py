@@ -13,6 +13,9 @@
   no stack records, but never one that another stack records for its live worker.
 - While running, report per worker whether the frontend currently routes to it, from the
   frontend's own discovery view.
+- Before an apply stops a worker (`drain`), withdraw it from routing: its `generate`
+  instance key is deleted (its lease and the streams it serves live on) and the drain waits
+  until the stack's frontends no longer list it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ _ID_RETRY_S = 0.1
 _ROUTED_REFRESH_S = 1.0
 _PENDING_RETRY_S = 0.5
 _SWEEP_TIMEOUT_S = 2.0
+_WITHDRAW_WAIT_S = 5.0  # a frontend drops a withdrawn instance within ms (its etcd watch)
+_WITHDRAW_POLL_S = 0.02
 
 
 def stale_leases(
@@ -281,6 +286,59 @@ class DynamoRegistrations(Extension):
         if not await self._revoke(unit.name, spec.etcd, ids, why=exit.describe()):
             self.pending[unit.name + f"#{ids[0]:x}"] = (unit.name, spec.etcd, ids)
             self._ensure_retrier()
+
+    async def drain(self, unit: Unit, why: str) -> None:
+        """Before an apply stops a Dynamo worker: out of the frontend's routing first, so no
+        request of any kind (a plain one too, which no taint keeps away) is sent to it
+        while its in-flight ones finish (the next extension's drain waits for those)."""
+        spec = worker_of(unit.spec)
+        registration = self.registered.get(unit.name)
+        if spec is None or registration is None or not registration.instance_ids:
+            return
+        assert self.host is not None and self.host.engine is not None
+        started = time.monotonic()
+        ids = set(registration.instance_ids)
+        try:
+            async with EtcdClient(
+                spec.etcd, session=self.host.engine.session, auth=self.etcd_auth
+            ) as etcd:
+                keys = await dynamo.withdraw_instance(etcd, spec.namespace, ids)
+            seen = await self._until_unrouted(spec.namespace, ids)
+        except (TimeoutError, EtcdError) as exc:
+            keys, seen = [], f"not withdrawn ({exc})"
+        registration.routed = False if keys else registration.routed
+        took = round((time.monotonic() - started) * 1000, 1)
+        log.info("dynamo.withdrawn", unit=unit.name, why=why, keys=keys, frontends=seen, ms=took)
+        self.host.events.emit("dynamo.withdrawn", unit.name, why=why, keys=len(keys),
+                              frontends=seen, ms=took)  # fmt: skip
+
+    async def _until_unrouted(self, namespace: str, ids: set[int]) -> str:
+        """Until no ready frontend of the stack in `namespace` lists any of `ids` (its
+        router picks from that list); what was seen, in words."""
+        assert self.host is not None and self.host.engine is not None
+        engine = self.host.engine
+        urls = [
+            probe.url
+            for u in engine.units.values()
+            if isinstance(probe := u.spec.ready, DynamoFrontendProbe)
+            and probe.namespace == namespace
+            and u.state is UnitState.READY
+        ]
+        deadline = time.monotonic() + _WITHDRAW_WAIT_S
+        left = set(urls)
+        while left and time.monotonic() < deadline:
+            for url in sorted(left):
+                with contextlib.suppress(dynamo.DynamoHTTPError, asyncio.TimeoutError):
+                    view = await dynamo.frontend_routed_instances(engine.session, url, namespace)
+                    if not ids & view:
+                        left.discard(url)
+            if left:
+                await asyncio.sleep(_WITHDRAW_POLL_S)
+        if not urls:
+            return "no ready frontend"
+        if left:
+            return f"still listed by {', '.join(sorted(left))} after {_WITHDRAW_WAIT_S:g}s"
+        return f"dropped by {len(urls)} frontend(s)"
 
     async def _record(self, name: str, endpoint: str, namespace: str, ids: list[int]) -> None:
         """Keep a live worker's lease ids where they outlive this daemon."""

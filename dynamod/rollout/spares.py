@@ -8,6 +8,12 @@ instance it replaces becomes a spare once it is back. After every push or publis
 spares are replayed in the background, off the trainer's critical path. Spares may sleep
 (`control/sleep` level 1) and are woken on promotion. Roles are assigned when a shard
 turns ready: the first instances fill the serving count, the rest are spares.
+
+A live change (`dynamod apply`, `scale`) re-reads the count: before it removes shards, a
+spare that stays is promoted for every serving shard the stack would otherwise be short of
+(so the spare role is what goes, not a serving shard); once the stack is adopted, spares are
+promoted or the last serving shards in start order become spares until `[policy] spares`
+holds again, and an added instance takes the role the new count gives it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -49,6 +55,7 @@ class Reason(StrEnum):
     EXIT = "exit"  # the serving shard's process exited (or started dying)
     VERIFICATION = "verification"  # the serving shard failed a push or publish
     LOST = "lost"  # the serving shard was declared lost: alive, but its liveness failed
+    APPLY = "apply"  # `dynamod apply` / `scale` changed how many shards serve
 
 
 @dataclass
@@ -80,6 +87,22 @@ def choose(candidates: Iterable[Candidate], current: int | None) -> str | None:
     return ranked[0].name if ranked else None
 
 
+def rebalanced(
+    roles: Mapping[str, Role], order: Sequence[str], wanted: int
+) -> tuple[int, list[str]]:
+    """How to bring the shards in `order` (start order) to `wanted` serving: (how many
+    spares to promote, which serving shards become spares). A promotion under way counts as
+    serving; a shard with no role (not ready yet) counts as neither: it takes the role the
+    count gives it when it turns ready. The shards made spares are the last serving ones in
+    start order, as roles are first given. Pure logic."""
+    serving = [n for n in order if roles.get(n) in {Role.SERVING, Role.PROMOTING}]
+    spares = [n for n in order if roles.get(n) is Role.SPARE]
+    if len(serving) < wanted:
+        return min(wanted - len(serving), len(spares)), []
+    extra = len(serving) - max(wanted, 0)
+    return 0, [n for n in reversed(order) if roles.get(n) is Role.SERVING][:extra]
+
+
 class SparePool:
     """The spares of one shard group, driven through the policy manager's shard operations
     (`ShardDriver`). The policy manager calls it at a few points:
@@ -101,11 +124,14 @@ class SparePool:
 
     # ------------------------------------------------------------------ roles
 
+    def wanted(self) -> int:
+        """How many shards serve: all of them but the spares."""
+        return max(len(self.driver.shard_names) - self.count, 0)
+
     def assign(self, unit: Unit) -> Role:
         """A shard turned ready: it serves if the serving count is short, else it is a spare."""
         serving = sum(1 for s in self.slots.values() if s.role is not Role.SPARE)
-        wanted = len(self.driver.shard_names) - self.count
-        role = Role.SERVING if self.count == 0 or serving < wanted else Role.SPARE
+        role = Role.SERVING if self.count == 0 or serving < self.wanted() else Role.SPARE
         self.slots[unit.name] = Slot(role)
         self.promotions.setdefault(unit.name, Counter())
         self._show_in_detail(unit)
@@ -148,7 +174,7 @@ class SparePool:
         if slot is None or slot.role is not Role.SPARE:
             return
         serving = sum(1 for s in self.slots.values() if s.role is not Role.SPARE)
-        if serving < len(self.driver.shard_names) - self.count:
+        if serving < self.wanted():
             slot.role = Role.PROMOTING
             task = asyncio.get_running_loop().create_task(
                 self._promote(unit, slot, "-", Reason.EXIT, "serving count short", time.monotonic())
@@ -201,6 +227,9 @@ class SparePool:
     async def on_ready(self, unit: Unit) -> None:
         """Engine hook: watch the shard for its death (roles are assigned by the policy
         manager's own on_ready, next in line)."""
+        self._watch(unit)
+
+    def _watch(self, unit: Unit) -> None:
         pid = unit.pid
         if unit.name not in self.driver.shard_names or self.count == 0 or pid is None:
             return
@@ -267,11 +296,11 @@ class SparePool:
 
     def _promote_one(
         self, replaced: str, reason: Reason, detail: str, since: float, exclude: set[str]
-    ) -> None:
+    ) -> asyncio.Task[None] | None:
         name = choose(self._available(exclude), self.driver.current_version)
         if name is None:
             log.warning("spares.none_available", replaced=replaced, reason=str(reason))
-            return
+            return None
         slot = self.slots[name]
         slot.role = Role.PROMOTING
         log.info("spares.promoting", unit=name, replaced=replaced, reason=str(reason), why=detail)
@@ -280,6 +309,7 @@ class SparePool:
         )
         self._promotions.add(task)
         task.add_done_callback(self._promotions.discard)
+        return task
 
     async def _promote(
         self, unit: Unit, slot: Slot, replaced: str, reason: Reason, detail: str, since: float
@@ -370,6 +400,89 @@ class SparePool:
     def _count_promotion(self, unit: Unit, reason: Reason) -> None:
         self.promotions.setdefault(unit.name, Counter())[str(reason)] += 1
         self._show_in_detail(unit)
+
+    # ------------------------------------------------------------------ live changes
+
+    async def fill(
+        self, order: Sequence[str], wanted: int, leaving: set[str], timeout: float
+    ) -> None:
+        """Before an apply removes the shards `leaving`: promote spares among the shards
+        that stay (`order`) until `wanted` of them serve, and wait for those promotions, so
+        a removed serving shard is replaced before it is drained, not after it stopped."""
+        roles = {n: s.role for n, s in self.slots.items() if n in order}
+        promote, _ = rebalanced(roles, order, wanted)
+        why = f"{', '.join(sorted(leaving)) or 'no shard'} removed by `dynamod apply`"
+        started = time.monotonic()
+        tasks = [
+            task
+            for _ in range(promote)
+            if (task := self._promote_one("-", Reason.APPLY, why, started, exclude=leaving))
+        ]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    def retire(self, name: str) -> None:
+        """An apply removes the shard: it leaves the pool now, so its stop promotes no
+        spare in its place (the count it leaves is the new table's) and it is never
+        promoted itself."""
+        slot = self.slots.pop(name, None)
+        if slot is not None and slot.keeper is not None:
+            slot.keeper.cancel()
+        watch = self._watches.pop(name, None)
+        if watch is not None:
+            watch.close()
+
+    def resize(self, count: int) -> None:
+        """The stack was adopted (apply, scale): `count` spares, of the shards it has now.
+        Shards it no longer has are forgotten; spares are promoted, or the last serving
+        shards become spares, until the roles match (`rebalanced`)."""
+        was, self.count = self.count, count
+        names = self.driver.shard_names
+        for name in [n for n in self.slots if n not in names]:
+            self.retire(name)
+        for name in [n for n in self.promotions if n not in names]:
+            del self.promotions[name]
+        order = [n for n in self.driver.engine.units if n in names]
+        roles = {n: s.role for n, s in self.slots.items()}
+        wanted = len(order) if count == 0 else max(len(order) - count, 0)
+        promote, demote = rebalanced(roles, order, wanted)
+        if promote or demote or was != count:
+            log.info("spares.resized", spares=count, was=was, serving=wanted,
+                     promote=promote, demote=demote)  # fmt: skip
+        why = f"[policy] spares = {count} of {len(order)} shard(s)"
+        for _ in range(promote):
+            self._promote_one("-", Reason.APPLY, why, time.monotonic(), exclude=set())
+        for name in demote:
+            self._demote(self.driver.engine.units[name], self.slots[name], why)
+        if was == 0 and count > 0:  # serving shards were not watched without spares
+            for name in self.slots:
+                self._watch(self.driver.engine.units[name])
+
+    def _demote(self, unit: Unit, slot: Slot, why: str) -> None:
+        """A serving shard becomes a spare: out of the push set at once, its version taint
+        dropped (no new trainer traffic; what is in flight finishes), then kept current."""
+        slot.role = Role.SPARE
+
+        async def untaint() -> None:
+            driver = self.driver
+            own = driver.routing_taints(unit, 0)[1]
+            try:
+                async with slot.lock, driver.lock:
+                    await driver.call(unit, "update/model_taints", {"taints": own})
+                    shard = driver.shard_policy(unit)
+                    if shard.version is not None:
+                        await driver.record_ack(unit, ShardAck(unit.name, shard.version,
+                                                               shard.digest))  # fmt: skip
+            except DynamodError as exc:
+                log.warning("spares.demotion_failed", unit=unit.name, error=str(exc))
+                driver.note_error(unit, f"made a spare, but its version taint stays: {exc}")
+            driver.event("spares.demoted", unit.name, why=why)
+            log.info("spares.demoted", unit=unit.name, why=why)
+            self._keep_current(unit)
+
+        task = asyncio.get_running_loop().create_task(untaint())
+        self._promotions.add(task)
+        task.add_done_callback(self._promotions.discard)
 
     # ------------------------------------------------------------------ keeping current
 

@@ -111,41 +111,70 @@ def test_apply_and_scale_change_only_what_differs(dm: Dynamod, stack_file: Any) 
     dm.run("down", check=True)
 
 
-# The CPU-worker stack costs ~35 s more (measured on a loaded 2-core machine): outside the CI
-# suite, run by `make test-apply-shards` (DYNAMOD_TEST_APPLY_SHARDS=1).
-@pytest.mark.skipif(os.environ.get("DYNAMOD_TEST_APPLY_SHARDS") != "1",
-                    reason="the CPU-worker stack: `make test-apply-shards` runs it")  # fmt: skip
-def test_scaled_shards_are_replayed_before_routed_and_drained_before_stopped(
-    dm: Dynamod, tmp_path: Path
-) -> None:
-    """The CPU-worker stack (real etcd, NATS, Dynamo frontend, our CPU worker) at policy v1:
-    `scale worker=2` admits the new shard only once it holds v1 and the router routes v1 to
-    it; `scale worker=1` drains it (out of routing, its requests finished: none failed)
-    before it stops; a change that would leave fewer admitted shards than min_ready_shards
-    is refused at once."""
+# The CPU-worker stack costs ~35 s more (measured on a loaded 2-core machine), its spares
+# case ~30 s more: outside the CI suite, run by `make test-apply-shards`
+# (DYNAMOD_TEST_APPLY_SHARDS=1).
+SHARDS_CASE = pytest.mark.skipif(os.environ.get("DYNAMOD_TEST_APPLY_SHARDS") != "1",
+                                 reason="the CPU-worker stack: `make test-apply-shards` runs it")
+
+
+def events(dm: Dynamod, kind: str) -> list[dict[str, Any]]:
+    rows = (json.loads(line) for line in (dm.state_dir / "events.jsonl").read_text().splitlines())
+    return [e for e in rows if e["kind"] == kind]
+
+
+def failures(
+    *histories: Any, since: float = 0.0, until: float = float("inf")
+) -> list[tuple[Any, float, Any]]:
+    """(required version, seconds into the run, error) of each request sent from `since`
+    to `until` (monotonic) that failed."""
+    return [(r["required"], round(r["sent"] - h.rows[0]["sent"], 2), r.get("error"))
+            for h in histories for r in h.rows
+            if r["status"] != 200 and since <= r["sent"] < until]  # fmt: skip
+
+
+def loaded_policy_stack(dm: Dynamod, path: Path, name: str) -> tuple[Any, Any]:
+    """`up` of the CPU-worker policy stack with one shard, pushed to v1, under trainer
+    traffic (v1's taint required) and plain traffic (no constraint), both served."""
     from tests.integration.policystack import History, checkpoint, frontend, model_dir, push
     from tests.integration.policystack import write_stack as policy_stack
 
-    stack = policy_stack(tmp_path / "apply-stack.toml", "applytest", workers=1)
-    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    dm.run("up", str(policy_stack(path, name, workers=1)), "--detach", timeout=300, check=True)
     status = dm.status()
-    push(dm, 1, checkpoint(model_dir(status), tmp_path / "step-1", 1.01))
-    history = History(frontend(status))
-    history.run(lambda: 1)  # trainer traffic: it requires v1's taint
+    push(dm, 1, checkpoint(model_dir(status), path.parent / "step-1", 1.01))
+    trainer, plain = History(frontend(status)), History(frontend(status))
+    trainer.run(lambda: 1, rate=6)
+    plain.run(lambda: None, rate=6)
+    trainer.wait_served(6)
+    plain.wait_served(6)
+    return trainer, plain
+
+
+@SHARDS_CASE
+def test_scaled_shards_are_replayed_before_routed_and_drained_before_stopped(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    """The CPU-worker stack (real etcd, NATS, Dynamo frontend, our CPU worker) at policy v1,
+    under trainer traffic (v1's taint required) and plain traffic (no constraint):
+    `scale worker=2` admits the new shard only once it holds v1 and the router routes v1 to
+    it; `scale worker=1` drains it (out of the frontend's routing first: no request of
+    either kind reaches it after, its in-flight ones finished: none failed) before it
+    stops; a change that would leave fewer admitted shards than min_ready_shards is
+    refused at once. Then [policy] spares: see the next part."""
+    from tests.integration.policystack import write_stack as policy_stack
+
+    trainer, plain = loaded_policy_stack(dm, tmp_path / "apply-stack.toml", "applytest")
     try:
-        history.wait_served(8)
         scaled = cli(dm, "scale", "worker=2").stdout
         assert "done: started worker@1" in scaled
         new = dm.unit("worker@1")
         assert new["state"] == "ready" and new["policy_version"] == 1
         assert new["policy"]["routed_version"] == 1 and new["policy"]["admitted"]
-        events = [json.loads(line) for line in
-                  (dm.state_dir / "events.jsonl").read_text().splitlines()]  # fmt: skip
-        moves = [e["to"] for e in events if e["kind"] == "state" and e["unit"] == "worker@1"]
+        moves = [e["to"] for e in events(dm, "state") if e["unit"] == "worker@1"]
         assert moves[:3] == ["starting", "held", "ready"], moves  # held (replayed), then ready
-        history.wait_served(8, after=time.monotonic())
+        trainer.wait_served(8, after=time.monotonic())
         instance = new["dynamo"]["instance_ids"][0]
-        by_new = [r for r in history.rows if r.get("instance") == instance]
+        by_new = [r for r in trainer.rows if r.get("instance") == instance]
         assert by_new and {r["version"] for r in by_new} == {1}
 
         edited = policy_stack(tmp_path / "apply-stack.toml", "applytest", workers=2,
@@ -158,14 +187,75 @@ def test_scaled_shards_are_replayed_before_routed_and_drained_before_stopped(
         back = policy_stack(tmp_path / "apply-stack.toml", "applytest")
         again = cli(dm, "apply", str(back), "--var", "weight_ipc_dir=", "--json")
         assert json.loads(again.stdout)["diff"]["changed"] == {} and pids(dm) == before
+        plain.wait_served(8, after=time.monotonic())
+        assert any(r.get("instance") == instance for r in plain.rows), "plain never reached it"
         down = cli(dm, "scale", "worker=1").stdout
         assert "done: stopped worker@1" in down
+        trainer.wait_served(4, after=time.monotonic())
     finally:
-        history.stop()
-    drained = [e for e in (json.loads(line) for line in
-               (dm.state_dir / "events.jsonl").read_text().splitlines())
-               if e["kind"] == "shard.drained"]  # fmt: skip
+        trainer.stop()
+        plain.stop()
+    [withdrawn] = events(dm, "dynamo.withdrawn")
+    assert withdrawn["unit"] == "worker@1" and withdrawn["frontends"] == "dropped by 1 frontend(s)"
+    drained = events(dm, "shard.drained")
     assert [(e["unit"], e["outcome"].split(":")[0]) for e in drained] == [("worker@1", "drained")]
-    failed = [r for r in history.rows if r["status"] != 200]
-    assert failed == [], [(r["sent"] - history.rows[0]["sent"], r.get("error")) for r in failed[:3]]
+    assert failures(trainer, plain) == []
+    late = [r for r in plain.rows if r.get("instance") == instance
+            and r["sent"] > withdrawn["mono"]]  # fmt: skip
+    assert late == [], f"{len(late)} plain request(s) sent after the withdrawal reached it"
+    dm.run("down", check=True)
+
+
+@SHARDS_CASE
+def test_apply_of_a_spares_change_gives_roles_as_the_policy_table_says(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    """[policy] spares changed by `apply` on the CPU-worker stack, under traffic of both
+    kinds: spares 0 -> 1 adds worker@1 as a spare (replayed to v1, no trainer traffic);
+    after a restart of worker@0 swapped the roles (worker@1 serves, worker@0 is the spare),
+    spares 1 -> 0 removes worker@1, the highest index, a serving shard: worker@0 is
+    promoted first, then worker@1 drained and stopped; one shard serves throughout."""
+    from tests.integration.policystack import write_stack as policy_stack
+
+    path = tmp_path / "spares-stack.toml"
+    trainer, plain = loaded_policy_stack(dm, path, "sparestest")
+    try:
+        added = cli(dm, "apply", str(policy_stack(path, "sparestest", workers=1, spares=1)))
+        assert "done: started worker@1" in added.stdout, added
+        spare = dm.unit("worker@1")
+        assert spare["spare"]["role"] == "spare" and spare["policy_version"] == 1, spare
+        assert not spare["policy"]["admitted"] and dm.unit("worker@0")["spare"]["role"] == "serving"
+        spare_id = spare["dynamo"]["instance_ids"][0]
+        since = time.monotonic()
+        trainer.wait_served(8, after=since)
+        assert not [r for r in trainer.rows if r["sent"] > since and r.get("instance") == spare_id]
+
+        first, restarted = pids(dm)["worker@0"], time.monotonic()
+        cli(dm, "restart", "worker@0")  # its spare takes over; it comes back as the spare
+        def swapped_roles(status: dict[str, Any]) -> bool:
+            units = {u["name"]: u for u in status["units"]}
+            back = units["worker@0"]
+            return (units["worker@1"].get("spare", {}).get("role") == "serving"
+                    and back.get("spare", {}).get("role") == "spare"
+                    and back["state"] == "ready" and back["pid"] != first)  # fmt: skip
+
+        dm.wait_for(swapped_roles, timeout=60, what="worker@1 serving, worker@0 back as the spare")
+        trainer.wait_served(6, after=time.monotonic())
+        swapped = time.monotonic()
+        removed = cli(dm, "apply", str(policy_stack(path, "sparestest", workers=1, spares=0)))
+        assert "done: stopped worker@1" in removed.stdout, removed
+        serving = dm.unit("worker@0")
+        assert serving["policy"]["admitted"] and serving["spare"]["role"] == "serving", serving
+        trainer.wait_served(6, after=time.monotonic())
+        plain.wait_served(6, after=time.monotonic())
+    finally:
+        trainer.stop()
+        plain.stop()
+    promoted = [e for e in events(dm, "spares.promoted") if e["mono"] > swapped]
+    assert [(e["unit"], e["reason"]) for e in promoted] == [("worker@0", "apply")], promoted
+    [drain] = [e for e in events(dm, "shard.drained") if e["unit"] == "worker@1"]
+    assert promoted[0]["mono"] < drain["mono"], "worker@1 was drained before its spare served"
+    assert dm.status()["policy"]["spares"]["wanted"] == 0
+    # (the restart's own window is not this test's: its stop is no drain)
+    assert failures(trainer, plain, until=restarted) + failures(trainer, plain, since=swapped) == []
     dm.run("down", check=True)
