@@ -39,6 +39,21 @@ def served_model_name(command: list[str], default: str = "tiny-cpu") -> str:
     return default
 
 
+def dead_registrations(keys: list[str], status: dict[str, Any]) -> list[str]:
+    """The worker instance keys (`v1/instances/NS/.../generate/ID`) in the stack's own
+    Dynamo namespaces that no running unit owns. Another namespace on the same etcd is
+    someone else's (a second stack, a test's own worker), not this stack's leftover; with
+    no namespace known, every key is judged."""
+    units = status["units"]
+    owned = {str(i) for u in units if u.get("pid")
+             for i in (u.get("dynamo") or {}).get("instance_ids", [])}
+    owned |= {format(int(i), "x") for i in owned if i.isdigit()}
+    spaces = {ns for u in units if (ns := (u.get("dynamo") or {}).get("namespace"))}
+    workers = [k for k in keys if "/generate/" in k
+               and (not spaces or bool(spaces.intersection(k.split("/")[2:3])))]
+    return [k for k in workers if k.rsplit("/", 1)[-1] not in owned]
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -124,11 +139,6 @@ class Stack:
         etcd = next((u for u in status["units"] if u["name"] == "etcd"), None)
         if etcd is None or etcd["state"] != "ready":
             return []
-        owned = {format(int(i), "x") if str(i).isdigit() else str(i)
-                 for u in status["units"] for i in (u.get("dynamo") or {}).get("instance_ids", [])
-                 if u.get("pid")}
-        owned |= {str(i) for u in status["units"]
-                  for i in (u.get("dynamo") or {}).get("instance_ids", []) if u.get("pid")}
 
         async def keys() -> list[str]:
             url = f"http://127.0.0.1:{etcd['ports']['client']}"
@@ -139,8 +149,7 @@ class Stack:
             found = asyncio.run(keys())
         except Exception as exc:
             return [f"(could not list etcd registrations: {exc})"]
-        workers = [k for k in found if "/generate/" in k]
-        return [k for k in workers if k.rsplit("/", 1)[-1] not in owned]
+        return dead_registrations(found, status)
 
     def ask_shards(self, status: dict[str, Any]) -> dict[str, Any]:
         """Each running shard's own answer to `get_weight_version` (not dynamod's claim)."""
