@@ -16,6 +16,7 @@ require the current version).
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -67,6 +68,8 @@ def main() -> None:
         down_s = time.monotonic() - down_started
     finally:
         problems = rig.close()
+    if not problems:  # a clean run leaves nothing in /tmp; a failed one keeps the logs
+        shutil.rmtree(rig.work_dir, ignore_errors=True)
     load_at_end = os.getloadavg()
     table = Table(
         "Per round: a worker node's link cut under load, a push during the cut, the link back",
