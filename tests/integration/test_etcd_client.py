@@ -140,6 +140,44 @@ async def test_silent_endpoint_times_out_per_request() -> None:
             assert asyncio.get_running_loop().time() - started < 2
 
 
+async def test_a_member_slow_to_open_a_connection_is_still_reached(
+    etcd_url: str, prefix: str
+) -> None:
+    """A member that takes 1.5 s to answer a new connection's HTTP/2 handshake (a freshly
+    restarted etcd on a loaded machine, behind a proxy) is reached within a 5 s call. With
+    gRPC's minimum connect timeout set to our 100 ms reconnect backoff, every attempt was
+    cut off after at most 1 s ("timed out before receiving SETTINGS frame"): the client
+    could never connect, and CI's `policy push` right after an etcd restart failed so."""
+    target = int(etcd_url.rsplit(":", 1)[1])
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.add(asyncio.current_task())  # type: ignore[arg-type]
+        await asyncio.sleep(1.5)
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with EtcdClient(f"127.0.0.1:{port}", timeout_s=5) as client:
+            await client.put(f"{prefix}slow", "1")
+            assert await client.get(f"{prefix}slow") == b"1"
+    finally:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
 def test_prefix_range_end() -> None:
     assert prefix_range_end("a/") == b"a0"
     assert prefix_range_end("a\xff") == "a\xff".encode()[:-1] + b"\xc0"

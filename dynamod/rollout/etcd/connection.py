@@ -18,10 +18,16 @@ from dynamod.rollout.etcd.records import EtcdAuth
 
 # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s), and notice
 # a silent peer on an open stream within ~15 s. etcd refuses pings more often than every 5 s.
+# Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the *minimum connect timeout*
+# (default 20 s); at 100 ms each attempt to open a connection was cut off after its backoff
+# (100 ms .. 1 s), so a member slower than that to answer the HTTP/2 handshake (a restarted
+# etcd on a loaded machine) could never be reached. Each channel has its own subchannel
+# pool, so the fresh connection `EtcdClient._drop` promises is one, not gRPC's shared
+# subchannel with the old one's backoff.
 CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
-    "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.use_local_subchannel_pool": 1,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
 }
