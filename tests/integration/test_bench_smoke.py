@@ -112,11 +112,23 @@ def check_outages(result: dict[str, Any]) -> None:
     assert cut["cut_s"] > 0 and cut["requests_during"] > 0, cut
 
 
+def check_goodput(result: dict[str, Any]) -> None:
+    # AIPerf's records and its summary agree, the kill landed mid-run, the stack served after
+    (run,) = result["data"]["runs"]
+    assert run["supervisor"] == "dynamod" and run["fault"] == "worker_kill", run
+    assert run["records"] > 0 and run["records"] == run["requests"], run
+    assert run["failed"] == run["aiperf_errors"], run
+    assert not run["fault_error"] and 2 < run["fault_at_s"] < 5, run
+    assert run["reference"]["goodput_rps"] > 0 and run["served_after"], run
+    assert run["recovery_s"] is None or 0 <= run["recovery_s"] < 8, run
+
+
 CHECKS = {
     "detect": check_detect,
     "down": check_down,
     "policy_push": check_policy_push,
     "outages": check_outages,
+    "goodput": check_goodput,
 }
 
 
