@@ -45,6 +45,7 @@ BENCHMARKS = [
     "load_kill",
     "outages",
     "cluster",
+    "fleet",
     "verl_checkpoint",
     "real_engine",
 ]
