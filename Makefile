@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm install-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -116,6 +116,13 @@ bench-goodput: install install-aiperf
 # Node loss and return on three network namespaces as nodes (root), 3 rounds.
 cluster: install
 	$(BIN)/python -m bench.cluster
+
+# The fleet simulated (root): 1, 2, 4 and 8 nodes as network namespaces, 8 CPU-worker shards
+# (mocker engine) on each, one dynamod per node; push, status, a node cut, kill -9 of 10 %,
+# idle cost, etcd, growth. FLEET="--nodes 1,2,4 --shards-per-node 4" for a smaller one.
+FLEET ?=
+bench-fleet: install
+	$(BIN)/python -m bench.fleet $(FLEET)
 
 # The replicated, authenticated cluster stack with its head's etcd member down, alone (it is
 # in the default run too).

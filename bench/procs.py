@@ -165,6 +165,16 @@ def rss_mb(pid: int) -> float:
     return math.nan
 
 
+def pss_mb(pid: int) -> float:
+    """Proportional set size: private pages plus a share of those mapped by others too
+    (one more process of the same program costs about this)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    return math.nan
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of one process, in seconds."""
     with open(f"/proc/{pid}/stat", "rb") as fh:

@@ -46,6 +46,7 @@ BENCHMARKS = [
     "goodput",
     "outages",
     "cluster",
+    "fleet",
     "verl_checkpoint",
     "real_engine",
 ]

@@ -37,7 +37,7 @@ from dynamod.core import paths
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.rollout import dynamo
 
-NODE_NAMES = ("head", "n1", "n2", "n3", "n4")
+NODE_NAMES = ("head", *(f"n{i}" for i in range(1, 8)))  # up to 8 nodes (bench.fleet)
 _NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
 _SECRETS_LINE = re.compile(r'^secrets = "([^"]+)"', re.MULTILINE)
 

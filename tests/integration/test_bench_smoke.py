@@ -22,7 +22,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.slow
 
 # One simulated cluster at a time: the netns tests' group (make test runs -n 2).
-GROUPS = {"cluster": "netns"}
+GROUPS = {"cluster": "netns", "fleet": "netns"}
 # Left out of CI, each with why (`make bench` runs them).
 NOT_IN_CI = {
     # its quick profile starts a real dynamo.vllm shard twice (minutes, ~4 GB); the
@@ -123,12 +123,23 @@ def check_goodput(result: dict[str, Any]) -> None:
     assert run["recovery_s"] is None or 0 <= run["recovery_s"] < 8, run
 
 
+def check_fleet(result: dict[str, Any]) -> None:
+    # 2 nodes x 4 shards: the push reached all 8, each node's status saw both nodes, the
+    # cut ran under load and its node's shards left the router
+    (fleet,) = result["data"]["fleets"]
+    assert fleet["nodes"] == 2 and fleet["push"]["acked"] == 8, fleet["push"]
+    assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
+    assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
+    assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]
+
+
 CHECKS = {
     "detect": check_detect,
     "down": check_down,
     "policy_push": check_policy_push,
     "outages": check_outages,
     "goodput": check_goodput,
+    "fleet": check_fleet,
 }
 
 

@@ -1,0 +1,488 @@
+"""Benchmark - fleet: dynamod's control plane over a simulated fleet, and how it grows.
+
+    python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
+
+Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
+daemon per node, units/stacks/cluster.toml: etcd, NATS, the frontend and the trainer on the
+head, S rollout shards on every node. A shard is our CPU worker with its mocker engine
+(random tokens, `--var worker_engine=mocker`): a light process that registers with Dynamo's
+runtime, speaks the engine routes dynamod's policy layer drives (pause, update weights,
+flush, resume) and is a unit its node's dynamod supervises. First a 1-node x 1-shard fleet
+(the reference push), then each node count of `--nodes`, a fresh fleet each. Per fleet:
+the idle cost (each shard's and each daemon's CPU and memory), a push to every shard (the
+daemon's total, the trainer's stall: the wall time of its blocking push call), `dynamod
+status --json` on every node (its CLI wall time), etcd's keys, watchers and writes around
+the push; on 2+ nodes, under load from inside the head, kill -9 of 10 % of the shards at once
+(until they serve again, requests failed) and one node's link cut (bench.cluster's round:
+until the router drops its shards, requests lost after that). Then each value's growth
+exponent over the node counts (1: linear), those above 1.25 named.
+Quick (CI): 2 nodes x 4 shards, the reference, one push, one status, one node cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import structlog
+
+from bench.fleet_growth import (
+    ETCD_METRICS,
+    SizesError,
+    exponent,
+    faster_than_linear,
+    parse_sizes,
+    prometheus,
+    writes,
+)
+from bench.procs import cpu_seconds, pss_mb, rss_mb
+from bench.report import Report, Table, emit, entry, options
+from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
+from dynamod.chaos.model import Load
+from dynamod.chaos.netns import can_create_namespaces
+from dynamod.chaos.node_loss import NodeLossRound, lost_and_rerouted, make_checkpoint
+from dynamod.client import Client
+
+MACHINE_GIB = 24  # what the issue's fleet has to fit in
+LOAD = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
+
+
+@entry
+def main() -> None:
+    parser = options(__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="1,2,4,8", help="node counts, rising (up to 8)")
+    parser.add_argument("--shards-per-node", type=int, default=8, help="shards on every node")
+    args = parser.parse_args()
+    try:
+        nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
+        per_node = 4 if args.quick else parse_sizes(str(args.shards_per_node), 64)[0]
+    except SizesError as exc:
+        parser.error(str(exc))
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    report = Report("fleet", "The fleet, simulated: control-plane cost by node count", args.quick)
+    reason = can_create_namespaces()
+    if reason is not None:
+        report.notes.append(f"not run: {reason}")
+        emit(report, args.json)
+        return
+    reference = None if args.quick else run_fleet(1, 1, quick=True, faults=False)
+    fleets = [run_fleet(n, per_node, quick=args.quick, faults=n > 1) for n in nodes]
+    judge(report, reference, fleets)
+    emit(report, args.json)
+
+
+# --------------------------------------------------------------------------- one fleet
+
+
+def run_fleet(n_nodes: int, per_node: int, *, quick: bool, faults: bool) -> dict[str, Any]:
+    """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp; a failed one
+    keeps the daemons' logs in its work dir (named in the error) and kills every process."""
+    print(f"# fleet: {n_nodes} nodes x {per_node} shards", file=sys.stderr, flush=True)
+    variables = {"workers": str(per_node), "trainer_steps": "0", "worker_engine": "mocker"}
+    rig = ClusterRig(n_nodes, variables=variables)
+    rig.open()
+    result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node}
+    failed = True
+    try:
+        started = time.monotonic()
+        rig.up(timeout=600)
+        rig.wait("every shard routed", lambda: len(rig.routed()) >= result["shards"], 300, 0.5)
+        result["up_s"] = time.monotonic() - started
+        phases = result["phase_s"] = {"up": result["up_s"]}
+        for name, measure in [
+            ("idle", lambda: idle_cost(rig, window=1.0 if quick else 5.0)),
+            ("push", lambda: push_all(rig, step=1)),
+            ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names)),
+            ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
+            ("cut", lambda: cut_one(rig, rig.names[-1]) if faults else None),
+        ]:
+            began = time.monotonic()
+            value = measure()
+            if value is not None:
+                result[name], phases[name] = value, time.monotonic() - began
+        stopping = time.monotonic()
+        down = rig.run(rig.names[0], "down", "--cluster", timeout=600)
+        result["down_s"] = phases["down"] = time.monotonic() - stopping
+        result["down_cluster_rc"] = down.returncode
+        failed = False
+    finally:
+        problems = rig.close()
+    if problems or failed:
+        detail = f": {problems}" if problems else ""
+        raise ClusterError(f"fleet of {n_nodes} nodes failed; logs in {rig.work_dir}{detail}")
+    shutil.rmtree(rig.work_dir, ignore_errors=True)
+    return result
+
+
+def shard_pids(rig: ClusterRig, node: str) -> dict[str, int]:
+    units = rig.status(node)["units"]
+    return {u["name"]: int(u["pid"]) for u in units if u["name"].startswith("worker@") and u["pid"]}
+
+
+def daemon_pid(rig: ClusterRig, node: str) -> int:
+    return int((rig.state_dir(node) / "dynamod.pid").read_text().split()[0])
+
+
+def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
+    """Over `window` seconds of no load: each shard's CPU share and memory, each daemon's
+    CPU share and memory, per shard it supervises."""
+    shards = {
+        (node, unit): pid for node in rig.names for unit, pid in shard_pids(rig, node).items()
+    }
+    daemons = {node: daemon_pid(rig, node) for node in rig.names}
+    pids = [*shards.values(), *daemons.values()]
+    before = {pid: cpu_seconds(pid) for pid in pids}
+    time.sleep(window)
+    share = {pid: (cpu_seconds(pid) - before[pid]) / window * 100 for pid in pids}
+    per_node = len(shards) / len(rig.names)
+    return {
+        "shard_cpu_pct": statistics.mean(share[p] for p in shards.values()),
+        "shard_rss_mb": statistics.mean(rss_mb(p) for p in shards.values()),
+        "shard_pss_mb": statistics.mean(pss_mb(p) for p in shards.values()),
+        "daemon_cpu_pct_per_shard": statistics.mean(share[p] for p in daemons.values()) / per_node,
+        "daemon_rss_mb": statistics.mean(rss_mb(p) for p in daemons.values()),
+        "daemon_rss_mb_per_shard": statistics.mean(rss_mb(p) for p in daemons.values()) / per_node,
+    }
+
+
+def etcd_counters(rig: ClusterRig) -> dict[str, float]:
+    """The head etcd's counters (its /metrics, from inside the head)."""
+
+    def read() -> str:
+        with urllib.request.urlopen("http://127.0.0.1:2379/metrics", timeout=5) as answer:
+            text: str = answer.read().decode()
+            return text
+
+    return prometheus(rig.in_node(rig.names[0], read), ETCD_METRICS)
+
+
+def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
+    """One update pushed to every shard: the trainer's stall (its blocking call), the
+    daemon's own total, the head's shards' own times, etcd's counters around it."""
+    checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
+    before = etcd_counters(rig)
+    started = time.monotonic()
+    answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
+    stall = time.monotonic() - started
+    after = etcd_counters(rig)
+    acks = answer["acks"]
+    bad = {k: v.get("error") or v for k, v in acks.items() if not v.get("ok")}
+    if bad:
+        raise ClusterError(f"push of step {step} failed on {bad}")
+    totals = [float(a["total_ms"]) for a in acks.values()]
+    # the head's own shards ack in the answer; the other nodes' daemons replay the version
+    # into theirs, and the head waits until the registry shows them at it
+    others = [v for shards in answer.get("nodes", {}).values() for v in shards.values()]
+    return {
+        "stall_s": stall,
+        "daemon_s": float(answer["seconds"]),
+        "acked": len(acks) + len([v for v in others if v == step]),
+        "behind": answer.get("behind", []),
+        "shard_median_ms": statistics.median(totals),
+        "shard_max_ms": max(totals),
+        "etcd_before": before,
+        "etcd_after": after,
+        "etcd_writes": writes(before, after),
+        "etcd_revisions": after["revision"] - before["revision"],
+        "etcd_write_rate": writes(before, after) / stall,
+    }
+
+
+def status_all(rig: ClusterRig, nodes: list[str]) -> dict[str, Any]:
+    """`dynamod status --json` on each node, as a user runs it: the CLI's wall time; and
+    the daemon's answer alone (over its socket, from this process)."""
+    walls, sizes, answers, seen = {}, {}, {}, {}
+    for node in nodes:
+        started = time.monotonic()
+        rig.status(node)
+        answers[node] = (time.monotonic() - started) * 1000
+        started = time.monotonic()
+        done = rig.run(node, "status", "--json", timeout=60)
+        walls[node] = time.monotonic() - started
+        if done.returncode != 0:
+            raise ClusterError(f"status --json on {node}: exit {done.returncode}: {done.stderr}")
+        sizes[node] = len(done.stdout)
+        seen[node] = len((json.loads(done.stdout).get("cluster") or {}).get("nodes", []))
+    return {
+        "cli_s": walls,
+        "max_s": max(walls.values()),
+        "answer_ms": answers,
+        "answer_max_ms": max(answers.values()),
+        "json_kb": max(sizes.values()) / 1024,
+        "nodes_seen": seen,  # nodes in each answer's registry view
+    }
+
+
+def instance_ids(rig: ClusterRig, node: str, units: set[str]) -> set[int]:
+    rows = rig.status(node)["units"]
+    return {
+        i
+        for u in rows
+        if u["name"] in units
+        for i in (u.get("dynamo") or {}).get("instance_ids", [])
+    }
+
+
+def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
+    """Under load, SIGKILL 10 % of the shards at once (spread over the nodes): until every
+    one serves again (a new process ready, routed as many instances as before) and the
+    requests that failed meanwhile."""
+    shards = [
+        (node, unit, pid) for node in rig.names for unit, pid in shard_pids(rig, node).items()
+    ]
+    k = max(1, math.ceil(len(shards) / 10))
+    victims = shards[:: len(shards) // k][:k]
+    old_ids = set().union(*(instance_ids(rig, n, {u}) for n, u, _ in victims))
+    capacity = len(rig.routed())
+    gen = rig.load(LOAD, "tiny-cpu", lambda: 1)  # the version push_all pushed
+
+    def back() -> bool:
+        if len(rig.routed() - old_ids) < capacity:
+            return False
+        for node, unit, pid in victims:
+            row = next(u for u in rig.status(node)["units"] if u["name"] == unit)
+            if row["pid"] in (None, pid) or row["state"] != "ready":
+                return False
+        return True
+
+    gen.start()
+    try:
+        time.sleep(2.0)  # steady load first
+        killed = time.monotonic()
+        for _, _, pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        rig.wait(f"{k} killed shards serving again", back, 120, 0.2)
+        back_s = time.monotonic() - killed
+        time.sleep(1.0)  # load on the whole fleet again
+    finally:
+        gen.stop()
+    since = killed - gen.origin
+    during = [r for r in gen.requests if r.done >= since]
+    return {
+        "killed": k,
+        "back_s": back_s,
+        "requests": len(during),
+        "failed": len([r for r in during if not r.ok]),
+    }
+
+
+def cut_one(rig: ClusterRig, node: str) -> dict[str, Any]:
+    """Under load from inside the head, cut the node's link: until the head's registry
+    marks it lost and its router lists none of its shards; the requests that failed
+    before and after that (bench.cluster's round without its push and rejoin)."""
+    ids = rig.instance_ids(node)
+    r = NodeLossRound(node=node)
+    gen = rig.load(LOAD, "tiny-cpu", lambda: 1)  # the version push_all pushed
+    lost_before = len(rig.logged("cluster.node_lost"))
+    gen.start()
+    try:
+        time.sleep(2.0)  # steady load first
+        cut = time.monotonic()
+        r.cut_at = cut - gen.origin
+        rig.cut(node)
+        lost, rerouted = lost_and_rerouted(rig, node, ids, cut, 30)
+        r.lost_s, r.rerouted_s, r.rerouted_at = lost - cut, rerouted - cut, rerouted - gen.origin
+        time.sleep(2.0)  # load on the other nodes' shards alone
+    finally:
+        gen.stop()
+        rig.heal(node)
+    r.requests = list(gen.requests)
+    r.marked_lost = [str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]]
+    return {
+        "node": node,
+        "shards": len(ids),
+        "lost_s": r.lost_s,
+        "rerouted_s": r.rerouted_s,
+        "requests": len(r.requests),
+        "failed_before_reroute": len(r.failed_during_cut()),
+        "failed_after_reroute": len(r.failed_after_reroute()),
+        "falsely_lost": r.falsely_lost(),
+        "falsely_lost_n": len(r.falsely_lost()),
+    }
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def pick(fleet: dict[str, Any], *path: str) -> Any:
+    """fleet[a][b]... or NaN where a phase did not run (a 1-node fleet has no cut)."""
+    value: Any = fleet
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return math.nan
+        value = value[key]
+    return value
+
+
+GROWTH = {  # label -> path in a fleet's result
+    "start until every shard routed, s": ("up_s",),
+    "push: trainer's stall, s": ("push", "stall_s"),
+    "push: daemon's total, s": ("push", "daemon_s"),
+    "push: the head's slowest shard's own time, ms": ("push", "shard_max_ms"),
+    "status --json, slowest node, s": ("status", "max_s"),
+    "status: daemon's answer, slowest node, ms": ("status", "answer_max_ms"),
+    "status --json size, KB": ("status", "json_kb"),
+    "etcd keys": ("push", "etcd_after", "keys"),
+    "etcd watchers": ("push", "etcd_after", "watchers"),
+    "etcd keys written per push": ("push", "etcd_writes"),
+    "cut: out of routing, s": ("cut", "rerouted_s"),
+    "kill 10 %: serving again, s": ("kill", "back_s"),
+    "daemon CPU % per shard (idle)": ("idle", "daemon_cpu_pct_per_shard"),
+    "daemon RSS MB per shard": ("idle", "daemon_rss_mb_per_shard"),
+    "shard PSS MB": ("idle", "shard_pss_mb"),
+}
+
+
+def one_shards_push(reference: dict[str, Any] | None, full: dict[str, Any]) -> tuple[float, str]:
+    """What "one shard's push" is, in seconds, and in words: the trainer's stall in a
+    1-node x 1-shard fleet; without one (quick), the median shard's own update time."""
+    if reference is not None:
+        return float(reference["push"]["stall_s"]), "the stall in a 1 x 1 fleet"
+    return full["push"]["shard_median_ms"] / 1000, "the head's median shard's own time (quick)"
+
+
+def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[str, Any]]) -> None:
+    full = fleets[-1]
+    ref_s, ref_what = one_shards_push(reference, full)
+    report.tables += [size_table(reference, fleets, ref_s), fault_table(fleets)]
+    report.tables += [cost_table(fleets), growth_table(fleets), shard_table(full)]
+    at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
+    report.target(
+        f"push to every shard: trainer's stall / one shard's ({ref_what}, {ref_s:.2f} s), {at}",
+        full["push"]["stall_s"] / ref_s, 2.0, "x",
+    )  # fmt: skip
+    report.target(f"status --json on any node, {at}", full["status"]["max_s"], 1.0, "s")
+    cut = [f for f in fleets if "cut" in f]
+    if cut:
+        report.target(f"one node cut: out of routing, {at}", pick(cut[-1], "cut", "rerouted_s"),
+                      2.0, "s")  # fmt: skip
+        report.target(
+            "one node cut: requests lost after re-routing (every fleet)",
+            sum(f["cut"]["failed_after_reroute"] for f in cut), 0, "requests",
+        )  # fmt: skip
+    report.data = {"reference": reference, "fleets": fleets}
+    report.notes += notes(fleets)
+
+
+def size_table(
+    reference: dict[str, Any] | None, fleets: list[dict[str, Any]], ref_s: float
+) -> Table:
+    table = Table(
+        "Per fleet: start, a push to every shard, status (a 1 x 1 row is the reference)",
+        ["nodes", "shards", "up s", "push: trainer's stall s", "daemon's total s",
+         "stall / one shard's", "head's shards: median ms", "slowest ms", "behind",
+         "status --json CLI s (max)", "daemon's answer ms (max)", "status KB", "down s"],
+        digits=2,
+    )  # fmt: skip
+    for f in [reference, *fleets] if reference is not None else fleets:
+        p, st = f["push"], f["status"]
+        table.rows.append(
+            [f["nodes"], f["shards"], f["up_s"], p["stall_s"], p["daemon_s"],
+             p["stall_s"] / ref_s, p["shard_median_ms"], p["shard_max_ms"], len(p["behind"]),
+             st["max_s"], st["answer_max_ms"], st["json_kb"], f["down_s"]]
+        )  # fmt: skip
+    return table
+
+
+def fault_table(fleets: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "Faults under load (3 clients, 6 req/s from the head): one node's link cut, "
+        "kill -9 of 10 % of the shards at once",
+        ["nodes", "shards", "cut: lost s", "out of routing s", "requests",
+         "failed before re-route", "lost after re-route", "falsely lost",
+         "killed", "serving again s", "requests", "failed"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        c, k = "cut", "kill"
+        table.rows.append(
+            [f["nodes"], f["shards"], pick(f, c, "lost_s"), pick(f, c, "rerouted_s"),
+             pick(f, c, "requests"), pick(f, c, "failed_before_reroute"),
+             pick(f, c, "failed_after_reroute"), pick(f, c, "falsely_lost_n"),
+             pick(f, k, "killed"), pick(f, k, "back_s"), pick(f, k, "requests"),
+             pick(f, k, "failed")]
+        )  # fmt: skip
+    return table
+
+
+def cost_table(fleets: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "Idle cost per shard, and etcd around one push (the head's etcd)",
+        ["nodes", "shards", "shard CPU %", "shard PSS MB", "daemon CPU % / shard",
+         "daemon RSS MB", "daemon RSS MB / shard", "etcd keys", "watchers",
+         "keys written / push", "revisions / push", "keys written / s of push"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        i, p = f["idle"], f["push"]
+        table.rows.append(
+            [f["nodes"], f["shards"], i["shard_cpu_pct"], i["shard_pss_mb"],
+             i["daemon_cpu_pct_per_shard"], i["daemon_rss_mb"], i["daemon_rss_mb_per_shard"],
+             p["etcd_after"]["keys"], p["etcd_after"]["watchers"], p["etcd_writes"],
+             p["etcd_revisions"], p["etcd_write_rate"]]
+        )  # fmt: skip
+    return table
+
+
+def growth_table(fleets: list[dict[str, Any]]) -> Table:
+    sizes = [f["nodes"] for f in fleets]
+    table = Table(
+        "Growth with the node count (shards per node fixed): exponent b of value ~ nodes^b "
+        "(0 flat, 1 linear); above 1.25 is faster than linear",
+        ["value", *[f"{n} nodes" for n in sizes], "exponent", "faster than linear"],
+        digits=2,
+    )
+    for label, path in GROWTH.items():
+        values = [pick(f, *path) for f in fleets]
+        points = list(zip(sizes, values, strict=True))
+        table.rows.append([label, *values, exponent(points), faster_than_linear(points)])
+    return table
+
+
+def shard_table(full: dict[str, Any]) -> Table:
+    i = full["idle"]
+    fit = MACHINE_GIB * 1024 / (i["shard_pss_mb"] + i["daemon_rss_mb_per_shard"])
+    return Table(
+        f"One shard (CPU worker, mocker engine), idle, in the {full['shards']}-shard fleet",
+        ["RSS MB", "PSS MB", "CPU %", "its daemon's share MB", f"shards in {MACHINE_GIB} GiB"],
+        [[i["shard_rss_mb"], i["shard_pss_mb"], i["shard_cpu_pct"],
+          i["daemon_rss_mb_per_shard"], math.floor(fit)]],
+        digits=1,
+    )  # fmt: skip
+
+
+def notes(fleets: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "shards in 24 GiB: the machine's memory over one shard's PSS plus its daemon's "
+        "share, nothing else running (etcd, NATS, the frontend and the page cache need "
+        "their part); CPU is the tighter bound on 2 cores: see shard CPU %",
+        "status: `dynamod status --json` (there is no `--cluster` flag; every node's "
+        "status carries the registry's view of all nodes), timed as a user runs it, "
+        "CLI start-up included",
+        "etcd: one member on the head (units/stacks/cluster.toml); the 3-member store of "
+        "units/stacks/cluster-ha.toml names its 3 nodes and is not used here",
+    ]
+    faster = [label for label, path in GROWTH.items()
+              if faster_than_linear([(f["nodes"], pick(f, *path)) for f in fleets])]  # fmt: skip
+    if len(fleets) > 1:
+        out.append("faster than linear: " + (", ".join(faster) or "nothing"))
+    load = os.getloadavg()
+    out.append(
+        "load average at the end " + "/".join(f"{x:.2f}" for x in load)
+        + (": provisional, a shared machine" if load[0] > 1 else "")
+    )  # fmt: skip
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Pure logic of bench.fleet: the fleet sizes asked for, how a measured value grows with the
+number of nodes (the exponent of a power law through the points), and etcd's Prometheus
+counters read from its /metrics text."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+# etcd's own counters: keys in the store, live watchers, the store's revision (one per
+# write transaction) and the keys written (put or deleted) since it started
+ETCD_METRICS = {
+    "keys": "etcd_debugging_mvcc_keys_total",
+    "watchers": "etcd_debugging_mvcc_watcher_total",
+    "watch_streams": "etcd_debugging_mvcc_watch_stream_total",
+    "revision": "etcd_debugging_mvcc_current_revision",
+    "puts": "etcd_mvcc_put_total",
+    "deletes": "etcd_mvcc_delete_total",
+}
+WRITES = ("puts", "deletes")
+
+
+class SizesError(ValueError):
+    """A `--nodes` or `--shards-per-node` value bench.fleet cannot run."""
+
+
+def parse_sizes(text: str, most: int) -> list[int]:
+    """`1,2,4,8` -> [1, 2, 4, 8]: distinct, rising, each 1..most."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SizesError(f"{text!r} is not a comma-separated list of integers") from None
+    if not sizes:
+        raise SizesError("no size given")
+    if sizes != sorted(set(sizes)):
+        raise SizesError(f"{text!r}: sizes must rise, each once")
+    if sizes[0] < 1 or sizes[-1] > most:
+        raise SizesError(f"{text!r}: each size must be 1 to {most}")
+    return sizes
+
+
+def exponent(points: Iterable[tuple[float, float | None]]) -> float:
+    """b of value ~ a * n**b, least squares in log-log over the points with a positive
+    value (NaN with fewer than two sizes). 1 is linear growth, 0 flat, 2 quadratic."""
+    usable = [
+        (math.log(n), math.log(v))
+        for n, v in points
+        if v is not None and n > 0 and math.isfinite(v) and v > 0
+    ]
+    if len({x for x, _ in usable}) < 2:
+        return math.nan
+    mx = sum(x for x, _ in usable) / len(usable)
+    my = sum(y for _, y in usable) / len(usable)
+    sxx = sum((x - mx) ** 2 for x, _ in usable)
+    sxy = sum((x - mx) * (y - my) for x, y in usable)
+    return sxy / sxx
+
+
+def faster_than_linear(points: Sequence[tuple[float, float | None]], margin: float = 0.25) -> bool:
+    """Whether the value grows faster than the node count: its exponent above 1 + margin
+    (the margin absorbs a loaded machine's noise between two sizes)."""
+    b = exponent(points)
+    return not math.isnan(b) and b > 1 + margin
+
+
+def prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
+    """The named unlabelled (or summed over labels) samples of a /metrics text:
+    {our name: value}; a metric the text lacks is NaN."""
+    wanted = {metric: ours for ours, metric in names.items()}
+    found = {ours: math.nan for ours in names}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric = head.split("{", 1)[0]
+        if metric in wanted:
+            ours = wanted[metric]
+            base = 0.0 if math.isnan(found[ours]) else found[ours]
+            found[ours] = base + float(value)
+    return found
+
+
+def writes(before: dict[str, float], after: dict[str, float]) -> float:
+    """Keys etcd wrote (put or deleted) between two readings."""
+    return sum(after[k] - before[k] for k in WRITES)

@@ -1,0 +1,75 @@
+"""bench.fleet's pure logic: the sizes it accepts, the growth exponent that names what grows
+faster than linearly, and etcd's counters read from a /metrics text."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.fleet_growth import (
+    ETCD_METRICS,
+    SizesError,
+    exponent,
+    faster_than_linear,
+    parse_sizes,
+    prometheus,
+    writes,
+)
+
+NODES = [1, 2, 4, 8]
+
+
+def test_exponent_of_flat_linear_and_quadratic_growth() -> None:
+    assert exponent([(n, 5.0) for n in NODES]) == pytest.approx(0.0)
+    assert exponent([(n, 3.0 * n) for n in NODES]) == pytest.approx(1.0)
+    assert exponent([(n, 0.5 * n * n) for n in NODES]) == pytest.approx(2.0)
+
+
+def test_quadratic_growth_is_named_faster_than_linear() -> None:
+    assert faster_than_linear([(n, float(n * n)) for n in NODES])
+    assert faster_than_linear([(1, 1.0), (8, 20.0)])  # b = 1.44
+
+
+def test_linear_flat_and_noisy_linear_growth_are_not() -> None:
+    assert not faster_than_linear([(n, 2.0 * n) for n in NODES])
+    assert not faster_than_linear([(n, 1.0) for n in NODES])
+    assert not faster_than_linear([(1, 1.0), (2, 2.3), (4, 4.1), (8, 8.5)])
+
+
+def test_missing_values_are_left_out_and_one_size_says_nothing() -> None:
+    assert math.isnan(exponent([(2, 1.0)]))
+    assert math.isnan(exponent([(1, math.nan), (2, 4.0)]))
+    assert math.isnan(exponent([(1, None), (2, 0.0), (4, 3.0)]))
+    assert not faster_than_linear([(2, 1.0)])
+    assert exponent([(1, math.nan), (2, 4.0), (4, 16.0)]) == pytest.approx(2.0)
+
+
+def test_parse_sizes() -> None:
+    assert parse_sizes("1,2,4,8", 8) == NODES
+    assert parse_sizes("3", 8) == [3]
+    for bad in ("", "2,1", "1,1", "0,2", "1,9", "a"):
+        with pytest.raises(SizesError):
+            parse_sizes(bad, 8)
+
+
+METRICS = """# HELP etcd_debugging_mvcc_keys_total Total number of keys.
+# TYPE etcd_debugging_mvcc_keys_total gauge
+etcd_debugging_mvcc_keys_total 64
+etcd_debugging_mvcc_watcher_total 14
+etcd_debugging_mvcc_current_revision 1200
+etcd_mvcc_put_total 300
+etcd_mvcc_delete_total{kind="x"} 2
+etcd_mvcc_delete_total{kind="y"} 3
+etcd_mvcc_put_total_other 999
+"""
+
+
+def test_prometheus_reads_and_sums_labelled_samples() -> None:
+    found = prometheus(METRICS, ETCD_METRICS)
+    assert found["keys"] == 64 and found["watchers"] == 14 and found["revision"] == 1200
+    assert found["puts"] == 300  # not the metric whose name merely starts the same
+    assert found["deletes"] == 5
+    assert math.isnan(found["watch_streams"])  # absent from the text
+    after = {**found, "puts": 325.0, "deletes": 6.0}
+    assert writes(found, after) == 26
