@@ -1,6 +1,7 @@
 """Benchmark 16 - goodput under faults, measured by AIPerf while a fault is injected.
 
-    python -m bench.goodput [--quick] [--json]        (make bench-goodput)
+    python -m bench.goodput [--quick] [--json] [--concurrency 4,16]
+                            [--supervisors dynamod,supervisord,none]   (make bench-goodput)
 
 AIPerf (`aiperf profile`, from .venv-aiperf: `make install-aiperf`; the benchmark refuses
 in one line without it) drives the serve-only default stack (2 CPU workers, the stock
@@ -25,7 +26,8 @@ run of the same stack, goodput (requests/s meeting the SLOs in GOODPUT, AIPerf's
 run's (bench.aiperf_run.recovery_s; "never" if not within the run).
 
 --quick: worker_kill only, concurrency 4, dynamod only, a QUICK_RUN_S run; the fault-free
-reference is the run's own requests before the fault.
+reference is the run's own requests before the fault. --concurrency 4 and --supervisors
+dynamod,none narrow the full profile (each ~1-2 min per fault and supervisor here).
 """
 
 from __future__ import annotations
@@ -309,14 +311,45 @@ class Stacks:
         sweep()
 
 
-def plan(quick: bool) -> tuple[list[type[Variant]], tuple[int, ...], list[str]]:
-    if quick:
+def plan(args: Any) -> tuple[list[type[Variant]], tuple[int, ...], list[str]]:
+    """What runs: the quick profile, or the full one narrowed by --concurrency and
+    --supervisors."""
+    if args.quick:
         return [DynamodRun], (4,), ["worker_kill"]
-    return RUNS, CONCURRENCY, list(FAULTS)
+    runs = [cls for cls in RUNS if cls.name in args.supervisors]
+    return runs, tuple(args.concurrency), list(FAULTS)
 
 
-def run_all(quick: bool, work: Path) -> list[dict[str, Any]]:
-    runs, levels, faults = plan(quick)
+def parse_args() -> Any:
+    parser = options(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--concurrency", type=_levels, default=list(CONCURRENCY),
+        help="AIPerf concurrencies, comma-separated (full profile; default 4,16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--supervisors", type=_names, default=[cls.name for cls in RUNS],
+        help="comma-separated, of: dynamod, supervisord, none (full profile; default all)",
+    )  # fmt: skip
+    return parser.parse_args()
+
+
+def _levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",")]
+    if not levels or min(levels) < 1:
+        raise ValueError(text)
+    return levels
+
+
+def _names(text: str) -> list[str]:
+    known = {"dynamod": "dynamod", "supervisord": "supervisord", "none": PlainRun.name}
+    if not set(text.split(",")) <= set(known):
+        raise ValueError(text)
+    return [known[x] for x in text.split(",")]
+
+
+def run_all(args: Any, work: Path) -> list[dict[str, Any]]:
+    quick = args.quick
+    runs, levels, faults = plan(args)
     seconds, fault_at = (QUICK_RUN_S, QUICK_FAULT_AT_S) if quick else (RUN_S, FAULT_AT_S)
     results: list[dict[str, Any]] = []
     stacks = Stacks()
@@ -443,7 +476,7 @@ def notes(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
 
 @entry
 def main() -> None:
-    args = options(__doc__.splitlines()[0]).parse_args()
+    args = parse_args()
     why = aiperf_run.missing()
     if why:
         print(f"{program()}: {why}", file=sys.stderr, flush=True)
@@ -453,7 +486,7 @@ def main() -> None:
     try:
         with state_dir("gp") as work:
             aiperf_run.hf_cache(prebuilt_model(), work / "hf")
-            results = run_all(args.quick, work)
+            results = run_all(args, work)
     finally:
         sweep()
     tables(report, results, args.quick)
