@@ -105,9 +105,11 @@ bench-quick: install install-vllm
 cluster: install
 	$(BIN)/python -m bench.cluster
 
-# The fleet simulated (root): 1, 2, 4 and 8 nodes as network namespaces, 8 CPU-worker shards
+# The fleet simulated (root): 1, 2, 4 and 8 nodes as network namespaces, 6 CPU-worker shards
 # (mocker engine) on each, one dynamod per node; push, status, a node cut, kill -9 of 10 %,
-# idle cost, etcd, growth. FLEET="--nodes 1,2,4 --shards-per-node 4" for a smaller one.
+# idle cost, etcd, growth (~10 min on 2 cores). Each shard holds 2 inotify instances: 48
+# shards fit the kernel's default fs.inotify.max_user_instances (128); raise it for the
+# issue's 8 x 32 (FLEET="--shards-per-node 32"); FLEET="--nodes 1,2" for a smaller one.
 FLEET ?=
 bench-fleet: install
 	$(BIN)/python -m bench.fleet $(FLEET)
