@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -17,6 +17,12 @@ up: install
 # 1.5 min the first time, seconds after). `make up` does not need it; the tests do.
 install-vllm: install
 	./scripts/install-vllm.sh
+
+# AIPerf's venv (.venv-aiperf: aiperf 0.13.0 from PyPI, ~840 MB; a venv of its own, as its
+# pins of psutil, prometheus_client, rich and pandas differ from .venv's). bench.goodput
+# drives the stack with it; seconds from uv's cache.
+install-aiperf: install
+	./scripts/install-aiperf.sh
 
 # The stock real-engine stack: etcd, NATS, dynamo.vllm shards on the CPU, the frontend
 # and the CPU trainer (units/stacks/vllm-cpu.toml).
@@ -74,7 +80,7 @@ pytest-serial:
 
 # After the install, lint and mypy (~50 s on a cold cache) run beside pytest, whose two
 # workers leave CPU idle while stacks wait; `make test` fails if any of the three does.
-test: install install-vllm
+test: install install-vllm install-aiperf
 	$(MAKE) --no-print-directory -j 3 lint typecheck pytest
 
 # The issue's twenty rounds of five stacks started at once (CI runs 3 rounds of the same test).
@@ -93,13 +99,19 @@ test-apply-shards: install
 	DYNAMOD_TEST_APPLY_SHARDS=1 $(BIN)/pytest -q -ra tests/integration/test_apply.py
 
 # bench.real_engine runs a real dynamo.vllm shard beside our CPU worker: it needs .venv-vllm.
-bench: install install-vllm
+bench: install install-vllm install-aiperf
 	$(BIN)/python -m bench.run_all
 
 # Every benchmark's smoke run (each under a minute but bench.real_engine, whose real shard
 # starts in minutes); results are not comparable.
-bench-quick: install install-vllm
+bench-quick: install install-vllm install-aiperf
 	$(BIN)/python -m bench.run_all --quick
+
+# Goodput under faults (bench.goodput, full profile): AIPerf drives the default stack under
+# dynamod, supervisord and plain processes while each fault is injected (~40 min here;
+# CI runs its --quick profile, one fault on dynamod, in tests/integration/test_bench_smoke.py).
+bench-goodput: install install-aiperf
+	$(BIN)/python -m bench.goodput
 
 # Node loss and return on three network namespaces as nodes (root), 3 rounds.
 cluster: install
@@ -130,4 +142,4 @@ chaos-quick: install
 	$(BIN)/dynamod chaos run --all --quick --report chaos-runs
 
 clean:
-	rm -rf $(VENV) .venv-vllm .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-aiperf .mypy_cache .ruff_cache .pytest_cache

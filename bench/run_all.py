@@ -43,6 +43,7 @@ BENCHMARKS = [
     "recovery",
     "spare_kills",
     "load_kill",
+    "goodput",
     "outages",
     "cluster",
     "fleet",

@@ -1,0 +1,466 @@
+"""Benchmark 16 - goodput under faults, measured by AIPerf while a fault is injected.
+
+    python -m bench.goodput [--quick] [--json]        (make bench-goodput)
+
+AIPerf (`aiperf profile`, from .venv-aiperf: `make install-aiperf`; the benchmark refuses
+in one line without it) drives the serve-only default stack (2 CPU workers, the stock
+frontend) over the frontend's OpenAI API: streaming chat, synthetic 32-token prompts and
+32-token outputs, at concurrency 4 and 16, for RUN_S seconds; FAULT_AT_S seconds into the
+run one fault:
+
+  worker_kill    worker@1 kill -9
+  worker_stop    worker@1 SIGSTOP for 10 s, then SIGCONT
+  frontend_kill  the frontend kill -9
+  etcd_kill      etcd kill -9
+  push           `dynamod policy push` every second to the run's end (dynamod only:
+                 neither supervisord nor plain processes have a push)
+
+Side by side in one run, one after the other: dynamod, supervisord (the config `dynamod
+export supervisord` writes) and no supervisor (bench.load_kill's plain processes, the
+recipe's way: nothing restarts them; a stack left broken is started again before the next
+run). Per fault and supervisor, from AIPerf's own exports (per-request records and the
+summary, never its console): requests failed, TTFT and ITL p50/p99 against the fault-free
+run of the same stack, goodput (requests/s meeting the SLOs in GOODPUT, AIPerf's
+--goodput), and the seconds from the fault until goodput is back to 95 % of the fault-free
+run's (bench.aiperf_run.recovery_s; "never" if not within the run).
+
+--quick: worker_kill only, concurrency 4, dynamod only, a QUICK_RUN_S run; the fault-free
+reference is the run's own requests before the fault.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import aiperf_run
+from bench.aiperf_run import Load, Record
+from bench.load_kill import DynamodVariant, PlainVariant, SupervisordVariant, Variant
+from bench.procs import bench_mark, kill_group, state_dir, sweep, wait_until
+from bench.recovery import make_checkpoint
+from bench.report import Report, Table, emit, entry, options, percentile, program
+from bench.stack import MODEL, prebuilt_model, wait_routable
+
+FAULTS = {
+    "worker_kill": "worker@1 kill -9",
+    "worker_stop": "worker@1 SIGSTOP 10 s, then SIGCONT",
+    "frontend_kill": "frontend kill -9",
+    "etcd_kill": "etcd kill -9",
+    "push": "a policy push every second",
+}
+VICTIM = "worker@1"
+STOP_S = 10.0
+RUN_S, FAULT_AT_S = 30.0, 8.0
+QUICK_RUN_S, QUICK_FAULT_AT_S = 8.0, 3.0
+CONCURRENCY = (4, 16)
+# The SLOs a good request meets (AIPerf's --goodput): TTFT and ITL in ms. Chosen for the
+# tiny CPU model on 2 cores: ~3x the fault-free p99 at concurrency 16 on this machine, so
+# a fault-free run is nearly all good and a stalled request is not.
+TTFT_SLO_MS, ITL_SLO_MS = 1500.0, 50.0
+WORKERS = 2
+MIGRATION_LIMIT = 3  # the stock frontend's
+
+
+# --------------------------------------------------------------------------- the stacks
+
+
+class Faultable:
+    """What a fault needs of a stack beside bench.load_kill's Variant."""
+
+    def pid(self, unit: str) -> int:
+        raise NotImplementedError
+
+    def push(self, step: int) -> None:
+        raise NotImplementedError(f"{self} has no policy push")
+
+
+class DynamodRun(DynamodVariant, Faultable):
+    def up(self) -> None:
+        super().up()
+        self.checkpoint = make_checkpoint(self.state)
+
+    def pid(self, unit: str) -> int:
+        return int(self.dm.unit(unit)["pid"])
+
+    def push(self, step: int) -> None:
+        self.dm.cli("policy", "push", "--step", str(step), "--path", str(self.checkpoint))
+
+
+class SupervisordRun(SupervisordVariant, Faultable):
+    def pid(self, unit: str) -> int:
+        return self.sd.pid(unit.replace("@", "-"))
+
+
+class PlainRun(PlainVariant, Faultable):
+    def pid(self, unit: str) -> int:
+        return self.plain.procs[unit].pid
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.plain.procs.items() if p.poll() is not None and n != "model"]
+
+
+RUNS: list[type[Variant]] = [DynamodRun, SupervisordRun, PlainRun]
+
+
+def serving(run: Variant, timeout: float) -> bool:
+    """The stack serves again with every worker routed (and, without a supervisor, nothing
+    it started has died)."""
+    if isinstance(run, PlainRun) and run.dead():
+        return False
+    try:
+        wait_routable(run.url, WORKERS, timeout=timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- faults
+
+
+class Injector(threading.Thread):
+    """Injects `fault` into `run` at `at` (time.time()); `at` is kept as injected."""
+
+    def __init__(self, run: Any, fault: str, delay: float, until: float) -> None:
+        super().__init__(daemon=True, name=f"fault-{fault}")
+        self.run_, self.fault, self.delay, self.until = run, fault, delay, until
+        self.at = float("nan")
+        self.pushes: list[float] = []  # seconds each push took
+        self.push_failures: list[str] = []
+        self.error = ""
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        try:
+            self.inject()
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"[:300]
+
+    def inject(self) -> None:
+        import os
+        import signal
+
+        if self.fault == "push":
+            self.push_every_second()
+            return
+        unit = {"frontend_kill": "frontend", "etcd_kill": "etcd"}.get(self.fault, VICTIM)
+        pid = self.run_.pid(unit)
+        self.at = time.time()
+        if self.fault != "worker_stop":
+            os.kill(pid, signal.SIGKILL)
+            return
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(STOP_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def push_every_second(self) -> None:
+        self.at = time.time()
+        step = getattr(self.run_, "next_step", 1)
+        while time.time() < self.until:
+            started = time.time()
+            try:
+                self.run_.push(step)
+                self.pushes.append(time.time() - started)
+            except Exception as exc:  # a failed push is a result
+                self.push_failures.append(f"step {step}: {type(exc).__name__}: {exc}"[:200])
+            step += 1
+            time.sleep(max(0.0, started + 1.0 - time.time()))
+        self.run_.next_step = step
+
+
+# --------------------------------------------------------------------------- one AIPerf run
+
+
+def wait_profiling(proc: subprocess.Popen[bytes], artifacts: Path, timeout: float = 240) -> None:
+    """Until aiperf says it sends (its log's state line: timing only, no results)."""
+    log = artifacts / "logs" / "aiperf.log"
+
+    def started() -> bool:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+            raise aiperf_run.AiperfError(f"aiperf exited {proc.returncode} before sending: {tail}")
+        return log.exists() and "AIPerf System is PROFILING" in log.read_text(errors="replace")
+
+    wait_until(started, timeout, 0.1, f"aiperf to start sending ({log})")
+
+
+def drive(run: Variant, load: Load, fault: str | None, fault_at: float, work: Path) -> Any:
+    """One aiperf run against `run`, `fault` injected `fault_at` s into it; its records,
+    summary and the injector (None without a fault)."""
+    artifacts = work / f"{run.name.replace(' ', '-')}-{fault or 'none'}-c{load.concurrency}"
+    artifacts.mkdir(parents=True)
+    env = aiperf_run.environment(work / "hf")
+    env["TMPDIR"] = str(work)  # aiperf's mmap dirs go with the work dir
+    with (artifacts / "console.txt").open("wb") as console:
+        proc = subprocess.Popen(
+            aiperf_run.command(load, artifacts), env=env, stdin=subprocess.DEVNULL,
+            stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    injector = None
+    clock = {"spawned": time.monotonic()}
+    try:
+        wait_profiling(proc, artifacts)
+        clock["sending"] = time.monotonic()
+        if fault is not None:
+            until = time.time() + load.seconds
+            injector = Injector(run, fault, fault_at, until)
+            injector.start()
+        proc.wait(load.seconds + load.grace_s + 180)
+        clock["exited"] = time.monotonic()
+        if injector is not None:
+            injector.join(STOP_S + 30)
+    finally:
+        kill_group(proc.pid)
+        proc.wait(10)
+    records = aiperf_run.read_records(artifacts / aiperf_run.RECORDS)
+    summary = aiperf_run.read_summary(artifacts / aiperf_run.SUMMARY)
+    summary["aiperf_start_s"] = clock["sending"] - clock["spawned"]
+    summary["aiperf_wall_s"] = clock["exited"] - clock["spawned"]
+    return records, summary, injector
+
+
+def measured(
+    name: str, load: Load, records: list[Record], summary: dict[str, float], injector: Any
+) -> dict[str, Any]:
+    start = records[0].start if records else float("nan")
+    failed = [r for r in records if not r.ok]
+    out: dict[str, Any] = {
+        "supervisor": name,
+        "concurrency": load.concurrency,
+        "records": len(records),
+        "failed": len(failed),
+        "errors": sorted({r.error for r in failed})[:4],
+        "start": start,
+        "run_end": start + load.seconds,
+        **summary,
+    }
+    if injector is not None:
+        out.update(
+            fault_at_s=injector.at - start,
+            fault_error=injector.error,
+            pushes=len(injector.pushes),
+            push_s=sorted(injector.pushes),
+            push_failures=injector.push_failures[:4],
+            failed_after_fault=sum(1 for r in failed if r.end >= injector.at),
+        )
+    return out
+
+
+def before_fault(records: list[Record], fault: float) -> dict[str, float]:
+    """The quick profile's fault-free reference: the run's own requests that ended
+    before the fault."""
+    pre = [r for r in records if r.end < fault]
+    ttft = [r.ttft_ms for r in pre if r.ok]
+    itl = [r.itl_ms for r in pre if r.ok]
+    start = records[0].start if records else fault
+    return {
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "goodput_rps": aiperf_run.good_rate(records, start, fault),
+        "failed": float(sum(1 for r in pre if not r.ok)),
+        "requests": float(len(pre)),
+    }
+
+
+def recovery(result: dict[str, Any], records: list[Record], baseline: float, quick: bool) -> None:
+    """Seconds until goodput is back to 95 % of `baseline`, into `result`."""
+    fault = result["start"] + result.get("fault_at_s", float("nan"))
+    if not baseline > 0 or math.isnan(fault):  # no reference, or no fault injected
+        result["recovery_s"] = None
+        return
+    result["recovery_s"] = aiperf_run.recovery_s(
+        records, fault, result["run_end"], baseline, window=2.0 if quick else 3.0
+    )
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+class Stacks:
+    """One stack per supervisor, started again when a fault left it broken."""
+
+    def __init__(self) -> None:
+        self.up: dict[str, Variant] = {}
+        self.restarts: dict[str, int] = {}
+
+    def get(self, cls: type[Variant]) -> Variant:
+        run = self.up.get(cls.name)
+        if run is not None and serving(run, 90):
+            return run
+        if run is not None:
+            run.cleanup()
+            self.restarts[cls.name] = self.restarts.get(cls.name, 0) + 1
+        run = cls(WORKERS, MIGRATION_LIMIT)
+        run.up()
+        self.up[cls.name] = run
+        return run
+
+    def close(self) -> None:
+        for run in self.up.values():
+            run.cleanup()
+        sweep()
+
+
+def plan(quick: bool) -> tuple[list[type[Variant]], tuple[int, ...], list[str]]:
+    if quick:
+        return [DynamodRun], (4,), ["worker_kill"]
+    return RUNS, CONCURRENCY, list(FAULTS)
+
+
+def run_all(quick: bool, work: Path) -> list[dict[str, Any]]:
+    runs, levels, faults = plan(quick)
+    seconds, fault_at = (QUICK_RUN_S, QUICK_FAULT_AT_S) if quick else (RUN_S, FAULT_AT_S)
+    results: list[dict[str, Any]] = []
+    stacks = Stacks()
+    try:
+        for cls in runs:
+            for c in levels:
+                results += one_supervisor(stacks, cls, c, seconds, fault_at, faults, work, quick)
+    finally:
+        stacks.close()
+    for r in results:
+        r["stack_restarts"] = stacks.restarts.get(r["supervisor"], 0)
+    return results
+
+
+def one_supervisor(
+    stacks: Stacks,
+    cls: type[Variant],
+    concurrency: int,
+    seconds: float,
+    fault_at: float,
+    faults: list[str],
+    work: Path,
+    quick: bool,
+) -> list[dict[str, Any]]:
+    """The fault-free run (full profile), then each fault, on `cls`'s stack."""
+    out: list[dict[str, Any]] = []
+    reference: dict[str, Any] | None = None
+    if not quick:
+        run = stacks.get(cls)
+        load = load_for(run, concurrency, seconds)
+        records, summary, _ = drive(run, load, None, 0, work)
+        reference = {**measured(run.name, load, records, summary, None), "fault": "none"}
+        out.append(reference)
+    for fault in faults:
+        if fault == "push" and cls is not DynamodRun:
+            continue
+        run = stacks.get(cls)
+        load = load_for(run, concurrency, seconds)
+        records, summary, injector = drive(run, load, fault, fault_at, work)
+        result = {**measured(run.name, load, records, summary, injector), "fault": fault}
+        if reference is None:
+            fault_t = result["start"] + result.get("fault_at_s", float("nan"))
+            result["reference"] = before_fault(records, fault_t)
+        else:
+            result["reference"] = {k: reference[k] for k in REFERENCE_KEYS}
+        recovery(result, records, result["reference"]["goodput_rps"], quick)
+        result["served_after"] = serving(run, 90)
+        out.append(result)
+    return out
+
+
+REFERENCE_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "goodput_rps")
+
+
+def load_for(run: Variant, concurrency: int, seconds: float) -> Load:
+    return Load(
+        url=run.url, model=MODEL, concurrency=concurrency, seconds=seconds,
+        ttft_slo_ms=TTFT_SLO_MS, itl_slo_ms=ITL_SLO_MS,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the report
+
+HEADERS = [
+    "supervisor", "concurrency", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms",
+    "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput / fault-free",
+    "TTFT p99 / fault-free", "s to 95 % goodput", "serving after",
+]  # fmt: skip
+
+
+def row(r: dict[str, Any]) -> list[Any]:
+    ref = r.get("reference") or {}
+
+    def ratio(key: str) -> float:
+        base = ref.get(key, float("nan"))
+        return r[key] / base if base else float("nan")
+
+    back = r.get("recovery_s")
+    return [
+        r["supervisor"], r["concurrency"], r["records"], r["failed"],
+        r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"],
+        r["goodput_rps"], ratio("goodput_rps"), ratio("ttft_p99_ms"),
+        "never" if back is None and "fault_at_s" in r else back,
+        r.get("served_after", True),
+    ]  # fmt: skip
+
+
+def tables(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
+    seconds, fault_at = (QUICK_RUN_S, QUICK_FAULT_AT_S) if quick else (RUN_S, FAULT_AT_S)
+    base = [r for r in results if r["fault"] == "none"]
+    if base:
+        ref = Table(f"Fault-free, {seconds:g} s of AIPerf load", HEADERS[:9], digits=1)
+        ref.rows = [row(r)[:9] for r in base]
+        report.tables.append(ref)
+    for fault, label in FAULTS.items():
+        rows = [row(r) for r in results if r["fault"] == fault]
+        if rows:
+            title = f"{label}, {fault_at:g} s into {seconds:g} s of AIPerf load"
+            report.tables.append(Table(title, HEADERS, rows, digits=1))
+
+
+def notes(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
+    report.notes += [
+        f"goodput SLOs (AIPerf --goodput): time_to_first_token {TTFT_SLO_MS:g} ms, "
+        f"inter_token_latency {ITL_SLO_MS:g} ms; 2 CPU workers, frontend --migration-limit "
+        f"{MIGRATION_LIMIT}.",
+        "s to 95 % goodput: the start of the first window (3 s; 2 s quick) after the fault's "
+        "first window below 95 % of the fault-free goodput that is back at 95 %; 0 if none "
+        "fell below; never: not back before the run's end.",
+    ]
+    if quick:
+        report.notes.append(
+            "quick: the fault-free reference is the run's own requests that ended before the "
+            "fault (no separate fault-free run)."
+        )
+    for r in results:
+        if r.get("fault_error") or r.get("push_failures") or r.get("errors"):
+            report.notes.append(
+                f"{r['supervisor']}, {r['fault']}, c{r['concurrency']}: "
+                f"{r.get('fault_error') or ''} {r.get('push_failures') or ''} "
+                f"errors {r.get('errors')}"[:400]
+            )
+
+
+@entry
+def main() -> None:
+    args = options(__doc__.splitlines()[0]).parse_args()
+    why = aiperf_run.missing()
+    if why:
+        print(f"{program()}: {why}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    bench_mark()
+    report = Report("goodput", "16. Goodput under faults, measured by AIPerf", args.quick)
+    try:
+        with state_dir("gp") as work:
+            aiperf_run.hf_cache(prebuilt_model(), work / "hf")
+            results = run_all(args.quick, work)
+    finally:
+        sweep()
+    tables(report, results, args.quick)
+    notes(report, results, args.quick)
+    report.data = {"runs": results, "slo_ms": {"ttft": TTFT_SLO_MS, "itl": ITL_SLO_MS}}
+    emit(report, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""bench.aiperf_run's pure parts: reading AIPerf's exports (per-request records, the
+summary) and the seconds until goodput is back to 95 %. Record lines have the shape
+aiperf 0.13.0 writes to profile_export.jsonl (--export-level records)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import aiperf_run
+from bench.aiperf_run import AiperfError, Record, read_records, read_summary, recovery_s
+
+T0 = 1_796_291_191.0
+
+
+def line(start: float, end: float, *, good: bool = True, error: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "metadata": {
+            "session_num": 1,
+            "x_request_id": "r",
+            "request_start_ns": int((T0 + start) * 1e9),
+            "request_end_ns": int((T0 + end) * 1e9),
+            "benchmark_phase": "profiling",
+            "was_cancelled": False,
+        },
+        "metrics": {
+            "time_to_first_token": {"value": 155.2, "unit": "ms"},
+            "inter_token_latency": {"value": 2.7, "unit": "ms"},
+            "good_request_count": {"value": 1 if good else 0, "unit": "requests"},
+        },
+    }
+    if error:
+        out["metrics"] = {}
+        out["error"] = {"code": 500, "type": "ServerError", "message": error}
+    return out
+
+
+def write_jsonl(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_records_are_read_with_errors_and_goodness(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "profile_export.jsonl",
+        [line(2, 3, good=False), line(0, 1), line(1, 1.5, error="worker died")],
+    )
+    records = read_records(path)
+    assert [r.start - T0 for r in records] == pytest.approx([0, 1, 2])
+    first, failed, slow = records
+    assert first.ok and first.good and first.ttft_ms == 155.2 and first.itl_ms == 2.7
+    assert not failed.ok and not failed.good
+    assert failed.error == "ServerError: worker died"
+    assert math.isnan(failed.ttft_ms)
+    assert slow.ok and not slow.good
+    assert slow.end - T0 == pytest.approx(3)
+
+
+def test_a_line_that_is_not_a_record_names_file_and_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "profile_export.jsonl", [line(0, 1), {"metrics": {}}])
+    with pytest.raises(AiperfError, match=r"profile_export.jsonl:2: not an aiperf record"):
+        read_records(path)
+    with pytest.raises(AiperfError, match="wrote no per-request records"):
+        read_records(tmp_path / "missing.jsonl")
+
+
+def test_summary_figures_and_error_count(tmp_path: Path) -> None:
+    path = tmp_path / "profile_export_aiperf.json"
+    path.write_text(
+        json.dumps(
+            {
+                "aiperf_version": "0.13.0",
+                "time_to_first_token": {"unit": "ms", "p50": 143.1, "p99": 440.0},
+                "inter_token_latency": {"unit": "ms", "p50": 0.8, "p99": 10.3},
+                "goodput": {"unit": "requests/sec", "avg": 13.1},
+                "request_count": {"unit": "requests", "avg": 110},
+                "error_summary": [
+                    {"error_details": {"message": "a"}, "count": 3},
+                    {"error_details": {"message": "b"}, "count": 2},
+                ],
+            }
+        )
+    )
+    got = read_summary(path)
+    assert got["ttft_p50_ms"] == 143.1 and got["ttft_p99_ms"] == 440.0
+    assert got["itl_p99_ms"] == 10.3 and got["goodput_rps"] == 13.1
+    assert got["requests"] == 110 and got["aiperf_errors"] == 5
+    assert math.isnan(got["throughput_rps"])  # not in this summary: NaN, not 0
+
+
+def test_a_summary_that_is_not_aiperfs_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "profile_export_aiperf.json"
+    path.write_text(json.dumps({"goodput": {"avg": 1}}))
+    with pytest.raises(AiperfError, match="not an aiperf summary"):
+        read_summary(path)
+    path.write_text("{not json")
+    with pytest.raises(AiperfError, match="no aiperf summary"):
+        read_summary(path)
+
+
+def steady(seconds: float, per_s: int, *, gap: tuple[float, float] | None = None) -> list[Record]:
+    """`per_s` good requests ending each second, none ending inside `gap`."""
+    out = []
+    for i in range(int(seconds * per_s)):
+        end = T0 + (i + 0.5) / per_s
+        if gap and gap[0] <= end - T0 < gap[1]:
+            continue
+        out.append(Record(end - 0.1, end, "", True, 100.0, 3.0))
+    return out
+
+
+def test_no_dip_is_zero_seconds() -> None:
+    records = steady(30, 10)
+    assert recovery_s(records, T0 + 8, T0 + 30, 10.0) == 0.0
+
+
+def test_recovery_is_measured_from_the_fault_to_the_first_window_back() -> None:
+    # nothing good ends from 8 s to 12 s: the 3 s windows starting from 12 s are full again
+    records = steady(30, 10, gap=(8, 12))
+    assert recovery_s(records, T0 + 8, T0 + 30, 10.0) == pytest.approx(4.0)
+    # a window just short of 95 % of the baseline is not back
+    assert recovery_s(records, T0 + 8, T0 + 30, 10.0, share=1.0) == pytest.approx(4.0)
+    assert recovery_s(records, T0 + 8, T0 + 30, 11.0) is None
+
+
+def test_goodput_that_never_comes_back_is_never() -> None:
+    """The check must fail: a stack left dead (no supervisor) gives None, not a number."""
+    records = steady(30, 10, gap=(8, 30))
+    assert recovery_s(records, T0 + 8, T0 + 30, 10.0) is None
+    # slow requests are not good: completions without goodput do not count as back
+    slow = [Record(r.start, r.end, "", r.end - T0 < 8, 5000.0, 3.0) for r in steady(30, 10)]
+    assert recovery_s(slow, T0 + 8, T0 + 30, 10.0) is None
+    # failed requests are not good either
+    failed = [Record(r.start, r.end, "x" if r.end - T0 >= 8 else "", r.end - T0 < 8, 1, 1)
+              for r in steady(30, 10)]  # fmt: skip
+    assert recovery_s(failed, T0 + 8, T0 + 30, 10.0) is None
+
+
+def test_recovery_needs_a_positive_baseline() -> None:
+    with pytest.raises(ValueError, match="baseline goodput must be positive"):
+        recovery_s(steady(10, 5), T0 + 2, T0 + 10, 0.0)
+    assert recovery_s(steady(10, 5), T0 + 9, T0 + 10, 5.0) is None  # no window fits
+
+
+def test_good_rate_counts_good_requests_by_end_time() -> None:
+    records = steady(10, 4)
+    assert aiperf_run.good_rate(records, T0, T0 + 10) == pytest.approx(4.0)
+    assert aiperf_run.good_rate(records, T0 + 5, T0 + 5) != aiperf_run.good_rate(
+        records, T0 + 5, T0 + 5
+    )  # NaN: an empty window has no rate
+
+
+def test_the_command_is_offline_and_exports_records(tmp_path: Path) -> None:
+    load = aiperf_run.Load("http://127.0.0.1:1", "tiny-cpu", 16, 30.0)
+    cmd = aiperf_run.command(load, tmp_path)
+    flags = dict(zip(cmd, [*cmd[1:], ""], strict=True))
+    assert flags["--concurrency"] == "16" and flags["--endpoint-type"] == "chat"
+    assert "--streaming" in cmd and flags["--export-level"] == "records"
+    assert flags["--tokenizer"] == aiperf_run.TOKENIZER
+    assert flags["--goodput"] == "time_to_first_token:1000 inter_token_latency:50"
+    env = aiperf_run.environment(tmp_path)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HUB_CACHE"] == str(tmp_path)
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+
+
+def test_hf_cache_lays_out_the_tokenizer(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    cache = aiperf_run.hf_cache(model, tmp_path / "hub")
+    repo = cache / "models--dynamod--tiny-cpu"
+    assert (repo / "refs" / "main").read_text() == "local"
+    assert (repo / "snapshots" / "local" / "tokenizer.json").resolve() == model / "tokenizer.json"
+    assert not (repo / "snapshots" / "local" / "model.safetensors").exists()
+    aiperf_run.hf_cache(model, tmp_path / "hub")  # again: idempotent
+
+
+def test_without_aiperf_the_benchmark_refuses_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    from bench import goodput
+
+    monkeypatch.setattr(aiperf_run, "AIPERF", aiperf_run.VENV / "no" / "aiperf")
+    monkeypatch.setattr(sys, "argv", ["bench/goodput.py", "--quick"])
+    with pytest.raises(SystemExit) as exited:
+        goodput.main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("python -m bench.goodput: .venv-aiperf/no/aiperf not found: ")
+    assert "run `make install-aiperf` first" in err
