@@ -11,12 +11,15 @@ flush, resume) and is a unit its node's dynamod supervises. First a 1-node x 1-s
 (the reference push), then each node count of `--nodes`, a fresh fleet each. Per fleet:
 the idle cost (each shard's and each daemon's CPU and memory), a push to every shard (the
 daemon's total, the trainer's stall: the wall time of its blocking push call), `dynamod
-status --json` on every node (its CLI wall time), etcd's keys, watchers and writes around
-the push; on 2+ nodes, under load from inside the head, kill -9 of 10 % of the shards at once
-(until they serve again, requests failed) and one node's link cut (bench.cluster's round:
-until the router drops its shards, requests lost after that). Then each value's growth
-exponent over the node counts (1: linear), those above 1.25 named.
-Quick (CI): 2 nodes x 4 shards, the reference, one push, one status, one node cut.
+status --json` on every node (its CLI wall time, the daemon's answer alone), etcd's keys,
+watchers and writes around the push and its reads and writes per second idle; on 2+ nodes,
+under load from inside the head, kill -9 of 10 % of the shards at once (until they serve
+again, requests failed) and one node's link cut (bench.cluster's round without its push and
+rejoin: until the router drops its shards, requests lost after that). Then each value's
+growth exponent over the node counts (1: linear), those above 1.25 named. A fleet larger
+than the kernel's inotify instances hold (2 per shard) is refused up front, with the numbers.
+Quick (CI): 2 nodes x 4 shards, one push, one status, one node cut with 1 s of load either
+side (the reference: the head's median shard's own time in the same push).
 """
 
 from __future__ import annotations
@@ -28,20 +31,24 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import structlog
 
 from bench.fleet_growth import (
     ETCD_METRICS,
+    INOTIFY_PER_SHARD,
     SizesError,
     exponent,
     faster_than_linear,
     parse_sizes,
     prometheus,
+    shards_that_fit,
     writes,
 )
 from bench.procs import cpu_seconds, pss_mb, rss_mb
@@ -51,6 +58,7 @@ from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, lost_and_rerouted, make_checkpoint
 from dynamod.client import Client
+from dynamod.core.errors import DynamodError
 
 MACHINE_GIB = 24  # what the issue's fleet has to fit in
 LOAD = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
@@ -60,7 +68,9 @@ LOAD = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeo
 def main() -> None:
     parser = options(__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="1,2,4,8", help="node counts, rising (up to 8)")
-    parser.add_argument("--shards-per-node", type=int, default=8, help="shards on every node")
+    parser.add_argument(
+        "--shards-per-node", type=int, default=6, help="shards on every node (default 6)"
+    )
     args = parser.parse_args()
     try:
         nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
@@ -74,13 +84,51 @@ def main() -> None:
         report.notes.append(f"not run: {reason}")
         emit(report, args.json)
         return
+    limit, used = inotify_instances()
+    room = shards_that_fit(limit, used)
+    if nodes[-1] * per_node > room:
+        raise FleetError(
+            f"{nodes[-1] * per_node} shards need {nodes[-1] * per_node * INOTIFY_PER_SHARD} "
+            f"inotify instances (each shard's mocker engine: {INOTIFY_PER_SHARD}); "
+            f"fs.inotify.max_user_instances is {limit} and {used} are in use: at most {room} "
+            "shards here. Ask for fewer (--nodes, --shards-per-node) or raise the limit "
+            "(sysctl -w fs.inotify.max_user_instances=1024)"
+        )
     reference = None if args.quick else run_fleet(1, 1, quick=True, faults=False)
-    fleets = [run_fleet(n, per_node, quick=args.quick, faults=n > 1) for n in nodes]
+    fleets = []
+    for n in nodes:
+        fleets.append(run_fleet(n, per_node, quick=args.quick, faults=n > 1))
+        # kept on stderr as it comes: a later fleet that fails does not lose this one
+        print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
+    report.data["inotify"] = {"limit": limit, "in_use_at_start": used, "shards_fit": room}
+    report.notes.append(
+        f"inotify instances: limit {limit}, {used} in use at the start: room for {room} shards"
+    )
     emit(report, args.json)
 
 
 # --------------------------------------------------------------------------- one fleet
+
+
+class FleetError(DynamodError):
+    """The fleet asked for cannot run on this machine; says why with the numbers."""
+
+
+def inotify_instances() -> tuple[int, int]:
+    """(fs.inotify.max_user_instances, the inotify instances this user's processes hold)."""
+    limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+    uid, used = os.geteuid(), 0
+    for proc in os.scandir("/proc"):
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(proc.path).st_uid != uid:
+                continue
+            for fd in os.scandir(f"{proc.path}/fd"):
+                with contextlib.suppress(OSError):
+                    used += os.readlink(fd.path) == "anon_inode:inotify"
+    return limit, used
 
 
 def run_fleet(n_nodes: int, per_node: int, *, quick: bool, faults: bool) -> dict[str, Any]:
@@ -101,9 +149,9 @@ def run_fleet(n_nodes: int, per_node: int, *, quick: bool, faults: bool) -> dict
         for name, measure in [
             ("idle", lambda: idle_cost(rig, window=1.0 if quick else 5.0)),
             ("push", lambda: push_all(rig, step=1)),
-            ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names)),
+            ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
             ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
-            ("cut", lambda: cut_one(rig, rig.names[-1]) if faults else None),
+            ("cut", lambda: cut_one(rig, rig.names[-1], 1.0 if quick else 2.0) if faults else None),
         ]:
             began = time.monotonic()
             value = measure()
@@ -134,17 +182,23 @@ def daemon_pid(rig: ClusterRig, node: str) -> int:
 
 def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
     """Over `window` seconds of no load: each shard's CPU share and memory, each daemon's
-    CPU share and memory, per shard it supervises."""
+    CPU share and memory, per shard it supervises; etcd's reads and writes per second."""
     shards = {
         (node, unit): pid for node in rig.names for unit, pid in shard_pids(rig, node).items()
     }
     daemons = {node: daemon_pid(rig, node) for node in rig.names}
     pids = [*shards.values(), *daemons.values()]
+    etcd_before = etcd_counters(rig)
     before = {pid: cpu_seconds(pid) for pid in pids}
+    started = time.monotonic()
     time.sleep(window)
     share = {pid: (cpu_seconds(pid) - before[pid]) / window * 100 for pid in pids}
+    etcd_after = etcd_counters(rig)
+    took = time.monotonic() - started
     per_node = len(shards) / len(rig.names)
     return {
+        "etcd_writes_per_s": writes(etcd_before, etcd_after) / took,
+        "etcd_reads_per_s": (etcd_after["ranges"] - etcd_before["ranges"]) / took,
         "shard_cpu_pct": statistics.mean(share[p] for p in shards.values()),
         "shard_rss_mb": statistics.mean(rss_mb(p) for p in shards.values()),
         "shard_pss_mb": statistics.mean(pss_mb(p) for p in shards.values()),
@@ -197,9 +251,9 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     }
 
 
-def status_all(rig: ClusterRig, nodes: list[str]) -> dict[str, Any]:
-    """`dynamod status --json` on each node, as a user runs it: the CLI's wall time; and
-    the daemon's answer alone (over its socket, from this process)."""
+def status_all(rig: ClusterRig, nodes: list[str], quick: bool) -> dict[str, Any]:
+    """`dynamod status --json` on each node, as a user runs it: the CLI's wall time, beside
+    the CLI's start alone; and the daemon's answer alone (over its socket, from here)."""
     walls, sizes, answers, seen = {}, {}, {}, {}
     for node in nodes:
         started = time.monotonic()
@@ -212,9 +266,17 @@ def status_all(rig: ClusterRig, nodes: list[str]) -> dict[str, Any]:
             raise ClusterError(f"status --json on {node}: exit {done.returncode}: {done.stderr}")
         sizes[node] = len(done.stdout)
         seen[node] = len((json.loads(done.stdout).get("cluster") or {}).get("nodes", []))
+    started = time.monotonic()  # the CLI's own start: the same command with no daemon there
+    if not quick:
+        subprocess.run(
+            [sys.executable, "-m", "dynamod", "--state-dir", str(rig.work_dir / "none"),
+             "status", "--json"], capture_output=True, timeout=60,
+        )  # fmt: skip
+    cli_start = math.nan if quick else time.monotonic() - started
     return {
         "cli_s": walls,
         "max_s": max(walls.values()),
+        "cli_start_s": cli_start,
         "answer_ms": answers,
         "answer_max_ms": max(answers.values()),
         "json_kb": max(sizes.values()) / 1024,
@@ -276,7 +338,7 @@ def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
     }
 
 
-def cut_one(rig: ClusterRig, node: str) -> dict[str, Any]:
+def cut_one(rig: ClusterRig, node: str, phase_s: float) -> dict[str, Any]:
     """Under load from inside the head, cut the node's link: until the head's registry
     marks it lost and its router lists none of its shards; the requests that failed
     before and after that (bench.cluster's round without its push and rejoin)."""
@@ -286,13 +348,13 @@ def cut_one(rig: ClusterRig, node: str) -> dict[str, Any]:
     lost_before = len(rig.logged("cluster.node_lost"))
     gen.start()
     try:
-        time.sleep(2.0)  # steady load first
+        time.sleep(phase_s)  # steady load first
         cut = time.monotonic()
         r.cut_at = cut - gen.origin
         rig.cut(node)
         lost, rerouted = lost_and_rerouted(rig, node, ids, cut, 30)
         r.lost_s, r.rerouted_s, r.rerouted_at = lost - cut, rerouted - cut, rerouted - gen.origin
-        time.sleep(2.0)  # load on the other nodes' shards alone
+        time.sleep(phase_s)  # load on the other nodes' shards alone
     finally:
         gen.stop()
         rig.heal(node)
@@ -335,6 +397,8 @@ GROWTH = {  # label -> path in a fleet's result
     "etcd keys": ("push", "etcd_after", "keys"),
     "etcd watchers": ("push", "etcd_after", "watchers"),
     "etcd keys written per push": ("push", "etcd_writes"),
+    "etcd reads / s, idle": ("idle", "etcd_reads_per_s"),
+    "etcd keys written / s, idle": ("idle", "etcd_writes_per_s"),
     "cut: out of routing, s": ("cut", "rerouted_s"),
     "kill 10 %: serving again, s": ("kill", "back_s"),
     "daemon CPU % per shard (idle)": ("idle", "daemon_cpu_pct_per_shard"),
@@ -381,7 +445,8 @@ def size_table(
         "Per fleet: start, a push to every shard, status (a 1 x 1 row is the reference)",
         ["nodes", "shards", "up s", "push: trainer's stall s", "daemon's total s",
          "stall / one shard's", "head's shards: median ms", "slowest ms", "behind",
-         "status --json CLI s (max)", "daemon's answer ms (max)", "status KB", "down s"],
+         "status --json CLI s (max)", "CLI start alone s", "daemon's answer ms (max)",
+         "status KB", "down s"],
         digits=2,
     )  # fmt: skip
     for f in [reference, *fleets] if reference is not None else fleets:
@@ -389,7 +454,8 @@ def size_table(
         table.rows.append(
             [f["nodes"], f["shards"], f["up_s"], p["stall_s"], p["daemon_s"],
              p["stall_s"] / ref_s, p["shard_median_ms"], p["shard_max_ms"], len(p["behind"]),
-             st["max_s"], st["answer_max_ms"], st["json_kb"], f["down_s"]]
+             st["max_s"], pick(st, "cli_start_s"), st["answer_max_ms"], st["json_kb"],
+             f["down_s"]]
         )  # fmt: skip
     return table
 
@@ -417,10 +483,11 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
 
 def cost_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
-        "Idle cost per shard, and etcd around one push (the head's etcd)",
+        "Idle cost per shard, and the head's etcd: around one push, and idle",
         ["nodes", "shards", "shard CPU %", "shard PSS MB", "daemon CPU % / shard",
          "daemon RSS MB", "daemon RSS MB / shard", "etcd keys", "watchers",
-         "keys written / push", "revisions / push", "keys written / s of push"],
+         "keys written / push", "revisions / push", "keys written / s of push",
+         "reads / s idle", "keys written / s idle"],
         digits=2,
     )  # fmt: skip
     for f in fleets:
@@ -429,7 +496,8 @@ def cost_table(fleets: list[dict[str, Any]]) -> Table:
             [f["nodes"], f["shards"], i["shard_cpu_pct"], i["shard_pss_mb"],
              i["daemon_cpu_pct_per_shard"], i["daemon_rss_mb"], i["daemon_rss_mb_per_shard"],
              p["etcd_after"]["keys"], p["etcd_after"]["watchers"], p["etcd_writes"],
-             p["etcd_revisions"], p["etcd_write_rate"]]
+             p["etcd_revisions"], p["etcd_write_rate"], i["etcd_reads_per_s"],
+             i["etcd_writes_per_s"]]
         )  # fmt: skip
     return table
 
@@ -465,7 +533,9 @@ def notes(fleets: list[dict[str, Any]]) -> list[str]:
     out = [
         "shards in 24 GiB: the machine's memory over one shard's PSS plus its daemon's "
         "share, nothing else running (etcd, NATS, the frontend and the page cache need "
-        "their part); CPU is the tighter bound on 2 cores: see shard CPU %",
+        "their part). Before memory, the kernel's inotify instances bound the fleet: each "
+        "shard's mocker engine holds 2 (Dynamo's file discovery, two runtimes), "
+        "fs.inotify.max_user_instances bounds them (its default 128: at most 56 shards)",
         "status: `dynamod status --json` (there is no `--cluster` flag; every node's "
         "status carries the registry's view of all nodes), timed as a user runs it, "
         "CLI start-up included",

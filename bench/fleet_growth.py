@@ -8,12 +8,13 @@ import math
 from collections.abc import Iterable, Sequence
 
 # etcd's own counters: keys in the store, live watchers, the store's revision (one per
-# write transaction) and the keys written (put or deleted) since it started
+# write transaction), the reads (ranges) and the keys written (put or deleted) since it started
 ETCD_METRICS = {
     "keys": "etcd_debugging_mvcc_keys_total",
     "watchers": "etcd_debugging_mvcc_watcher_total",
     "watch_streams": "etcd_debugging_mvcc_watch_stream_total",
     "revision": "etcd_debugging_mvcc_current_revision",
+    "ranges": "etcd_mvcc_range_total",  # reads
     "puts": "etcd_mvcc_put_total",
     "deletes": "etcd_mvcc_delete_total",
 }
@@ -83,3 +84,14 @@ def prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
 def writes(before: dict[str, float], after: dict[str, float]) -> float:
     """Keys etcd wrote (put or deleted) between two readings."""
     return sum(after[k] - before[k] for k in WRITES)
+
+
+# A shard on the mocker engine holds two of Dynamo's runtimes with file discovery, each an
+# inotify instance; the kernel allows fs.inotify.max_user_instances per user (128 by default)
+INOTIFY_PER_SHARD = 2
+INOTIFY_RESERVE = 16  # for everything else of this user meanwhile
+
+
+def shards_that_fit(limit: int, in_use: int) -> int:
+    """How many mocker-engine shards the inotify instances left to this user hold."""
+    return max(0, (limit - in_use - INOTIFY_RESERVE) // INOTIFY_PER_SHARD)

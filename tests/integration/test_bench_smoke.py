@@ -73,10 +73,11 @@ def check_detect(result: dict[str, Any]) -> None:
     rows = {row[0]: row for row in result["tables"][0]["rows"]}
     assert any(label.startswith("supervisord") for label in rows)
     floors = [row for label, row in rows.items() if label.startswith("floor")]
-    assert len(floors) == 2 and all(row[1] == 5 and 0 < row[2] < 1000 for row in floors)
+    # quick: the stack alone (the crowd only in the full run)
+    assert len(floors) == 1 and all(row[1] == 5 and 0 < row[2] < 1000 for row in floors)
     assert result["data"]["summary"]["dynamod"]["n"] >= 5
     split = next(t for t in result["tables"] if t["title"].startswith("The same kills"))
-    assert len(split["rows"]) == 8
+    assert len(split["rows"]) == 4
     for key, run in result["data"]["runs"].items():
         # every kill split in two at the reference clock, the parts adding up
         assert len(run["exit_ms"]) == len(run["share_ms"]) == len(run["log_ms"]), key

@@ -14,6 +14,7 @@ from bench.fleet_growth import (
     faster_than_linear,
     parse_sizes,
     prometheus,
+    shards_that_fit,
     writes,
 )
 
@@ -73,3 +74,10 @@ def test_prometheus_reads_and_sums_labelled_samples() -> None:
     assert math.isnan(found["watch_streams"])  # absent from the text
     after = {**found, "puts": 325.0, "deletes": 6.0}
     assert writes(found, after) == 26
+
+
+def test_shards_that_fit_the_inotify_instances_left() -> None:
+    assert shards_that_fit(128, 0) == 56  # the kernel's default, nothing else running
+    assert shards_that_fit(128, 100) == 6
+    assert shards_that_fit(128, 128) == 0  # never negative
+    assert shards_that_fit(1024, 0) >= 256  # what 8 x 32 needs
