@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm install-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -78,10 +78,21 @@ pytest:
 pytest-serial:
 	$(BIN)/pytest -q -ra --durations=25
 
-# After the install, lint and mypy (~50 s on a cold cache) run beside pytest, whose two
-# workers leave CPU idle while stacks wait; `make test` fails if any of the three does.
-test: install install-vllm install-aiperf
+# After the install, the two extra venvs side by side (each needs only .venv's uv; a fresh
+# clone spends minutes copying and compiling them), then lint and mypy (~50 s on a cold
+# cache) beside pytest, whose two workers leave CPU idle while stacks wait; `make test`
+# fails if any of them does.
+test: install
+	$(MAKE) --no-print-directory -j 2 venv-vllm venv-aiperf
 	$(MAKE) --no-print-directory -j 3 lint typecheck pytest
+
+# The extra venvs without `install` first (`make test` has run it): install-vllm and
+# install-aiperf are the targets to use.
+venv-vllm:
+	./scripts/install-vllm.sh
+
+venv-aiperf:
+	./scripts/install-aiperf.sh
 
 # The issue's twenty rounds of five stacks started at once (CI runs 3 rounds of the same test).
 soak-side-by-side: install

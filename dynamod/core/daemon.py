@@ -303,11 +303,23 @@ class Daemon:
         ]
         todo = opstop.plan(action, views)
         if action == "stop":
-            await asyncio.gather(*(engine.hold_stopped(n, opstop.STOPPED_BY) for n in todo.act))
+            for extension in self.extensions:  # a policy push in flight finishes first
+                await extension.settle()
+            await asyncio.gather(*(self._take_out(engine.units[n]) for n in todo.act))
         else:
             for n in todo.act:
                 engine.release(n)
         return {"ok": True, "action": action, "done": todo.act, "already": todo.already}
+
+    async def _take_out(self, unit: Unit) -> None:
+        """An operator's stop, as an apply removes a unit: out of service first (a shard
+        leaves the frontend's routing and finishes its in-flight requests), then held
+        stopped."""
+        assert self.engine is not None
+        if unit.state.running:
+            for extension in self.extensions:
+                await extension.drain(unit, f"stopped by {opstop.STOPPED_BY}")
+        await self.engine.hold_stopped(unit.name, opstop.STOPPED_BY)
 
     # -------------------------------------------------------------- run
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests import cli_inprocess
-from tests.conftest import Dynamod, pid_alive, wait_dead
+from tests.conftest import Dynamod, pid_alive, unit_by_name, wait_dead
 
 pytestmark = pytest.mark.slow
 
@@ -177,6 +177,24 @@ def test_scaled_shards_are_replayed_before_routed_and_drained_before_stopped(
         by_new = [r for r in trainer.rows if r.get("instance") == instance]
         assert by_new and {r["version"] for r in by_new} == {1}
 
+        # `stop` takes a shard out as the scale-down below does (out of the frontend's
+        # routing, drained, then stopped); `start` brings it back through a replay
+        assert "worker@1 stopped" in cli(dm, "stop", "worker@1").stdout
+        trainer.wait_served(4, after=time.monotonic())
+        assert "worker@1 started" in cli(dm, "start", "worker@1").stdout
+        back = dm.wait_for(
+            lambda s: (u := unit_by_name(s, "worker@1"))["state"] == "ready"
+            and u["policy"]["admitted"] and u,
+            timeout=120, what="worker@1 admitted again",
+        )  # fmt: skip
+        assert back["policy_version"] == 1
+        [by_stop] = events(dm, "dynamo.withdrawn")
+        assert by_stop["unit"] == "worker@1" and "dynamod stop" in by_stop["why"], by_stop
+        late = [r for r in trainer.rows + plain.rows if r.get("instance") == instance
+                and r["sent"] > by_stop["mono"]]  # fmt: skip
+        assert late == [], f"{len(late)} request(s) sent after the stop's withdrawal reached it"
+        instance = back["dynamo"]["instance_ids"][0]
+
         edited = policy_stack(tmp_path / "apply-stack.toml", "applytest", workers=2,
                               min_ready_shards=2)  # fmt: skip
         before = pids(dm)
@@ -195,10 +213,11 @@ def test_scaled_shards_are_replayed_before_routed_and_drained_before_stopped(
     finally:
         trainer.stop()
         plain.stop()
-    [withdrawn] = events(dm, "dynamo.withdrawn")
+    [_, withdrawn] = events(dm, "dynamo.withdrawn")  # the stop's, then the scale-down's
     assert withdrawn["unit"] == "worker@1" and withdrawn["frontends"] == "dropped by 1 frontend(s)"
     drained = events(dm, "shard.drained")
-    assert [(e["unit"], e["outcome"].split(":")[0]) for e in drained] == [("worker@1", "drained")]
+    assert [(e["unit"], e["outcome"].split(":")[0]) for e in drained] == [
+        ("worker@1", "drained"), ("worker@1", "drained")]  # fmt: skip
     assert failures(trainer, plain) == []
     late = [r for r in plain.rows if r.get("instance") == instance
             and r["sent"] > withdrawn["mono"]]  # fmt: skip

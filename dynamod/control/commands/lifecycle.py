@@ -435,7 +435,8 @@ def restart(ctx: click.Context, unit: str) -> None:
 @click.pass_context
 def stop(ctx: click.Context, unit: str) -> None:
     """Stop UNIT (a replica like worker@1, or every replica by its base name) and keep it
-    stopped, no restart, until `dynamod start UNIT`. The rest of the stack runs on."""
+    stopped, no restart, until `dynamod start UNIT`. A rollout shard leaves routing and
+    finishes its in-flight requests first. The rest of the stack runs on."""
     _operator(ctx, "stop", unit)
 
 
