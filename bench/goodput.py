@@ -1,4 +1,4 @@
-"""Benchmark 16 - goodput under faults, measured by AIPerf while a fault is injected.
+"""Benchmark 17 - goodput under faults, measured by AIPerf while a fault is injected.
 
     python -m bench.goodput [--quick] [--json] [--concurrency 4,16]
                             [--supervisors dynamod,supervisord,none]   (make bench-goodput)
@@ -496,7 +496,7 @@ def main() -> None:
         print(f"{program()}: {why}", file=sys.stderr, flush=True)
         sys.exit(2)
     bench_mark()
-    report = Report("goodput", "16. Goodput under faults, measured by AIPerf", args.quick)
+    report = Report("goodput", "17. Goodput under faults, measured by AIPerf", args.quick)
     try:
         with state_dir("gp") as work:
             aiperf_run.hf_cache(prebuilt_model(), work / "hf")
