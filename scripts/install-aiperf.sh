@@ -22,10 +22,11 @@ UV=.venv/bin/uv
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x "$VENV/bin/python" ] || "$UV" venv -q --python "$PY" "$VENV"
-# uv, as install-vllm.sh: PyPI only (no local find-links). --compile-bytecode: with
-# PYTHONDONTWRITEBYTECODE=1, as on the project's machines, each aiperf start (a dozen
-# processes) otherwise compiled aiperf, transformers and pandas from source again.
-"$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q "aiperf==0.13.0"
+# uv, as install-vllm.sh: PyPI only (no local find-links). Without --compile-bytecode
+# (compiling the whole venv took 2m13s here, against 7 s for the install from uv's cache, 31 s
+# cold): bench/aiperf_run.py runs aiperf with bytecode writing on, so its first run compiles
+# what it imports, once.
+"$UV" pip install --python "$VENV/bin/python" -q "aiperf==0.13.0"
 "$VENV/bin/aiperf" --version >/dev/null 2>&1 \
     || { echo "install-aiperf: $VENV/bin/aiperf --version failed" >&2; exit 1; }
 echo "$want" > "$STAMP"
