@@ -244,14 +244,16 @@ def measured(
         **summary,
     }
     if injector is not None:
+        at = injector.at
         out.update(
             fault_at_s=injector.at - start,
             fault_error=injector.error,
             pushes=len(injector.pushes),
             push_s=sorted(injector.pushes),
             push_failures=injector.push_failures[:4],
-            failed_in_flight=sum(1 for r in failed if r.start < injector.at),
-            failing_until_s=max((r.end for r in failed), default=injector.at) - injector.at,
+            failed_before=sum(1 for r in failed if r.end < at),
+            failed_in_flight=sum(1 for r in failed if r.start < at <= r.end),
+            failing_until_s=max([r.end - at for r in failed if r.end >= at] or [0.0]),
         )
     return out
 

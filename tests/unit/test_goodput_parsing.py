@@ -215,3 +215,24 @@ def test_the_full_profile_narrows_by_flag() -> None:
     assert runs == [goodput.PlainRun] and levels == (16,) and faults == list(goodput.FAULTS)
     quick = goodput.plan(SimpleNamespace(quick=True, concurrency=[16], supervisors=[]))
     assert quick == ([goodput.DynamodRun], (4,), ["worker_kill"])
+
+
+def test_failures_split_around_the_fault() -> None:
+    """A failure that ended before the fault is not the fault's; one in flight across it
+    is; how long failing lasted counts from the fault."""
+    from types import SimpleNamespace
+
+    from bench import goodput
+
+    records = [
+        Record(T0 + 0.0, T0 + 0.5, "500: early", False, 1, 1),  # before the fault
+        Record(T0 + 7.0, T0 + 8.2, "payload cut", False, 1, 1),  # in flight at 8 s
+        Record(T0 + 9.0, T0 + 9.4, "refused", False, 1, 1),  # sent after
+        Record(T0 + 1.0, T0 + 2.0, "", True, 1, 1),
+    ]
+    injector = SimpleNamespace(at=T0 + 8.0, error="", pushes=[], push_failures=[])
+    load = aiperf_run.Load("http://x", "m", 4, 30.0)
+    got = goodput.measured("dynamod", load, sorted(records, key=lambda r: r.start), {}, injector)
+    assert got["failed"] == 3 and got["failed_before"] == 1 and got["failed_in_flight"] == 1
+    assert got["failing_until_s"] == pytest.approx(1.4)
+    assert got["fault_at_s"] == pytest.approx(8.0)
