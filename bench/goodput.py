@@ -61,8 +61,9 @@ RUN_S, FAULT_AT_S = 30.0, 8.0
 QUICK_RUN_S, QUICK_FAULT_AT_S = 8.0, 3.0
 CONCURRENCY = (4, 16)
 # The SLOs a good request meets (AIPerf's --goodput): TTFT and ITL in ms. Chosen for the
-# tiny CPU model on 2 cores: ~3x the fault-free p99 at concurrency 16 on this machine, so
-# a fault-free run is nearly all good and a stalled request is not.
+# tiny CPU model on 2 cores: 1.8-3x the fault-free TTFT p99 and 1.5x the ITL p99 at
+# concurrency 16 on the dev machine, so a fault-free run is all good and a stalled request
+# is not (docs/benchmarks.md, 17).
 TTFT_SLO_MS, ITL_SLO_MS = 1500.0, 50.0
 WORKERS = 2
 WARMUP_S = 1.0  # the first requests of a run, left out of its pre-fault goodput
