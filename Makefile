@@ -119,7 +119,7 @@ bench-quick: install install-vllm install-aiperf
 	$(BIN)/python -m bench.run_all --quick
 
 # Goodput under faults (bench.goodput, full profile): AIPerf drives the default stack under
-# dynamod, supervisord and plain processes while each fault is injected (~40 min here;
+# dynamod, supervisord and plain processes while each fault is injected (23 min here;
 # CI runs its --quick profile, one fault on dynamod, in tests/integration/test_bench_smoke.py).
 bench-goodput: install install-aiperf
 	$(BIN)/python -m bench.goodput
