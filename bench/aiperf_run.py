@@ -177,7 +177,7 @@ SUMMARY_METRICS = {
     "itl_p99_ms": ("inter_token_latency", "p99"),
     "goodput_rps": ("goodput", "avg"),
     "throughput_rps": ("request_throughput", "avg"),
-    "requests": ("request_count", "avg"),
+    "requests": ("request_count", "avg"),  # the requests that succeeded
     "duration_s": ("benchmark_duration", "avg"),
 }
 
@@ -195,6 +195,8 @@ def read_summary(path: Path) -> dict[str, float]:
     for key, (metric, stat) in SUMMARY_METRICS.items():
         value = (data.get(metric) or {}).get(stat)
         out[key] = float(value) if isinstance(value, int | float) else math.nan
+    if math.isnan(out["requests"]):  # no request succeeded
+        out["requests"] = 0.0
     errors = data.get("error_summary") or []
     out["aiperf_errors"] = float(sum(int(e.get("count", 0)) for e in errors))
     return out

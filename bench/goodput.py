@@ -1,6 +1,7 @@
-"""Benchmark 16 - goodput under faults, measured by AIPerf while a fault is injected.
+"""Benchmark 17 - goodput under faults, measured by AIPerf while a fault is injected.
 
-    python -m bench.goodput [--quick] [--json]        (make bench-goodput)
+    python -m bench.goodput [--quick] [--json] [--concurrency 4,16]
+                            [--supervisors dynamod,supervisord,none]   (make bench-goodput)
 
 AIPerf (`aiperf profile`, from .venv-aiperf: `make install-aiperf`; the benchmark refuses
 in one line without it) drives the serve-only default stack (2 CPU workers, the stock
@@ -25,7 +26,8 @@ run of the same stack, goodput (requests/s meeting the SLOs in GOODPUT, AIPerf's
 run's (bench.aiperf_run.recovery_s; "never" if not within the run).
 
 --quick: worker_kill only, concurrency 4, dynamod only, a QUICK_RUN_S run; the fault-free
-reference is the run's own requests before the fault.
+reference is the run's own requests before the fault. --concurrency 4 and --supervisors
+dynamod,none narrow the full profile (each ~1-2 min per fault and supervisor here).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ CONCURRENCY = (4, 16)
 # a fault-free run is nearly all good and a stalled request is not.
 TTFT_SLO_MS, ITL_SLO_MS = 1500.0, 50.0
 WORKERS = 2
+WARMUP_S = 1.0  # the first requests of a run, left out of its pre-fault goodput
 MIGRATION_LIMIT = 3  # the stock frontend's
 
 
@@ -247,7 +250,8 @@ def measured(
             pushes=len(injector.pushes),
             push_s=sorted(injector.pushes),
             push_failures=injector.push_failures[:4],
-            failed_after_fault=sum(1 for r in failed if r.end >= injector.at),
+            failed_in_flight=sum(1 for r in failed if r.start < injector.at),
+            failing_until_s=max((r.end for r in failed), default=injector.at) - injector.at,
         )
     return out
 
@@ -270,10 +274,16 @@ def before_fault(records: list[Record], fault: float) -> dict[str, float]:
     }
 
 
-def recovery(result: dict[str, Any], records: list[Record], baseline: float, quick: bool) -> None:
-    """Seconds until goodput is back to 95 % of `baseline`, into `result`."""
-    fault = result["start"] + result.get("fault_at_s", float("nan"))
-    if not baseline > 0 or math.isnan(fault):  # no reference, or no fault injected
+def recovery(result: dict[str, Any], records: list[Record], quick: bool) -> None:
+    """Seconds until goodput is back to 95 % of the run's own goodput before the fault
+    (from WARMUP_S after its first request; the same machine load as the fault's, where a
+    separate fault-free run on a shared machine differs by +/-30 %), into `result`."""
+    fault = result["start"] + result.get("fault_at_s", math.nan)
+    result["pre_fault_goodput_rps"] = aiperf_run.good_rate(
+        records, result["start"] + WARMUP_S, fault
+    )
+    baseline = result["pre_fault_goodput_rps"]
+    if math.isnan(fault) or not baseline > 0:  # no fault injected, or nothing good before
         result["recovery_s"] = None
         return
     result["recovery_s"] = aiperf_run.recovery_s(
@@ -309,14 +319,45 @@ class Stacks:
         sweep()
 
 
-def plan(quick: bool) -> tuple[list[type[Variant]], tuple[int, ...], list[str]]:
-    if quick:
+def plan(args: Any) -> tuple[list[type[Variant]], tuple[int, ...], list[str]]:
+    """What runs: the quick profile, or the full one narrowed by --concurrency and
+    --supervisors."""
+    if args.quick:
         return [DynamodRun], (4,), ["worker_kill"]
-    return RUNS, CONCURRENCY, list(FAULTS)
+    runs = [cls for cls in RUNS if cls.name in args.supervisors]
+    return runs, tuple(args.concurrency), list(FAULTS)
 
 
-def run_all(quick: bool, work: Path) -> list[dict[str, Any]]:
-    runs, levels, faults = plan(quick)
+def parse_args() -> Any:
+    parser = options(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--concurrency", type=_levels, default=list(CONCURRENCY),
+        help="AIPerf concurrencies, comma-separated (full profile; default 4,16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--supervisors", type=_names, default=[cls.name for cls in RUNS],
+        help="comma-separated, of: dynamod, supervisord, none (full profile; default all)",
+    )  # fmt: skip
+    return parser.parse_args()
+
+
+def _levels(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",")]
+    if not levels or min(levels) < 1:
+        raise ValueError(text)
+    return levels
+
+
+def _names(text: str) -> list[str]:
+    known = {"dynamod": "dynamod", "supervisord": "supervisord", "none": PlainRun.name}
+    if not set(text.split(",")) <= set(known):
+        raise ValueError(text)
+    return [known[x] for x in text.split(",")]
+
+
+def run_all(args: Any, work: Path) -> list[dict[str, Any]]:
+    quick = args.quick
+    runs, levels, faults = plan(args)
     seconds, fault_at = (QUICK_RUN_S, QUICK_FAULT_AT_S) if quick else (RUN_S, FAULT_AT_S)
     results: list[dict[str, Any]] = []
     stacks = Stacks()
@@ -362,7 +403,7 @@ def one_supervisor(
             result["reference"] = before_fault(records, fault_t)
         else:
             result["reference"] = {k: reference[k] for k in REFERENCE_KEYS}
-        recovery(result, records, result["reference"]["goodput_rps"], quick)
+        recovery(result, records, quick)
         result["served_after"] = serving(run, 90)
         out.append(result)
     return out
@@ -381,10 +422,14 @@ def load_for(run: Variant, concurrency: int, seconds: float) -> Load:
 # --------------------------------------------------------------------------- the report
 
 HEADERS = [
-    "supervisor", "concurrency", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms",
+    "supervisor", "concurrency", "requests", "failed", "of them in flight at the fault",
+    "failing until (s after fault)", "TTFT p50 ms", "TTFT p99 ms",
     "ITL p50 ms", "ITL p99 ms", "goodput req/s", "goodput / fault-free",
     "TTFT p99 / fault-free", "s to 95 % goodput", "serving after",
 ]  # fmt: skip
+
+
+FREE = [h for h in HEADERS[:11] if "fault" not in h]
 
 
 def row(r: dict[str, Any]) -> list[Any]:
@@ -397,6 +442,7 @@ def row(r: dict[str, Any]) -> list[Any]:
     back = r.get("recovery_s")
     return [
         r["supervisor"], r["concurrency"], r["records"], r["failed"],
+        r.get("failed_in_flight", "-"), r.get("failing_until_s", "-"),
         r["ttft_p50_ms"], r["ttft_p99_ms"], r["itl_p50_ms"], r["itl_p99_ms"],
         r["goodput_rps"], ratio("goodput_rps"), ratio("ttft_p99_ms"),
         "never" if back is None and "fault_at_s" in r else back,
@@ -408,8 +454,8 @@ def tables(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
     seconds, fault_at = (QUICK_RUN_S, QUICK_FAULT_AT_S) if quick else (RUN_S, FAULT_AT_S)
     base = [r for r in results if r["fault"] == "none"]
     if base:
-        ref = Table(f"Fault-free, {seconds:g} s of AIPerf load", HEADERS[:9], digits=1)
-        ref.rows = [row(r)[:9] for r in base]
+        ref = Table(f"Fault-free, {seconds:g} s of AIPerf load", FREE, digits=1)
+        ref.rows = [[x for x, h in zip(row(r), HEADERS, strict=True) if h in FREE] for r in base]
         report.tables.append(ref)
     for fault, label in FAULTS.items():
         rows = [row(r) for r in results if r["fault"] == fault]
@@ -424,8 +470,9 @@ def notes(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
         f"inter_token_latency {ITL_SLO_MS:g} ms; 2 CPU workers, frontend --migration-limit "
         f"{MIGRATION_LIMIT}.",
         "s to 95 % goodput: the start of the first window (3 s; 2 s quick) after the fault's "
-        "first window below 95 % of the fault-free goodput that is back at 95 %; 0 if none "
-        "fell below; never: not back before the run's end.",
+        "first window below 95 % of the run's own goodput before the fault that is back at "
+        "95 %; 0 if none fell below; never: not back before the run's end. goodput / "
+        "fault-free and TTFT p99 / fault-free: against the separate fault-free run.",
     ]
     if quick:
         report.notes.append(
@@ -443,17 +490,17 @@ def notes(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
 
 @entry
 def main() -> None:
-    args = options(__doc__.splitlines()[0]).parse_args()
+    args = parse_args()
     why = aiperf_run.missing()
     if why:
         print(f"{program()}: {why}", file=sys.stderr, flush=True)
         sys.exit(2)
     bench_mark()
-    report = Report("goodput", "16. Goodput under faults, measured by AIPerf", args.quick)
+    report = Report("goodput", "17. Goodput under faults, measured by AIPerf", args.quick)
     try:
         with state_dir("gp") as work:
             aiperf_run.hf_cache(prebuilt_model(), work / "hf")
-            results = run_all(args.quick, work)
+            results = run_all(args, work)
     finally:
         sweep()
     tables(report, results, args.quick)

@@ -196,3 +196,22 @@ def test_without_aiperf_the_benchmark_refuses_in_one_line(
     assert "Traceback" not in err and len(err.splitlines()) == 1, err
     assert err.startswith("python -m bench.goodput: .venv-aiperf/no/aiperf not found: ")
     assert "run `make install-aiperf` first" in err
+
+
+def test_the_full_profile_narrows_by_flag() -> None:
+    from types import SimpleNamespace
+
+    from bench import goodput
+
+    assert goodput._levels("4,16") == [4, 16]
+    assert goodput._names("none,dynamod") == ["no supervisor", "dynamod"]
+    for bad in ("0", "x"):
+        with pytest.raises(ValueError):
+            goodput._levels(bad)
+    with pytest.raises(ValueError):
+        goodput._names("dynamod,systemd")
+    args = SimpleNamespace(quick=False, concurrency=[16], supervisors=["no supervisor"])
+    runs, levels, faults = goodput.plan(args)
+    assert runs == [goodput.PlainRun] and levels == (16,) and faults == list(goodput.FAULTS)
+    quick = goodput.plan(SimpleNamespace(quick=True, concurrency=[16], supervisors=[]))
+    assert quick == ([goodput.DynamodRun], (4,), ["worker_kill"])
