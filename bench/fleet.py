@@ -3,8 +3,9 @@
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
-daemon per node, units/stacks/cluster.toml: etcd, NATS, the frontend and the trainer on the
-head, S rollout shards on every node. A shard is our CPU worker with its mocker engine
+daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
+nodes on (bench/fleet_stack.py), NATS, the frontend and the trainer on the head, S rollout
+shards on every node. A shard is our CPU worker with its mocker engine
 (random tokens, `--var worker_engine=mocker`): a light process that registers with Dynamo's
 runtime, speaks the engine routes dynamod's policy layer drives (pause, update weights,
 flush, resume) and is a unit its node's dynamod supervises. First a 1-node x 1-shard fleet
@@ -33,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -51,6 +53,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
+from bench.fleet_stack import members, replicated
 from bench.procs import cpu_seconds, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
@@ -58,8 +61,10 @@ from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, lost_and_rerouted, make_checkpoint
 from dynamod.client import Client
+from dynamod.core import paths
 from dynamod.core.errors import DynamodError
 
+STACK = paths.units_dir() / "stacks" / "cluster.toml"
 MACHINE_GIB = 24  # what the issue's fleet has to fit in
 LOAD = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
 
@@ -136,7 +141,10 @@ def run_fleet(n_nodes: int, per_node: int, *, quick: bool, faults: bool) -> dict
     keeps the daemons' logs in its work dir (named in the error) and kills every process."""
     print(f"# fleet: {n_nodes} nodes x {per_node} shards", file=sys.stderr, flush=True)
     variables = {"workers": str(per_node), "trainer_steps": "0", "worker_engine": "mocker"}
-    rig = ClusterRig(n_nodes, variables=variables)
+    work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
+    stack = work_dir / "fleet-stack.toml"
+    stack.write_text(replicated(STACK.read_text(), NODE_NAMES[:n_nodes], paths.units_dir()))
+    rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
     result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node}
     failed = True
@@ -209,14 +217,17 @@ def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
 
 
 def etcd_counters(rig: ClusterRig) -> dict[str, float]:
-    """The head etcd's counters (its /metrics, from inside the head)."""
+    """etcd's counters: the store's (keys, revision, writes: every member applies each) from
+    the head's member, what each member serves its own clients (watchers, reads) summed."""
 
     def read() -> str:
         with urllib.request.urlopen("http://127.0.0.1:2379/metrics", timeout=5) as answer:
             text: str = answer.read().decode()
             return text
 
-    return prometheus(rig.in_node(rig.names[0], read), ETCD_METRICS)
+    each = [prometheus(rig.in_node(m, read), ETCD_METRICS) for m in members(rig.names)]
+    served = ("watchers", "watch_streams", "ranges")
+    return {k: sum(e[k] for e in each) if k in served else each[0][k] for k in each[0]}
 
 
 def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
@@ -483,7 +494,7 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
 
 def cost_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
-        "Idle cost per shard, and the head's etcd: around one push, and idle",
+        "Idle cost per shard, and etcd (3 members from 3 nodes on): around one push, and idle",
         ["nodes", "shards", "shard CPU %", "shard PSS MB", "daemon CPU % / shard",
          "daemon RSS MB", "daemon RSS MB / shard", "etcd keys", "watchers",
          "keys written / push", "revisions / push", "keys written / s of push",
@@ -539,8 +550,9 @@ def notes(fleets: list[dict[str, Any]]) -> list[str]:
         "status: `dynamod status --json` (there is no `--cluster` flag; every node's "
         "status carries the registry's view of all nodes), timed as a user runs it, "
         "CLI start-up included",
-        "etcd: one member on the head (units/stacks/cluster.toml); the 3-member store of "
-        "units/stacks/cluster-ha.toml names its 3 nodes and is not used here",
+        "etcd: 3 members (head, n1, n2) from 3 nodes on, the head's alone below (2 members "
+        "lose their quorum with either; the cut is of the last node, never a member); "
+        "keys and writes from the head's member, watchers and reads summed over members",
     ]
     faster = [label for label, path in GROWTH.items()
               if faster_than_linear([(f["nodes"], pick(f, *path)) for f in fleets])]  # fmt: skip

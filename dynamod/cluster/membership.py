@@ -1,14 +1,15 @@
-"""A node's membership in its cluster, as a daemon extension: it writes this node's entry
-in the registry on a lease of its own (refreshed three times per `lease_ttl`, rewritten on
-every unit state change), reads everyone's entries for `status` again at every change
-under the stack's registry prefix (a watch; a read every second besides, in case the watch
-is down), and, while it holds the leader key, turns a node whose lease expired into a lost
-record the moment etcd deletes its entry and withdraws that node's Dynamo registrations
-(cluster/parking.py) so the router stops using its shards. Back in contact after its own
-lease expired, it puts its shards' registrations back (each paused, then replayed at the
-ledger's current version before it is admitted) or, where a registration is gone for good,
-restarts the shard; and it follows the ledger, so a push made on another node reaches this
-node's shards. `down --cluster` (cluster/shutdown.py) is served from here."""
+"""A node's membership in its cluster, as a daemon extension: it writes this node's entry in
+the registry on a lease of its own (kept alive three times per `lease_ttl`; the entry
+written when it changes and every `_REWRITE_TTLS` ttl), reads everyone's entries for
+`status` again at every change under the stack's registry prefix (a watch; a read every
+second besides, in case the watch is down), and, while it holds the leader key, turns a node
+whose lease expired into a lost record the moment etcd deletes its entry and withdraws that
+node's Dynamo registrations (cluster/parking.py) so the router stops using its shards. Back
+in contact after its own lease expired, it puts its shards' registrations back (each paused,
+then replayed at the ledger's current version before it is admitted) or, where a
+registration is gone for good, restarts the shard; and it follows the ledger, so a push made
+on another node reaches this node's shards. `down --cluster` (cluster/shutdown.py) is served
+from here."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ LEDGER_FOLLOW_S = 0.5
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
+# An unchanged entry is rewritten only this many lease_ttl apart: every write wakes every
+# node's registry watch into a read of the whole prefix, so rewriting it at each keepalive
+# (as before) made idle reads grow as nodes squared (bench.fleet: 6 -> 120 reads/s from 1
+# to 8 nodes). The rare rewrite covers an entry lost some other way than its lease.
+_REWRITE_TTLS = 10
 
 
 class Membership(Extension):
@@ -80,7 +86,8 @@ class Membership(Extension):
         self.down_request: dict[str, Any] | None = None
         self.down_acks: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
-        self.last_published: float | None = None  # monotonic, last successful write
+        self.last_published: float | None = None  # monotonic, last successful publish
+        self._written: tuple[str, float] | None = None  # the entry last put, and when
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
@@ -280,9 +287,12 @@ class Membership(Extension):
             self.lease = None
         if self.lease is None:
             self.lease = await self.etcd.lease_grant(max(1, math.ceil(self.cluster.lease_ttl)))
-        await self.etcd.put(
-            registry.node_key(self.stack, self.cluster.node), self.entry().encode(), self.lease
-        )
+            self._written = None  # a new lease: the entry goes on it
+        encoded = self.entry().encode()
+        if must_write(self._written, encoded, time.monotonic(), self.cluster.lease_ttl):
+            key = registry.node_key(self.stack, self.cluster.node)
+            await self.etcd.put(key, encoded, self.lease)
+            self._written = (encoded, time.monotonic())
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
             if self.cluster.is_head:  # what `up --join` on another node reads
@@ -565,3 +575,13 @@ def _json(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     return data
+
+
+def must_write(written: tuple[str, float] | None, encoded: str, now: float, ttl: float) -> bool:
+    """Whether a node's registry entry must be put: none written on this lease yet, changed
+    since (`written`: what was put, and when), or due its rare rewrite; otherwise the lease's
+    keepalive alone keeps it."""
+    if written is None:
+        return True
+    last, at = written
+    return encoded != last or now - at >= _REWRITE_TTLS * ttl

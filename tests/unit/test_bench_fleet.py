@@ -1,9 +1,11 @@
 """bench.fleet's pure logic: the sizes it accepts, the growth exponent that names what grows
-faster than linearly, and etcd's counters read from a /metrics text."""
+faster than linearly, etcd's counters read from a /metrics text, the shards the inotify
+instances hold, and its stack (the stock cluster stack with a replicated etcd)."""
 
 from __future__ import annotations
 
 import math
+import tomllib
 
 import pytest
 
@@ -17,6 +19,8 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
+from bench.fleet_stack import StackShapeError, members, replicated
+from dynamod.core import paths
 
 NODES = [1, 2, 4, 8]
 
@@ -81,3 +85,29 @@ def test_shards_that_fit_the_inotify_instances_left() -> None:
     assert shards_that_fit(128, 100) == 6
     assert shards_that_fit(128, 128) == 0  # never negative
     assert shards_that_fit(1024, 0) >= 256  # what 8 x 32 needs
+
+
+def test_the_fleet_stack_has_three_etcd_members_from_three_nodes_on() -> None:
+    stock = (paths.units_dir() / "stacks" / "cluster.toml").read_text()
+    nodes = ["head", "n1", "n2", "n3"]
+    assert members(nodes) == ["head", "n1", "n2"]
+    assert members(nodes[:2]) == ["head"]  # two members: either one lost, no quorum
+    text = replicated(stock, nodes, paths.units_dir())
+    stack = tomllib.loads(text)
+    assert '"../' not in text
+    assert stack["units"]["etcd"]["nodes"] == ["head", "n1", "n2"]
+    initial = stack["units"]["etcd"]["command"]
+    initial = initial[initial.index("--initial-cluster") + 1]
+    assert initial.count("=http://") == 3 and "n1=http://{cluster.nodes.n1}" in initial
+    urls = stack["vars"]["etcd_url"].split(",")
+    assert len(urls) == 3 and len(stack["cluster"]["registry"]) == 3
+    assert stack["policy"]["etcd"] == "{vars.etcd_url}"  # the ledger reaches every member
+    alone = tomllib.loads(replicated(stock, nodes[:2], paths.units_dir()))
+    assert alone["units"]["etcd"]["nodes"] == ["head"]
+
+
+def test_a_stock_stack_without_the_expected_line_is_refused() -> None:
+    stock = (paths.units_dir() / "stacks" / "cluster.toml").read_text()
+    broken = stock.replace('    "--initial-cluster",', '    "--initial-cluster-x",')
+    with pytest.raises(StackShapeError, match="initial-cluster"):
+        replicated(broken, ["head", "n1", "n2"], paths.units_dir())

@@ -161,3 +161,14 @@ async def test_stop_is_bounded_when_a_loop_will_not_end(monkeypatch: pytest.Monk
     assert took < 1.0, took
     stuck = [e for e in logs if e["event"] == "cluster.loops_not_stopped"]
     assert stuck and stuck[0]["loops"] == ["cluster-deaf"], logs
+
+
+def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
+    """Each put wakes every node's registry watch into a read of the whole prefix: an idle
+    node writes its entry once per lease, then only when it changes or every 10 ttl."""
+    must_write = membership.must_write
+    assert must_write(None, "e", 5.0, ttl=2)  # nothing on this lease yet
+    assert not must_write(("e", 100.0), "e", 100.7, ttl=2)  # a keepalive tick: unchanged
+    assert not must_write(("e", 100.0), "e", 119.9, ttl=2)
+    assert must_write(("e", 100.0), "e", 120.0, ttl=2)  # the rare rewrite
+    assert must_write(("e", 100.0), "f", 100.1, ttl=2)  # a unit changed

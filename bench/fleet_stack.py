@@ -1,0 +1,53 @@
+"""bench.fleet's stack: units/stacks/cluster.toml with its etcd as a replicated store of
+up to 3 members (the first nodes), every etcd client of the stack (Dynamo's processes,
+dynamod's registry, the policy ledger) given every member. Pure text in, text out: the
+stock file keeps its one member on the head (the node-loss tests and bench.cluster)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+MAX_MEMBERS = 3
+
+
+class StackShapeError(ValueError):
+    """The stock cluster stack no longer has a line this rewrite expects."""
+
+
+def _one(pattern: str, text: str, new: str, what: str) -> str:
+    changed, count = re.subn(pattern, lambda m: m.expand(new), text, count=1, flags=re.MULTILINE)
+    if count != 1:
+        raise StackShapeError(f"units/stacks/cluster.toml: no {what} line to rewrite")
+    return changed
+
+
+def members(nodes: Sequence[str]) -> list[str]:
+    """The nodes that run an etcd member: the first 3, or the head alone below 3 nodes (2
+    members lose their quorum with either one, and the benchmark cuts a node)."""
+    return list(nodes[:MAX_MEMBERS]) if len(nodes) >= MAX_MEMBERS else list(nodes[:1])
+
+
+def replicated(text: str, nodes: Sequence[str], units_dir: Path) -> str:
+    """`text` (cluster.toml) with etcd on `members(nodes)`, its includes made absolute
+    (the result is written outside units/)."""
+    members_ = members(nodes)
+    urls = ",".join(f"http://{{cluster.nodes.{m}}}:{{vars.etcd_client_port}}" for m in members_)
+    initial = ",".join(f"{m}=http://{{cluster.nodes.{m}}}:{{ports.peer}}" for m in members_)
+    text = text.replace('"../', f'"{units_dir}/')
+    text = _one(r"^etcd_url = .*$", text, f'etcd_url = "{urls}"', "vars.etcd_url")
+    text = _one(
+        r'^(description = "etcd on \{node\.name\}.*)$',
+        text,
+        "\\g<0>\nnodes = [" + ", ".join(f'"{m}"' for m in members_) + "]",
+        "units.etcd description",
+    )
+    text = _one(
+        r'^    "--initial-cluster", .*$', text, f'    "--initial-cluster", "{initial}",',
+        "etcd --initial-cluster",
+    )  # fmt: skip
+    registry = ", ".join(
+        f'"http://{{cluster.nodes.{m}}}:{{vars.etcd_client_port}}"' for m in members_
+    )
+    return _one(r"^head = .*$", text, f"\\g<0>\nregistry = [{registry}]", "cluster.head")
