@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from dynamod.workers.cpu.args import (
     parse_version,
     set_blas_threads,
 )
+from dynamod.workers.cpu.discovery import directory as discovery_directory
 from dynamod.workers.cpu.engine import Engine
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_dynamo_logging()
     # The engine's discovery: a directory of this process only.
-    with tempfile.TemporaryDirectory(prefix="dynamod-cpu-worker-") as discovery:
+    with discovery_directory() as discovery:
         os.environ["DYN_FILE_KV"] = discovery
         try:
             return uvloop.run(serve(ours, mocker))
