@@ -35,6 +35,32 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PROC = FIXTURES / "proc.py"
 
 
+# Processes the tests start outside dynamod (raw stacks, benchmarks' supervisord and plain
+# runs, Ray, verl) write to TMPDIR and are often killed: Dynamo alone wrote a logging-config
+# tmpXXXX.json per process start, ~50 an hour of test runs left in /tmp. They get one
+# directory for the session, removed at its end; this process keeps /tmp (pytest's own
+# tmp_path, and the tests that look at /tmp for what a stack leaked). Units under dynamod
+# have their own TMPDIR in the state dir whatever this says.
+_SESSION_TMP = "DYNAMOD_TEST_SESSION_TMP"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tempfile.gettempdir()  # fixed now, before TMPDIR changes: /tmp for this process
+    if _SESSION_TMP not in os.environ:  # the xdist controller's; its workers inherit it
+        session = tempfile.mkdtemp(prefix="dynamod-tests-")
+        os.environ[_SESSION_TMP] = os.environ["TMPDIR"] = session
+        config.stash[_session_key] = session
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(_session_key, None)
+    if session is not None:
+        shutil.rmtree(session, ignore_errors=True)
+
+
+_session_key = pytest.StashKey[str]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     """Keep each phase's report on the item, so a fixture's teardown knows it failed."""
