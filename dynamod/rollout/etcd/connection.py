@@ -21,13 +21,13 @@ from dynamod.rollout.etcd.records import EtcdAuth
 # Not "grpc.min_reconnect_backoff_ms": gRPC takes it as the *minimum connect timeout*
 # (default 20 s); at 100 ms each attempt to open a connection was cut off after its backoff
 # (100 ms .. 1 s), so a member slower than that to answer the HTTP/2 handshake (a restarted
-# etcd on a loaded machine) could never be reached. Each channel has its own subchannel
-# pool, so the fresh connection `EtcdClient._drop` promises is one, not gRPC's shared
-# subchannel with the old one's backoff.
+# etcd on a loaded machine) could never be reached. (gRPC's global subchannel pool is
+# kept: a failover to another member reuses a connection another client of this process
+# has open to it; with a pool per channel, each failover paid a new TLS handshake and the
+# cluster-ha test's nodes missed their 2 s registry lease.)
 CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1000,
-    "grpc.use_local_subchannel_pool": 1,
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
 }
