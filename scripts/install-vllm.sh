@@ -10,6 +10,8 @@
 # ./.venv-vllm a link to it: a fresh clone (each CI run is one) finds it in seconds where it
 # spent ~110 s copying and compiling 6 GB. A ./.venv-vllm that is a venv of its own and
 # up to date is used as it is. DYNAMOD_VLLM_VENV=DIR installs (or finds) it at DIR instead.
+# Venvs made from an older version of this script stay (another checkout may use one):
+# `rm -rf ~/.cache/dynamod/venv-vllm-*` reclaims them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # What the venv is made from: a change to any of these reinstalls.
@@ -61,9 +63,12 @@ uv=("$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q)
 # uv compiles what it installed in this run only; the rest (torch, transformers, ... on a
 # rerun) is compiled here (seconds for files already compiled).
 "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
-# dynamo.vllm's own imports (what `python -m dynamo.vllm` loads before it parses flags).
-"$VENV/bin/python" -c "import dynamo.vllm.main, torchvision" >/dev/null 2>&1 \
-    || { echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main and torchvision" >&2; exit 1; }
+# dynamo.vllm's own imports (what `python -m dynamo.vllm` loads before it parses flags),
+# with a TMPDIR of their own: Dynamo's import writes logging-config files there.
+check_tmp=$(mktemp -d)
+TMPDIR=$check_tmp "$VENV/bin/python" -c "import dynamo.vllm.main, torchvision" >/dev/null 2>&1 \
+    || { rm -rf "$check_tmp"; echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main and torchvision" >&2; exit 1; }
+rm -rf "$check_tmp"
 echo "$want" > "$STAMP"
 link
 echo "real-engine venv ready in $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)'))"
