@@ -11,6 +11,17 @@ MARK_RUN = "DYNAMOD_RUN_ID"
 MARK_UNIT = "DYNAMOD_UNIT"
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (another user's counts: it is not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _proc_pids() -> Iterator[int]:
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():

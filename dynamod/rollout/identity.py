@@ -32,6 +32,7 @@ import structlog
 
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
+from dynamod.core.proctable import pid_alive
 from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
 from dynamod.rollout.ledger import stack_prefix
@@ -132,16 +133,6 @@ def record_of(stack: Stack, *, pid: int, state_dir: str, run_id: str) -> DaemonR
         state_dir=state_dir, run_id=run_id, namespaces=namespaces(stack),
         node=cluster.node if cluster is not None else None,
     )  # fmt: skip
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def left_behind(other: DaemonRecord, me: DaemonRecord) -> bool:

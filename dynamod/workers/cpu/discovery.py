@@ -16,6 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dynamod.core.proctable import pid_alive
+
 PREFIX = "dynamod-cpu-worker-"
 _NAME = re.compile(re.escape(PREFIX) + r"(\d+)-")
 
@@ -36,18 +38,8 @@ def sweep(where: Path) -> list[Path]:
         match = _NAME.match(path.name)
         if match is None or not path.is_dir() or path.is_symlink():
             continue
-        if _alive(int(match.group(1))):
+        if pid_alive(int(match.group(1))):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
