@@ -430,9 +430,9 @@ def main() -> None:
     # 200 kills a run: with 60, the p99 is an interpolation between the two slowest kills.
     kills, polled, stops = (5, 2, 2) if args.quick else (200, 30, 30)
     window = 5.0 if args.quick else 25.0
-    crowd_size = 200 if args.quick else CROWD
     # quick (the suite's smoke run): the stack alone; the crowd repeats the same code paths
     loads = ("alone",) if args.quick else ("alone", "crowd")
+    crowd_size = CROWD if "crowd" in loads else 0
     report = Report("detect", "1. Failure detection (SIGKILL -> noticed)", args.quick)
     poll: dict[str, Any] = {}
     runs: dict[str, dict[str, Any]] = {}
@@ -587,7 +587,7 @@ def main() -> None:
         f"{UNITS} `sleep infinity` units, restart always (backoff 0.05 s); kills rotate over "
         "them, each after the unit is running again plus a random 20-80 ms.",
         f"'crowd': {crowd_size} extra idle `sleep infinity` processes on the host, started by "
-        "the benchmark in one process group of its own and ended by it.",
+        "the benchmark in one process group of its own and ended by it (quick: no crowd run).",
         "supervisord's log stamps are truncated to the millisecond; 0.5 ms (the expected "
         "truncation) is added to each of its values.",
         f"the poller's kills are spread uniformly over {window:g} s; its detection is "
