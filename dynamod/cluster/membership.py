@@ -157,7 +157,11 @@ class Membership(Extension):
             self._spawn(name, body)
 
     def _new_client(self) -> EtcdClient:
-        return EtcdClient(list(self.cluster.registry), timeout_s=CALL_TIMEOUT_S, auth=self._auth)
+        return EtcdClient(
+            registry.local_first(list(self.cluster.registry), self.cluster.address),
+            timeout_s=registry.call_timeout(self.cluster.lease_ttl, CALL_TIMEOUT_S),
+            auth=self._auth,
+        )
 
     async def _bounded(self, what: str, round_: Awaitable[None]) -> None:
         """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own

@@ -45,6 +45,29 @@ def down_ack_key(stack: str, node: str) -> str:
     return f"{prefix(stack)}down-acks/{node}"
 
 
+def local_first(endpoints: list[str], address: str) -> list[str]:
+    """The registry's endpoints with this node's own member first (the others in their
+    order): each node keeps its lease alive through its own member, so another node's member
+    going away costs it nothing, where a list naming the head first sent every node's
+    keepalives through the head's member and they stalled with it."""
+    from urllib.parse import urlsplit
+
+    def here(url: str) -> bool:
+        try:
+            return urlsplit(url if "://" in url else f"//{url}").hostname == address
+        except ValueError:
+            return False
+
+    return [u for u in endpoints if here(u)] + [u for u in endpoints if not here(u)]
+
+
+def call_timeout(lease_ttl: float, most: float) -> float:
+    """One registry call's deadline: at most `most`, and a quarter of the lease, so that a
+    keepalive that waits out one silent member and goes on to the next still lands within
+    the lease (its period is a third of it: 1/3 + 1/4 leaves the rest for the next call)."""
+    return min(most, lease_ttl / 4)
+
+
 def shard_id(node: str, unit: str) -> str:
     """A shard's name across the cluster (ledger acks, status): `<node>/worker@0`."""
     return f"{node}/{unit}"

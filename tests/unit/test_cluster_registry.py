@@ -51,3 +51,23 @@ def test_the_view_marks_lost_nodes_and_names_shards_behind() -> None:
     assert "behind the current policy version: n1" in text
     assert "└─ n2" in text and "lost" in text and "marked lost by head" in text
     assert "├─ head (head)" in text and "v2" in text
+
+
+def test_each_node_reaches_the_registry_through_its_own_member_first() -> None:
+    urls = ["https://10.77.0.1:2379", "https://10.77.0.2:2379", "https://10.77.0.3:2379"]
+    assert registry.local_first(urls, "10.77.0.2") == [urls[1], urls[0], urls[2]]
+    assert registry.local_first(urls, "10.77.0.1") == urls
+    # no member on this node (the quick cluster: one etcd on the head): the order is kept
+    assert registry.local_first(urls, "10.77.0.9") == urls
+    assert registry.local_first(["10.77.0.1:2379", "10.77.0.3:2379"], "10.77.0.3") == [
+        "10.77.0.3:2379",
+        "10.77.0.1:2379",
+    ]
+
+
+def test_a_registry_call_waits_on_one_silent_member_for_at_most_a_quarter_of_the_lease() -> None:
+    assert registry.call_timeout(2.0, 1.0) == 0.5
+    assert registry.call_timeout(10.0, 1.0) == 1.0
+    # the keepalive period (a third), one call given up, one that answers: within the lease
+    for ttl in (1.0, 2.0, 3.0, 6.0):
+        assert ttl / 3 + registry.call_timeout(ttl, 1.0) < ttl * 0.6 + 1e-9
