@@ -10,8 +10,8 @@ from typing import Any
 
 import click
 
+from dynamod.control import commands
 from dynamod.control.cliutil import BAD_INPUT
-from dynamod.control.commands import register_commands
 from dynamod.core import paths
 
 _NoArgsIsHelp: type[click.UsageError] = getattr(
@@ -21,7 +21,14 @@ _NoArgsIsHelp: type[click.UsageError] = getattr(
 
 class _Cli(click.Group):
     """The `dynamod` group, with click's three-line usage errors turned into one line:
-    `dynamod up: --timeout expects ..., got '-1' (see dynamod up --help)`, exit 2."""
+    `dynamod up: --timeout expects ..., got '-1' (see dynamod up --help)`, exit 2; and its
+    commands loaded when named (control/commands/__init__.py says why)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(commands.COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        return commands.load(cmd_name)
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         kwargs["standalone_mode"] = False
@@ -73,8 +80,6 @@ def main(ctx: click.Context, state_dir: Path | None) -> None:
     ctx.ensure_object(dict)
     ctx.obj["state_dir"] = (state_dir or paths.default_state_dir()).absolute()
 
-
-register_commands(main)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
-"""The lifecycle commands: `check`, `up`, `down`, `status`, `restart`, `stop`, `start`,
-`logs`. They ask the daemon over its socket or read the state dir; starting the daemon
-itself is control/launch.py."""
+"""The lifecycle commands: `check`, `up`, `down`: the stack as a whole. They ask the daemon
+over its socket or read the state dir; starting the daemon itself is control/launch.py.
+What asks the running daemon about one unit is units.py."""
 
 from __future__ import annotations
 
@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import click
 
 from dynamod.client import Client
-from dynamod.client.control import BadInputError, NoDaemonError, UnknownUnitError
+from dynamod.client.control import BadInputError, NoDaemonError
 from dynamod.control import launch, render
 from dynamod.control.cliutil import (
     BAD_INPUT,
     Seconds,
     check_metrics_addr,
     check_node_name,
-    check_unit_name,
     create_state_dir,
     fail,
     load_stack,
@@ -230,9 +229,7 @@ def _refuse_running(
         except DaemonError:
             answer = None
         if answer is not None and not answer["diff"]["empty"]:
-            shown = " ".join(f"{stack or path}" .split()) + "".join(
-                f" --var {v}" for v in variables
-            )
+            shown = " ".join(f"{stack or path}".split()) + "".join(f" --var {v}" for v in variables)
             fail(
                 "\n".join([
                     f"{running}; {path} differs from it:",
@@ -406,87 +403,4 @@ def _wait_pid_gone(pid: int, timeout: float) -> None:
         time.sleep(0.01)
 
 
-@click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the status object as JSON.")
-@click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
-    """Show the unit tree: state, pid, uptime, restarts, last exit, probe detail."""
-    try:
-        result = Client(state_dir_of(ctx)).status()
-    except DaemonError as exc:
-        fail(str(exc))
-    click.echo(json.dumps(result, indent=2) if as_json else render.status_table(result))
-
-
-@click.command()
-@click.argument("unit", callback=check_unit_name)
-@click.pass_context
-def restart(ctx: click.Context, unit: str) -> None:
-    """Stop UNIT, reset its backoff and start it again."""
-    try:
-        Client(state_dir_of(ctx)).restart(unit)
-    except DaemonError as exc:
-        fail(str(exc))
-    click.echo(f"{unit} restarted")
-
-
-@click.command()
-@click.argument("unit", callback=check_unit_name)
-@click.pass_context
-def stop(ctx: click.Context, unit: str) -> None:
-    """Stop UNIT (a replica like worker@1, or every replica by its base name) and keep it
-    stopped, no restart, until `dynamod start UNIT`. A rollout shard leaves routing and
-    finishes its in-flight requests first. The rest of the stack runs on."""
-    _operator(ctx, "stop", unit)
-
-
-@click.command()
-@click.argument("unit", callback=check_unit_name)
-@click.pass_context
-def start(ctx: click.Context, unit: str) -> None:
-    """Start UNIT again after `dynamod stop UNIT`."""
-    _operator(ctx, "start", unit)
-
-
-def _operator(ctx: click.Context, action: str, unit: str) -> None:
-    client = Client(state_dir_of(ctx))
-    try:
-        result = client.stop(unit) if action == "stop" else client.start(unit)
-    except UnknownUnitError as exc:
-        fail(str(exc), BAD_INPUT)
-    except DaemonError as exc:
-        fail(str(exc))
-    done = "stopped; held until `dynamod start`" if action == "stop" else "started"
-    for name in result["done"]:
-        click.echo(f"{name} {done}")
-    for name, why in result["already"].items():
-        click.echo(f"{name}: {why}")
-
-
-@click.command()
-@click.argument("unit", callback=check_unit_name)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option(
-    "-n",
-    "--lines",
-    type=click.IntRange(0, 1_000_000),
-    default=50,
-    show_default=True,
-    help="Lines of history (after the header of the spawn they belong to).",
-)
-@click.pass_context
-def logs(ctx: click.Context, unit: str, follow: bool, lines: int) -> None:
-    """Print UNIT's log (works after the daemon has gone too)."""
-    from dynamod.control import logview
-
-    try:
-        logview.show(state_dir_of(ctx), unit, lines=lines, follow=follow, out=click.echo)
-    except DynamodError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        fail(f"cannot read the log of {unit}: {exc.strerror or exc} ({exc.filename})")
-    except KeyboardInterrupt:
-        pass
-
-
-lifecycle_commands = [check, up, down, status, restart, stop, start, logs]
+lifecycle_commands = [check, up, down]
