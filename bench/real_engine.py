@@ -16,17 +16,25 @@ router, the policy ledger), serving the same tiny model. Per engine:
   push        `dynamod policy push` of a checkpoint of the served model (pause ->
               update_weights_from_disk -> flush_cache -> verify -> taint -> resume): the
               CLI's wall time and the shard's own ack total
+  tokens/s    completion tokens per second at 1 and 8 concurrent streamed requests
+              (bench.tokens' measure: 32-token prompts, EOS ignored), and TTFT
   kill -9     of the shard's main pid -> admitted again at the current version: detect
               (-> backoff, registration revoked), restart + boot (backoff -> held: the
               engine starting again), replay + verify (held -> ready)
+  spare       the same stack with one hot spare (`spares=1`: two shards, one serving):
+              kill -9 of the serving shard -> the spare promoted at the current version
+              (`spares.promoted`), once with the spare asleep (`control/sleep`; the
+              promotion wakes it with `control/wake_up` and replays the version it
+              missed) and once awake and current (after the victim came back as the spare)
 
---quick: one push and one kill per engine (still minutes: the real shard starts twice);
+--quick: one push and one kill per engine (still minutes: the real shard starts four times);
 the full profile three pushes and two kills. CI's smoke run of the benchmarks leaves this
 one out for that reason (tests/integration/test_bench_smoke.py); `make bench` runs it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -34,10 +42,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import tokens
 from bench.policy_push import push
 from bench.procs import ROOT, cpu_seconds, descendants, rss_mb, state_dir, wait_until
 from bench.report import Report, Table, emit, entry, options, ratio, summary
 from bench.runners import Dynamod
+from bench.spare_kills import promoted_after, roles
 from bench.stack import prebuilt_model, serve_stack
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -122,12 +132,67 @@ def measure(engine: str, pushes: int, kills: int, window: float) -> dict[str, An
                 "rss_mb": sum(rss_mb(pid) for pid in tree),
                 "daemon_cpu_pct": daemon_cpu_percent(dm, window),
             }
+            url = f"http://127.0.0.1:{dm.unit('frontend')['ports']['http']}"
+            result["tokens"] = asyncio.run(tokens.measure(url, None, quick=pushes == 1))
             ckpt = checkpoint(state)
             result["pushes"] = [push(dm, step, ckpt) for step in range(1, pushes + 1)]
             result["kills"] = [kill_and_back(dm, UP_TIMEOUT) for _ in range(kills)]
             return result
         finally:
             dm.close()
+
+
+def with_a_spare(engine: str) -> dict[str, Any]:
+    """The engine's stack with one hot spare: kill -9 of the serving shard -> the spare
+    promoted at the current version, first asleep, then awake (the victim back as the
+    spare in between: a restart and a replay)."""
+    stack, variables = ENGINES[engine]
+    with state_dir("re-spare") as state:
+        dm = Dynamod(state)
+        try:
+            dm.up(serve_stack(state, stack), *variables, "spares=1", timeout=UP_TIMEOUT)
+            push(dm, 1, checkpoint(state))
+            out: dict[str, Any] = {}
+            dm.cli("policy", "spares", "--sleep")
+            for case, asleep in (("asleep", True), ("awake", False)):
+                if not asleep:
+                    dm.cli("policy", "spares", "--wake")
+                ready = one_serving_one_spare(dm, 1, asleep)
+                victim = ready["serving"][0]
+                t_kill = time.time()
+                os.kill(victim["pid"], signal.SIGKILL)
+                event = promoted_after(dm, t_kill)
+                out[case] = {
+                    "promote_s": event["t"] - t_kill,
+                    "was_asleep": event.get("was_asleep"),
+                    "was_version": event.get("was_version"),
+                    "replay_ms": event.get("replay_ms"),
+                    "steps_ms": event.get("steps_ms"),
+                }
+            one_serving_one_spare(dm, 1, False)
+            return out
+        finally:
+            dm.close()
+
+
+def one_serving_one_spare(dm: Dynamod, version: int, asleep: bool) -> dict[str, Any]:
+    """Until one shard serves at `version` and one ready spare is there (asleep or awake
+    and current): a real shard's restart and replay take minutes."""
+
+    def check() -> dict[str, Any] | None:
+        now = roles(dm)
+        spare = now["spare"][0] if len(now["spare"]) == 1 else None
+        ok = (
+            len(now["serving"]) == 1
+            and now["serving"][0].get("policy_version") == version
+            and spare is not None
+            and bool(spare["spare"].get("sleeping")) == asleep
+            and (asleep or spare.get("policy_version") == version)
+        )
+        return now if ok else None
+
+    found: dict[str, Any] = wait_until(check, UP_TIMEOUT, 0.2, "1 serving + 1 spare")
+    return found
 
 
 def median(values: list[float]) -> float:
@@ -147,6 +212,9 @@ def side_by_side(runs: dict[str, dict[str, Any]]) -> Table:
     def kills(field: str) -> Any:
         return lambda r: median([k[field] for k in r["kills"]])
 
+    def spare(case: str) -> Any:
+        return lambda r: r["spare"][case]["promote_s"]
+
     table = Table(
         "One shard under dynamod: our CPU worker vs dynamo.vllm (same model, same run)",
         ["measure", "CPU worker", "dynamo.vllm", "vllm / ours"],
@@ -164,6 +232,11 @@ def side_by_side(runs: dict[str, dict[str, Any]]) -> Table:
         row("  detect: -> backoff, revoked (s)", kills("detect_s")),
         row("  restart + boot: -> held (s)", kills("boot_s")),
         row("  replay + verify: held -> ready (s)", kills("admit_s")),
+        row("kill -9 -> spare promoted, spare awake (s)", spare("awake")),
+        row("kill -9 -> spare promoted, spare asleep (s)", spare("asleep")),
+        row("tokens/s, 1 request", lambda r: r["tokens"]["tokens_per_s_1"]["median"]),
+        row("tokens/s, 8 concurrent", lambda r: r["tokens"]["tokens_per_s_8"]["median"]),
+        row("TTFT p50, 32-token prompt (ms)", lambda r: r["tokens"]["ttft_ms"]["median"]),
     ]
     return table
 
@@ -180,6 +253,8 @@ def main() -> None:
     pushes, kills, window = (1, 1, 10.0) if args.quick else (3, 2, 30.0)
     report = Report("real_engine", "15. The real engine beside our stand-in", args.quick)
     runs = {engine: measure(engine, pushes, kills, window) for engine in ENGINES}
+    for engine in ENGINES:
+        runs[engine]["spare"] = with_a_spare(engine)
     report.tables.append(side_by_side(runs))
     report.data = runs
     real = runs["dynamo.vllm"]

@@ -28,17 +28,21 @@ from bench.stack import MODEL, prebuilt_model, serve_stack
 ENGINES = ("numpy", "mocker")
 
 
-async def stream(session: Any, url: str, instance: int, prompt: list[int], max_tokens: int) -> Any:
-    """(ttft_s, completion tokens, total_s) of one streamed completion."""
-    body = {
+async def stream(
+    session: Any, url: str, instance: int | None, prompt: list[int], max_tokens: int
+) -> Any:
+    """(ttft_s, completion tokens, total_s) of one streamed completion; pinned to the worker
+    `instance` unless None (one shard: the router has no choice)."""
+    body: dict[str, Any] = {
         "model": MODEL,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "nvext": {"backend_instance_id": instance},
     }
+    if instance is not None:
+        body["nvext"] = {"backend_instance_id": instance}
     started = time.monotonic()
     first = None
     tokens = 0
@@ -62,7 +66,7 @@ def prompt(n: int, salt: int) -> list[int]:
     return [1, *[(salt * 31 + i * 7) % 500 + 7 for i in range(n - 1)]]
 
 
-async def measure(url: str, instance: int, quick: bool) -> dict[str, Any]:
+async def measure(url: str, instance: int | None, quick: bool) -> dict[str, Any]:
     import aiohttp
 
     max_tokens = 32 if quick else 64
