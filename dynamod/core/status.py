@@ -39,6 +39,7 @@ class SpareStatus(TypedDict):
 
     role: str | None  # serving, spare or promoting; None while it is not running
     sleeping: bool
+    warm: bool  # its engine has served a generation (dynamod warms an awake spare once)
     promotions: dict[str, int]  # why it was taken into service -> how often
     version: NotRequired[int | None]  # a spare's: the version it holds
     behind: NotRequired[int | None]  # a spare's: versions behind the ledger

@@ -29,7 +29,7 @@ import os
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +44,7 @@ from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
 from dynamod.core.status import ExtensionUnitStatus
 from dynamod.rollout import dynamo, policy_table
-from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, WatchEvent
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
 from dynamod.rollout.policy_table import PolicySpec
 from dynamod.rollout.registrations import DynamoRegistrations
@@ -62,6 +62,8 @@ log = structlog.get_logger("dynamod.rollout.policy")
 
 _INSTANCE_TAINT = "dynamod.instance/"  # each shard's own taint, so a canary can target it
 _ROUTE_RETRY_S = 0.1
+# A canary is given at least this long, and otherwise the rest of route_timeout.
+_ROUTE_ATTEMPT_S = 5.0
 # The frontend usually sees a new taint within milliseconds of the call that set it: the
 # canaries after a miss start this soon and double up to _ROUTE_RETRY_S.
 _ROUTE_RETRY_FIRST_S = 0.01
@@ -339,6 +341,13 @@ class PolicyManager(Extension):
         assert self._file is not None
         return self._file
 
+    def ledger_changes(self) -> AsyncIterator[WatchEvent] | None:
+        """The ledger's current version as pushes move it (a watch), where the ledger is in
+        etcd; None for a file ledger (one node: no other node's push to follow)."""
+        if self._etcd is None:
+            return None
+        return EtcdLedger(self._etcd, self.engine.stack.identity).changes()
+
     # ------------------------------------------------------------------ hooks
 
     async def on_ready(self, unit: Unit) -> None:
@@ -581,8 +590,13 @@ class PolicyManager(Extension):
         retry = _ROUTE_RETRY_FIRST_S
         while True:
             try:
+                # The canary can only be served by this shard (its own instance taint), so
+                # one that reached it is waited for: a real engine's first generation after
+                # a start takes tens of seconds on a CPU, and a canary cut off at 5 s and
+                # sent again kept a promoted spare out of service for 32 s (real-engine.md).
+                wait = max(_ROUTE_ATTEMPT_S, deadline - time.monotonic())
                 async with self.session.post(
-                    f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=5)
+                    f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=wait)
                 ) as resp:
                     text = await resp.text()
                 if resp.status == 200:
@@ -605,6 +619,36 @@ class PolicyManager(Extension):
             self.engine.transition(unit, unit.state, f"{waiting}; last canary: {last}")
             await asyncio.sleep(retry)
             retry = min(retry * 2, _ROUTE_RETRY_S)
+
+    async def warm(self, unit: Unit) -> float | None:
+        """One 1-token generation pinned to the shard's own instance (`backend_instance_id`)
+        through the frontend: a spare serves nothing until it is promoted, and a real
+        engine's first generation takes tens of seconds, which would otherwise fall on the
+        promotion's canary. Not trainer traffic; the ms it took, None with no frontend."""
+        frontend = self._frontend()
+        instances = self.registrations.instance_ids(unit)
+        if frontend is None or not instances:
+            return None
+        url, model = frontend
+        body = {
+            "model": model,
+            "prompt": "dynamod warm-up",
+            "max_tokens": 1,
+            "nvext": {"backend_instance_id": instances[0], "extra_fields": ["worker_id"]},
+        }
+        started = time.monotonic()
+        try:
+            async with self.session.post(
+                f"{url}/v1/completions",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=self.spec.route_timeout),
+            ) as resp:
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ShardError(unit.name, "warm", f"{type(exc).__name__}: {exc}") from None
+        if resp.status != 200:
+            raise ShardError(unit.name, "warm", f"HTTP {resp.status}: {text[:160]}")
+        return (time.monotonic() - started) * 1000
 
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
         spare = self.spares.is_spare(unit)  # holds the version, untainted: not admitted

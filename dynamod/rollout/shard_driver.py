@@ -117,6 +117,11 @@ class ShardDriver(Protocol):
     async def routed(self, unit: Unit, version: int) -> None:
         """Until a canary with this version's taint reaches the shard through the frontend."""
 
+    async def warm(self, unit: Unit) -> float | None:
+        """One generation served by the shard itself (pinned to its instance through the
+        frontend), so that its engine's first step is behind it; the ms it took, or None
+        when no frontend is ready. Raises a DynamodError if it was not served."""
+
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
         """The shard holds `ack.version`: record it (its ShardPolicy; a serving shard's in
         the ledger too)."""

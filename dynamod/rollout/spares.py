@@ -67,6 +67,7 @@ class Slot:
     asleep: bool = False
     keeper: asyncio.Task[None] | None = None
     dirty: bool = False  # the ledger or the sleep wish changed since the keeper last looked
+    warm: bool = False  # its engine has served one generation (its first step is behind it)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class SparePool:
         spare: SpareStatus = {
             "role": str(slot.role) if slot else None,
             "sleeping": bool(slot and slot.asleep),
+            "warm": bool(slot and slot.warm),
             "promotions": dict(promotions),
         }
         if slot is not None and slot.role is Role.SPARE:
@@ -216,7 +218,7 @@ class SparePool:
         if slot is None or slot.role is not Role.SPARE:
             return
         version, behind = self._version(unit), self._behind(unit)
-        state = "asleep" if slot.asleep else "awake"
+        state = "asleep" if slot.asleep else "awake, warm" if slot.warm else "awake"
         lag = "current" if behind == 0 else f"{behind} behind" if behind else "catching up"
         self.driver.engine.transition(
             unit, unit.state, f"spare at policy version {version} ({lag}, {state})"
@@ -530,6 +532,8 @@ class SparePool:
                                 "spares.slept" if slot.asleep else "spares.woke", unit=unit.name
                             )
                             continue
+                        if not slot.asleep and not slot.warm:
+                            await self._warm(unit, slot)
                         self._show_in_detail(unit)
                         if slot.dirty:
                             continue
@@ -546,6 +550,20 @@ class SparePool:
             driver.note_error(unit, error)
             await asyncio.sleep(delay)
             delay = min(delay * 2, driver.spec.replay_backoff_max)
+
+    async def _warm(self, unit: Unit, slot: Slot) -> None:
+        """A current, awake spare serves one generation of dynamod's own before it is
+        needed: on the real engine the first one after a start took 32 s on a CPU, and it
+        fell on the promotion (real-engine.md). A failure is logged; the next keeper round
+        (after the next push) tries again, and the promotion's canary warms it at worst."""
+        try:
+            ms = await self.driver.warm(unit)
+        except DynamodError as exc:
+            log.warning("spares.warm_failed", unit=unit.name, error=str(exc))
+            return
+        if ms is not None:
+            slot.warm = True
+            log.info("spares.warmed", unit=unit.name, ms=round(ms, 1))
 
     # ------------------------------------------------------------------ sleep, views
 

@@ -227,3 +227,49 @@ def test_a_removed_serving_shard_is_replaced_before_it_goes_and_its_exit_promote
         await pool_.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_current_awake_spare_serves_one_warm_up_before_it_is_needed_and_only_one() -> None:
+    """A real engine's first generation after a start took 32 s on this CPU, and it fell on
+    the promotion's canary: the keeper warms a current, awake spare once, off the path."""
+    import asyncio
+
+    from structlog.testing import capture_logs
+
+    async def scenario(fail: bool) -> tuple[list[str], bool, list[str]]:
+        units = [SimpleNamespace(name=f"w@{i}", pid=None, hold_reason=None,
+                                 state=SimpleNamespace(running=True)) for i in range(2)]
+        driver = Driver(units)
+        warmed: list[str] = []
+
+        async def warm(unit: Any) -> float:
+            warmed.append(unit.name)
+            if fail:
+                from dynamod.rollout.policy import ShardError
+
+                raise ShardError(unit.name, "warm", "HTTP 404: no worker")
+            return 12.5
+
+        async def current() -> Any:
+            return SimpleNamespace(version=4)
+
+        driver.warm = warm  # type: ignore[attr-defined]
+        driver.ledger = lambda: SimpleNamespace(current=current)  # type: ignore[attr-defined]
+        driver.note_current = lambda current: None  # type: ignore[attr-defined]
+        driver.spec.replay_backoff_initial = 0.01  # type: ignore[attr-defined]
+        pool_ = SparePool(driver, 1)  # type: ignore[arg-type]
+        assert [pool_.assign(u) for u in units] == [Role.SERVING, Role.SPARE]
+        with capture_logs() as logs:
+            for _ in range(2):  # two keeper rounds (two pushes): one warm-up when it worked
+                pool_._keep_current(units[1])
+                slot = pool_.slots["w@1"]
+                assert slot.keeper is not None
+                await slot.keeper
+        await pool_.stop()
+        return warmed, pool_.slots["w@1"].warm, [e["event"] for e in logs]
+
+    warmed, warm, events = asyncio.run(scenario(fail=False))
+    assert warmed == ["w@1"] and warm and events.count("spares.warmed") == 1, (warmed, events)
+    warmed, warm, events = asyncio.run(scenario(fail=True))
+    assert warmed == ["w@1", "w@1"] and not warm, "a failed warm-up is tried again next time"
+    assert events.count("spares.warm_failed") == 2, events
