@@ -93,6 +93,7 @@ class Membership(Extension):
         self._handled_down: set[tuple[str, str]] = set()
         self._dirty = asyncio.Event()
         self._changed = asyncio.Event()  # the watch saw a change under the registry prefix
+        self._ledger_moved = asyncio.Event()  # the watch saw the ledger's current version move
         self._tasks: list[asyncio.Task[None]] = []
         self._restarting: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
@@ -130,6 +131,8 @@ class Membership(Extension):
         }
         if self.policy is not None:
             loops["cluster-ledger"] = self._follow_loop
+            if self.policy.spec.store == "etcd":
+                loops["cluster-ledger-watch"] = self._ledger_watch_loop
         for name, body in loops.items():
             self._spawn(name, body)
 
@@ -538,10 +541,29 @@ class Membership(Extension):
 
     # ------------------------------------------------------------------ policy across nodes
 
+    async def _ledger_watch_loop(self) -> None:
+        """Wake the follower below when a push (another node's) moves the ledger's current
+        version: this node's shards start their replay at once, not at the next poll (which
+        stays, every LEDGER_FOLLOW_S, for a watch being re-opened)."""
+        assert self.policy is not None
+        while not self._stopping:
+            changes = self.policy.ledger_changes()
+            try:
+                if changes is not None:
+                    async for _ in changes:
+                        self._ledger_moved.set()
+            except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
+                self._failed("ledger watch", exc)
+            self._ledger_moved.set()  # the stream ended: look now, a change may have been missed
+            await asyncio.sleep(WATCH_RETRY_S)
+
     async def _follow_loop(self) -> None:
         assert self.policy is not None
         while not self._stopping:
-            await asyncio.sleep(LEDGER_FOLLOW_S)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(LEDGER_FOLLOW_S):
+                    await self._ledger_moved.wait()
+            self._ledger_moved.clear()
             if not self._running():
                 continue
             with contextlib.suppress(*_FAILURES):

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from dynamod.core.atomicfile import write_atomic
-from dynamod.rollout.etcd import EtcdClient
+from dynamod.rollout.etcd import EtcdClient, WatchEvent
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ class EtcdLedger:
     async def current(self) -> PolicyVersion | None:
         raw = await self.etcd.get(self.prefix + "policy/current")
         return _version_from(json.loads(raw)) if raw else None
+
+    def changes(self) -> AsyncIterator[WatchEvent]:
+        """Every write of the current version from now on (an etcd watch)."""
+        return self.etcd.watch_prefix(self.prefix + "policy/current")
 
     async def history(self) -> list[PolicyVersion]:
         kvs = await self.etcd.get_prefix(self.prefix + "policy/history/")

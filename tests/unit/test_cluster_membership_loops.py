@@ -172,3 +172,49 @@ def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
     assert not must_write(("e", 100.0), "e", 119.9, ttl=2)
     assert must_write(("e", 100.0), "e", 120.0, ttl=2)  # the rare rewrite
     assert must_write(("e", 100.0), "f", 100.1, ttl=2)  # a unit changed
+
+
+class _Ledger:
+    """Stands in for the policy manager: the ledger's watch yields one change after
+    `after` s; follow_ledger records when it was called."""
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+        self.follows: list[float] = []
+        self.spec = SimpleNamespace(store="etcd")
+
+    async def _changes(self) -> Any:
+        await asyncio.sleep(self.after)
+        yield object()
+        await asyncio.sleep(3600)
+
+    def ledger_changes(self) -> Any:
+        return self._changes()
+
+    async def follow_ledger(self) -> int:
+        self.follows.append(time.monotonic())
+        return 1
+
+
+async def test_another_nodes_push_is_followed_when_the_ledger_moves_not_at_the_next_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(membership, "LEDGER_FOLLOW_S", 30.0)  # the poll alone: 30 s
+    ledger = _Ledger(after=0.2)
+    member = Membership(SPEC, registrations=Any, policy=ledger)  # type: ignore[arg-type]
+    member.host = SimpleNamespace(phase=Phase.UP)  # type: ignore[assignment]
+    started = time.monotonic()
+    tasks = [asyncio.create_task(member._ledger_watch_loop()),
+             asyncio.create_task(member._follow_loop())]  # fmt: skip
+    try:
+        for _ in range(200):
+            if ledger.follows:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        member._stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert ledger.follows, "the follower never looked at the ledger"
+    assert 0.2 <= ledger.follows[0] - started < 1.0
