@@ -53,7 +53,7 @@ chaos-real-engine-quick: install-vllm
 	$(BIN)/dynamod chaos run --all --quick --runbooks runbooks/real-engine --report chaos-runs
 
 # The integration guide's validation on CPU: verl's own trainer against a dynamod stack
-# (2 FSDP2 ranks, 2 shards; STACK=vllm-cpu for real dynamo.vllm shards), report in
+# (2 FSDP2 ranks, 2 shards; STACK=verl-vllm-cpu for real dynamo.vllm shards), report in
 # validate-cpu-report.txt; then the trainer under faults (tests/integration/test_verl_faults.py).
 # CI runs the script's must-fail side only (tests/integration/test_verl_validate_cpu.py);
 # its passing --quick run is here (DYNAMOD_VERL_VALIDATE=1).

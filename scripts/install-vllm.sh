@@ -60,14 +60,18 @@ uv=("$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q)
     "kubernetes>=32.0.1,<33.0.0" "msgspec>=0.19.0" "prometheus-client>=0.23.1,<1.0" \
     "pyzmq>=26.0.0" "redis>=6.2.0,<9.0.0" "tqdm>=4.0.0" "transformers>=4.56.0" \
     "typing-extensions>=4.10.0" "zstandard>=0.23.0,<1.0" uvloop
+# dynamod's verl worker extension, which vLLM's Worker imports with the checkout on its
+# path (units/worker-vllm-cpu.toml, worker_extension_cls): torch and pyzmq are vLLM's; the
+# extension also logs with structlog.
+"${uv[@]}" "structlog>=24.1"
 # uv compiles what it installed in this run only; the rest (torch, transformers, ... on a
 # rerun) is compiled here (seconds for files already compiled).
 "$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 # dynamo.vllm's own imports (what `python -m dynamo.vllm` loads before it parses flags),
 # with a TMPDIR of their own: Dynamo's import writes logging-config files there.
 check_tmp=$(mktemp -d)
-TMPDIR=$check_tmp "$VENV/bin/python" -c "import dynamo.vllm.main, torchvision" >/dev/null 2>&1 \
-    || { rm -rf "$check_tmp"; echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main and torchvision" >&2; exit 1; }
+TMPDIR=$check_tmp PYTHONPATH=$PWD "$VENV/bin/python" -c "import dynamo.vllm.main, torchvision, dynamod.integrations.verl.worker_extension" >/dev/null 2>&1 \
+    || { rm -rf "$check_tmp"; echo "install-vllm: $VENV/bin/python cannot import dynamo.vllm.main, torchvision and dynamod's worker extension" >&2; exit 1; }
 rm -rf "$check_tmp"
 echo "$want" > "$STAMP"
 link

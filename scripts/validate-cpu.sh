@@ -6,7 +6,7 @@
 #   scripts/validate-cpu.sh [--quick] [REPORT]       # default: ./validate-cpu-report.txt
 #
 #   STACK       the stack to validate: a name under units/stacks/ or a file
-#               (default verl-cpu: our CPU worker; vllm-cpu: real dynamo.vllm shards)
+#               (default verl-cpu: our CPU worker; verl-vllm-cpu: real dynamo.vllm shards)
 #   SHARDS      rollout shards (--var workers=N; default 2, --quick 1)
 #   RANKS       FSDP2 trainer ranks over gloo (default 2, --quick 1)
 #   STEPS       GRPO steps per training run (default 2)
