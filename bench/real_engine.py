@@ -147,12 +147,15 @@ def with_a_spare(engine: str) -> dict[str, Any]:
     promoted at the current version, first asleep, then awake (the victim back as the
     spare in between: a restart and a replay)."""
     stack, variables = ENGINES[engine]
+    # the real shards each on a CPU of their own (placement: their cpuset and vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND), the CPU analogue of a GPU per shard
+    bind = ["cpus_per_shard=1"] if engine == "dynamo.vllm" else []
     with state_dir("re-spare") as state:
         dm = Dynamod(state)
         try:
-            dm.up(serve_stack(state, stack), *variables, "spares=1", timeout=UP_TIMEOUT)
+            dm.up(serve_stack(state, stack), *variables, *bind, "spares=1", timeout=UP_TIMEOUT)
             push(dm, 1, checkpoint(state))
-            out: dict[str, Any] = {}
+            out: dict[str, Any] = {"cpus": shard_cpus(dm) if bind else None}
             dm.cli("policy", "spares", "--sleep")
             for case, asleep in (("asleep", True), ("awake", False)):
                 if not asleep:
@@ -161,7 +164,7 @@ def with_a_spare(engine: str) -> dict[str, Any]:
                 victim = ready["serving"][0]
                 t_kill = time.time()
                 os.kill(victim["pid"], signal.SIGKILL)
-                event = promoted_after(dm, t_kill)
+                event = promoted_after(dm, t_kill, timeout=600)
                 out[case] = {
                     "promote_s": event["t"] - t_kill,
                     "was_asleep": event.get("was_asleep"),
@@ -175,9 +178,31 @@ def with_a_spare(engine: str) -> dict[str, Any]:
             dm.close()
 
 
+def shard_cpus(dm: Dynamod) -> dict[str, list[str]]:
+    """Each shard's processes' allowed CPUs (/proc/PID/status Cpus_allowed_list), distinct
+    lists only; raises if two shards share a CPU list."""
+    found: dict[str, list[str]] = {}
+    for unit in dm.status()["units"]:
+        if not unit["name"].startswith("worker@") or unit["pid"] is None:
+            continue
+        lists = set()
+        for pid in tree_of(unit["pid"]):
+            try:
+                text = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            lists |= {line.split()[1] for line in text.splitlines()
+                      if line.startswith("Cpus_allowed_list:")}  # fmt: skip
+        found[unit["name"]] = sorted(lists)
+    seen = [cpus for lists in found.values() for cpus in lists]
+    if len(seen) != len(set(seen)):
+        raise RuntimeError(f"two real shards share CPUs: {found}")
+    return found
+
+
 def one_serving_one_spare(dm: Dynamod, version: int, asleep: bool) -> dict[str, Any]:
-    """Until one shard serves at `version` and one ready spare is there (asleep or awake
-    and current): a real shard's restart and replay take minutes."""
+    """Until one shard serves at `version` and one ready spare is there (asleep, or awake,
+    current and warmed): a real shard's restart and replay take minutes."""
 
     def check() -> dict[str, Any] | None:
         now = roles(dm)
@@ -187,7 +212,7 @@ def one_serving_one_spare(dm: Dynamod, version: int, asleep: bool) -> dict[str, 
             and now["serving"][0].get("policy_version") == version
             and spare is not None
             and bool(spare["spare"].get("sleeping")) == asleep
-            and (asleep or spare.get("policy_version") == version)
+            and (asleep or (spare.get("policy_version") == version and spare["spare"]["warm"]))
         )
         return now if ok else None
 
@@ -267,6 +292,8 @@ def main() -> None:
     report.notes += [
         f"{pushes} push(es) and {kills} kill(s) per engine; dynamod's CPU over {window:g} s "
         "of the idle stack.",
+        "the spare case's real shards ran with cpus_per_shard=1, each process's CPUs: "
+        f"{real['spare']['cpus']}.",
         "the real shard's spawn -> ready is three interpreters importing torch and vLLM, "
         "then the engine's warm-up: on a loaded 2-core machine it varies by minutes.",
     ]

@@ -139,14 +139,14 @@ def settled(dm: Dynamod, version: int, asleep: bool = False) -> dict[str, list[d
     return result
 
 
-def promoted_after(dm: Dynamod, t_kill: float) -> dict[str, Any]:
+def promoted_after(dm: Dynamod, t_kill: float, timeout: float = 30) -> dict[str, Any]:
     def find() -> dict[str, Any] | None:
         return next(
             (e for e in dm.events() if e.get("event") == "spares.promoted" and e["t"] >= t_kill),
             None,
         )
 
-    found: dict[str, Any] = wait_until(find, 30, 0.01, "spares.promoted")
+    found: dict[str, Any] = wait_until(find, timeout, 0.01, "spares.promoted")
     return found
 
 

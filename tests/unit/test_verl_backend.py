@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from dynamod.integrations.verl.completions import build_request, parse_response
+from dynamod.integrations.verl.completions import Completion, build_request, parse_response
 from dynamod.integrations.verl.config import RolloutSettings, parse_settings
 from dynamod.integrations.verl.errors import (
     GenerationError,
@@ -143,3 +143,23 @@ def test_step_boundary_check_fails_on_a_stale_shard_or_stale_generation() -> Non
     assert not judge_steps(stale, 2, [2])[0]
     assert not judge_steps(policy, 3, [2])[0]
     assert not judge_steps(policy, 2, [1])[0]
+
+
+def test_a_served_version_comes_from_the_engine_or_else_from_the_shard_that_served_it() -> None:
+    """dynamo.vllm 1.6.1 returns no engine_data: the version is the serving shard's (found
+    by the instance in `worker_id`), and a request from an unknown worker has none."""
+    from dynamod.integrations.verl.validate import judge_steps, served_versions
+
+    def done(**extra: Any) -> Completion:
+        return Completion([1], [-0.1], "completed", "stop", extra=extra)
+
+    units = [{"name": "worker@0", "policy_version": 3, "dynamo": {"instance_ids": [7, 8]}},
+             {"name": "worker@1", "policy_version": 2, "dynamo": {"instance_ids": [9]}},
+             {"name": "frontend"}]  # fmt: skip
+    results = [done(weight_version=3, worker_id=9), done(weight_version=None, worker_id=8),
+               done(worker_id=9), done(worker_id=5), RuntimeError("HTTP 500")]  # fmt: skip
+    assert served_versions(results, units) == [
+        (3, "engine"), (3, "shard"), (2, "shard"), (None, "unknown (worker 5)")]
+    policy = {"current": 3, "shards": [{"name": "worker@0", "policy_version": 3, "admitted": True}]}
+    assert judge_steps(policy, 3, [v for v, _ in served_versions(results[:2], units)])[0]
+    assert not judge_steps(policy, 3, [v for v, _ in served_versions(results[:3], units)])[0]

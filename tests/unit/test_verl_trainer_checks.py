@@ -46,6 +46,17 @@ def test_iteration_passes_and_fails() -> None:
     assert not ok and "digests" in detail
     ok, detail = judge_iteration(steps[:1], updates((0, 0), (1, 1)), 2)
     assert not ok and "steps [1]" in detail
+    # an engine that reports no digest (dynamo.vllm's disk path): a checkpoint per update
+    blind = [{**u, "digest": None, "checkpoint": f"/ckpt/{u['verl_step']}"}
+             for u in updates((0, 0), (1, 1), (2, 2))]  # fmt: skip
+    ok, detail = judge_iteration(steps, blind, 2)
+    assert ok and "no digests" in detail, detail
+    blind[2]["checkpoint"] = blind[1]["checkpoint"]
+    ok, detail = judge_iteration(steps, blind, 2)
+    assert not ok and "checkpoint of their own" in detail, detail
+    blind[2] = {**blind[2], "checkpoint": "/ckpt/2", "digest": "d2"}  # some digests, not all
+    ok, detail = judge_iteration(steps, blind, 2)
+    assert not ok and "digests" in detail, detail
     no_update = [{k: v for k, v in s.items() if k != "timing_s/update_weights"} for s in steps]
     ok, detail = judge_iteration(no_update, updates((0, 0), (1, 1), (2, 2)), 2)
     assert not ok and "weight update" in detail

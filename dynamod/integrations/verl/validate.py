@@ -64,6 +64,28 @@ def judge_steps(policy: Mapping[str, Any], step: int, served: Sequence[Any]) -> 
     return True, f"{len(shards)} shards at step {step}; {len(served)} post-update requests ok"
 
 
+def served_versions(results: Sequence[Completion | Exception],
+                    units: Sequence[Mapping[str, Any]]) -> list[tuple[Any, str]]:
+    """Each completed request's (version, how it is known): the engine's own report
+    (`engine_data`) where it gives one ("engine"); else, for an engine that reports none
+    (dynamo.vllm 1.6.1), the version the shard that served it (`worker_id`, one of its
+    Dynamo instances) reported at its last update, which dynamod checked with
+    get_weight_version ("shard"); None when neither is known."""
+    by_instance = {instance: unit.get("policy_version") for unit in units
+                   for instance in (unit.get("dynamo") or {}).get("instance_ids") or []}
+    found: list[tuple[Any, str]] = []
+    for r in results:
+        if not isinstance(r, Completion):
+            continue
+        if r.extra.get("weight_version") is not None:
+            found.append((r.extra["weight_version"], "engine"))
+        elif r.extra.get("worker_id") in by_instance:
+            found.append((by_instance[r.extra["worker_id"]], "shard"))
+        else:
+            found.append((None, f"unknown (worker {r.extra.get('worker_id')})"))
+    return found
+
+
 def judge_updates(records: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
     if not records:
         return False, "no weight update was logged (<state_dir>/verl/updates.jsonl)"
@@ -159,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.step is None:
             parser.error("steps needs --step")
-        served = [r.extra.get("weight_version") for r in results if isinstance(r, Completion)]
-        ok, detail = judge_steps(Client(args.state_dir).policy_status(), args.step, served)
+        client = Client(args.state_dir)
+        served = served_versions(results, client.status()["units"])
+        ok, detail = judge_steps(client.policy_status(), args.step, [v for v, _ in served])
+        how = sorted({h for _, h in served})
+        detail += f" (served versions known from: {', '.join(how) or 'nothing'})"
     else:
         tokens = sum(len(r.token_ids) for r in results if isinstance(r, Completion))
         prompt = sum((u or {}).get("prompt_tokens", 0) for u in usages)
