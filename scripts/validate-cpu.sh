@@ -131,7 +131,14 @@ for pid in filter(str.isdigit, os.listdir("/proc")):
             left.add(int(pid))
     except OSError:
         pass
-print(" ".join(map(str, sorted(left))))
+def what(pid: int) -> str:  # a leftover named: its command and state, as /proc says
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        state = [l for l in open(f"/proc/{pid}/status") if l.startswith("State:")][0].split()[1]
+    except (OSError, IndexError):
+        return f"{pid} (gone)"
+    return f"{pid} ({state}: {cmd.strip()[:120] or '?'})"
+print(", ".join(map(what, sorted(left))))
 EOF
 )
 if [ -z "$RUN_ID" ]; then report "FAIL teardown: no run id in $STATE/run.json"

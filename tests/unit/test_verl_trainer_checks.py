@@ -47,10 +47,16 @@ def test_iteration_passes_and_fails() -> None:
     ok, detail = judge_iteration(steps[:1], updates((0, 0), (1, 1)), 2)
     assert not ok and "steps [1]" in detail
     # an engine that reports no digest (dynamo.vllm's disk path): a checkpoint per update
-    blind = [{**u, "digest": None, "checkpoint": f"/ckpt/{u['verl_step']}"}
+    blind = [{**u, "digest": None, "checkpoint": f"/ckpt/{u['verl_step']}",
+              "shards": ["w@0"], "acks": {"w@0": None}}
              for u in updates((0, 0), (1, 1), (2, 2))]  # fmt: skip
     ok, detail = judge_iteration(steps, blind, 2)
     assert ok and "no digests" in detail, detail
+    # no digest because the update failed on the shard (it was replayed from disk after)
+    failed = [{**u, "acks": {}, "errors": {"w@0": "bucket: AttributeError"}, "stale": ["w@0"]}
+              for u in blind]  # fmt: skip
+    ok, detail = judge_iteration(steps, failed, 2)
+    assert not ok and "not acknowledged" in detail and "AttributeError" in detail, detail
     blind[2]["checkpoint"] = blind[1]["checkpoint"]
     ok, detail = judge_iteration(steps, blind, 2)
     assert not ok and "checkpoint of their own" in detail, detail

@@ -105,9 +105,15 @@ def judge_iteration(steps: Sequence[Mapping[str, float]], updates: Sequence[Mapp
     parts = f"{wanted} steps (rollout, reward/advantage, actor update, weight update)"
     if not any(digests):
         # The engine reports no digest of what it loaded (dynamo.vllm's
-        # update_weights_from_disk and get_weight_version carry none): each update must
-        # still have loaded a checkpoint of its own, and boundary-1 (verl's recompute of
-        # every token's logprob at the same weights) is what shows the engine holds them.
+        # update_weights_from_disk and get_weight_version carry none): every shard must
+        # still have acknowledged every update, each loading a checkpoint of its own, and
+        # boundary-1 (verl's recompute of every token's logprob at the same weights) is
+        # what shows the engine holds them.
+        unacked = {u.get("verl_step"): u.get("errors") or u.get("stale")
+                   for u in run if u.get("errors") or u.get("stale")
+                   or set(u.get("acks") or {}) != set(u.get("shards") or ())}  # fmt: skip
+        if unacked:
+            return False, f"updates not acknowledged by every shard (verl step: why): {unacked}"
         checkpoints = [u.get("checkpoint") for u in run]
         if not all(checkpoints) or len(set(checkpoints)) != len(checkpoints):
             return False, f"the updates did not each load a checkpoint of their own: {checkpoints}"
