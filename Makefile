@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -61,6 +61,13 @@ validate-cpu: install
 	./scripts/validate-cpu.sh
 	DYNAMOD_VERL_VALIDATE=1 $(BIN)/pytest -q -ra tests/integration/test_verl_validate_cpu.py
 	DYNAMOD_VERL_FAULTS=1 $(BIN)/pytest -q -ra tests/integration/test_verl_faults.py
+
+# The same validation against real dynamo.vllm shards (units/stacks/verl-vllm-cpu.toml), verl's
+# colocated weight path (weight_sync=ipc) into them: 2 ranks, 2 real shards (~8 GB), report in
+# validate-vllm-cpu-report.txt.
+validate-vllm-cpu: install install-vllm
+	STACK=verl-vllm-cpu OVERRIDES="+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc" \
+		./scripts/validate-cpu.sh validate-vllm-cpu-report.txt
 
 lint:
 	$(BIN)/ruff check dynamod tests bench
