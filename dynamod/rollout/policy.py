@@ -634,7 +634,7 @@ class PolicyManager(Extension):
             "model": model,
             "prompt": "dynamod warm-up",
             "max_tokens": 1,
-            "nvext": {"backend_instance_id": instances[0], "extra_fields": ["worker_id"]},
+            "nvext": {"backend_instance_id": instances[0]},
         }
         started = time.monotonic()
         try:
