@@ -24,8 +24,8 @@ router, the policy ledger), serving the same tiny model. Per engine:
   spare       the same stack with one hot spare (`spares=1`: two shards, one serving):
               kill -9 of the serving shard -> the spare promoted at the current version
               (`spares.promoted`), once with the spare asleep (`control/sleep`; the
-              promotion wakes it with `control/wake_up` and replays the version it
-              missed) and once awake and current (after the victim came back as the spare)
+              promotion wakes it with `control/wake_up`, and replays a version it
+              missed, if any) and once awake and current (after the victim came back as the spare)
 
 --quick: one push and one kill per engine (still minutes: the real shard starts four times);
 the full profile three pushes and two kills. CI's smoke run of the benchmarks leaves this
@@ -180,7 +180,7 @@ def with_a_spare(engine: str) -> dict[str, Any]:
 
 def shard_cpus(dm: Dynamod) -> dict[str, list[str]]:
     """Each shard's processes' allowed CPUs (/proc/PID/status Cpus_allowed_list), distinct
-    lists only; raises if two shards share a CPU list."""
+    lists only; raises if two shards share a CPU."""
     found: dict[str, list[str]] = {}
     for unit in dm.status()["units"]:
         if not unit["name"].startswith("worker@") or unit["pid"] is None:
@@ -194,9 +194,19 @@ def shard_cpus(dm: Dynamod) -> dict[str, list[str]]:
             lists |= {line.split()[1] for line in text.splitlines()
                       if line.startswith("Cpus_allowed_list:")}  # fmt: skip
         found[unit["name"]] = sorted(lists)
-    seen = [cpus for lists in found.values() for cpus in lists]
-    if len(seen) != len(set(seen)):
+    cpus = {name: set().union(*map(cpu_set, lists)) for name, lists in found.items()}
+    names = sorted(cpus)
+    if any(cpus[a] & cpus[b] for i, a in enumerate(names) for b in names[i + 1 :]):
         raise RuntimeError(f"two real shards share CPUs: {found}")
+    return found
+
+
+def cpu_set(text: str) -> set[int]:
+    """A Cpus_allowed_list ("0-2,5") as a set of CPU numbers."""
+    found: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
     return found
 
 
