@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from dynamod.rollout.etcd.endpoints import EndpointError, parse_endpoint
+
 _DETAIL_MAX = 200
 
 
@@ -50,12 +52,11 @@ def local_first(endpoints: list[str], address: str) -> list[str]:
     order): each node keeps its lease alive through its own member, so another node's member
     going away costs it nothing, where a list naming the head first sent every node's
     keepalives through the head's member and they stalled with it."""
-    from urllib.parse import urlsplit
 
     def here(url: str) -> bool:
         try:
-            return urlsplit(url if "://" in url else f"//{url}").hostname == address
-        except ValueError:
+            return parse_endpoint(url).host.strip("[]") == address.strip("[]")
+        except EndpointError:
             return False
 
     return [u for u in endpoints if here(u)] + [u for u in endpoints if not here(u)]
