@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup real-engine-two-shards chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -35,6 +35,12 @@ vllm-up: install-vllm
 # under the machine's cgroup v2 only).
 real-engine-pgroup: install-vllm
 	DYNAMOD_CONTAINMENT=pgroup $(BIN)/pytest -q -ra tests/integration/test_real_engine.py
+
+# Two real dynamo.vllm shards under load (~10 min on two cores; not in CI): kill -9 of one,
+# `stop` and `apply --var shards=1` of one, each with 0 failed client requests
+# (tests/integration/test_real_engine_two_shards.py).
+real-engine-two-shards: install-vllm
+	DYNAMOD_TEST_REAL_TWO_SHARDS=1 $(BIN)/pytest -q -ra -s tests/integration/test_real_engine_two_shards.py
 
 # The 45 s etcd cut under load on one real dynamo.vllm shard (bench.outages --real-engine):
 # full service after it, shard restarts, Dynamo process exits (minutes: a real shard starts).

@@ -63,9 +63,13 @@ class LoadGenerator:
         if status == 200:
             try:
                 answer = json.loads(text)
-                engine = answer.get("nvext", {}).get("engine_data") or {}
+                nvext = answer.get("nvext") or {}
+                engine = nvext.get("engine_data") or {}
                 version = engine.get("weight_version")
-                instance = str(engine.get("instance_id"))
+                # dynamo.vllm 1.6.1 returns no engine_data: then the router's pick
+                served = engine.get("instance_id",
+                                    (nvext.get("worker_id") or {}).get("decode_worker_id"))
+                instance = None if served is None else str(served)
                 tokens = _token_counts(answer)
             except (ValueError, AttributeError, IndexError):
                 error = f"unparsable 200 answer: {text[:100]}"

@@ -67,7 +67,8 @@ def test_the_real_engine_runbooks_load_on_the_vllm_cpu_stack() -> None:
 
 def test_the_real_engine_runbooks_share_three_stacks() -> None:
     """One real shard start serves several runbooks: the one-shard group, the two-shard
-    group (a push that one shard misses needs another to take it), shutdown's own."""
+    group (a push that one shard misses needs another to take it; a kill that costs no
+    request needs another to take the load), shutdown's own."""
     from dynamod.chaos.runner import groups
 
     found = groups(model.load_all(model.runbooks_dir() / "real-engine"))
@@ -75,7 +76,7 @@ def test_the_real_engine_runbooks_share_three_stacks() -> None:
         ["real-cache-reuse-after-update", "real-token-alignment", "real-worker-hang",
          "real-worker-sigkill"],
         ["real-shutdown-leaves-nothing"],
-        ["real-stale-shard", "real-worker-dies-during-update"],
+        ["real-stale-shard", "real-two-shards-sigkill", "real-worker-dies-during-update"],
     ]
 
 

