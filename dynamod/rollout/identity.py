@@ -11,7 +11,8 @@ run id) and which Dynamo namespaces its workers use. A key that is there is a li
 (etcd deletes it when the lease lapses), so:
 - `up` of a stack whose identity a live daemon holds is refused before anything starts,
   naming that daemon (`check_before_up`); so is a Dynamo namespace another live stack's
-  workers use;
+  workers use. The nodes of one cluster stack share its identity, one key per node; a
+  second copy of a node, or a single-node stack of the cluster's identity, is refused;
 - the start-up sweep of stale registrations leaves a namespace's unrecorded registrations
   alone while another live stack uses that namespace (rollout/registrations.py);
 - `status` shows a namespace shared with another stack's workers, with their count.
@@ -144,6 +145,17 @@ def left_behind(other: DaemonRecord, me: DaemonRecord) -> bool:
     return (bool(me.state_dir) and other.state_dir == me.state_dir) or not pid_alive(other.pid)
 
 
+def holds_mine(other: DaemonRecord, me: DaemonRecord) -> bool:
+    """Whether `other` holds the identity `me` would take. The nodes of one cluster stack
+    share it, each under a key of its own; anything else of the same identity holds it
+    whole: a single-node stack beside a cluster's nodes (or a cluster node beside a
+    single-node stack) would share their ledger though their daemon keys differ."""
+    if other.id != me.id:
+        return False
+    peers = other.node is not None and me.node is not None and other.stack == me.stack
+    return other.node == me.node or not peers
+
+
 def conflicts(me: DaemonRecord, live: Iterable[DaemonRecord]) -> list[str]:
     """Why `me` may not start beside the live daemons: one holds its identity (and node),
     or one's workers use a Dynamo namespace of its own. Empty: nothing in the way."""
@@ -151,7 +163,7 @@ def conflicts(me: DaemonRecord, live: Iterable[DaemonRecord]) -> list[str]:
     for other in live:
         if other.run_id == me.run_id or left_behind(other, me):
             continue
-        if other.id == me.id and other.node == me.node:
+        if holds_mine(other, me):
             problems.append(
                 f"stack identity {me.id!r} is held by a live daemon: {other.describe()}; "
                 f"`--var stack_id=OTHER` runs a second copy beside it"
@@ -189,8 +201,11 @@ def check_before_up(stack: Stack, state_dir: str, auth: EtcdAuth | None = None) 
     the stack, in the etcd the stack would use. An etcd that does not answer is one the
     stack starts itself: no other daemon can be in it yet."""
     endpoint = stack_etcd(stack)
-    if endpoint is None or stack.cluster is not None:
-        return  # a cluster node's etcd members may not be reachable yet: its daemon claims
+    if endpoint is None:
+        return
+    # A cluster node looks too: a head whose etcd is not up yet refuses the connection at
+    # once (nothing is held there), and a node's second copy would otherwise start its
+    # shards beside the first's, in its Dynamo namespace, under its registry entry.
     me = record_of(stack, pid=os.getpid(), state_dir=state_dir, run_id="")
     problems = conflicts(me, _look_in_child(endpoint, auth))
     if problems:
@@ -258,7 +273,7 @@ class StackIdentity(Extension):
         self.record = record_of(host.stack, pid=pid, state_dir=state_dir, run_id=run_id)
         self.etcd = EtcdClient(self.endpoint, timeout_s=CHECK_TIMEOUT_S, auth=self.auth)
         self.registrations.others_in_namespace = self.others_in_namespace
-        if host.stack.cluster is None:  # a cluster node's members may not be up: claim later
+        if host.stack.cluster is None:  # a node's members may not be up: claim later (`up` looked)
             with contextlib.suppress(TimeoutError, EtcdError):
                 async with asyncio.timeout(CHECK_TIMEOUT_S):
                     await self.claim()  # an outside etcd: now, before any unit starts

@@ -139,6 +139,47 @@ def test_another_node_of_a_cluster_stack_is_no_conflict() -> None:
     assert conflicts(me, [record(node="n2")]) != []
 
 
+def test_a_single_node_stack_and_a_cluster_of_one_identity_conflict() -> None:
+    """Their daemon keys differ (`dynamod/a/daemon` and `dynamod/a/daemon/head`), their
+    ledger would not: whichever comes second is refused, naming the holder."""
+    head = record(stack="cluster", node="head", state_dir="/s/head")
+    single = conflicts(record(run_id="", host="here", state_dir="/s/b"), [head])
+    assert len(single) == 1 and "stack identity 'a' is held by a live daemon" in single[0]
+    assert "node head" in single[0] and "state dir /s/head" in single[0]
+    node = record(run_id="", stack="cluster", node="n1", host="here")
+    assert conflicts(node, [record()]) != []  # a cluster node beside a single-node stack
+    assert conflicts(node, [record(stack="other", node="n2")]) != []  # another cluster stack
+    assert conflicts(node, [record(stack="cluster", node="n2")]) == []  # its own cluster
+
+
+def test_up_of_a_cluster_node_looks_for_a_live_holder_of_that_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tables.register()
+    counter = itertools.count(40000)
+
+    def node(name: str) -> spec.Stack:
+        return spec.load(paths.units_dir() / "stacks" / "cluster.toml", state_dir=tmp_path,
+                         allocate_port=lambda: next(counter), node=name)  # fmt: skip
+
+    live = [record(id="cluster", stack="cluster", node=n, state_dir=f"/s/{n}", pid=7)
+            for n in ("head", "n2")]  # fmt: skip
+    asked: list[str] = []
+
+    def look(endpoint: str, auth: object) -> list[DaemonRecord]:
+        asked.append(endpoint)
+        return live
+
+    monkeypatch.setattr(identity, "_look_in_child", look)
+    n2 = node("n2")
+    with pytest.raises(identity.IdentityTaken) as info:
+        identity.check_before_up(n2, str(tmp_path / "copy"))
+    assert asked == [identity.stack_etcd(n2)] == ["http://10.77.0.1:2379"]
+    assert "identity 'cluster' node n2" in str(info.value) and "/s/n2" in str(info.value)
+    identity.check_before_up(node("n1"), str(tmp_path / "n1"))  # a node nobody holds
+    assert len(asked) == 2
+
+
 def test_a_key_left_by_a_gone_daemon_of_this_host_is_no_conflict() -> None:
     host = socket.gethostname()
     me = record(run_id="", host=host, state_dir="/s/mine")
