@@ -138,6 +138,23 @@ class ClusterRig:
             self._cli(node, *args), capture_output=True, text=True, timeout=timeout
         )
 
+    def run_inside(
+        self, node: str, state_dir: Path, *args: str, timeout: float = 240
+    ) -> subprocess.CompletedProcess[str]:
+        """A CLI command run inside the node's network namespace with a state dir of the
+        caller's: another stack (or a copy of a node) on that node, reaching the cluster's
+        addresses from there. Its daemon, if it starts one, is the caller's to stop."""
+        assert self.sandbox is not None
+        argv = [sys.executable, "-m", "dynamod", "--state-dir", str(state_dir), *args]
+        proc = self.sandbox.run(
+            self.names.index(node), argv, env=dict(os.environ),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(
+            argv, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+        )
+
     def status(self, node: str) -> dict[str, Any]:
         """The node daemon's status, over its socket from this process (no CLI start-up)."""
         try:

@@ -142,3 +142,17 @@ def push(dm: Dynamod, step: int, path: Path) -> dict[str, Any]:
 
 def frontend(status: dict[str, Any]) -> str:
     return f"http://127.0.0.1:{unit_by_name(status, 'frontend')['ports']['http']}"
+
+
+async def served_by(url: str, n: int) -> list[int]:
+    """The Dynamo worker instance that served each of n completions through the frontend."""
+    body = {"model": MODEL, "max_tokens": 4, "nvext": {"extra_fields": ["worker_id"]}}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        served = []
+        for i in range(n):
+            async with session.post(f"{url}/v1/completions",
+                                    json={**body, "prompt": f"round {i}"}) as resp:
+                reply = await resp.json(content_type=None)
+                assert resp.status == 200, reply
+            served.append(int(reply["nvext"]["worker_id"]["decode_worker_id"]))
+        return served

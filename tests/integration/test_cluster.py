@@ -1,17 +1,22 @@
 """Three network namespaces as nodes, each with its own dynamod (its own state dir): the
 head runs etcd, NATS, the frontend and one CPU shard; n1 and n2 one shard each. One shared
 cluster for the checks, in order: bring-up and the status tree seen from a non-head node;
-a worker node cut under load (detection, re-routing, serving continues, a push commits
-meanwhile, only that node is marked lost); the link healed (its shard gets its registration
-back and replays the pushed version, no restart); one node's dynamod restarted without
-disturbing the others; a node started again by `up --join ADDR` alone; `down --cluster`
-leaves no process, cgroup or namespace. Skipped, with the reason, only where network
-namespaces cannot be made."""
+a second stack on the cluster's etcd and NATS kept apart from it (stack identity), and
+copies claiming the cluster's identity refused; a worker node cut under load (detection,
+re-routing, serving continues, a push commits meanwhile, only that node is marked lost);
+the link healed (its shard gets its registration back and replays the pushed version, no
+restart); one node's dynamod restarted without disturbing the others; a node started
+again by `up --join ADDR` alone; `down --cluster` leaves no process, cgroup or namespace.
+Skipped, with the reason, only where network namespaces cannot be made."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
+import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,8 @@ from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
+from tests.conftest import Dynamod, unit_by_name
+from tests.integration.policystack import frontend, model_dir, push, served_by
 from tests.integration.rawstack import free_port
 
 REASON = can_create_namespaces()
@@ -68,6 +75,109 @@ def test_status_on_a_worker_node_shows_the_whole_cluster_tree(rig: ClusterRig) -
     text = rig.run("n1", "status").stdout
     assert "cluster: this node n1, head head" in text
     assert "├─ head (head)" in text and "└─ n2" in text
+
+
+def _shards(rig: ClusterRig) -> dict[str, tuple[int, int, int]]:
+    """node -> its worker@0's (pid, restarts, policy version)."""
+    out = {}
+    for node in rig.names:
+        shard = next(u for u in rig.status(node)["units"] if u["name"] == "worker@0")
+        out[node] = (shard["pid"], shard["restarts"], shard["policy_version"])
+    return out
+
+
+def _local_on_the_cluster(rig: ClusterRig, stack_id: str, *extra: str) -> list[str]:
+    """`up` of the stock single-node stack on the head's etcd and NATS."""
+    head = rig.address("head")
+    return ["up", "local", "--detach", "--var", f"etcd={head}:2379", "--var", f"nats={head}:4222",
+            "--var", f"stack_id={stack_id}", "--var", "workers=1", "--var", "trainer_steps=0",
+            *extra]  # fmt: skip
+
+
+def test_a_second_stack_on_the_cluster_s_etcd_stays_apart(rig: ClusterRig, tmp_path: Path) -> None:
+    """Stack `beta` (the stock `local`, one worker) inside n1 on the head's etcd and NATS:
+    each frontend is served by its own stack's workers, a push to beta leaves the
+    cluster's ledger, beta's start-up sweep revokes none of the cluster's registrations,
+    and copies that claim the cluster's identity (or namespace) are refused."""
+    cluster_ids = set().union(*(rig.instance_ids(n) for n in rig.names))
+    before, current = _shards(rig), rig.status("head")["policy"]["current"]
+    beta = Dynamod(rig.work_dir / "beta")
+    try:
+        started = rig.run_inside("n1", beta.state_dir, *_local_on_the_cluster(rig, "beta"))
+        assert started.returncode == 0, started.stdout + started.stderr[-3000:]
+        status = beta.status()
+        mine = {i for u in status["units"] if u.get("dynamo") for i in u["dynamo"]["instance_ids"]}
+        assert len(mine) == 1 and not mine & cluster_ids
+        assert unit_by_name(status, "worker@0")["dynamo"]["namespace"] == "beta"
+        assert status["identity"]["held"] and status["identity"]["key"] == "dynamod/beta/daemon"
+        for node in rig.names:  # the cluster's keys, beside beta's: held, nothing shared
+            held = rig.status(node)["identity"]
+            assert held["key"] == f"dynamod/cluster/daemon/{node}" and held["held"], held
+            assert held["shared_namespaces"] == {}
+        # beta's start-up sweep ran while the cluster served: every shard still routed
+        assert cluster_ids <= rig.routed() and not mine & rig.routed()
+        url, beta_url = rig.frontend_url(), frontend(status)
+        served = rig.in_node("head", lambda: asyncio.run(served_by(url, 6)))
+        assert set(served) <= cluster_ids, f"the cluster's frontend answered from {served}"
+        served = rig.in_node("n1", lambda: asyncio.run(served_by(beta_url, 3)))
+        assert set(served) <= mine, f"beta's frontend answered from {served}"
+        step = tmp_path / "beta-1"  # the tiny model's own weights, as beta's version 1
+        shutil.copytree(model_dir(status), step)
+        pushed = push(beta, 1, step)
+        assert pushed["ok"] and set(pushed["acks"]) == {"worker@0"}, pushed
+        assert beta.status()["policy"]["current"] == 1
+        ledger = json.loads(rig.run("head", "policy", "status", "--json").stdout)
+        assert ledger["current"] == current != 1, ledger
+        assert {s["policy_version"] for s in ledger["shards"]} == {current}, ledger
+        _copies_are_refused(rig)
+    finally:
+        if (beta.state_dir / "dynamod.sock").exists():
+            beta.run("down", timeout=120)
+    assert _shards(rig) == before, "no cluster shard restarted, none moved version"
+    assert cluster_ids <= rig.routed()
+
+
+def _copies_are_refused(rig: ClusterRig) -> None:
+    """`up` inside n2 of: the cluster's identity as a single-node stack; a second n2 of the
+    cluster stack; another identity on the cluster's Dynamo namespace. Each: exit 2, one
+    line naming the daemon that holds it, nothing started."""
+    head, n2 = str(rig.state_dir("head")), str(rig.state_dir("n2"))  # the first key: head's
+    cases = {  # what the line says, and whose state dir it names
+        ("stack identity 'cluster' is held by a live daemon", head): _local_on_the_cluster(
+            rig, "cluster"),
+        ("stack identity 'cluster' is held by a live daemon: stack 'cluster' (identity "
+         "'cluster' node n2)", n2): [
+            "up", str(rig.stack_file), "--node", "n2", "--detach",
+            *(a for k, v in rig.variables.items() for a in ("--var", f"{k}={v}"))],
+        ("Dynamo namespace 'dynamod' is used by the workers of stack 'cluster'", head):
+            _local_on_the_cluster(rig, "gamma", "--var", "namespace=dynamod"),
+    }  # fmt: skip
+    copies = {case: rig.work_dir / f"copy{i}" for i, case in enumerate(cases)}
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            runs = {c: pool.submit(rig.run_inside, "n2", copies[c], *argv, timeout=120)
+                    for c, argv in cases.items()}  # fmt: skip
+        got = {case: _refused(run.result(), copies[case], *case) for case, run in runs.items()}
+        wrong = [f"{expect!r} ({holder}): {why}" for (expect, holder), why in got.items() if why]
+        assert not wrong, "\n".join(wrong)  # every case, not the first
+    finally:
+        for copy in copies.values():  # one that started after all is stopped here
+            if (copy / "dynamod.sock").exists():
+                Dynamod(copy).run("down", timeout=120)
+
+
+def _refused(result: subprocess.CompletedProcess[str], copy: Path, expect: str, holder: str
+             ) -> str | None:  # fmt: skip
+    """None for a refusal as it should be, else what happened instead."""
+    lines = result.stderr.strip().splitlines()
+    started = [f.name for f in (copy / "dynamod.sock", copy / "daemon.log") if f.exists()]
+    if (result.returncode, len(lines), started) != (2, 1, []) or not (
+        expect in lines[0] and f"state dir {holder}" in lines[0] and "nothing was started"
+        in lines[0]
+    ):  # fmt: skip
+        said = (result.stdout[-800:] + result.stderr[-800:]).strip()
+        return f"exit {result.returncode}, started {started}: {said}"
+    return None
 
 
 def test_a_cut_node_is_marked_lost_and_routed_around_and_serving_continues(

@@ -23,19 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from dynamod.rollout import dynamo
 from dynamod.rollout.etcd import EtcdClient
 from tests.conftest import Dynamod, unit_by_name
-from tests.integration.policystack import model_dir, push
+from tests.integration.policystack import model_dir, push, served_by
 
 pytestmark = pytest.mark.slow
 
 ROUNDS = int(os.environ.get("DYNAMOD_STACK_IDENTITY_ROUNDS", "2"))
 PER_ROUND = 4  # requests through each frontend per round
-MODEL = "tiny-cpu"
 
 
 def _new_dm() -> Dynamod:
@@ -95,20 +93,6 @@ def _frontend(status: dict[str, Any]) -> str:
     return f"http://127.0.0.1:{unit_by_name(status, 'frontend')['ports']['http']}"
 
 
-async def _served_by(url: str, n: int) -> list[int]:
-    """The worker instance that served each of n completions."""
-    body = {"model": MODEL, "max_tokens": 4, "nvext": {"extra_fields": ["worker_id"]}}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        served = []
-        for i in range(n):
-            async with session.post(f"{url}/v1/completions",
-                                    json={**body, "prompt": f"round {i}"}) as resp:
-                reply = await resp.json(content_type=None)
-                assert resp.status == 200, reply
-            served.append(int(reply["nvext"]["worker_id"]["decode_worker_id"]))
-        return served
-
-
 async def _etcd_view(etcd: str) -> tuple[set[str], dict[str, set[int]]]:
     """The daemon keys, and each namespace's registered instance ids."""
     async with EtcdClient(f"http://{etcd}") as client:
@@ -136,7 +120,7 @@ def test_each_frontend_serves_only_its_own_stacks_workers(
     assert spaces == mine
     for round_ in range(ROUNDS):
         for name, s in status.items():
-            served = asyncio.run(_served_by(_frontend(s), PER_ROUND))
+            served = asyncio.run(served_by(_frontend(s), PER_ROUND))
             assert set(served) <= mine[name], f"round {round_}: {name} served by {served}"
     after = {name: dm.status() for name, dm in stacks.items()}
     for name in stacks:  # no worker was restarted meanwhile (none revoked, none lost)
@@ -213,5 +197,5 @@ def test_a_restarted_stacks_sweep_revokes_none_of_the_others_live_instances(
     assert spaces == {"alpha": alpha_ids, "beta": new_beta}
     worker = unit_by_name(alpha.status(), "worker@0")
     assert worker["restarts"] == 0 and worker["state"] == "ready"
-    served = asyncio.run(_served_by(_frontend(alpha.status()), 2))
+    served = asyncio.run(served_by(_frontend(alpha.status()), 2))
     assert set(served) <= alpha_ids
