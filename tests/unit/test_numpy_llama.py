@@ -276,3 +276,32 @@ def test_a_hosted_extensions_tensors_arrive_as_numpy_and_bfloat16_is_refused() -
     assert state_dict_digest(model.received) == state_dict_digest(sent)
     with pytest.raises(WorkerError, match=r"weight 'h' has dtype torch\.bfloat16"):
         model.load_weights([("h", torch.ones(2, dtype=torch.bfloat16))])
+
+
+async def stopped_at(model_dir: Path, prompt: list[int], stop: int) -> list[dict[str, Any]]:
+    engine = NumpyEngine(model_dir, load_checkpoint(model_dir, "numpy"), 4, 64, print)
+    await engine.start()
+    request = {
+        "token_ids": prompt,
+        "sampling_options": {"temperature": 0.0},
+        "stop_conditions": {"max_tokens": 8, "stop_token_ids_hidden": [stop]},
+    }
+    try:
+        return [c async for c in engine.generate(request)]
+    finally:
+        await engine.close()
+
+
+def test_a_stop_token_is_returned_last_with_its_logprob(tiny_dir: Path) -> None:
+    """As dynamo.vllm returns it through the frontend (seen: greedy [94, 94, 242], with
+    stop_token_ids [94] the completion is [94] with one logprob, finish "stop"): a
+    completion whose first token is a stop token is that one token, never empty (verl's
+    trainer cannot batch an empty completion's missing logprobs)."""
+    prompt = [1, 20, 21, 22, 23]
+    first, _ = asyncio.run(engine_tokens(tiny_dir, [prompt], max_tokens=3))
+    greedy = [t for c in first[0] for t in c["token_ids"]]
+    chunks = asyncio.run(stopped_at(tiny_dir, prompt, greedy[0]))
+    assert [t for c in chunks for t in c["token_ids"]] == greedy[:1]
+    assert len([lp for c in chunks for lp in c["log_probs"]]) == 1
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert chunks[-1]["completion_usage"]["completion_tokens"] == 1

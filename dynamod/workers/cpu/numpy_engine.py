@@ -303,20 +303,21 @@ class NumpyEngine:
         banned = sorted(params.stop_token_ids) if len(seq.generated) < params.min_tokens else []
         assert seq.generator is not None  # set by _prefill
         token = sample(logits, params, seq.generator, banned)
+        # The stop token is returned with its logprob, as vLLM returns it (dynamo.vllm
+        # through the frontend: `completion_token_ids` ends with it); a trainer learns to
+        # stop from it, and a first-token stop is one token, never an empty completion.
+        seq.generated.append(token)
+        chunk: dict[str, Any] = {"index": 0, "token_ids": [token],
+                                 "log_probs": [float(logprobs[token])]}
+        if params.logprobs is not None:
+            chunk["top_logprobs"] = [top_entries(logprobs, token, params.logprobs)]
         finish: str | None = None
         if token in params.stop_token_ids:
             finish = "stop"
-        chunk: dict[str, Any] = {"index": 0, "token_ids": [], "log_probs": []}
-        if finish is None:
-            seq.generated.append(token)
-            chunk["token_ids"] = [token]
-            chunk["log_probs"] = [float(logprobs[token])]
-            if params.logprobs is not None:
-                chunk["top_logprobs"] = [top_entries(logprobs, token, params.logprobs)]
-            if len(seq.generated) >= params.max_tokens or (
-                len(seq.prompt) + len(seq.generated) >= self._max_len
-            ):
-                finish = "length"
+        elif len(seq.generated) >= params.max_tokens or (
+            len(seq.prompt) + len(seq.generated) >= self._max_len
+        ):
+            finish = "length"
         if finish is not None:
             chunk["finish_reason"] = finish
             chunk["completion_usage"] = {

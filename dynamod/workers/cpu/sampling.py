@@ -31,7 +31,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
     min_tokens: int = 0
-    stop_token_ids: frozenset[int] = frozenset()  # end the completion; not returned
+    stop_token_ids: frozenset[int] = frozenset()  # end the completion, returned last
     logprobs: int | None = None  # top-k alternatives per position; None: none asked
 
     @classmethod
