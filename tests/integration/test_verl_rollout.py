@@ -21,7 +21,6 @@ import pytest
 
 # Loopback Ray: read by ray at import time, and `import verl` imports ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install -e '.[verl]')")
 
 import ray
 from omegaconf import OmegaConf

@@ -17,7 +17,6 @@ import pytest
 # Loopback Ray: read by ray when it is imported, and `import verl` imports ray; a module
 # collected before test_verl_rollout.py would otherwise leave it unset for that one too.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-pytest.importorskip("verl", reason="the verl extra is not installed (pip install -e '.[verl]')")
 
 from tests.conftest import ROOT
 
