@@ -174,7 +174,8 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
              for q in during if not q.ok]  # fmt: skip
     assert member["state"] != "ready", f"the head's etcd member must stay down: {member}"
     assert pushed["ok"] and pushed["version"] == 1, pushed
-    assert pushed["nodes"] == {"n1": {"n1/worker@0": 1}, "n2": {"n2/worker@0": 1}}, pushed
+    assert pushed["nodes"] == {"n1": {"n1/worker@0": 1}, "n2": {"n2/worker@0": 1}}, (
+        pushed, _cluster_trouble(rig))
     assert pushed["behind"] == [], pushed
     assert served >= 10, f"serving must go on while the member is down: {shown}"
     assert not failed, [(q.sent, q.status, q.error) for q in failed[:5]]
@@ -184,3 +185,23 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
     lost = rig.logged("cluster.node_lost")
     assert not lost, f"no node may be marked lost while only an etcd member is down: {lost}"
 
+
+def _cluster_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
+    """The nodes' cluster warnings and errors (lost, back in contact, failed loops), for a
+    failure's message: a node missing from a push's answer has no other trace once the
+    rig's state dirs are gone."""
+    records = [r for node in rig.names for r in _node_log(rig, node)
+               if str(r.get("event", "")).startswith("cluster.")
+               and r.get("level") in ("warning", "error")]  # fmt: skip
+    return sorted(records, key=lambda r: str(r.get("timestamp")))[-30:]
+
+
+def _node_log(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
+    path = rig.state_dir(node) / "daemon.log"
+    rows = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        try:
+            rows.append({"logged_by": node, **json.loads(line)})
+        except (ValueError, TypeError):
+            continue
+    return rows
