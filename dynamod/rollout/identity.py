@@ -156,6 +156,13 @@ def holds_mine(other: DaemonRecord, me: DaemonRecord) -> bool:
     return other.node == me.node or not peers
 
 
+def shares_registry(other: DaemonRecord, me: DaemonRecord) -> bool:
+    """Two cluster stacks of one [stack] name and different identities: a node registry
+    is kept under the stack's name (cluster/registry.py), so theirs would be one."""
+    both_clusters = other.node is not None and me.node is not None
+    return both_clusters and other.stack == me.stack and other.id != me.id
+
+
 def conflicts(me: DaemonRecord, live: Iterable[DaemonRecord]) -> list[str]:
     """Why `me` may not start beside the live daemons: one holds its identity (and node),
     or one's workers use a Dynamo namespace of its own. Empty: nothing in the way."""
@@ -167,6 +174,12 @@ def conflicts(me: DaemonRecord, live: Iterable[DaemonRecord]) -> list[str]:
             problems.append(
                 f"stack identity {me.id!r} is held by a live daemon: {other.describe()}; "
                 f"`--var stack_id=OTHER` runs a second copy beside it"
+            )
+        elif shares_registry(other, me):
+            problems.append(
+                f"cluster stack {me.stack!r} keeps its node registry under "
+                f"dynamod/{me.stack}/cluster/, which {other.describe()} uses; give this "
+                f"stack another [stack] name"
             )
         elif other.id != me.id and (shared := sorted(set(other.namespaces) & set(me.namespaces))):
             problems.append(

@@ -9,6 +9,7 @@ import itertools
 import os
 import socket
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,20 @@ def test_a_single_node_stack_and_a_cluster_of_one_identity_conflict() -> None:
     assert conflicts(node, [record()]) != []  # a cluster node beside a single-node stack
     assert conflicts(node, [record(stack="other", node="n2")]) != []  # another cluster stack
     assert conflicts(node, [record(stack="cluster", node="n2")]) == []  # its own cluster
+
+
+def test_two_cluster_stacks_of_one_name_and_other_identities_conflict() -> None:
+    """A node registry lives under the stack's name (`dynamod/<name>/cluster/`): a second
+    cluster stack of that name on the same etcd is refused though its identity differs;
+    a cluster of another name, or a single-node stack of the same name, is not."""
+    head = record(stack="cluster", node="head", namespaces=("x",))
+    copy = record(run_id="", id="b", stack="cluster", node="head", host="here",
+                  namespaces=("y",))  # fmt: skip
+    [problem] = conflicts(copy, [head])
+    assert "keeps its node registry under dynamod/cluster/cluster/" in problem, problem
+    assert "pid 1 on host elsewhere" in problem and "[stack] name" in problem
+    assert conflicts(replace(copy, stack="other"), [head]) == []
+    assert conflicts(replace(copy, node=None), [head]) == []
 
 
 def test_up_of_a_cluster_node_looks_for_a_live_holder_of_that_node(
