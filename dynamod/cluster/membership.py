@@ -581,7 +581,8 @@ class Membership(Extension):
                 await self.read()
             others = {n: e for n, e in self.entries.items() if n != self.cluster.node}
             late = registry.behind(others, step)
-            if not late or time.monotonic() >= deadline:
+            unseen = self.unseen()
+            if (not late and not unseen) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.1)
         return {
@@ -591,7 +592,15 @@ class Membership(Extension):
             },
             "behind": sorted(s for shards in late.values() for s in shards),
             "lost_nodes": sorted(set(self.lost) - set(self.entries)),
+            "unseen_nodes": unseen,
         }
+
+    def unseen(self) -> list[str]:
+        """Other nodes seen in this daemon's life whose registry entry is gone and that no
+        one has marked lost: after an etcd outage longer than the registry lease every
+        entry expires at once and comes back as its node gets through again. A push waits
+        for them (or names them) instead of answering as if they did not exist."""
+        return sorted(self.seen - set(self.entries) - set(self.lost) - {self.cluster.node})
 
 
 def _json(raw: bytes) -> dict[str, Any]:
