@@ -1,14 +1,17 @@
 """bench.fleet's pure logic: the sizes it accepts, the growth exponent that names what grows
 faster than linearly, etcd's counters read from a /metrics text, the shards the inotify
-instances hold, and its stack (the stock cluster stack with a replicated etcd)."""
+instances hold (and the limit raised for a run and put back), and its stack (the stock
+cluster stack with a replicated etcd)."""
 
 from __future__ import annotations
 
 import math
 import tomllib
+from pathlib import Path
 
 import pytest
 
+from bench import fleet
 from bench.fleet_growth import (
     ETCD_METRICS,
     SizesError,
@@ -111,3 +114,37 @@ def test_a_stock_stack_without_the_expected_line_is_refused() -> None:
     broken = stock.replace('    "--initial-cluster",', '    "--initial-cluster-x",')
     with pytest.raises(StackShapeError, match="initial-cluster"):
         replicated(broken, ["head", "n1", "n2"], paths.units_dir())
+
+
+def _fake_inotify(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, limit: int) -> Path:
+    knob = tmp_path / "max_user_instances"
+    knob.write_text(f"{limit}\n")
+    monkeypatch.setattr(fleet, "INOTIFY_LIMIT", knob)
+    monkeypatch.setattr(fleet, "inotify_instances", lambda: (int(knob.read_text()), 10))
+    return knob
+
+
+def test_a_fleet_over_the_inotify_limit_is_refused_with_the_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    knob = _fake_inotify(monkeypatch, tmp_path, 128)
+    refused = r"256 shards need 512 inotify instances.*at most 51"
+    with pytest.raises(fleet.FleetError, match=refused), fleet.inotify_room(256, raise_limit=False):
+        pass
+    assert knob.read_text() == "128\n"  # nothing changed
+
+
+def test_raise_inotify_raises_the_limit_for_the_run_and_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    knob = _fake_inotify(monkeypatch, tmp_path, 128)
+    with (
+        pytest.raises(RuntimeError, match="a fleet failed"),
+        fleet.inotify_room(256, raise_limit=True) as facts,
+    ):
+        assert int(knob.read_text()) == facts["raised_to"] == 10 + 512 + 16
+        assert fleet.shards_that_fit(int(knob.read_text()), 10) >= 256
+        raise RuntimeError("a fleet failed")
+    assert knob.read_text() == "128\n"  # back, even after a failure
+    with fleet.inotify_room(40, raise_limit=True) as facts:  # fits: left alone
+        assert facts["raised_to"] is None and knob.read_text() == "128\n"
