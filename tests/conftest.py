@@ -3,6 +3,7 @@ test's dynamod left behind (by pid / by the run's env marker, never by name)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -147,6 +148,27 @@ class Dynamod:
         path = self.state_dir / "daemon.log"
         return path.read_text() if path.exists() else ""
 
+    def print_log_tail(self, lines: int) -> None:
+        """The daemon log's last `lines` on stdout (CI keeps a failed test's output)."""
+        have = self.daemon_log().splitlines()
+        print(f"--- last {min(lines, len(have))} of {len(have)} lines of "
+              f"{self.state_dir}/daemon.log")
+        print("\n".join(have[-lines:]))
+
+    def teardown(self, down_timeout: float = 120) -> None:
+        """End whatever this state dir's dynamod started, and remove the dir: `down` if its
+        daemon is up, then SIGKILL any process still carrying this run's marker (only ours,
+        never by name), whether or not `down` finished in time."""
+        run_id = self.run_id()
+        try:
+            if (self.state_dir / "dynamod.sock").exists():
+                self.run("down", timeout=down_timeout)
+        finally:
+            for pid in marked_pids(run_id) if run_id else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
 
 def unit_by_name(status: dict[str, Any], name: str) -> UnitStatus:
     units: list[UnitStatus] = status["units"]
@@ -180,16 +202,8 @@ def dm(request: pytest.FixtureRequest) -> Iterator[Dynamod]:
     d = Dynamod(state)
     yield d
     if _failed(request):  # the state dir goes below: say what the daemon saw (CI keeps this)
-        lines = d.daemon_log().splitlines()
-        print(f"--- last {min(80, len(lines))} of {len(lines)} lines of {state}/daemon.log")
-        print("\n".join(lines[-80:]))
-    run_id = d.run_id()
-    if (state / "dynamod.sock").exists():
-        d.run("down", timeout=120)
-    if run_id:  # belt and braces: only processes carrying this run's marker
-        for pid in marked_pids(run_id):
-            os.kill(pid, signal.SIGKILL)
-    shutil.rmtree(state, ignore_errors=True)
+        d.print_log_tail(80)
+    d.teardown()
 
 
 @pytest.fixture

@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import tempfile
 import time
@@ -46,7 +45,7 @@ from dynamod.client import Client
 from dynamod.cluster import exposure
 from dynamod.core import cgroups, paths
 from dynamod.core.ports import listening
-from dynamod.core.proctable import descendants, marked_pids
+from dynamod.core.proctable import descendants
 from tests.conftest import ROOT, Dynamod, unit_by_name, wait_dead
 from tests.integration.rawstack import RawStack, Worker, http_json
 from tests.integration.test_local_stack import etcd_keys
@@ -90,16 +89,8 @@ def dm(tmp_before: set[str]) -> Iterator[Dynamod]:
         )  # fmt: skip
         yield d
     finally:
-        lines = d.daemon_log().splitlines()
-        print(f"--- last {min(40, len(lines))} lines of {state}/daemon.log")
-        print("\n".join(lines[-40:]))
-        run_id = d.run_id()
-        if (state / "dynamod.sock").exists():
-            d.run("down", timeout=180)
-        if run_id:
-            for pid in marked_pids(run_id):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(state, ignore_errors=True)
+        d.print_log_tail(40)
+        d.teardown(down_timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -216,12 +207,7 @@ def test_a_shard_that_dies_at_start_shows_the_engines_own_cause(tmp_path: Path) 
         assert cause is not None and "max_model_len (999999)" in cause, rows
         print(f"up failed in its own words: {cause}")
     finally:
-        run_id = d.run_id()
-        if (d.state_dir / "dynamod.sock").exists():
-            d.run("down", timeout=180)
-        for pid in marked_pids(run_id) if run_id else []:
-            os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(d.state_dir, ignore_errors=True)
+        d.teardown(down_timeout=180)
 
 
 def test_the_stack_serves_the_trainers_pushes_on_the_real_engine(

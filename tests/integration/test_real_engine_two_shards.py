@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,7 +34,6 @@ from dynamod.chaos.history import Request
 from dynamod.chaos.journal import summary
 from dynamod.chaos.load import LoadGenerator
 from dynamod.client import Client
-from dynamod.core.proctable import marked_pids
 from tests.conftest import ROOT, Dynamod, unit_by_name, wait_dead
 
 pytestmark = [
@@ -66,16 +63,8 @@ def dm() -> Iterator[Dynamod]:
         print(f"up of two real shards: {time.monotonic() - started:.0f}s")
         yield d
     finally:
-        lines = d.daemon_log().splitlines()
-        print(f"--- last {min(40, len(lines))} lines of {state}/daemon.log")
-        print("\n".join(lines[-40:]))
-        run_id = d.run_id()
-        if (state / "dynamod.sock").exists():
-            d.run("down", timeout=300)
-        if run_id:
-            for pid in marked_pids(run_id):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(state, ignore_errors=True)
+        d.print_log_tail(40)
+        d.teardown(down_timeout=300)
 
 
 def events(dm: Dynamod, kind: str) -> list[dict[str, Any]]:

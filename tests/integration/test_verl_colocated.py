@@ -11,8 +11,6 @@ import json
 import os
 import pickle
 import select
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -29,7 +27,6 @@ import torch
 
 from dynamod.client import Client
 from dynamod.core.paths import cache_dir
-from dynamod.core.proctable import marked_pids
 from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.ipc import WeightSender, socket_address, transfer_digest
@@ -91,13 +88,7 @@ def stack() -> Iterator[Dynamod]:
                "--var", f"weight_ipc_dir={state}/weight-ipc", timeout=300, check=True)
         yield dm
     finally:
-        run_id = dm.run_id()
-        if (state / "dynamod.sock").exists():
-            dm.run("down", timeout=120)
-        if run_id:
-            for pid in marked_pids(run_id):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(state, ignore_errors=True)
+        dm.teardown()
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, Any]:

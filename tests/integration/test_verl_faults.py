@@ -10,7 +10,6 @@ numbers are in docs/verl.md."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -29,7 +28,6 @@ if not os.environ.get("DYNAMOD_VERL_FAULTS"):
                 allow_module_level=True)
 
 from dynamod.client import Client
-from dynamod.core.proctable import marked_pids
 from dynamod.integrations.verl import dataset, run
 from dynamod.integrations.verl.updates import read_updates
 from tests.conftest import Dynamod
@@ -49,13 +47,7 @@ def stack() -> Iterator[Dynamod]:
                timeout=400, check=True)
         yield dm
     finally:
-        run_id = dm.run_id()
-        if (state / "dynamod.sock").exists():
-            dm.run("down", timeout=120)
-        if run_id:
-            for pid in marked_pids(run_id):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(state, ignore_errors=True)
+        dm.teardown()
 
 
 def start(stack: Dynamod, steps: int = STEPS, extra: list[str] | None = None) -> Any:

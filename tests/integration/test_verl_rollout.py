@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -73,13 +72,7 @@ def stack() -> Iterator[Dynamod]:
     finally:
         if ray.is_initialized():
             ray.shutdown()
-        run_id = dm.run_id()
-        if (state / "dynamod.sock").exists():
-            dm.run("down", timeout=120)
-        if run_id:
-            for pid in marked_pids(run_id):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(state, ignore_errors=True)
+        dm.teardown()
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ adapter directly never does. One stack for the module (Ray and verl start slowly
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -23,7 +21,6 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from dynamod.client import Client
-from dynamod.core.proctable import marked_pids
 from dynamod.integrations.verl import dataset, run
 from dynamod.integrations.verl.updates import read_updates
 from tests.conftest import Dynamod
@@ -42,13 +39,7 @@ def stack() -> Iterator[Dynamod]:
                timeout=400, check=True)
         yield dm
     finally:
-        run_id = dm.run_id()
-        if (state / "dynamod.sock").exists():
-            dm.run("down", timeout=120)
-        if run_id:
-            for pid in marked_pids(run_id):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(state, ignore_errors=True)
+        dm.teardown()
 
 
 def main_ppo(stack: Dynamod, steps: int = STEPS, ranks: int = 1,
