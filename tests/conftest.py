@@ -57,6 +57,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(_session_key, None)
     if session is not None:
         shutil.rmtree(session, ignore_errors=True)
+    # Importing Dynamo's runtime in this process (the tests that use its clients) writes
+    # its sglang logging config to a NamedTemporaryFile in /tmp and names it here; one file
+    # per test run was left in /tmp. Only a file this process was told of, under /tmp.
+    leaked = os.environ.get("SGLANG_LOGGING_CONFIG_PATH", "")
+    if leaked and leaked != _INHERITED_SGLANG_CONFIG and Path(leaked).parent == Path("/tmp"):
+        with contextlib.suppress(OSError):
+            os.unlink(leaked)
+
+
+_INHERITED_SGLANG_CONFIG = os.environ.get("SGLANG_LOGGING_CONFIG_PATH", "")
 
 
 _session_key = pytest.StashKey[str]()
@@ -168,6 +178,28 @@ class Dynamod:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             shutil.rmtree(self.state_dir, ignore_errors=True)
+
+
+# `make test` builds the extra venvs beside the suite and names where it says each is made
+# (Makefile, VENVS_MADE): a file NAME when it is, NAME.failed when its install failed.
+_VENVS_MADE = "DYNAMOD_TEST_VENVS_MADE"
+VENV_WAIT_S = 900.0
+
+
+def extra_venv(folder: str, name: str) -> Path:
+    """ROOT/folder, an extra venv (.venv-vllm: name vllm; .venv-aiperf: name aiperf). Under
+    `make test` it may still be being made when a test wants it: wait until make says it
+    is (or failed, or VENV_WAIT_S passed). Elsewhere it is used as it is."""
+    made = os.environ.get(_VENVS_MADE)
+    if made:
+        deadline = time.monotonic() + VENV_WAIT_S
+        while not (Path(made) / name).exists():
+            if (Path(made) / f"{name}.failed").exists():
+                pytest.fail(f"make test could not make {folder} (its install's output is above)")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{folder} was not made within {VENV_WAIT_S:g} s of waiting for it")
+            time.sleep(1.0)
+    return ROOT / folder
 
 
 def unit_by_name(status: dict[str, Any], name: str) -> UnitStatus:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from bench.run_all import BENCHMARKS
-from tests.conftest import ROOT
+from tests.conftest import ROOT, extra_venv
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +107,7 @@ def check_policy_push(result: dict[str, Any]) -> None:
 def check_outages(result: dict[str, Any]) -> None:
     # a scenario that crashed is only a note there: here it fails the smoke run
     assert not [n for n in result["notes"] if "did not complete" in n], result["notes"]
-    assert result["data"]["kill9_push"] and result["data"]["frontend_hang"]["dynamod"]
+    assert result["data"]["kill9_push"] and result["data"]["frontend_hang"] == {}  # full only
     # the quick etcd cut ran (on kill9_push's stack), with the stock Dynamo lease
     (cut,) = result["data"]["etcd_cut"].values()
     assert cut["cut_s"] > 0 and cut["requests_during"] > 0, cut
@@ -154,6 +154,8 @@ CHECKS = {
     ],
 )
 def test_quick_json(name: str) -> None:
+    if name == "goodput":  # AIPerf's venv: `make test` builds it beside the suite
+        extra_venv(".venv-aiperf", "aiperf")
     proc = run_bench(f"bench.{name}", "--quick", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

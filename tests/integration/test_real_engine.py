@@ -46,7 +46,7 @@ from dynamod.cluster import exposure
 from dynamod.core import cgroups, paths
 from dynamod.core.ports import listening
 from dynamod.core.proctable import descendants
-from tests.conftest import ROOT, Dynamod, unit_by_name, wait_dead
+from tests.conftest import ROOT, Dynamod, extra_venv, unit_by_name, wait_dead
 from tests.integration.rawstack import RawStack, Worker, http_json
 from tests.integration.test_local_stack import etcd_keys
 
@@ -67,6 +67,12 @@ ENGINE_FILES = re.compile(
     r"^([0-9a-f]{8}-[0-9a-f-]{27}|vllm_dist_.*|tmp.*\.json|vllm_prometheus_.*)$"
 )
 ENGINE_ONLY = re.compile(r"^(vllm_dist_.*|vllm_prometheus_.*)$")  # only vLLM makes these
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_venv() -> Path:
+    """.venv-vllm, once `make test` has made it (it builds it beside the suite)."""
+    return extra_venv(".venv-vllm", "vllm")
 
 
 @pytest.fixture(scope="module")
