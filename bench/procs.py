@@ -41,6 +41,7 @@ def bench_mark() -> str:
     if not mark:
         mark = uuid.uuid4().hex[:12]
         os.environ[MARK] = mark
+        _own_tmpdir(mark)
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         atexit.register(_at_exit)
@@ -52,9 +53,21 @@ def bench_mark() -> str:
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+def _own_tmpdir(mark: str) -> None:
+    """Everything the benchmark starts gets a TMPDIR of the run's own, removed at its exit:
+    processes it runs outside dynamod (supervisord's programs, plain processes) write
+    there, Dynamo a logging config per process start (25 files left in /tmp by one goodput
+    run). This process keeps /tmp (its own state dirs say where they are)."""
+    tempfile.gettempdir()  # fixed now, before TMPDIR changes
+    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"bench-tmp-{mark}-")
+
+
 def _at_exit() -> None:
     sweep()
     reap_zombies()
+    own = os.environ.get("TMPDIR", "")
+    if Path(own).name.startswith(f"bench-tmp-{os.environ.get(MARK, '')}-"):
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def reap_zombies() -> None:
