@@ -1,6 +1,7 @@
 """Benchmark - fleet: dynamod's control plane over a simulated fleet, and how it grows.
 
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
+                          [--raise-inotify] [--no-faults]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -86,6 +87,11 @@ def main() -> None:
         help="raise fs.inotify.max_user_instances for the run if the fleet needs it (root); "
         "the old value is put back at the end",
     )
+    parser.add_argument(
+        "--no-faults",
+        action="store_true",
+        help="skip the kill -9 of 10 %% and the node cut: start, idle, push, status only",
+    )
     args = parser.parse_args()
     try:
         nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
@@ -103,7 +109,8 @@ def main() -> None:
         reference = None if args.quick else run_fleet(1, 1, quick=True, faults=False)
         fleets = []
         for n in nodes:
-            fleets.append(run_fleet(n, per_node, quick=args.quick, faults=n > 1))
+            faults = n > 1 and not args.no_faults
+            fleets.append(run_fleet(n, per_node, quick=args.quick, faults=faults))
             # kept on stderr as it comes: a later fleet that fails does not lose this one
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
