@@ -54,12 +54,12 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 def _own_tmpdir(mark: str) -> None:
-    """Everything the benchmark starts gets a TMPDIR of the run's own, removed at its exit:
-    processes it runs outside dynamod (supervisord's programs, plain processes) write
+    """The benchmark and everything it starts get a TMPDIR of the run's own, removed at its
+    exit: processes it runs outside dynamod (supervisord's programs, plain processes) write
     there, Dynamo a logging config per process start (25 files left in /tmp by one goodput
-    run). This process keeps /tmp (its own state dirs say where they are)."""
-    tempfile.gettempdir()  # fixed now, before TMPDIR changes
-    os.environ["TMPDIR"] = tempfile.mkdtemp(prefix=f"bench-tmp-{mark}-")
+    run). The state dirs it names (dir="/tmp") stay where they say."""
+    own = tempfile.mkdtemp(prefix=f"bench-tmp-{mark}-", dir="/tmp")
+    os.environ["TMPDIR"] = tempfile.tempdir = own
 
 
 def _at_exit() -> None:

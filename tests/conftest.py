@@ -57,16 +57,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     session = config.stash.get(_session_key, None)
     if session is not None:
         shutil.rmtree(session, ignore_errors=True)
-    # Importing Dynamo's runtime in this process (the tests that use its clients) writes
-    # its sglang logging config to a NamedTemporaryFile in /tmp and names it here; one file
-    # per test run was left in /tmp. Only a file this process was told of, under /tmp.
-    leaked = os.environ.get("SGLANG_LOGGING_CONFIG_PATH", "")
-    if leaked and leaked != _INHERITED_SGLANG_CONFIG and Path(leaked).parent == Path("/tmp"):
-        with contextlib.suppress(OSError):
-            os.unlink(leaked)
-
-
-_INHERITED_SGLANG_CONFIG = os.environ.get("SGLANG_LOGGING_CONFIG_PATH", "")
 
 
 _session_key = pytest.StashKey[str]()

@@ -476,7 +476,7 @@ def test_missing_model_dir_exits_non_zero_naming_it(tmp_path: Path, model_dir: P
             text=True,
             timeout=60,
             cwd=REPO,
-            env={"PATH": "/usr/bin:/bin", "DYN_SYSTEM_PORT": "20000"},
+            env={"PATH": "/usr/bin:/bin", "DYN_SYSTEM_PORT": "20000", "TMPDIR": str(tmp_path)},
         )
         assert result.returncode != 0
         lines = result.stderr.strip().splitlines()

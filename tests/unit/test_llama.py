@@ -295,6 +295,8 @@ def test_learner_step_has_transformers_loss_and_gradients(tiny_dir: Path) -> Non
 # ---------------------------------------------------------------- the import
 
 
+# The probes' imports of Dynamo write a logging config into TMPDIR: the session's own
+# (tests/conftest.py, removed at its end), not /tmp.
 SERVING_PROBE = """
 import asyncio, sys
 from pathlib import Path
@@ -323,6 +325,9 @@ print(sorted(m for m in ("transformers", "torch") if m in sys.modules), numpy_be
 """
 
 
+SESSION_TMP = os.environ.get("TMPDIR", "/tmp")
+
+
 def serving_imports(model_dir: Path, extra: str = "", path: str = "") -> str:
     """What the probe saw: the heavy modules loaded, and whether numpy came before the
     arguments (then --threads could not reach BLAS)."""
@@ -334,6 +339,7 @@ def serving_imports(model_dir: Path, extra: str = "", path: str = "") -> str:
         env={
             "PYTHONPATH": os.pathsep.join(filter(None, [path, str(ROOT)])),
             "PATH": "/usr/bin:/bin",
+            "TMPDIR": SESSION_TMP,
         },
         timeout=120,
         check=True,
@@ -373,7 +379,7 @@ def blas_probe(threads: int, before: str = "") -> subprocess.CompletedProcess[st
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TMPDIR": SESSION_TMP},
         timeout=60,
     )
 
@@ -401,7 +407,12 @@ def test_worker_refuses_an_unsupported_config_with_one_line_and_exit_2(
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "DYN_SYSTEM_PORT": "20001"},
+        env={
+            "PYTHONPATH": str(ROOT),
+            "PATH": "/usr/bin:/bin",
+            "DYN_SYSTEM_PORT": "20001",
+            "TMPDIR": SESSION_TMP,
+        },
         timeout=120,
     )
     assert done.returncode == 2, done.stderr
