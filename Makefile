@@ -160,7 +160,8 @@ cluster: install
 # idle cost, etcd, growth (~10 min on 2 cores). Each shard holds 2 inotify instances: 48
 # shards fit the kernel's default fs.inotify.max_user_instances (128); FLEET="--nodes 1,2"
 # for a smaller one. bench-fleet-256 is the issue's 8 x 32 (1, 2, 4, 8 nodes of 32 shards):
-# it raises the inotify limit for the run and puts it back at its end.
+# it raises the inotify limit for the run and puts it back at its end. On 2 cores it does
+# not get past 4 x 32 (docs/benchmarks.md 16: the shards' start starves the registry lease).
 FLEET ?=
 bench-fleet: install
 	$(BIN)/python -m bench.fleet $(FLEET)
