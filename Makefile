@@ -107,11 +107,8 @@ test: install
 	$(MAKE) --no-print-directory -j 5 venv-vllm-made venv-aiperf-made lint typecheck pytest \
 		VENVS_MADE=$(CURDIR)/.venvs-made
 
-venv-vllm-made:
-	./scripts/install-vllm.sh && touch .venvs-made/vllm || { touch .venvs-made/vllm.failed; exit 1; }
-
-venv-aiperf-made:
-	./scripts/install-aiperf.sh && touch .venvs-made/aiperf || { touch .venvs-made/aiperf.failed; exit 1; }
+venv-vllm-made venv-aiperf-made: venv-%-made:
+	./scripts/install-$*.sh && touch .venvs-made/$* || { touch .venvs-made/$*.failed; exit 1; }
 
 # The extra venvs without `install` first (`make test` has run it): install-vllm and
 # install-aiperf are the targets to use.

@@ -60,14 +60,12 @@ def _own_tmpdir(mark: str) -> None:
     run). The state dirs it names (dir="/tmp") stay where they say."""
     own = tempfile.mkdtemp(prefix=f"bench-tmp-{mark}-", dir="/tmp")
     os.environ["TMPDIR"] = tempfile.tempdir = own
+    atexit.register(shutil.rmtree, own, ignore_errors=True)  # runs after _at_exit's sweep
 
 
 def _at_exit() -> None:
     sweep()
     reap_zombies()
-    own = os.environ.get("TMPDIR", "")
-    if Path(own).name.startswith(f"bench-tmp-{os.environ.get(MARK, '')}-"):
-        shutil.rmtree(own, ignore_errors=True)
 
 
 def reap_zombies() -> None:
