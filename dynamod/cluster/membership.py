@@ -81,6 +81,9 @@ class Membership(Extension):
         self.lease: int | None = None
         self.entries: dict[str, NodeEntry] = {}
         self.lost: dict[str, LostRecord] = {}
+        # Nodes whose entry vanished and that the leader has not marked lost yet: a marking
+        # that failed (etcd) is tried again at the next read while the entry is still gone.
+        self._unmarked: dict[str, NodeEntry] = {}
         self.seen: set[str] = set()
         self.leader: str | None = None
         self.down_request: dict[str, Any] | None = None
@@ -335,8 +338,9 @@ class Membership(Extension):
         each shard paused first and then replayed (held until admitted); restart every
         running shard whose registration is gone all the same."""
         assert self.etcd is not None
-        raw = await self.etcd.get(registry.lost_key(self.stack, self.cluster.node))
-        parked = [ParkedKey.from_dict(p) for p in LostRecord.decode(raw).parked] if raw else []
+        record = await self.etcd.get_kv(registry.lost_key(self.stack, self.cluster.node))
+        lost = LostRecord.decode(record.value) if record is not None else None
+        parked = [ParkedKey.from_dict(p) for p in lost.parked] if lost is not None else []
         rejoining = [await self._put_back(unit, parked) for unit in self._local_shards()]
         namespaces = {w.namespace for w in (worker_of(u.spec) for u in self._local_shards()) if w}
         registered: set[int] = set()
@@ -358,7 +362,8 @@ class Membership(Extension):
         for unit in filter(None, rejoining):
             if self.policy is not None and unit.state.running:
                 self.policy.rejoin(unit, "its node was lost; back, replaying the current policy")
-        await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+        if record is not None:  # a newer record (lost again meanwhile) is the next return's
+            await parking.clear_record(self.etcd, record)
         self._returning = False
 
     async def _put_back(self, unit: Unit, parked: list[ParkedKey]) -> Unit | None:
@@ -476,10 +481,16 @@ class Membership(Extension):
         ):
             self.leader = self.cluster.node
             log.info("cluster.leader", node=self.cluster.node)
-        if self.leader == self.cluster.node:
-            stopping = down is not None and str(down.get("id")) != self._stale_down_id
-            for name in registry.newly_lost(before, entries, stopping=stopping):
-                await self._mark_lost(name, before[name])
+        stopping = down is not None and str(down.get("id")) != self._stale_down_id
+        if self.leader != self.cluster.node or stopping:
+            self._unmarked.clear()
+            return
+        for name in registry.newly_lost(before, entries, stopping=stopping):
+            self._unmarked[name] = before[name]
+        for name, entry in list(self._unmarked.items()):
+            if name not in entries:
+                await self._mark_lost(name, entry)  # raises on an etcd failure: kept
+            del self._unmarked[name]
 
     def _running(self) -> bool:
         assert self.host is not None
@@ -487,31 +498,40 @@ class Membership(Extension):
 
     async def _mark_lost(self, name: str, entry: NodeEntry) -> None:
         """Its lease expired: withdraw its shards' registrations (their instance keys, kept
-        in the lost record for the node to put back) and record it lost."""
+        in the lost record for the node to put back) and record it lost; neither if it is
+        back in the registry by then (parking.py: the two sides race)."""
         assert self.etcd is not None
         started = time.monotonic()
-        parked: list[ParkedKey] = []
-        with contextlib.suppress(*_FAILURES):
-            parked = await parking.withdraw(
-                self.etcd, [i for unit in entry.units for i in unit.instance_ids]
+        shards = [registry.shard_id(name, u.name) for u in entry.shards()]
+        since = time.time()
+
+        def record(parked: list[ParkedKey]) -> LostRecord:
+            return LostRecord(
+                node=name,
+                since=since,
+                by=self.cluster.node,
+                shards=shards,
+                revoked=sorted({f"{key.instance_id:x}" for key in parked}),
+                parked=[key.as_dict() for key in parked],
             )
-        record = LostRecord(
-            node=name,
-            since=time.time(),
-            by=self.cluster.node,
-            shards=[registry.shard_id(name, u.name) for u in entry.shards()],
-            revoked=sorted({f"{key.instance_id:x}" for key in parked}),
-            parked=[key.as_dict() for key in parked],
+
+        parked = await parking.withdraw(
+            self.etcd,
+            [i for unit in entry.units for i in unit.instance_ids],
+            absent=registry.node_key(self.stack, name),
+            record_key=registry.lost_key(self.stack, name),
+            record=lambda parked: record(parked).encode(),
+            earlier=[ParkedKey.from_dict(p) for p in self.lost[name].parked]
+            if name in self.lost
+            else [],
         )
-        await self.etcd.put(registry.lost_key(self.stack, name), record.encode())
-        self.lost[name] = record
-        log.warning(
-            "cluster.node_lost",
-            node=name,
-            shards=record.shards,
-            revoked=record.revoked,
-            ms=round((time.monotonic() - started) * 1000, 1),
-        )
+        ms = round((time.monotonic() - started) * 1000, 1)
+        if parked is None:
+            log.info("cluster.node_back_before_lost", node=name, ms=ms)
+            return
+        self.lost[name] = record(parked)
+        log.warning("cluster.node_lost", node=name, shards=shards,
+                    revoked=self.lost[name].revoked, ms=ms)  # fmt: skip
 
     async def others_live(self) -> set[int]:
         """Instance ids of the live workers of the other nodes (never swept here)."""

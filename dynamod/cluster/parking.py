@@ -4,16 +4,27 @@ them, and leaves the workers' own leases, model cards and event channels alone. 
 in contact within Dynamo's lease (30 s) puts the keys back on the same leases (its shards
 paused first, so none serves before its replay), and its shards rejoin by replay instead of
 a cold restart (~8 s of a CPU worker's start on the loaded test machine). A lease that
-expired meanwhile took the worker's other keys with it: that shard is restarted instead."""
+expired meanwhile took the worker's other keys with it: that shard is restarted instead.
+
+The leader's withdrawal and the node's return race (on a loaded machine a withdrawal of 32
+shards took 1 s): a node that put back what its lost record listed, and cleared the record,
+before the leader's deletes and record landed, had its shards unrouted for good (the fleet
+benchmark at 4 x 32). So both sides are etcd transactions: the leader's record and deletes
+hold only while the node's registry entry is absent (a node back in contact publishes its
+entry first), and the node clears only the record it read."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import EtcdClient, EtcdError
+from dynamod.rollout.etcd import Compare, EtcdClient, EtcdError, KeyValue, TxnDelete, TxnPut
+
+# etcd refuses a transaction of more than --max-txn-ops operations (128 by default): the
+# deletes go in transactions of at most this many, each under the same guard.
+TXN_OPS = 100
 
 
 @dataclass(frozen=True)
@@ -34,19 +45,45 @@ class ParkedKey:
                    int(data["instance_id"]))  # fmt: skip
 
 
-async def withdraw(etcd: EtcdClient, instance_ids: Iterable[int]) -> list[ParkedKey]:
-    """Delete the instance keys of `instance_ids`; returns what was deleted."""
+async def withdraw(
+    etcd: EtcdClient,
+    instance_ids: Iterable[int],
+    *,
+    absent: str,
+    record_key: str,
+    record: Callable[[list[ParkedKey]], str],
+    earlier: Sequence[ParkedKey] = (),
+) -> list[ParkedKey] | None:
+    """Delete the instance keys of `instance_ids` and write `record(parked)` at `record_key`,
+    only while the key `absent` (the node's registry entry) does not exist: None, and
+    nothing changed, once it does (the node is back). The record goes first, listing every
+    key about to go, so a node that returns between two of the delete transactions still
+    finds all of them to put back (putting back a key that was not deleted is harmless).
+    `earlier`: what a record of the same loss already lists (a marking tried again after a
+    failed delete), kept in the new one."""
     wanted = set(instance_ids)
-    if not wanted:
-        return []
-    parked: list[ParkedKey] = []
+    found = {key.key: key for key in earlier}
     for kv in await etcd.get_prefix(f"{dynamo.INSTANCES_ROOT}/"):
         instance = dynamo.parse_instance(kv.key, kv.value, kv.lease)
-        if instance is None or instance.instance_id not in wanted:
-            continue
-        if await etcd.delete(kv.key):
-            parked.append(ParkedKey(kv.key, kv.value.decode(), kv.lease, instance.instance_id))
+        if instance is not None and instance.instance_id in wanted:
+            found[kv.key] = ParkedKey(kv.key, kv.value.decode(), kv.lease, instance.instance_id)
+    parked = list(found.values())
+    guard = [Compare(absent, "version", "==", 0)]
+    if not await etcd.txn(guard, [TxnPut(record_key, record(parked))]):
+        return None
+    for start in range(0, len(parked), TXN_OPS):
+        chunk = parked[start : start + TXN_OPS]
+        if not await etcd.txn(guard, [TxnDelete(key.key) for key in chunk]):
+            return None  # back meanwhile: it puts back all the record lists
     return parked
+
+
+async def clear_record(etcd: EtcdClient, record: KeyValue) -> bool:
+    """Delete the lost record the node read and put back, unless a newer one replaced it
+    (the node was lost again meanwhile: that one is for the next return)."""
+    return await etcd.txn(
+        [Compare(record.key, "mod", "==", record.mod_revision)], [TxnDelete(record.key)]
+    )
 
 
 async def put_back(
