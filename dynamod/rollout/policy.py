@@ -61,12 +61,18 @@ log = structlog.get_logger("dynamod.rollout.policy")
 
 
 _INSTANCE_TAINT = "dynamod.instance/"  # each shard's own taint, so a canary can target it
-_ROUTE_RETRY_S = 0.1
 # A canary is given at least this long, and otherwise the rest of route_timeout.
 _ROUTE_ATTEMPT_S = 5.0
-# The frontend usually sees a new taint within milliseconds of the call that set it: the
-# canaries after a miss start this soon and double up to _ROUTE_RETRY_S.
+# The frontend usually sees a new taint within milliseconds of the call that set it, and
+# within seconds after etcd came back: the canaries after a miss start _ROUTE_RETRY_FIRST_S
+# apart and double up to _ROUTE_RETRY_S. A shard still not routed after _ROUTE_PATIENT_S
+# waits on something slower (a frontend with no endpoints, a starved machine), and its
+# canaries go on doubling up to _ROUTE_RETRY_SLOW_S: 32 held shards sent ~300 canaries/s at
+# the 0.1 s cap (the fleet benchmark at 8 x 32), load that fed the starvation they waited on.
 _ROUTE_RETRY_FIRST_S = 0.01
+_ROUTE_RETRY_S = 0.1
+_ROUTE_PATIENT_S = 2.0
+_ROUTE_RETRY_SLOW_S = 1.0
 # Test-only, for the chaos suite's broken variant (never set it in production): a shard
 # that rejoins is admitted without the current weights being replayed into it, so the
 # stale-serving checker has a real violation to catch. Read once, here only.
@@ -91,6 +97,15 @@ _TAINT_RETRY_S = 0.25
 def is_transient_etcd_failure(route: str, detail: str) -> bool:
     """A failed taint write that another attempt may get through (Dynamo's etcd client)."""
     return route == "update/model_taints" and _ETCD_TRANSIENT in detail
+
+
+def route_retry(gap_s: float | None, waited_s: float) -> float:
+    """Seconds until the next route canary after a miss: `gap_s` the last gap (None after
+    the first canary), `waited_s` since the wait began."""
+    if gap_s is None:
+        return _ROUTE_RETRY_FIRST_S
+    cap = _ROUTE_RETRY_S if waited_s < _ROUTE_PATIENT_S else _ROUTE_RETRY_SLOW_S
+    return min(gap_s * 2, cap)
 
 
 def send_again(route: str, detail: str, elapsed_s: float) -> bool:
@@ -583,11 +598,12 @@ class PolicyManager(Extension):
                 "extra_fields": ["worker_id"],
             },
         }
-        deadline = time.monotonic() + self.spec.route_timeout
+        began = time.monotonic()
+        deadline = began + self.spec.route_timeout
         waiting = f"waiting for the router to route policy v{version} to {unit.name}"
         self.engine.transition(unit, unit.state, f"{waiting} ({taints[0]})")
         last = "no canary answered yet"
-        retry = _ROUTE_RETRY_FIRST_S
+        retry: float | None = None
         while True:
             try:
                 # The canary can only be served by this shard (its own instance taint), so
@@ -617,8 +633,8 @@ class PolicyManager(Extension):
                     f" {self.spec.route_timeout:g}s (last canary: {last})",
                 )
             self.engine.transition(unit, unit.state, f"{waiting}; last canary: {last}")
+            retry = route_retry(retry, time.monotonic() - began)
             await asyncio.sleep(retry)
-            retry = min(retry * 2, _ROUTE_RETRY_S)
 
     async def warm(self, unit: Unit) -> float | None:
         """One 1-token generation pinned to the shard's own instance (`backend_instance_id`)
