@@ -9,6 +9,8 @@ import os
 import socket
 from pathlib import Path
 
+import pytest
+
 from dynamod.cluster import exposure
 from dynamod.core import spec
 
@@ -127,3 +129,24 @@ def test_listeners_found_in_proc_with_their_addresses() -> None:
         assert any(f"tcp 0.0.0.0:{port} is beyond loopback" in w for w in warnings)
         assert not any(f":{local.getsockname()[1]} " in w for w in warnings)
         assert exposure.process_warnings({"me": [os.getpid()]}, {"me": True}) == []
+
+
+def test_one_scan_reads_a_namespace_s_socket_table_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's 32 shards share its network namespace: its socket table (every socket of
+    the namespace) is read once per scan, not once per unit."""
+    reads: list[int] = []
+    real = exposure._socket_table
+
+    def counted(pid: int) -> dict[str, tuple[str, str, int]]:
+        reads.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(exposure, "_socket_table", counted)
+    with socket.socket() as everywhere:
+        everywhere.bind(("0.0.0.0", 0))
+        everywhere.listen()
+        port = everywhere.getsockname()[1]
+        units = {f"worker@{i}": [os.getpid()] for i in range(5)}
+        warnings = exposure.process_warnings(units)
+    assert len(reads) == 1, f"read {len(reads)} times for 5 units in one namespace"
+    assert sum(f"tcp 0.0.0.0:{port} is beyond loopback" in w for w in warnings) == 5
