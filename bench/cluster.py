@@ -1,16 +1,17 @@
 """Benchmark - cluster: node loss and return on a simulated 3-node cluster.
 
-    python -m bench.cluster [--quick] [--json]
+    python -m bench.cluster [--quick] [--json] [--leases 2,1]
 
 Three network namespaces as nodes (root needed), one dynamod each, one CPU shard per node,
-etcd, NATS and the frontend on the head (units/stacks/cluster.toml, its lease_ttl). Each
+etcd, NATS and the frontend on the head (units/stacks/cluster.toml). Each
 round, under load from inside the head (half the requests require the current policy
 version): cut a worker node's link; time until the head's registry view says `lost` and
 until the head's router lists none of its shards; push a new version during the cut; heal;
 time until its shard is admitted at that version (ready, acked, routed again). Rounds
 alternate between n1 and n2 (quick: one round). Failed requests are counted before the
 router dropped the node and after (the target: 0 after re-routing among requests that
-require the current version).
+require the current version). The full run does it on the stack's registry lease and then,
+side by side, on a 1 s lease (`--leases 2,1`; etcd's election timeout shortened to allow it).
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import tomllib
+from pathlib import Path
+from typing import Any
 
 import structlog
 
+from bench.fleet_stack import ELECTION_TIMEOUT_MS, with_lease
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import ClusterRig
 from dynamod.chaos.model import Load
@@ -34,26 +39,18 @@ from dynamod.core import paths
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
 
 
-@entry
-def main() -> None:
-    args = options(__doc__.splitlines()[0]).parse_args()
-    stack = tomllib.loads(STACK.read_text())
-    lease_ttl_s = float(stack["cluster"]["lease_ttl"])
-    # what the router would take without dynamod: Dynamo's own lease (its default 30 s)
-    dynamo_lease_s = float(stack["vars"].get("dynamo_lease_ttl", 30))
-    # the harness logs (sandbox up, cut, heal) go to stderr: stdout is the report
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    report = Report("cluster", "Node loss and return on a 3-node cluster", args.quick)
-    reason = can_create_namespaces()
-    if reason is not None:
-        report.notes.append(f"not run: {reason}")
-        emit(report, args.json)
-        return
-    rounds = 1 if args.quick else 3
-    load_at_start = os.getloadavg()
-    load = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
+def run_rounds(
+    lease_ttl: int, rounds: int, load: Load
+) -> tuple[list[NodeLossRound], dict[str, Any]]:
+    """One cluster on a registry lease of `lease_ttl` s: its rounds, and its start/stop."""
+    print(f"# cluster: registry lease {lease_ttl} s", file=sys.stderr, flush=True)
+    work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
+    stack = work_dir / "lease-stack.toml"
+    stack.write_text(with_lease(STACK.read_text(), lease_ttl, paths.units_dir()))
     results: list[NodeLossRound] = []
-    rig = ClusterRig(3, variables={"workers": "1", "trainer_steps": "0"})
+    rig = ClusterRig(
+        3, stack=stack, variables={"workers": "1", "trainer_steps": "0"}, work_dir=work_dir
+    )
     rig.open()
     started = time.monotonic()
     try:
@@ -70,10 +67,48 @@ def main() -> None:
         problems = rig.close()
     if not problems:  # a clean run leaves nothing in /tmp; a failed one keeps the logs
         shutil.rmtree(rig.work_dir, ignore_errors=True)
+    return results, {"lease_ttl": lease_ttl, "up_s": up_s, "down_cluster_s": down_s,
+                     "down_cluster_rc": down.returncode, "close_problems": problems}  # fmt: skip
+
+
+@entry
+def main() -> None:
+    parser = options(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--leases",
+        default=None,
+        help="registry leases to run side by side, s (default: the stack's, then 1; quick: "
+        "the stack's alone)",
+    )
+    args = parser.parse_args()
+    stack = tomllib.loads(STACK.read_text())
+    stock_ttl = int(stack["cluster"]["lease_ttl"])
+    # what the router would take without dynamod: Dynamo's own lease (its default 30 s)
+    dynamo_lease_s = float(stack["vars"].get("dynamo_lease_ttl", 30))
+    default = str(stock_ttl) if args.quick else f"{stock_ttl},1"
+    try:
+        leases = [int(x) for x in (args.leases or default).split(",")]
+        if any(x < 1 for x in leases):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--leases: whole seconds of at least 1, e.g. 2,1; got {args.leases!r}")
+    # the harness logs (sandbox up, cut, heal) go to stderr: stdout is the report
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    report = Report("cluster", "Node loss and return on a 3-node cluster", args.quick)
+    reason = can_create_namespaces()
+    if reason is not None:
+        report.notes.append(f"not run: {reason}")
+        emit(report, args.json)
+        return
+    rounds = 1 if args.quick else 3
+    load_at_start = os.getloadavg()
+    load = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
+    runs = [run_rounds(ttl, rounds, load) for ttl in leases]
     load_at_end = os.getloadavg()
     table = Table(
         "Per round: a worker node's link cut under load, a push during the cut, the link back",
         [
+            "registry lease s",
             "round",
             "node",
             "lost after s",
@@ -88,79 +123,91 @@ def main() -> None:
         ],
         digits=2,
     )
-    for k, r in enumerate(results, 1):
-        table.rows.append(
-            [
-                k,
-                r.node,
-                r.lost_s,
-                r.rerouted_s,
-                r.push_s,
-                r.admitted_s,
-                len(r.requests),
-                len(r.failed_during_cut()),
-                len(r.failed_after_reroute()),
-                len(r.refused_at_outgoing_version()),
-                len(r.falsely_lost()),
-            ]
-        )
+    for results, info in runs:
+        for k, r in enumerate(results, 1):
+            table.rows.append(
+                [
+                    info["lease_ttl"],
+                    k,
+                    r.node,
+                    r.lost_s,
+                    r.rerouted_s,
+                    r.push_s,
+                    r.admitted_s,
+                    len(r.requests),
+                    len(r.failed_during_cut()),
+                    len(r.failed_after_reroute()),
+                    len(r.refused_at_outgoing_version()),
+                    len(r.falsely_lost()),
+                ]
+            )
     report.tables.append(table)
-    rerouted = [r.rerouted_s for r in results if r.rerouted_s is not None]
-    admitted = [r.admitted_s for r in results if r.admitted_s is not None]
-    report.tables.append(
-        Table(
-            "Side by side",
-            [
-                "router dropped the node / registry lease ttl",
-                f"router dropped the node / Dynamo's own lease ({dynamo_lease_s:.0f} s)",
-            ],
-            [[max(rerouted) / lease_ttl_s, max(rerouted) / dynamo_lease_s]],
-            2,
-        )
-    )
-    report.target(
-        "cut -> router stops using the node's shards (worst round)", max(rerouted), 3.0, "s"
-    )
-    report.target(
-        "link back -> shards admitted at the current version (worst round)",
-        max(admitted),
-        10.0,
-        "s",
-    )
-    report.target(
-        "failed requests requiring the current version after re-routing",
-        sum(len(r.failed_after_reroute()) for r in results),
-        0,
-        "requests",
-    )
-    report.target(
-        "nodes falsely marked lost (not cut, or twice) under load",
-        sum(len(r.falsely_lost()) for r in results),
-        0,
-        "nodes",
-    )
-    report.data = {
-        "up_s": up_s,
-        "down_cluster_s": down_s,
-        "down_cluster_rc": down.returncode,
-        "rounds": [
-            {
-                "node": r.node,
-                "lost_s": r.lost_s,
-                "rerouted_s": r.rerouted_s,
-                "push_s": r.push_s,
-                "admitted_s": r.admitted_s,
-                "requests": len(r.requests),
-                "failed_before_reroute": len(r.failed_during_cut()),
-                "marked_lost": r.marked_lost,
-                "failed_after_reroute": [vars(q) for q in r.failed_after_reroute()],
-            }
-            for r in results
+    side = Table(
+        "Side by side",
+        [
+            "registry lease s",
+            "router dropped the node, worst round s",
+            "/ registry lease",
+            f"/ Dynamo's own lease ({dynamo_lease_s:.0f} s)",
         ],
-        "median_rerouted_s": statistics.median(rerouted),
+        digits=2,
+    )
+    for results, info in runs:
+        worst = max(r.rerouted_s for r in results if r.rerouted_s is not None)
+        ttl = info["lease_ttl"]
+        side.rows.append([ttl, worst, worst / ttl, worst / dynamo_lease_s])
+        what = "" if ttl == stock_ttl else f", with a {ttl} s registry lease"
+        report.target(
+            f"cut -> router stops using the node's shards (worst round{what})",
+            worst,
+            3.0 if ttl == stock_ttl else 2.0,
+            "s",
+        )
+        report.target(
+            f"link back -> shards admitted at the current version (worst round{what})",
+            max(r.admitted_s for r in results if r.admitted_s is not None),
+            10.0 if ttl == stock_ttl else 5.0,
+            "s",
+        )
+        report.target(
+            f"failed requests requiring the current version after re-routing{what}",
+            sum(len(r.failed_after_reroute()) for r in results),
+            0,
+            "requests",
+        )
+        report.target(
+            f"nodes falsely marked lost (not cut, or twice) under load{what}",
+            sum(len(r.falsely_lost()) for r in results),
+            0,
+            "nodes",
+        )
+    report.tables.append(side)
+    report.data = {
+        "runs": [
+            {
+                **info,
+                "rounds": [
+                    {
+                        "node": r.node,
+                        "lost_s": r.lost_s,
+                        "rerouted_s": r.rerouted_s,
+                        "push_s": r.push_s,
+                        "admitted_s": r.admitted_s,
+                        "requests": len(r.requests),
+                        "failed_before_reroute": len(r.failed_during_cut()),
+                        "marked_lost": r.marked_lost,
+                        "failed_after_reroute": [vars(q) for q in r.failed_after_reroute()],
+                    }
+                    for r in results
+                ],
+                "median_rerouted_s": statistics.median(
+                    r.rerouted_s for r in results if r.rerouted_s is not None
+                ),
+            }
+            for results, info in runs
+        ],
         "load_average_start": load_at_start,
         "load_average_end": load_at_end,
-        "close_problems": problems,
     }
     report.notes.append(
         "load average (1/5/15 min) at the start "
@@ -173,16 +220,21 @@ def main() -> None:
             else ""
         )
     )
-    report.notes.append(
-        f"cluster up in {up_s:.1f}s; down --cluster in {down_s:.1f}s "
-        f"(exit {down.returncode}); leftovers: {problems or 'none'}"
-    )
+    for _, info in runs:
+        report.notes.append(
+            f"lease {info['lease_ttl']} s: cluster up in {info['up_s']:.1f}s; down --cluster "
+            f"in {info['down_cluster_s']:.1f}s (exit {info['down_cluster_rc']}); leftovers: "
+            f"{info['close_problems'] or 'none'}"
+        )
     report.notes.append(
         "Detection is bounded below by the registry lease: a cut node's entry expires "
         "between 2/3 and 1 lease_ttl after the cut (kept alive every ttl/3), plus up to 0.5 s "
         "until etcd's lessor revokes it; the leader's registry watch sees the delete at "
         "once, withdraws the node's Dynamo instance keys and the router drops them within "
-        "milliseconds. Back, the node puts the keys back (its shards paused) and replays."
+        "milliseconds. Back, the node puts the keys back (its shards paused) and replays. "
+        f"The {stock_ttl} s lease is the stack's; a 1 s lease needs etcd's election timeout "
+        f"at {ELECTION_TIMEOUT_MS[1]} ms (set here), and a daemon that cannot keep its lease "
+        "alive for ~0.7 s is marked lost."
     )
     emit(report, args.json)
 

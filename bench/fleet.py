@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,7 +59,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
-from bench.fleet_stack import members, replicated
+from bench.fleet_stack import members, replicated, with_lease
 from bench.procs import cpu_seconds, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
@@ -92,12 +93,21 @@ def main() -> None:
         action="store_true",
         help="skip the kill -9 of 10 %% and the node cut: start, idle, push, status only",
     )
+    parser.add_argument(
+        "--lease",
+        type=int,
+        default=None,
+        help="the registry lease, whole s (default: the stack's; 1 also shortens etcd's "
+        "election timeout, which etcd needs to grant it)",
+    )
     args = parser.parse_args()
     try:
         nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
         per_node = 4 if args.quick else parse_sizes(str(args.shards_per_node), 64)[0]
     except SizesError as exc:
         parser.error(str(exc))
+    if args.lease is not None and args.lease < 1:
+        parser.error(f"--lease: whole seconds of at least 1, got {args.lease}")
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("fleet", "The fleet, simulated: control-plane cost by node count", args.quick)
     reason = can_create_namespaces()
@@ -106,11 +116,12 @@ def main() -> None:
         emit(report, args.json)
         return
     with inotify_room(nodes[-1] * per_node, raise_limit=args.raise_inotify) as inotify:
-        reference = None if args.quick else run_fleet(1, 1, quick=True, faults=False)
+        lease = args.lease
+        reference = None if args.quick else run_fleet(1, 1, quick=True, faults=False, lease=lease)
         fleets = []
         for n in nodes:
             faults = n > 1 and not args.no_faults
-            fleets.append(run_fleet(n, per_node, quick=args.quick, faults=faults))
+            fleets.append(run_fleet(n, per_node, quick=args.quick, faults=faults, lease=lease))
             # kept on stderr as it comes: a later fleet that fails does not lose this one
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
@@ -200,17 +211,23 @@ def inotify_room(shards: int, *, raise_limit: bool) -> Iterator[dict[str, Any]]:
         )
 
 
-def run_fleet(n_nodes: int, per_node: int, *, quick: bool, faults: bool) -> dict[str, Any]:
+def run_fleet(
+    n_nodes: int, per_node: int, *, quick: bool, faults: bool, lease: int | None = None
+) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp; a failed one
     keeps the daemons' logs in its work dir (named in the error) and kills every process."""
     print(f"# fleet: {n_nodes} nodes x {per_node} shards", file=sys.stderr, flush=True)
     variables = {"workers": str(per_node), "trainer_steps": "0", "worker_engine": "mocker"}
+    units = paths.units_dir()
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
     stack = work_dir / "fleet-stack.toml"
-    stack.write_text(replicated(STACK.read_text(), NODE_NAMES[:n_nodes], paths.units_dir()))
+    text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
+    stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
-    result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node}
+    lease_s = tomllib.loads(text)["cluster"]["lease_ttl"]
+    result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node,
+                              "registry_lease_s": lease_s}  # fmt: skip
     failed = True
     try:
         started = time.monotonic()
@@ -303,9 +320,15 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     daemon's own total, the head's shards' own times, etcd's counters around it."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     before = etcd_counters(rig)
+    shards = [pid for node in rig.names for pid in shard_pids(rig, node).values()]
+    daemons = [daemon_pid(rig, node) for node in rig.names]
+    cpu_before = {pid: cpu_seconds(pid) for pid in [*shards, *daemons]}
+    busy_before = machine_busy_s()
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
+    busy = machine_busy_s() - busy_before
+    used = {pid: cpu_seconds(pid) - cpu_before[pid] for pid in cpu_before}
     after = etcd_counters(rig)
     acks = answer["acks"]
     bad = {k: v.get("error") or v for k, v in acks.items() if not v.get("ok")}
@@ -327,7 +350,23 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
         "etcd_writes": writes(before, after),
         "etcd_revisions": after["revision"] - before["revision"],
         "etcd_write_rate": writes(before, after) / stall,
+        "cpu": {
+            "busy_s": busy,
+            "busy_pct": busy / (stall * CORES) * 100,
+            "shards_s": sum(used[pid] for pid in shards),
+            "daemons_s": sum(used[pid] for pid in daemons),
+        },
     }
+
+
+CORES = os.cpu_count() or 1
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (not idle, not waiting on I/O), all
+    cores together, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def status_all(rig: ClusterRig, nodes: list[str], quick: bool) -> dict[str, Any]:
@@ -470,6 +509,8 @@ GROWTH = {  # label -> path in a fleet's result
     "push: trainer's stall, s": ("push", "stall_s"),
     "push: daemon's total, s": ("push", "daemon_s"),
     "push: the head's slowest shard's own time, ms": ("push", "shard_max_ms"),
+    "push: the daemons' CPU, s": ("push", "cpu", "daemons_s"),
+    "push: the shards' CPU, s": ("push", "cpu", "shards_s"),
     "status --json, slowest node, s": ("status", "max_s"),
     "status: daemon's answer, slowest node, ms": ("status", "answer_max_ms"),
     "status --json size, KB": ("status", "json_kb"),
@@ -497,7 +538,8 @@ def one_shards_push(reference: dict[str, Any] | None, full: dict[str, Any]) -> t
 def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[str, Any]]) -> None:
     full = fleets[-1]
     ref_s, ref_what = one_shards_push(reference, full)
-    report.tables += [size_table(reference, fleets, ref_s), fault_table(fleets)]
+    report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets)]
+    report.tables += [fault_table(fleets)]
     report.tables += [cost_table(fleets), growth_table(fleets), shard_table(full)]
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
     report.target(
@@ -535,6 +577,28 @@ def size_table(
              p["stall_s"] / ref_s, p["shard_median_ms"], p["shard_max_ms"], len(p["behind"]),
              st["max_s"], pick(st, "cli_start_s"), st["answer_max_ms"], st["json_kb"],
              f["down_s"]]
+        )  # fmt: skip
+    return table
+
+
+def push_cpu_table(fleets: list[dict[str, Any]]) -> Table:
+    """Where the machine's CPU went during the push: a stall that is the machine's busy CPU
+    time over its cores is bound by the machine (every node's shards share its cores), not
+    by waiting; the daemons' part is dynamod's own."""
+    table = Table(
+        f"The push's CPU: every process on this machine during the trainer's stall ({CORES} "
+        "cores)",
+        ["nodes", "shards", "stall s", "machine busy %", "busy CPU s", "busy CPU s / cores",
+         "shards' CPU s", "daemons' CPU s", "daemons' share %", "daemons' CPU ms / shard"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        c = f["push"]["cpu"]
+        table.rows.append(
+            [f["nodes"], f["shards"], f["push"]["stall_s"], c["busy_pct"], c["busy_s"],
+             c["busy_s"] / CORES, c["shards_s"], c["daemons_s"],
+             c["daemons_s"] / c["busy_s"] * 100 if c["busy_s"] else math.nan,
+             c["daemons_s"] / f["shards"] * 1000]
         )  # fmt: skip
     return table
 
@@ -610,6 +674,7 @@ def shard_table(full: dict[str, Any]) -> Table:
 
 def notes(fleets: list[dict[str, Any]]) -> list[str]:
     out = [
+        f"registry lease {fleets[-1]['registry_lease_s']} s (cluster.lease_ttl)",
         "shards in 24 GiB: the machine's memory over one shard's PSS plus its daemon's "
         "share, nothing else running (etcd, NATS, the frontend and the page cache need "
         "their part). Before memory, the kernel's inotify instances bound the fleet: each "

@@ -1,7 +1,8 @@
 """bench.fleet's stack: units/stacks/cluster.toml with its etcd as a replicated store of
 up to 3 members (the first nodes), every etcd client of the stack (Dynamo's processes,
-dynamod's registry, the policy ledger) given every member. Pure text in, text out: the
-stock file keeps its one member on the head (the node-loss tests and bench.cluster)."""
+dynamod's registry, the policy ledger) given every member; and bench.cluster's, the stock
+file on a registry lease of another length. Pure text in, text out: the stock file keeps
+its one member on the head (the node-loss tests and bench.cluster)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 MAX_MEMBERS = 3
+# etcd grants no lease shorter than 1.5 election timeouts, rounded up to whole seconds: with
+# its default 1000 ms election timeout a 1 s lease is granted as 2 s. A 1 s registry lease
+# needs the election timeout at 600 ms or less (heartbeat 100 ms, etcd's default).
+ELECTION_TIMEOUT_MS = {1: 600}
 
 
 class StackShapeError(ValueError):
@@ -51,3 +56,14 @@ def replicated(text: str, nodes: Sequence[str], units_dir: Path) -> str:
         f'"http://{{cluster.nodes.{m}}}:{{vars.etcd_client_port}}"' for m in members_
     )
     return _one(r"^head = .*$", text, f"\\g<0>\nregistry = [{registry}]", "cluster.head")
+
+
+def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
+    """`text` (cluster.toml) on a registry lease of `lease_ttl` s, with the etcd election
+    timeout that etcd needs to grant a lease that short, its includes made absolute."""
+    text = text.replace('"../', f'"{units_dir}/')
+    text = _one(r"^(lease_ttl\s*=\s*)[0-9.]+", text, f"\\g<1>{lease_ttl}", "cluster.lease_ttl")
+    if lease_ttl not in ELECTION_TIMEOUT_MS:
+        return text
+    flag = f'    "--election-timeout", "{ELECTION_TIMEOUT_MS[lease_ttl]}",'
+    return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")

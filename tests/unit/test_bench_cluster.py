@@ -1,0 +1,44 @@
+"""bench.cluster's lease variants (bench/fleet_stack.py `with_lease`): the stock cluster
+stack rewritten for a registry lease, with the etcd election timeout a 1 s lease needs,
+or refused when a line it rewrites is not there."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench.cluster import STACK
+from bench.fleet_stack import ELECTION_TIMEOUT_MS, StackShapeError, with_lease
+
+UNITS = Path("/units")
+
+
+def test_the_stack_s_own_lease_changes_only_the_includes() -> None:
+    text = with_lease(STACK.read_text(), 2, UNITS)
+    assert text == STACK.read_text().replace('"../', '"/units/')
+    assert tomllib.loads(text)["stack"]["include"] == ["/units/trainer.toml"]
+
+
+def test_a_1_s_lease_sets_the_lease_and_etcd_s_election_timeout() -> None:
+    text = with_lease(STACK.read_text(), 1, UNITS)
+    stack = tomllib.loads(text)
+    assert stack["cluster"]["lease_ttl"] == 1
+    command = stack["units"]["etcd"]["command"]
+    at = command.index("--election-timeout")
+    assert command[at + 1] == str(ELECTION_TIMEOUT_MS[1])
+    assert "--election-timeout" not in str(stack["units"]["nats"]["command"])
+
+
+@pytest.mark.parametrize(
+    ("text", "lease", "missing"),
+    [
+        ('[cluster]\n[units.etcd]\ncommand = [\n    "--initial-cluster", "x",\n]\n', 2,
+         "cluster.lease_ttl"),
+        ("[cluster]\nlease_ttl = 2\n[units.etcd]\ncommand = []\n", 1, "etcd --initial-cluster"),
+    ],
+)  # fmt: skip
+def test_a_stack_it_cannot_rewrite_is_refused(text: str, lease: int, missing: str) -> None:
+    with pytest.raises(StackShapeError, match=f"no {missing} line"):
+        with_lease(text, lease, UNITS)
