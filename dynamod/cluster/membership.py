@@ -487,10 +487,17 @@ class Membership(Extension):
             return
         for name in registry.newly_lost(before, entries, stopping=stopping):
             self._unmarked[name] = before[name]
-        for name, entry in list(self._unmarked.items()):
-            if name not in entries:
-                await self._mark_lost(name, entry)  # raises on an etcd failure: kept
-            del self._unmarked[name]
+        # read() also runs from a push (await_other_nodes) beside the read loop: a marking is
+        # taken out of _unmarked before it starts, so no other read starts it again
+        for name in list(self._unmarked):
+            entry = self._unmarked.pop(name, None)
+            if entry is None or name in entries:
+                continue
+            try:
+                await self._mark_lost(name, entry)
+            except BaseException:  # an etcd failure: tried again at the next read
+                self._unmarked.setdefault(name, entry)
+                raise
 
     def _running(self) -> bool:
         assert self.host is not None

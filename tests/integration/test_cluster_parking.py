@@ -6,6 +6,7 @@ is back, and the node clears only the lost record it read."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -128,3 +129,45 @@ async def test_keys_whose_lease_expired_are_reported_gone_and_not_written(
     assert restored == [] and sorted(k.key for k in gone) == sorted(keys[:2])
     assert await etcd.get_prefix("v1/instances/parkns2/") == []
     await etcd.delete(RECORD)
+
+
+async def test_reads_side_by_side_mark_a_lost_node_once_with_all_its_keys(
+    etcd: EtcdClient,
+) -> None:
+    """The leader's read loop and a push's wait (await_other_nodes) both call read(): at 8 x
+    32 the two marked the same node, and the second one's `del` failed the push (HTTP 500).
+    One marking, its record listing every withdrawn key, and no error."""
+    from types import SimpleNamespace
+
+    from dynamod.cluster import registry
+    from dynamod.cluster.membership import Membership
+    from dynamod.core.phase import Phase
+    from dynamod.core.placement import ClusterSpec
+
+    spec = ClusterSpec(nodes={"head": "10.1.0.1", "n2": "10.1.0.2"}, head="head", node="head",
+                       registry=["http://10.1.0.1:2379"])  # fmt: skip
+    member = Membership(spec, registrations=None, policy=None)  # type: ignore[arg-type]
+    member.host = SimpleNamespace(stack=SimpleNamespace(name="parkrace"), phase=Phase.UP)  # type: ignore[assignment]
+    member.etcd = etcd
+    member.lease = await etcd.lease_grant(30)
+    lost, keys = await _worker(etcd, "parkns6")
+    entry_lease = await etcd.lease_grant(30)
+    unit = registry.UnitEntry(name="worker@0", unit="worker", state="ready", pid=1, ports={},
+                              detail="", instance_ids=[lost], shard=True)  # fmt: skip
+    entry = registry.NodeEntry(node="n2", address="10.1.0.2", daemon_pid=1, run_id="r",
+                               phase="up", head=False, units=[unit])  # fmt: skip
+    await etcd.put(registry.node_key("parkrace", "n2"), entry.encode(), entry_lease)
+    try:
+        await member.read()  # sees n2, and takes the leader key
+        assert member.leader == "head" and "n2" in member.entries
+        await etcd.lease_revoke(entry_lease)  # n2's lease expires
+        await asyncio.gather(member.read(), member.read(), member.read())
+        record = await etcd.get(registry.lost_key("parkrace", "n2"))
+        assert record is not None
+        parked = json.loads(record)["parked"]
+        assert sorted(p["key"] for p in parked) == sorted(keys[:2])
+        assert await etcd.get_prefix("v1/instances/parkns6/") == []
+    finally:
+        await etcd.delete_prefix("dynamod/parkrace/")
+        await etcd.lease_revoke(member.lease)
+        await etcd.lease_revoke(lost)
