@@ -3,9 +3,12 @@ as one line for an operator (with the real details strings etcd 3.5 and gRPC sen
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
-from dynamod.rollout.etcd import EndpointError, EtcdAuth, parse_endpoints
+from dynamod.rollout.etcd import EndpointError, EtcdAuth, EtcdClient, EtcdError, parse_endpoints
 from dynamod.rollout.etcd.endpoints import Rotation
 from dynamod.rollout.etcd.errors import FailureKind, classify
 
@@ -126,3 +129,37 @@ def test_a_member_with_auth_off_is_passed_over_for_another() -> None:
     assert failure.try_another_endpoint and "authentication off" in failure.detail
     other = classify("FAILED_PRECONDITION", "etcdserver: something else", user="d", timeout_s=1)
     assert not other.try_another_endpoint
+
+
+class _Member:
+    """A member's connection as the client sees it: what a keepalive gets back from it."""
+
+    def __init__(self, reply: object) -> None:
+        self.reply = reply
+        self.asked = 0
+
+    async def refresh_lease(self, lease_id: int) -> object:
+        self.asked += 1
+        return self.reply
+
+    async def close_gracefully(self, grace: float) -> None:
+        pass
+
+
+def test_a_keepalive_stream_that_ends_unanswered_tries_the_next_member_not_a_lost_lease() -> None:
+    async def keepalive(first: object, second: object) -> tuple[int | None, list[int], str]:
+        client = EtcdClient(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+        a, b = client._rotation.endpoints
+        members = {a: _Member(first), b: _Member(second)}
+        client._connections = dict(members)  # type: ignore[arg-type]
+        ttl = await client.lease_keepalive(7)
+        return ttl, [m.asked for m in members.values()], client.endpoint
+
+    # no answer from the first member: the second one's TTL is the answer, and it is in use
+    assert asyncio.run(keepalive(None, SimpleNamespace(TTL=2))) == (2, [1, 1], "http://127.0.0.1:2")
+    # etcd's own answer of TTL 0 is a lease that is gone: no other member is asked
+    assert asyncio.run(keepalive(SimpleNamespace(TTL=0), SimpleNamespace(TTL=2))) == (
+        None, [1, 0], "http://127.0.0.1:1")  # fmt: skip
+    # nobody answers: a failure naming both members, never "gone"
+    with pytest.raises(EtcdError, match=r"no endpoint answered.*without an answer"):
+        asyncio.run(keepalive(None, None))

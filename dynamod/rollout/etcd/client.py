@@ -53,6 +53,10 @@ _COMPARE_RESULT = {
 }
 
 
+class _NoAnswer(Exception):
+    """A member closed a call without an answer or an error: like one that did not answer."""
+
+
 class _Missing(Exception):
     """etcd answered NOT_FOUND (a lease that is gone): some callers read that as an answer."""
 
@@ -273,9 +277,21 @@ class EtcdClient:
         return int(lease.id)
 
     async def lease_keepalive(self, lease_id: int) -> int | None:
-        """Refresh a lease once; its TTL after the refresh, or None if it no longer exists."""
-        reply = await self._call("lease_keepalive", None, lambda c: c.refresh_lease(lease_id))
-        ttl = int(reply.TTL) if reply is not None else 0
+        """Refresh a lease once; its TTL after the refresh, or None if it no longer exists.
+
+        Only etcd's answer of TTL 0 says the lease is gone. A stream that ends without an
+        answer is a member that did not answer (the next one is tried): read as "gone", it
+        made a node re-grant its lease, and its registry entry was absent meanwhile.
+        """
+
+        async def refresh(conn: Connection) -> Any:
+            reply = await conn.refresh_lease(lease_id)
+            if reply is None:
+                raise _NoAnswer("the keepalive stream ended without an answer")
+            return reply
+
+        reply = await self._call("lease_keepalive", None, refresh)
+        ttl = int(reply.TTL)
         return ttl if ttl > 0 else None
 
     async def lease_revoke(self, lease_id: int) -> bool:
@@ -397,6 +413,8 @@ class EtcdClient:
         """What a gRPC / aetcd error means; None for anything else (a bug: let it propagate)."""
         if isinstance(err, aetcd_errors.WatchTimeoutError):
             code, details = "DEADLINE_EXCEEDED", ""
+        elif isinstance(err, _NoAnswer):
+            return Failure(FailureKind.UNREACHABLE, str(err))
         else:
             status = err if isinstance(err, grpc.aio.AioRpcError) else err.__cause__
             if not isinstance(status, grpc.aio.AioRpcError):
