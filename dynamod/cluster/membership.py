@@ -49,6 +49,7 @@ log = structlog.get_logger("dynamod.cluster.membership")
 READ_FALLBACK_S = 1.0  # a read without a change seen: covers a watch being re-opened
 WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
+PUBLISH_RETRY_S = 0.1  # a failed publish round (its keepalive) is tried again this soon
 ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
@@ -278,13 +279,16 @@ class Membership(Extension):
 
     async def _publish_loop(self) -> None:
         period = self.cluster.lease_ttl / 3
+        failed = 0  # rounds in a row
         while not self._stopping:
             try:
                 await self._bounded("publish", self._publish())
+                failed = 0
             except (Exception, asyncio.CancelledError) as exc:  # see _failed
                 self._failed("publish", exc)
+                failed += 1
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(period):
+                async with asyncio.timeout(publish_wait(failed, period)):
                     await self._dirty.wait()
             self._dirty.clear()
             await asyncio.sleep(0.05)  # a burst of transitions makes one write
@@ -637,6 +641,17 @@ def _json(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
     return data
+
+
+def publish_wait(failed: int, period: float) -> float:
+    """Seconds to the next publish round after `failed` failed rounds in a row: the period
+    (a third of the lease) after a success; after a failure again soon, doubling up to the
+    period. The lease has already lost the time the failed round took (a call waits up to a
+    quarter of the lease on a silent member); a full period on top left a 2 s lease 0.1 s
+    to spare, and a loaded machine's delay then let it expire."""
+    if failed <= 0:
+        return period
+    return min(period, PUBLISH_RETRY_S * 2.0 ** min(failed - 1, 16))
 
 
 def must_write(written: tuple[str, float] | None, encoded: str, now: float, ttl: float) -> bool:

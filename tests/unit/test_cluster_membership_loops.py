@@ -218,3 +218,15 @@ async def test_another_nodes_push_is_followed_when_the_ledger_moves_not_at_the_n
         await asyncio.gather(*tasks, return_exceptions=True)
     assert ledger.follows, "the follower never looked at the ledger"
     assert 0.2 <= ledger.follows[0] - started < 1.0
+
+
+def test_a_failed_publish_round_is_tried_again_soon_then_backs_off_to_the_period() -> None:
+    period = 2.0 / 3  # the stock 2 s lease
+    waits = [membership.publish_wait(n, period) for n in range(6)]
+    assert waits[0] == period  # after a success
+    assert waits[1:4] == [0.1, 0.2, 0.4]
+    assert waits[4:] == [period, period]  # never slower than the period
+    # the keepalive that failed after a silent member's quarter-lease wait is retried in
+    # time: a success, a period, a failed round of a quarter lease, then the retry
+    assert period + 2.0 / 4 + waits[1] < 2.0 - 0.5
+    assert membership.publish_wait(10_000, period) == period  # no overflow after a long outage
