@@ -33,6 +33,7 @@ from dynamod.core import (
     cgroups,
     leftovers,
     live,
+    loopwatch,
     opstop,
     paths,
     ports,
@@ -351,6 +352,7 @@ class Daemon:
         )
         self.guardian.start()
         census = None
+        stalls = loop.create_task(loopwatch.watch(), name="loop-watch")
         if self.containment.kind is cgroups.Kind.PGROUP:
             census = loop.create_task(self.guardian.watch_orphans(), name="guardian-census")
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -396,6 +398,7 @@ class Daemon:
             await session.close()
             if census is not None:
                 census.cancel()
+            stalls.cancel()
             self.guardian.close()  # the guardian sees EOF, finds nothing left, exits
             self.state.release()
             self.set_phase(Phase.STOPPED)
