@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import structlog
 
-log = structlog.get_logger()
+log = structlog.get_logger("dynamod.core.loopwatch")
 
 TICK_S = 0.1
 STALL_S = 0.5

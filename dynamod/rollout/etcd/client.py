@@ -280,8 +280,8 @@ class EtcdClient:
         """Refresh a lease once; its TTL after the refresh, or None if it no longer exists.
 
         Only etcd's answer of TTL 0 says the lease is gone. A stream that ends without an
-        answer is a member that did not answer (the next one is tried): read as "gone", it
-        made a node re-grant its lease, and its registry entry was absent meanwhile.
+        answer is a member that did not answer (the next one is tried); read as "gone", it
+        made a node take a new lease while its own was alive, on a member that was failing.
         """
 
         async def refresh(conn: Connection) -> Any:
