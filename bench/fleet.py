@@ -59,7 +59,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
-from bench.fleet_stack import members, replicated, with_lease
+from bench.fleet_stack import members, replicated, with_lease, with_shard_weight
 from bench.procs import cpu_seconds, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
@@ -100,6 +100,13 @@ def main() -> None:
         help="the registry lease, whole s (default: the stack's; 1 also shortens etcd's "
         "election timeout, which etcd needs to grant it)",
     )
+    parser.add_argument(
+        "--shard-cpu-weight",
+        type=int,
+        default=None,
+        help="give every shard `limits = { cpu_weight = N }` (1-10000; 100 is the default "
+        "share): under contention the shards yield to etcd, NATS and the daemons",
+    )
     args = parser.parse_args()
     try:
         nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
@@ -108,6 +115,9 @@ def main() -> None:
         parser.error(str(exc))
     if args.lease is not None and args.lease < 1:
         parser.error(f"--lease: whole seconds of at least 1, got {args.lease}")
+    weight = args.shard_cpu_weight
+    if weight is not None and not 1 <= weight <= 10000:
+        parser.error(f"--shard-cpu-weight: 1 to 10000, got {weight}")
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("fleet", "The fleet, simulated: control-plane cost by node count", args.quick)
     reason = can_create_namespaces()
@@ -117,11 +127,17 @@ def main() -> None:
         return
     with inotify_room(nodes[-1] * per_node, raise_limit=args.raise_inotify) as inotify:
         lease = args.lease
-        reference = None if args.quick else run_fleet(1, 1, quick=True, faults=False, lease=lease)
+        reference = (
+            None
+            if args.quick
+            else run_fleet(1, 1, quick=True, faults=False, lease=lease, weight=weight)
+        )
         fleets = []
         for n in nodes:
             faults = n > 1 and not args.no_faults
-            fleets.append(run_fleet(n, per_node, quick=args.quick, faults=faults, lease=lease))
+            fleets.append(
+                run_fleet(n, per_node, quick=args.quick, faults=faults, lease=lease, weight=weight)
+            )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
@@ -212,7 +228,13 @@ def inotify_room(shards: int, *, raise_limit: bool) -> Iterator[dict[str, Any]]:
 
 
 def run_fleet(
-    n_nodes: int, per_node: int, *, quick: bool, faults: bool, lease: int | None = None
+    n_nodes: int,
+    per_node: int,
+    *,
+    quick: bool,
+    faults: bool,
+    lease: int | None = None,
+    weight: int | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp; a failed one
     keeps the daemons' logs in its work dir (named in the error) and kills every process."""
@@ -222,12 +244,14 @@ def run_fleet(
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
     stack = work_dir / "fleet-stack.toml"
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
+    if weight is not None:
+        text = with_shard_weight(text, weight)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
     lease_s = tomllib.loads(text)["cluster"]["lease_ttl"]
     result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node,
-                              "registry_lease_s": lease_s}  # fmt: skip
+                              "registry_lease_s": lease_s, "shard_cpu_weight": weight}  # fmt: skip
     failed = True
     try:
         started = time.monotonic()
@@ -282,19 +306,20 @@ def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
     daemons = {node: daemon_pid(rig, node) for node in rig.names}
     pids = [*shards.values(), *daemons.values()]
     etcd_before = etcd_counters(rig)
-    before = {pid: cpu_seconds(pid) for pid in pids}
+    before = cpu_of(pids)
     started = time.monotonic()
     time.sleep(window)
-    share = {pid: (cpu_seconds(pid) - before[pid]) / window * 100 for pid in pids}
+    share = {pid: used / window * 100 for pid, used in cpu_since(before).items()}
     etcd_after = etcd_counters(rig)
     took = time.monotonic() - started
     per_node = len(shards) / len(rig.names)
     return {
         "etcd_writes_per_s": writes(etcd_before, etcd_after) / took,
         "etcd_reads_per_s": (etcd_after["ranges"] - etcd_before["ranges"]) / took,
-        "shard_cpu_pct": statistics.mean(share[p] for p in shards.values()),
-        "shard_rss_mb": statistics.mean(rss_mb(p) for p in shards.values()),
-        "shard_pss_mb": statistics.mean(pss_mb(p) for p in shards.values()),
+        "shard_cpu_pct": statistics.mean(share[p] for p in shards.values() if p in share),
+        "shard_rss_mb": statistics.mean(rss_mb(p) for p in shards.values() if p in share),
+        "shard_pss_mb": statistics.mean(pss_mb(p) for p in shards.values() if p in share),
+        "shards_gone": sum(p not in share for p in shards.values()),
         "daemon_cpu_pct_per_shard": statistics.mean(share[p] for p in daemons.values()) / per_node,
         "daemon_rss_mb": statistics.mean(rss_mb(p) for p in daemons.values()),
         "daemon_rss_mb_per_shard": statistics.mean(rss_mb(p) for p in daemons.values()) / per_node,
@@ -322,13 +347,13 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     before = etcd_counters(rig)
     shards = [pid for node in rig.names for pid in shard_pids(rig, node).values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
-    cpu_before = {pid: cpu_seconds(pid) for pid in [*shards, *daemons]}
+    cpu_before = cpu_of([*shards, *daemons])
     busy_before = machine_busy_s()
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
     busy = machine_busy_s() - busy_before
-    used = {pid: cpu_seconds(pid) - cpu_before[pid] for pid in cpu_before}
+    used = cpu_since(cpu_before)
     after = etcd_counters(rig)
     acks = answer["acks"]
     bad = {k: v.get("error") or v for k, v in acks.items() if not v.get("ok")}
@@ -353,13 +378,32 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
         "cpu": {
             "busy_s": busy,
             "busy_pct": busy / (stall * CORES) * 100,
-            "shards_s": sum(used[pid] for pid in shards),
-            "daemons_s": sum(used[pid] for pid in daemons),
+            "shards_s": sum(used[pid] for pid in shards if pid in used),
+            "daemons_s": sum(used[pid] for pid in daemons if pid in used),
+            # a shard restarted meanwhile: its old process's CPU is not counted
+            "shards_gone": sum(pid not in used for pid in shards),
         },
     }
 
 
 CORES = os.cpu_count() or 1
+
+
+def cpu_of(pids: list[int]) -> dict[int, float]:
+    """Each process's CPU seconds so far; one that is gone is left out."""
+    got = {}
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            got[pid] = cpu_seconds(pid)
+    return got
+
+
+def cpu_since(before: dict[int, float]) -> dict[int, float]:
+    """CPU seconds each process used since `before`; one that is gone now (a shard that
+    restarted meanwhile) is left out: the bench.fleet 4 x 32 run of 2026-12-04 failed on
+    it with FileNotFoundError."""
+    now = cpu_of(list(before))
+    return {pid: now[pid] - before[pid] for pid in now}
 
 
 def machine_busy_s() -> float:
@@ -589,7 +633,8 @@ def push_cpu_table(fleets: list[dict[str, Any]]) -> Table:
         f"The push's CPU: every process on this machine during the trainer's stall ({CORES} "
         "cores)",
         ["nodes", "shards", "stall s", "machine busy %", "busy CPU s", "busy CPU s / cores",
-         "shards' CPU s", "daemons' CPU s", "daemons' share %", "daemons' CPU ms / shard"],
+         "shards' CPU s", "daemons' CPU s", "daemons' share %", "daemons' CPU ms / shard",
+         "shards gone meanwhile (not counted)"],
         digits=2,
     )  # fmt: skip
     for f in fleets:
@@ -598,7 +643,7 @@ def push_cpu_table(fleets: list[dict[str, Any]]) -> Table:
             [f["nodes"], f["shards"], f["push"]["stall_s"], c["busy_pct"], c["busy_s"],
              c["busy_s"] / CORES, c["shards_s"], c["daemons_s"],
              c["daemons_s"] / c["busy_s"] * 100 if c["busy_s"] else math.nan,
-             c["daemons_s"] / f["shards"] * 1000]
+             c["daemons_s"] / f["shards"] * 1000, c.get("shards_gone", 0)]
         )  # fmt: skip
     return table
 

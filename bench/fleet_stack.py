@@ -67,3 +67,11 @@ def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
         return text
     flag = f'    "--election-timeout", "{ELECTION_TIMEOUT_MS[lease_ttl]}",'
     return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")
+
+
+def with_shard_weight(text: str, weight: int) -> str:
+    """`text` (cluster.toml) with every shard under `limits = { cpu_weight = weight }`."""
+    return _one(
+        r'^(\[units\.worker\]\ndescription = .*)$', text,
+        f"\\g<0>\nlimits = {{ cpu_weight = {weight} }}", "units.worker",
+    )  # fmt: skip

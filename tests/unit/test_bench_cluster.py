@@ -1,6 +1,7 @@
-"""bench.cluster's lease variants (bench/fleet_stack.py `with_lease`): the stock cluster
-stack rewritten for a registry lease, with the etcd election timeout a 1 s lease needs,
-or refused when a line it rewrites is not there."""
+"""bench.cluster's lease variants and bench.fleet's shard weight (bench/fleet_stack.py
+`with_lease`, `with_shard_weight`): the stock cluster stack rewritten for a registry lease,
+with the etcd election timeout a 1 s lease needs, or with a CPU weight on its shards; or
+refused when a line it rewrites is not there."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.cluster import STACK
-from bench.fleet_stack import ELECTION_TIMEOUT_MS, StackShapeError, with_lease
+from bench.fleet_stack import ELECTION_TIMEOUT_MS, StackShapeError, with_lease, with_shard_weight
 
 UNITS = Path("/units")
 
@@ -42,3 +43,11 @@ def test_a_1_s_lease_sets_the_lease_and_etcd_s_election_timeout() -> None:
 def test_a_stack_it_cannot_rewrite_is_refused(text: str, lease: int, missing: str) -> None:
     with pytest.raises(StackShapeError, match=f"no {missing} line"):
         with_lease(text, lease, UNITS)
+
+
+def test_a_shard_weight_limits_the_workers_alone() -> None:
+    stack = tomllib.loads(with_shard_weight(STACK.read_text(), 20))
+    assert stack["units"]["worker"]["limits"] == {"cpu_weight": 20}
+    assert all("limits" not in u for name, u in stack["units"].items() if name != "worker")
+    with pytest.raises(StackShapeError, match=r"no units\.worker line"):
+        with_shard_weight("[units.frontend]\ndescription = 'x'\n", 20)
