@@ -105,7 +105,8 @@ def main() -> None:
         type=int,
         default=None,
         help="give every shard `limits = { cpu_weight = N }` (1-10000; 100 is the default "
-        "share): under contention the shards yield to etcd, NATS and the daemons",
+        "share), to let etcd, NATS and the daemons go first; on cgroup v1 it starved the "
+        "shards' own start instead (docs/benchmarks.md 16)",
     )
     args = parser.parse_args()
     try:
