@@ -60,7 +60,7 @@ from bench.fleet_growth import (
     writes,
 )
 from bench.fleet_stack import members, replicated, with_lease, with_shard_weight
-from bench.procs import cpu_seconds, pss_mb, rss_mb
+from bench.procs import cpu_of, cpu_since, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
 from dynamod.chaos.model import Load
@@ -388,23 +388,6 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
 
 
 CORES = os.cpu_count() or 1
-
-
-def cpu_of(pids: list[int]) -> dict[int, float]:
-    """Each process's CPU seconds so far; one that is gone is left out."""
-    got = {}
-    for pid in pids:
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            got[pid] = cpu_seconds(pid)
-    return got
-
-
-def cpu_since(before: dict[int, float]) -> dict[int, float]:
-    """CPU seconds each process used since `before`; one that is gone now (a shard that
-    restarted meanwhile) is left out: the bench.fleet 4 x 32 run of 2026-12-04 failed on
-    it with FileNotFoundError."""
-    now = cpu_of(list(before))
-    return {pid: now[pid] - before[pid] for pid in now}
 
 
 def machine_busy_s() -> float:

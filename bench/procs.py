@@ -194,6 +194,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_of(pids: list[int]) -> dict[int, float]:
+    """Each process's CPU seconds so far; one that is gone is left out."""
+    got = {}
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            got[pid] = cpu_seconds(pid)
+    return got
+
+
+def cpu_since(before: dict[int, float]) -> dict[int, float]:
+    """CPU seconds each process used since `before`; one that is gone now (a shard that
+    restarted meanwhile) is left out: the bench.fleet 4 x 32 run of 2026-12-04 failed on
+    it with FileNotFoundError."""
+    now = cpu_of(list(before))
+    return {pid: now[pid] - before[pid] for pid in now}
+
+
 def started_at(pid: int) -> float:
     """When a process was started, as epoch seconds (kernel clock ticks: 10 ms steps).
     /proc/PID/stat counts from boot; CLOCK_BOOTTIME is the same clock."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import structlog
 
@@ -20,17 +19,12 @@ TICK_S = 0.1
 STALL_S = 0.5
 
 
-async def watch(
-    tick_s: float = TICK_S,
-    stall_s: float = STALL_S,
-    clock: Callable[[], float] = time.monotonic,
-    cpu: Callable[[], float] = time.process_time,
-) -> None:
+async def watch(tick_s: float = TICK_S, stall_s: float = STALL_S) -> None:
     """Runs until cancelled; logs each tick that came `stall_s` or more late."""
-    last, used = clock(), cpu()
+    last, used = time.monotonic(), time.process_time()
     while True:
         await asyncio.sleep(tick_s)
-        now, spent = clock(), cpu()
+        now, spent = time.monotonic(), time.process_time()
         late = now - last - tick_s
         if late >= stall_s:
             log.warning(
