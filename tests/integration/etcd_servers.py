@@ -67,10 +67,12 @@ def etcdctl(url: str, *args: str, user: str | None = None) -> str:
     return done.stdout
 
 
-def start_auth_etcd(stack: RawStack) -> str:
-    """etcd with auth on: root, and user dynamod allowed read/write under dynamod/ only."""
+def start_auth_etcd(stack: RawStack, token_ttl: int = 2) -> str:
+    """etcd with auth on: root, and user dynamod allowed read/write under dynamod/ only; a
+    token lapses `token_ttl` seconds after its last use."""
     url = f"http://127.0.0.1:{free_port()}"
-    proc = spawn_etcd(stack, "etcd-auth", url, ["--auth-token", "simple", "--auth-token-ttl", "2"])
+    ttl = ["--auth-token-ttl", str(token_ttl)]
+    proc = spawn_etcd(stack, f"etcd-auth-{token_ttl}", url, ["--auth-token", "simple", *ttl])
     wait_healthy(proc, url)
     etcdctl(url, "user", "add", f"root:{ROOT_PASSWORD}")
     etcdctl(url, "user", "grant-role", "root", "root")

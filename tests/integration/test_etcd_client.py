@@ -303,6 +303,69 @@ async def test_expired_token_is_renewed_without_the_caller_noticing(auth_url: st
     await plain.close()
 
 
+async def test_calls_refused_at_once_for_an_expired_token_log_in_once(auth_url: str) -> None:
+    key = f"dynamod/{uuid.uuid4().hex}"
+    async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as client:
+        await client.put(key, "v")
+        assert client.login.logins == 1
+        await asyncio.sleep(3.5)  # --auth-token-ttl 2: the token expires
+        assert await asyncio.gather(*(client.get(key) for _ in range(5))) == [b"v"] * 5
+        assert client.login.logins == 2  # one renewal, which the other four calls waited for
+
+
+@pytest.fixture(scope="module")
+def lasting_auth_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Auth whose tokens outlast a test (etcd's default 300 s), so a new login is ours."""
+    with raw_stack(tmp_path_factory.mktemp("etcd-auth-lasting")) as stack:
+        yield etcd_servers.start_auth_etcd(stack, token_ttl=300)
+
+
+async def test_a_failover_reuses_the_clients_token_instead_of_logging_in_again(
+    lasting_auth_url: str,
+) -> None:
+    """A login is etcd's costliest call (bcrypt, then raft: the leader and a disk write).
+    When each new connection logged in, a failover during a leader election on a loaded
+    machine logged in on every attempt, outlasted each deadline, and the cluster-ha test's
+    registry leases expired with two members up. Here the first member (a proxy to the
+    server) stops answering; the call fails over to the second and uses the same token."""
+    key = f"dynamod/{uuid.uuid4().hex}"
+    target = int(lasting_auth_url.rsplit(":", 1)[1])
+    frozen = asyncio.Event()
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.add(asyncio.current_task())  # type: ignore[arg-type]
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    if frozen.is_set():  # holds the connection open and answers nothing
+                        await asyncio.Event().wait()
+                    dst.write(data)
+                    await dst.drain()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    endpoints = [f"http://127.0.0.1:{port}", lasting_auth_url]
+    try:
+        async with EtcdClient(endpoints, auth=EtcdAuth(USER, PASSWORD), timeout_s=0.5) as client:
+            await client.put(key, "through the proxy")
+            assert (client.endpoint, client.login.logins) == (endpoints[0], 1)
+            token = client.login.token
+            frozen.set()
+            assert await client.get(key) == b"through the proxy"
+            assert client.endpoint == endpoints[1]
+            assert (client.login.logins, client.login.token) == (1, token)
+    finally:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+
+
 async def test_wrong_password_is_one_clear_line(auth_url: str) -> None:
     async with EtcdClient(auth_url, auth=EtcdAuth(USER, "wrong")) as client:
         with pytest.raises(EtcdAuthError) as caught:

@@ -72,6 +72,11 @@ def test_statuses_read_as_one_line() -> None:
     assert _classify("UNAUTHENTICATED", "etcdserver: invalid auth token")[0] is (
         FailureKind.TOKEN_EXPIRED
     )
+    # a token kept (shared by a client's connections) across a change to users or roles
+    assert _classify("INVALID_ARGUMENT", "etcdserver: revision of auth store is old") == (
+        FailureKind.TOKEN_EXPIRED,
+        "the auth token predates a change to etcd's users or roles",
+    )
     assert _classify("NOT_FOUND", "etcdserver: requested lease not found") == (
         FailureKind.NOT_FOUND,
         "etcdserver: requested lease not found",
@@ -137,6 +142,9 @@ class _Member:
     def __init__(self, reply: object) -> None:
         self.reply = reply
         self.asked = 0
+
+    async def connect(self) -> None:
+        pass
 
     async def refresh_lease(self, lease_id: int) -> object:
         self.asked += 1

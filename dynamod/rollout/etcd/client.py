@@ -17,7 +17,7 @@ import grpc
 from aetcd import exceptions as aetcd_errors
 from aetcd import rpc
 
-from dynamod.rollout.etcd.connection import Connection
+from dynamod.rollout.etcd.connection import Connection, Login
 from dynamod.rollout.etcd.endpoints import Endpoint, Rotation, parse_endpoints
 from dynamod.rollout.etcd.errors import (
     EtcdAuthError,
@@ -82,6 +82,7 @@ class EtcdClient:
         self._rotation = Rotation(parse_endpoints(endpoints))
         self.timeout_s = timeout_s
         self.auth = auth
+        self.login = Login(auth)  # one token for all of this client's connections
         self._connections: dict[Endpoint, Connection] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -213,7 +214,10 @@ class EtcdClient:
             conn = self._connection(endpoint)
             events: asyncio.Queue[Any] = asyncio.Queue()
             stream = None
+            used = self.login.token
             try:
+                await conn.connect()
+                used = self.login.token
                 stream = await _open_watch(conn, start, end, next_revision, events)
                 while True:
                     item = await events.get()
@@ -236,7 +240,7 @@ class EtcdClient:
             except (Exception, asyncio.CancelledError) as err:
                 if isinstance(err, asyncio.CancelledError) and _cancelled():
                     raise
-                await self._watch_broke(err, endpoint, conn, prefix, failures)
+                await self._watch_broke(err, endpoint, conn, prefix, failures, used)
             finally:
                 if stream is not None:
                     with contextlib.suppress(Exception):
@@ -249,6 +253,7 @@ class EtcdClient:
         conn: Connection,
         prefix: str,
         failures: list[tuple[Endpoint, Failure]],
+        used: str | None,
     ) -> None:
         """A watch stream failed: return to open it again (after a new token, or on the
         next endpoint), or raise when that cannot help."""
@@ -261,7 +266,7 @@ class EtcdClient:
             raise err
         if failure.kind is FailureKind.TOKEN_EXPIRED and not _seen(failures, failure):
             failures.append((endpoint, failure))
-            await self._reauthenticate(conn, "watch_prefix", prefix)
+            await self._reauthenticate(conn, "watch_prefix", prefix, used)
             return
         if not failure.try_another_endpoint:
             raise self._error(endpoint, "watch_prefix", prefix, failure) from None
@@ -369,18 +374,22 @@ class EtcdClient:
         send: Callable[[Connection], Awaitable[T]],
     ) -> T:
         """One member: send, and once more with a fresh token if etcd expired ours."""
+        await conn.connect()
+        used = self.login.token
         try:
             return await send(conn)
         except Exception as err:
             failure = self._failure(err)
             if failure is None or failure.kind is not FailureKind.TOKEN_EXPIRED:
                 raise
-        await self._reauthenticate(conn, operation, key)
+        await self._reauthenticate(conn, operation, key, used)
         return await send(conn)
 
-    async def _reauthenticate(self, conn: Connection, operation: str, key: str | None) -> None:
+    async def _reauthenticate(
+        self, conn: Connection, operation: str, key: str | None, used: str | None
+    ) -> None:
         try:
-            await conn.authenticate()
+            await conn.authenticate(used)
         except Exception as err:
             failure = self._failure(err)
             if failure is None:
@@ -390,7 +399,7 @@ class EtcdClient:
     def _connection(self, endpoint: Endpoint) -> Connection:
         conn = self._connections.get(endpoint)
         if conn is None:
-            conn = Connection(endpoint, self.auth, self.timeout_s)
+            conn = Connection(endpoint, self.auth, self.timeout_s, self.login)
             self._connections[endpoint] = conn
         return conn
 

@@ -1,7 +1,7 @@
 """One gRPC connection to one etcd member, on aetcd 1.0.0: aetcd's client with the two things it
 lacks, a TLS channel (CA and client certificate as PEM contents) and authentication that can be
 repeated when etcd lets the token expire. Everything else (requests, replies, watch streams) is
-aetcd's.
+aetcd's. A client's connections share one `Login`: a token etcd issued is good on every member.
 """
 
 from __future__ import annotations
@@ -33,10 +33,65 @@ CHANNEL_OPTIONS: dict[str, Any] = {
 }
 
 
-class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type information
-    """aetcd's Client bound to one endpoint, with TLS and re-authentication."""
+class Login:
+    """The auth token one client's connections share, so a new connection (a failover, a
+    member's connection dropped after a call it did not answer) logs in only when there is
+    no token yet or etcd refused ours.
 
-    def __init__(self, endpoint: Endpoint, auth: EtcdAuth | None, timeout_s: float) -> None:
+    A login is the costliest call etcd serves: it checks the password with bcrypt and puts
+    the token through raft, so it needs the leader and a disk write. With a login per
+    connection, the cluster-ha test's nodes, failing over while their members elected a new
+    leader on a loaded machine, logged in again on every attempt; each login outlasted the
+    call's deadline, the next attempt dropped the connection and logged in again, and every
+    node's registry lease expired with two members up (CI, and 3 of 5 runs here beside two
+    CPU hogs and a disk writer). etcd puts a simple token through raft, so every member
+    knows it; one that does not yet (or has let it lapse) answers "invalid auth token", and
+    the client logs in again (`renew`).
+    """
+
+    def __init__(self, auth: EtcdAuth | None) -> None:
+        self._auth = auth
+        self.token: str | None = None
+        self.logins = 0  # how many times etcd was asked for a token (tests and logs read it)
+        self._lock = asyncio.Lock()
+
+    @property
+    def needed(self) -> bool:
+        return self._auth is not None and self._auth.user is not None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("token", self.token),) if self.token is not None else None
+
+    async def ensure(self, stub: Any, timeout_s: float) -> None:
+        """A token, logging in only if there is none yet."""
+        if self.needed and self.token is None:
+            await self.renew(stub, timeout_s, stale=None)
+
+    async def renew(self, stub: Any, timeout_s: float, stale: str | None) -> None:
+        """A new token in place of `stale` (the one etcd refused). Calls refused at once log
+        in once: those that waited find the token already replaced and use it."""
+        if not self.needed:
+            return
+        assert self._auth is not None
+        async with self._lock:
+            if self.token != stale:
+                return
+            self.logins += 1
+            reply = await stub.Authenticate(
+                rpc.AuthenticateRequest(name=self._auth.user, password=self._auth.password or ""),
+                timeout=timeout_s,
+            )
+            self.token = str(reply.token)
+
+
+class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type information
+    """aetcd's Client bound to one endpoint, with TLS and the client's shared login."""
+
+    def __init__(
+        self, endpoint: Endpoint, auth: EtcdAuth | None, timeout_s: float, login: Login
+    ) -> None:
+        self.login = login  # before aetcd's __init__, which sets `metadata`
         super().__init__(
             host=endpoint.host, port=endpoint.port, timeout=timeout_s, options=CHANNEL_OPTIONS
         )
@@ -66,7 +121,7 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
             self.leasestub = rpc.LeaseStub(channel)
             self.maintenancestub = rpc.MaintenanceStub(channel)
             try:
-                await self.authenticate()
+                await self.login.ensure(self.auth_stub, self._timeout)
                 if self._retired:  # closed while we logged in: not connected after all
                     raise grpc.aio.UsageError("Channel is closed.")
             except BaseException:
@@ -74,15 +129,18 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
                 raise
             self._connected.set()
 
-    async def authenticate(self) -> None:
-        """Get a (new) token for our user; without a user there is nothing to do."""
-        if self._auth is None or self._auth.user is None:
-            return
-        reply = await self.auth_stub.Authenticate(
-            rpc.AuthenticateRequest(name=self._auth.user, password=self._auth.password or ""),
-            timeout=self._timeout,
-        )
-        self.metadata = (("token", reply.token),)
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        """What aetcd's calls carry: the shared login's current token."""
+        return self.login.metadata
+
+    @metadata.setter
+    def metadata(self, value: object) -> None:
+        """aetcd's __init__ sets it to None; the token lives in the shared login."""
+
+    async def authenticate(self, stale: str | None) -> None:
+        """Get a new token for our user in place of `stale`, the one etcd refused."""
+        await self.login.renew(self.auth_stub, self._timeout, stale)
 
     def new_watcher(self) -> Any:
         """A watch stream of its own, carrying the current token."""

@@ -120,8 +120,22 @@ def classify(
         return Failure(
             FailureKind.UNREACHABLE, "it has authentication off, so our login cannot be used"
         )
+    auth = _auth_failure(code, low, text, user)
+    if auth is not None:
+        return auth
+    if code == "NOT_FOUND":
+        return Failure(FailureKind.NOT_FOUND, text)
+    return Failure(FailureKind.SERVER, f"{code}: {text}")
+
+
+def _auth_failure(code: str, low: str, text: str, user: str | None) -> Failure | None:
+    """etcd's answers about our token and our user; None for any other answer."""
     if code == "UNAUTHENTICATED" and "invalid auth token" in low:
         return Failure(FailureKind.TOKEN_EXPIRED, "the auth token expired")
+    if "revision of auth store is old" in low:  # a token kept across a change to users/roles
+        return Failure(
+            FailureKind.TOKEN_EXPIRED, "the auth token predates a change to etcd's users or roles"
+        )
     if "authentication failed" in low:
         return Failure(
             FailureKind.REFUSED_AUTH,
@@ -138,9 +152,7 @@ def classify(
         )
     if code == "UNAUTHENTICATED":
         return Failure(FailureKind.REFUSED_AUTH, f"refused user {user!r}: {text}")
-    if code == "NOT_FOUND":
-        return Failure(FailureKind.NOT_FOUND, text)
-    return Failure(FailureKind.SERVER, f"{code}: {text}")
+    return None
 
 
 def _tls_detail(low: str, text: str, client_cert: bool) -> str:
