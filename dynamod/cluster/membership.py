@@ -85,6 +85,8 @@ class Membership(Extension):
         # Nodes whose entry vanished and that the leader has not marked lost yet: a marking
         # that failed (etcd) is tried again at the next read while the entry is still gone.
         self._unmarked: dict[str, NodeEntry] = {}
+        self._deferred: set[str] = set()  # of those, the ones whose marking waits (logged once)
+        self.trouble_at: float | None = None  # monotonic: the last failed registry round
         self.seen: set[str] = set()
         self.leader: str | None = None
         self.down_request: dict[str, Any] | None = None
@@ -409,6 +411,7 @@ class Membership(Extension):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise exc
+        self.trouble_at = time.monotonic()
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         if text != self.error:
             unexpected = not isinstance(exc, _FAILURES)
@@ -488,20 +491,51 @@ class Membership(Extension):
         stopping = down is not None and str(down.get("id")) != self._stale_down_id
         if self.leader != self.cluster.node or stopping:
             self._unmarked.clear()
+            self._deferred.clear()
             return
         for name in registry.newly_lost(before, entries, stopping=stopping):
             self._unmarked[name] = before[name]
+        await self._judge(entries)
+
+    async def _judge(self, entries: dict[str, NodeEntry]) -> None:
+        """As the leader: mark lost each node whose entry vanished and is still gone, once
+        this daemon may judge (registry.may_judge)."""
+        judge = registry.may_judge(self.trouble_at, time.monotonic(), self.cluster.lease_ttl)
         # read() also runs from a push (await_other_nodes) beside the read loop: a marking is
         # taken out of _unmarked before it starts, so no other read starts it again
         for name in list(self._unmarked):
-            entry = self._unmarked.pop(name, None)
-            if entry is None or name in entries:
+            if name in entries:  # it published again: nothing to mark
+                self._unmarked.pop(name, None)
+                self._back_before_judged(name)
                 continue
+            if not judge:
+                self._defer(name)
+                continue
+            entry = self._unmarked.pop(name, None)
+            if entry is None:
+                continue
+            self._deferred.discard(name)
             try:
                 await self._mark_lost(name, entry)
             except BaseException:  # an etcd failure: tried again at the next read
                 self._unmarked.setdefault(name, entry)
                 raise
+
+    def _defer(self, name: str) -> None:
+        if name in self._deferred:
+            return
+        self._deferred.add(name)
+        assert self.trouble_at is not None
+        log.info("cluster.node_loss_deferred", node=name,
+                 own_trouble_s_ago=round(time.monotonic() - self.trouble_at, 2),
+                 why="its entry vanished while this daemon's own registry calls failed (an "
+                     "etcd outage expires every entry at once): marked lost only if still gone "
+                     "once this daemon has been in contact for a whole lease")  # fmt: skip
+
+    def _back_before_judged(self, name: str) -> None:
+        if name in self._deferred:
+            self._deferred.discard(name)
+            log.info("cluster.node_back_before_judged", node=name)
 
     def _running(self) -> bool:
         assert self.host is not None

@@ -164,6 +164,16 @@ def newly_lost(
     return sorted(set(before) - set(now))
 
 
+def may_judge(trouble_at: float | None, now: float, lease_ttl: float) -> bool:
+    """Whether the leader may mark a node lost whose entry vanished: only once its own
+    registry calls have all gone through for a whole lease (`trouble_at`: the monotonic
+    time its last one failed). An etcd that answers nobody for longer than the lease (its
+    leader lost on a loaded machine: ~4.5 s in CI) expires every entry at once; the leader,
+    in the same outage, is then no judge of whether a node was cut off or only etcd was.
+    A node that was merely waiting on etcd puts its entry back within that lease."""
+    return trouble_at is None or now - trouble_at >= lease_ttl
+
+
 def behind(entries: dict[str, NodeEntry], current: int | None) -> dict[str, list[str]]:
     """Node -> its shards (`<node>/<unit>`) that do not hold the current version."""
     if current is None:

@@ -230,3 +230,79 @@ def test_a_failed_publish_round_is_tried_again_soon_then_backs_off_to_the_period
     # time: a success, a period, a failed round of a quarter lease, then the retry
     assert period + 2.0 / 4 + waits[1] < 2.0 - 0.5
     assert membership.publish_wait(10_000, period) == period  # no overflow after a long outage
+
+
+class _Registry:
+    """Stands in for the etcd client at the registry prefix: the entries it holds now
+    (this daemon already the leader); get_prefix answers them."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        self.nodes = nodes
+
+    async def get_prefix(self, prefix: str) -> list[Any]:
+        rows = [SimpleNamespace(key=f"{prefix}nodes/{n}", value=_entry(n).encode())
+                for n in self.nodes]  # fmt: skip
+        return [*rows, SimpleNamespace(key=f"{prefix}leader", value=b"head")]
+
+
+def _entry(node: str) -> Any:
+    from dynamod.cluster.registry import NodeEntry, UnitEntry
+
+    worker = UnitEntry("worker@0", "worker", "ready", 42, {}, "ok", 1, [0xAB], shard=True)
+    return NodeEntry(node, "10.1.0.1", 100, "run", "up", node == "head", [worker], 1)
+
+
+async def test_an_entry_that_vanished_while_the_leader_itself_failed_is_judged_a_lease_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI: the head's etcd member, the etcd leader, killed on a loaded machine; the other two
+    answered nobody for ~4.5 s, every node's lease expired, and the first daemon back (the
+    cluster's leader, its own lease expired too) marked the others lost as it read their
+    entries gone: their shards withdrawn, a push answered without them. The leader judges
+    only once its own registry calls have gone through for a whole lease (2 s here)."""
+    spec = ClusterSpec(nodes={"head": "10.1.0.1", "n1": "10.1.0.2", "n2": "10.1.0.3"},
+                       head="head", node="head", lease_ttl=2,
+                       registry=["http://10.1.0.1:2379"])  # fmt: skip
+    member = Membership(spec, registrations=Any, policy=None)  # type: ignore[arg-type]
+    member.host = SimpleNamespace(stack=SimpleNamespace(name="s"), phase=Phase.UP)  # type: ignore[assignment]
+    etcd = _Registry(["head", "n1", "n2"])
+    member.etcd = etcd  # type: ignore[assignment]
+    marked: list[str] = []
+
+    async def mark_lost(name: str, entry: Any) -> None:
+        marked.append(name)
+
+    monkeypatch.setattr(member, "_mark_lost", mark_lost)
+    clock = [1000.0]
+    monkeypatch.setattr(membership.time, "monotonic", lambda: clock[0])
+    await member.read()
+    assert member.leader == "head" and set(member.entries) == {"head", "n1", "n2"}
+
+    member._failed("publish", TimeoutError("no answer"))  # the outage, seen by the leader
+    etcd.nodes = ["head"]  # n1's and n2's leases expired with it
+    with capture_logs() as logs:
+        clock[0] += 1.9  # back in contact for less than a lease
+        await member.read()
+        await member.read()
+    assert marked == []
+    deferred = [e["node"] for e in logs if e["event"] == "cluster.node_loss_deferred"]
+    assert deferred == ["n1", "n2"], logs  # logged once each
+
+    etcd.nodes = ["head", "n1"]  # n1 got through again and put its entry back
+    with capture_logs() as logs:
+        clock[0] += 0.2  # a whole lease in contact: n2, still gone, is judged lost
+        await member.read()
+    assert marked == ["n2"]
+    assert [e["node"] for e in logs if e["event"] == "cluster.node_back_before_judged"] == ["n1"]
+
+    etcd.nodes = ["head"]  # a node gone while the leader is in contact: marked at once
+    await member.read()
+    assert marked == ["n2", "n1"]
+
+
+def test_the_leader_judges_a_vanished_entry_only_after_a_lease_of_its_own_contact() -> None:
+    from dynamod.cluster import registry
+
+    assert registry.may_judge(None, 5.0, lease_ttl=2)  # never failed
+    assert not registry.may_judge(100.0, 101.99, lease_ttl=2)
+    assert registry.may_judge(100.0, 102.0, lease_ttl=2)
