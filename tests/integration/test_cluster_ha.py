@@ -176,7 +176,7 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
     assert pushed["ok"] and pushed["version"] == 1, pushed
     assert pushed["nodes"] == {"n1": {"n1/worker@0": 1}, "n2": {"n2/worker@0": 1}}, "\n".join(
         [json.dumps({k: v for k, v in pushed.items() if k != "acks"})]
-        + [json.dumps(r) for r in _cluster_trouble(rig)])  # a str: pytest cuts a repr short
+        + [json.dumps(r) for r in _cluster_trouble(rig) + _etcd_trouble(rig)])  # a str, not cut
     assert pushed["behind"] == [], pushed
     assert served >= 10, f"serving must go on while the member is down: {shown}"
     assert not failed, [(q.sent, q.status, q.error) for q in failed[:5]]
@@ -186,7 +186,8 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
     lost = rig.logged("cluster.node_lost")
     assert not lost, "\n".join(  # with why: the lost node's own warnings and its loop's stalls
         ["no node may be marked lost while only an etcd member is down:"]
-        + [json.dumps(r) for r in _cluster_trouble(rig) + rig.logged("daemon.loop_stalled")])
+        + [json.dumps(r) for r in _cluster_trouble(rig) + rig.logged("daemon.loop_stalled")
+                                   + _etcd_trouble(rig)])
 
 
 def _cluster_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
@@ -199,8 +200,30 @@ def _cluster_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: str(r.get("timestamp")))[-30:]
 
 
-def _node_log(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
-    path = rig.state_dir(node) / "daemon.log"
+# etcd's own account of a stall: its raft elections, and requests it took too long to apply
+_ETCD_NOISE = ("request stats", "rejected connection", "simple token is not cryptographically")
+_ETCD_RAFT = ("elected leader", "became leader", "lost leader", "starting a new election")
+
+
+def _etcd_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
+    """The etcd members' warnings and leader changes (from each node's etcd unit log), for a
+    failure's message: whether the surviving members elected a leader, and how long their
+    disk and applies took meanwhile."""
+    records = []
+    for node in rig.names:
+        for r in _node_log(rig, node, "logs/etcd.log"):
+            msg = str(r.get("msg", ""))
+            if msg.startswith(_ETCD_NOISE):
+                continue
+            if r.get("level") in ("warn", "error") or any(m in msg for m in _ETCD_RAFT):
+                keep = ("logged_by", "ts", "level", "msg", "took", "expected-duration", "error")
+                records.append({k: r[k] for k in keep if k in r}
+                               | {"request": str(r.get("request", ""))[:120]})  # fmt: skip
+    return sorted(records, key=lambda r: str(r.get("ts")))[-40:]
+
+
+def _node_log(rig: ClusterRig, node: str, name: str = "daemon.log") -> list[dict[str, Any]]:
+    path = rig.state_dir(node) / name
     rows = []
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
