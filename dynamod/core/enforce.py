@@ -106,7 +106,7 @@ class Enforcer:
             _write_all(where, files)
             procs.append(where / "cgroup.procs")
         self._oom_seen[unit] = self._oom_count(unit) or 0
-        return Confinement(tuple(procs), plan.rlimits, plan.cpus)
+        return Confinement(tuple(procs), plan.rlimits, plan.cpus, plan.nice)
 
     def _v1_dir(self, controller: str) -> Path:
         """This run's directory in the controller's v1 hierarchy, made at first use."""

@@ -288,6 +288,8 @@ def _child_setup(parent_pid: int, cgroup_fds: Sequence[int], confine: Confinemen
         resource.setrlimit(which, (value, value))
     if confine.cpus is not None:
         os.sched_setaffinity(0, confine.cpus)
+    if confine.nice is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, confine.nice)
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(137)
@@ -303,7 +305,7 @@ def _popen(
     confine: Confinement | None = None,
 ) -> tuple[int, int | None]:
     """fork+exec argv in a new session with PDEATHSIG (inside `cgroup` and the cgroups of
-    `confine`, with its rlimits and CPUs); returns its pid and kernel start time.
+    `confine`, with its rlimits, CPUs and priority); returns its pid and kernel start time.
     Blocking: it returns once the child has exec'd."""
     confine = confine or Confinement()
     procs = ([cgroup / "cgroup.procs"] if cgroup is not None else []) + list(confine.procs_files)

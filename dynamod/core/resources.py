@@ -13,6 +13,9 @@ rlimits to set, and how an OOM kill is read from the counters. The I/O is
     cpu_quota    cpu.max                cpu.cfs_quota_us / cfs_period_us -
     cpuset       cpuset.cpus            cpuset.cpus (+ cpuset.mems)      sched_setaffinity
     pids_max     pids.max               pids.max                         RLIMIT_NPROC
+    nice         -                      -                                setpriority
+
+`nice` is no cgroup limit: every host carries it, per process, between fork and exec.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Mechanism(StrEnum):
     CGROUP_V1 = "cgroup v1"
     RLIMIT = "rlimit"
     AFFINITY = "affinity"
+    PRIORITY = "priority"
     NONE = "not enforced"
 
 
@@ -70,11 +74,12 @@ class Enforcement:
 @dataclass(frozen=True)
 class Confinement:
     """What a unit's process gets between fork and exec: the cgroups it joins (each
-    `cgroup.procs`), its rlimits, its CPU affinity."""
+    `cgroup.procs`), its rlimits, its CPU affinity, its scheduling priority."""
 
     procs_files: tuple[Path, ...] = ()
     rlimits: tuple[tuple[int, int], ...] = ()
     cpus: frozenset[int] | None = None
+    nice: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class Plan:
     v1_files: Mapping[str, Mapping[str, str]]  # controller -> file -> value, in write order
     rlimits: tuple[tuple[int, int], ...] = ()
     cpus: frozenset[int] | None = None  # sched_setaffinity, without a cpuset controller
+    nice: int | None = None  # setpriority
 
     def mechanism(self) -> str:
         used = [m for m in Mechanism if any(e.mechanism is m for e in self.enforced.values())]
@@ -171,6 +177,9 @@ def plan(limits: LimitsSpec, offer: Offer) -> Plan:
     words = limits.words()
     v2, v1 = v2_settings(limits), v1_settings(limits)
     for name, value in words.items():
+        if name == "nice":
+            enforced[name] = Enforcement(value, Mechanism.PRIORITY, "setpriority")
+            continue
         controller = CONTROLLER_OF[name]
         if controller in offer.v2:
             v2_files.update(v2[name])
@@ -190,7 +199,7 @@ def plan(limits: LimitsSpec, offer: Offer) -> Plan:
         else:
             why = offer.missing.get(controller, f"no {controller} controller")
             enforced[name] = Enforcement(value, Mechanism.NONE, why)
-    return Plan(limits, enforced, v2_files, v1_files, tuple(rlimits), cpus)
+    return Plan(limits, enforced, v2_files, v1_files, tuple(rlimits), cpus, limits.nice)
 
 
 def oom_kill_count(text: str) -> int | None:

@@ -256,7 +256,8 @@ def supervisord_gaps(stack: Stack) -> list[str]:
     limited = [u for u in units if u.limits is not None and u.limits.words()]
     if limited:
         gaps.append(
-            f"limits: supervisord sets no memory, CPU or process limits ({_names(limited)} "
-            "have them); run them under systemd (`dynamod systemd generate --per-unit`) or dynamod"
+            "limits: supervisord sets no memory, CPU, priority or process limits "
+            f"({_names(limited)} have them); run them under systemd "
+            "(`dynamod systemd generate --per-unit`) or dynamod"
         )
     return gaps

@@ -297,6 +297,7 @@ def resource_control(limits: LimitsSpec | None) -> list[str]:
         ("CPUQuota", f"{limits.cpu_quota:g}%%" if limits.cpu_quota is not None else None),
         ("AllowedCPUs", limits.cpuset),
         ("TasksMax", limits.pids_max),
+        ("Nice", limits.nice),
     ]
     return [f"{name}={value}" for name, value in pairs if value is not None]
 

@@ -1,7 +1,8 @@
 """A unit's `limits` on the real host: a unit allocating past memory_max is shown as
 killed by the kernel's OOM killer (status, events, `up`'s failure), an operator's kill -9
 of a limited unit is not, pids_max refuses forks past it, cpuset is the unit's
-Cpus_allowed_list, and `down` leaves no cgroup of the run in any hierarchy."""
+Cpus_allowed_list, nice its scheduling priority, and `down` leaves no cgroup of the run in
+any hierarchy."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ STACK = f"""
     restart = {{ policy = "never", min_uptime = 0.2 }}
     [units.forker]
     command = ["{{python}}", "@PROC@", "forks", "20"]
-    limits = {{ pids_max = 6, cpuset = "{CPU}" }}
+    limits = {{ pids_max = 6, cpuset = "{CPU}", nice = 7 }}
     restart = {{ min_uptime = 0.2 }}
 """
 
@@ -103,6 +104,8 @@ def test_oom_kill_is_named_kill_9_is_not_and_down_leaves_no_cgroup(
     proc_status = Path(f"/proc/{forker['pid']}/status").read_text()
     allowed = next(x for x in proc_status.splitlines() if x.startswith("Cpus_allowed_list"))
     assert allowed.split()[-1] == str(CPU)
+    assert os.getpriority(os.PRIO_PROCESS, forker["pid"]) == 7  # nice: the daemon's is 0
+    assert forker["limits"]["limits"]["nice"] == "7 via priority setpriority"
 
     # (d) nothing of the run is left in any cgroup hierarchy
     dm.run("down", check=True)

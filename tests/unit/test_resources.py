@@ -65,12 +65,13 @@ def test_sizes_and_cpu_lists_are_written_back_as_a_stack_file_writes_them() -> N
 
 def test_a_full_limits_table_is_read_into_the_unit_spec(tmp_path: Path) -> None:
     stack = load(tmp_path, f"""{{ memory_max = "2G", memory_high = "1.5G", cpu_weight = 100,
-        cpu_quota = "150%", cpuset = "{FIRST_CPU}", pids_max = 512 }}""".replace("\n", ""))
+        cpu_quota = "150%", cpuset = "{FIRST_CPU}", pids_max = 512,
+        nice = 10 }}""".replace("\n", ""))
     limits = stack.units["app"].limits
     assert limits is not None
     assert limits.words() == {
         "memory_max": "2G", "memory_high": "1536M", "cpu_weight": "100",
-        "cpu_quota": "150%", "cpuset": str(FIRST_CPU), "pids_max": "512",
+        "cpu_quota": "150%", "cpuset": str(FIRST_CPU), "pids_max": "512", "nice": "10",
     }  # fmt: skip
 
 
@@ -93,6 +94,8 @@ def test_a_unit_without_limits_has_none(tmp_path: Path) -> None:
         ('{ cpuset = "0-" }', "limits.cpuset", "expected a CPU list"),
         ('{ cpuset = "4000" }', "limits.cpuset", "not among this host's usable CPUs"),
         ('{ pids_max = 0 }', "limits.pids_max", "greater than or equal to 1"),
+        ('{ nice = 20 }', "limits.nice", "less than or equal to 19"),
+        ('{ nice = "low" }', "limits.nice", "valid integer"),
         ('{ memroy_max = "1G" }', "limits.memroy_max", "unknown key"),
         ('{ memory_max = "1G", memory_high = "2G" }', "limits.memory_high", "2G is above"),
     ],
@@ -159,6 +162,15 @@ def test_each_controller_goes_where_it_is_offered() -> None:
         "cpuset": Mechanism.AFFINITY, "pids_max": Mechanism.CGROUP_V1,
     }  # fmt: skip
     assert plan.mechanism() == "cgroup v2 + cgroup v1 + affinity + not enforced"
+
+
+def test_nice_is_set_per_process_on_every_host() -> None:
+    limits = LimitsSpec.model_validate({"nice": 10, "memory_max": "64M"})
+    for offer in (Offer(), Offer(v2=frozenset({"memory"}))):  # no cgroups, and v2
+        plan = resources.plan(limits, offer)
+        assert plan.nice == 10 and plan.enforced["nice"].mechanism is Mechanism.PRIORITY
+        assert plan.status(0)["limits"]["nice"] == "10 via priority setpriority"
+    assert resources.plan(LimitsSpec.model_validate({"pids_max": 8}), Offer()).nice is None
 
 
 def test_without_cgroups_rlimits_and_the_affinity_are_the_fallback_and_say_so() -> None:

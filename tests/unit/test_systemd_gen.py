@@ -189,11 +189,11 @@ def test_per_unit_services_mirror_dependencies_restart_and_stop(tmp_path: Path) 
 def test_a_units_limits_become_systemds_resource_control(tmp_path: Path) -> None:
     limits = LimitsSpec.model_validate(
         {"memory_max": "2G", "memory_high": "1.5G", "cpu_weight": 50, "cpu_quota": "150%",
-         "cpuset": str(min(os.sched_getaffinity(0))), "pids_max": 512}
+         "cpuset": str(min(os.sched_getaffinity(0))), "pids_max": 512, "nice": 5}
     )
     assert systemd.resource_control(limits) == [
         f"MemoryMax={2 << 30}", f"MemoryHigh={3 << 29}", "CPUWeight=50", "CPUQuota=150%%",
-        f"AllowedCPUs={min(os.sched_getaffinity(0))}", "TasksMax=512",
+        f"AllowedCPUs={min(os.sched_getaffinity(0))}", "TasksMax=512", "Nice=5",
     ]
     assert systemd.resource_control(None) == []
     stack = load(tmp_path)

@@ -244,11 +244,12 @@ CpuList = Annotated[str, BeforeValidator(quantities.cpuset)]
 
 class LimitsSpec(SpecModel):
     """A unit's `limits` table, named as systemd's resource control names them (MemoryMax=,
-    MemoryHigh=, CPUWeight=, CPUQuota=, AllowedCPUs=, TasksMax=); each one unset is not
-    limited. How the host enforces them is core/resources.py's.
+    MemoryHigh=, CPUWeight=, CPUQuota=, AllowedCPUs=, TasksMax=, and Nice= from its
+    execution settings); each one unset is not limited. How the host enforces them is
+    core/resources.py's.
 
         limits = { memory_max = "2G", memory_high = "1.5G", cpu_weight = 100,
-                   cpu_quota = "150%", cpuset = "0-1", pids_max = 512 }
+                   cpu_quota = "150%", cpuset = "0-1", pids_max = 512, nice = 10 }
     """
 
     memory_max: Size | None = Field(None, description="hard memory limit; past it: OOM kill")
@@ -261,6 +262,13 @@ class LimitsSpec(SpecModel):
     cpu_quota: Percent | None = Field(None, description='CPU time cap, "150%" = 1.5 CPUs')
     cpuset: CpuList | None = Field(None, description='the CPUs it may run on, e.g. "0-1"')
     pids_max: int | None = Field(None, ge=1, le=4194304, description="processes and threads")
+    nice: int | None = Field(
+        None,
+        ge=-20,
+        le=19,
+        description="scheduling priority: higher yields the CPU to the rest when CPUs are "
+        "short (0 is everyone's default; below 0 needs root)",
+    )
 
     @field_validator("memory_high")
     @classmethod
