@@ -59,7 +59,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
-from bench.fleet_stack import members, replicated, with_lease, with_shard_weight
+from bench.fleet_stack import members, replicated, with_lease, with_shard_limits
 from bench.procs import cpu_of, cpu_since, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
@@ -108,6 +108,13 @@ def main() -> None:
         "share), to let etcd, NATS and the daemons go first; on cgroup v1 it starved the "
         "shards' own start instead (docs/benchmarks.md 16)",
     )
+    parser.add_argument(
+        "--shard-nice",
+        type=int,
+        default=None,
+        help="give every shard `limits = { nice = N }` (1-19): each shard process yields "
+        "the CPU to etcd, NATS, the frontend and the daemons when the cores are short",
+    )
     args = parser.parse_args()
     try:
         nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
@@ -119,6 +126,10 @@ def main() -> None:
     weight = args.shard_cpu_weight
     if weight is not None and not 1 <= weight <= 10000:
         parser.error(f"--shard-cpu-weight: 1 to 10000, got {weight}")
+    if args.shard_nice is not None and not 1 <= args.shard_nice <= 19:
+        parser.error(f"--shard-nice: 1 to 19, got {args.shard_nice}")
+    limits = {"cpu_weight": weight, "nice": args.shard_nice}
+    shard_limits = {name: value for name, value in limits.items() if value is not None}
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("fleet", "The fleet, simulated: control-plane cost by node count", args.quick)
     reason = can_create_namespaces()
@@ -131,13 +142,15 @@ def main() -> None:
         reference = (
             None
             if args.quick
-            else run_fleet(1, 1, quick=True, faults=False, lease=lease, weight=weight)
+            else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits)
         )
         fleets = []
         for n in nodes:
             faults = n > 1 and not args.no_faults
             fleets.append(
-                run_fleet(n, per_node, quick=args.quick, faults=faults, lease=lease, weight=weight)
+                run_fleet(
+                    n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits
+                )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
@@ -235,7 +248,7 @@ def run_fleet(
     quick: bool,
     faults: bool,
     lease: int | None = None,
-    weight: int | None = None,
+    limits: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp; a failed one
     keeps the daemons' logs in its work dir (named in the error) and kills every process."""
@@ -245,14 +258,14 @@ def run_fleet(
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
     stack = work_dir / "fleet-stack.toml"
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
-    if weight is not None:
-        text = with_shard_weight(text, weight)
+    text = with_shard_limits(text, limits or {})
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
     lease_s = tomllib.loads(text)["cluster"]["lease_ttl"]
     result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node,
-                              "registry_lease_s": lease_s, "shard_cpu_weight": weight}  # fmt: skip
+                              "registry_lease_s": lease_s,
+                              "shard_limits": limits or {}}  # fmt: skip
     failed = True
     try:
         started = time.monotonic()

@@ -69,9 +69,13 @@ def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
     return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")
 
 
-def with_shard_weight(text: str, weight: int) -> str:
-    """`text` (cluster.toml) with every shard under `limits = { cpu_weight = weight }`."""
+def with_shard_limits(text: str, limits: dict[str, int]) -> str:
+    """`text` (cluster.toml) with every shard under `limits` (`{ cpu_weight = 20 }`,
+    `{ nice = 10 }`); unchanged for none."""
+    if not limits:
+        return text
+    table = ", ".join(f"{name} = {value}" for name, value in limits.items())
     return _one(
         r'^(\[units\.worker\]\ndescription = .*)$', text,
-        f"\\g<0>\nlimits = {{ cpu_weight = {weight} }}", "units.worker",
+        f"\\g<0>\nlimits = {{ {table} }}", "units.worker",
     )  # fmt: skip

@@ -1,7 +1,7 @@
-"""bench.cluster's lease variants and bench.fleet's shard weight (bench/fleet_stack.py
-`with_lease`, `with_shard_weight`): the stock cluster stack rewritten for a registry lease,
-with the etcd election timeout a 1 s lease needs, or with a CPU weight on its shards; or
-refused when a line it rewrites is not there."""
+"""bench.cluster's lease variants and bench.fleet's shard limits (bench/fleet_stack.py
+`with_lease`, `with_shard_limits`): the stock cluster stack rewritten for a registry lease,
+with the etcd election timeout a 1 s lease needs, or with limits (a CPU weight, a nice) on
+its shards; or refused when a line it rewrites is not there."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.cluster import STACK
-from bench.fleet_stack import ELECTION_TIMEOUT_MS, StackShapeError, with_lease, with_shard_weight
+from bench.fleet_stack import ELECTION_TIMEOUT_MS, StackShapeError, with_lease, with_shard_limits
 
 UNITS = Path("/units")
 
@@ -45,9 +45,10 @@ def test_a_stack_it_cannot_rewrite_is_refused(text: str, lease: int, missing: st
         with_lease(text, lease, UNITS)
 
 
-def test_a_shard_weight_limits_the_workers_alone() -> None:
-    stack = tomllib.loads(with_shard_weight(STACK.read_text(), 20))
-    assert stack["units"]["worker"]["limits"] == {"cpu_weight": 20}
+def test_shard_limits_limit_the_workers_alone() -> None:
+    stack = tomllib.loads(with_shard_limits(STACK.read_text(), {"cpu_weight": 20, "nice": 10}))
+    assert stack["units"]["worker"]["limits"] == {"cpu_weight": 20, "nice": 10}
     assert all("limits" not in u for name, u in stack["units"].items() if name != "worker")
+    assert with_shard_limits(STACK.read_text(), {}) == STACK.read_text()
     with pytest.raises(StackShapeError, match=r"no units\.worker line"):
-        with_shard_weight("[units.frontend]\ndescription = 'x'\n", 20)
+        with_shard_limits("[units.frontend]\ndescription = 'x'\n", {"nice": 10})
