@@ -43,7 +43,7 @@ class Login:
     connection, the cluster-ha test's nodes, failing over while their members elected a new
     leader on a loaded machine, logged in again on every attempt; each login outlasted the
     call's deadline, the next attempt dropped the connection and logged in again, and every
-    node's registry lease expired with two members up (CI, and 3 of 5 runs here beside two
+    node's registry lease expired with two members up (CI, and 4 of 8 runs here beside two
     CPU hogs and a disk writer). etcd puts a simple token through raft, so every member
     knows it; one that does not yet (or has let it lapse) answers "invalid auth token", and
     the client logs in again (`renew`).
