@@ -288,6 +288,7 @@ def run_fleet(
             value = measure()
             if value is not None:
                 result[name], phases[name] = value, time.monotonic() - began
+        result["health"] = health(rig)
         stopping = time.monotonic()
         down = rig.run(rig.names[0], "down", "--cluster", timeout=600)
         result["down_s"] = phases["down"] = time.monotonic() - stopping
@@ -300,6 +301,24 @@ def run_fleet(
         raise ClusterError(f"fleet of {n_nodes} nodes failed; logs in {rig.work_dir}{detail}")
     shutil.rmtree(rig.work_dir, ignore_errors=True)
     return result
+
+
+def health(rig: ClusterRig) -> dict[str, Any]:
+    """The control plane over the whole run so far, from the daemons' logs and status: its
+    event loops' stalls (daemon.loop_stalled: the machine's CPU withheld, docs/operations.md
+    "Logs"), the nodes marked lost (the cut's one is expected), entries the leader waited on
+    (cluster.node_loss_deferred), and the shards' restarts (the kill's are expected)."""
+    stalls = [float(e.get("seconds", 0.0)) for e in rig.logged("daemon.loop_stalled")]
+    restarts = sum(u["restarts"] for node in rig.names for u in rig.status(node)["units"]
+                   if u["name"].startswith("worker@"))  # fmt: skip
+    return {
+        "loop_stalls": len(stalls),
+        "loop_stall_max_s": max(stalls, default=0.0),
+        "loop_stall_total_s": sum(stalls),
+        "marked_lost": [str(e.get("node")) for e in rig.logged("cluster.node_lost")],
+        "loss_deferred": len(rig.logged("cluster.node_loss_deferred")),
+        "shard_restarts": restarts,
+    }
 
 
 def shard_pids(rig: ClusterRig, node: str) -> dict[str, int]:
@@ -580,7 +599,7 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     full = fleets[-1]
     ref_s, ref_what = one_shards_push(reference, full)
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets)]
-    report.tables += [fault_table(fleets)]
+    report.tables += [fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), growth_table(fleets), shard_table(full)]
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
     report.target(
@@ -662,6 +681,27 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
              pick(f, c, "failed_after_reroute"), pick(f, c, "falsely_lost_n"),
              pick(f, k, "killed"), pick(f, k, "back_s"), pick(f, k, "requests"),
              pick(f, k, "failed")]
+        )  # fmt: skip
+    return table
+
+
+def health_table(fleets: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "The control plane over the run (start to the end of the faults): the daemons' "
+        "event-loop stalls, nodes marked lost (the cut's node is expected once), shard "
+        "restarts (the kill's are expected)",
+        ["nodes", "shards", "shard limits", "loop stalls", "longest s", "stalled s in all",
+         "nodes marked lost", "marks deferred", "shard restarts", "of them killed"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        h = f.get("health", {})
+        limits = ", ".join(f"{k} {v}" for k, v in f.get("shard_limits", {}).items()) or "-"
+        table.rows.append(
+            [f["nodes"], f["shards"], limits, h.get("loop_stalls", math.nan),
+             h.get("loop_stall_max_s", math.nan), h.get("loop_stall_total_s", math.nan),
+             " ".join(h.get("marked_lost", [])) or "-", h.get("loss_deferred", math.nan),
+             h.get("shard_restarts", math.nan), pick(f, "kill", "killed")]
         )  # fmt: skip
     return table
 

@@ -133,6 +133,8 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
     assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
     assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]
+    # the control plane's health, read from the daemons' logs: the cut node marked lost
+    assert fleet["cut"]["node"] in fleet["health"]["marked_lost"], fleet["health"]
 
 
 CHECKS = {
