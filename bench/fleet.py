@@ -60,7 +60,7 @@ from bench.fleet_growth import (
     writes,
 )
 from bench.fleet_stack import members, replicated, with_lease, with_shard_limits
-from bench.procs import cpu_of, cpu_since, pss_mb, rss_mb
+from bench.procs import cpu_of, cpu_since, iso_epoch, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
 from dynamod.chaos.model import Load
@@ -267,8 +267,10 @@ def run_fleet(
                               "registry_lease_s": lease_s,
                               "shard_limits": limits or {}}  # fmt: skip
     failed = True
+    begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
         started = time.monotonic()
+        begun["up"], busy_at_start = time.time(), machine_busy_s()
         # a shard's start is ~1 s of CPU on this machine's 2 cores: the big fleets need longer
         shards = result["shards"]
         rig.up(timeout=max(600, 4 * shards))
@@ -276,6 +278,10 @@ def run_fleet(
             "every shard routed", lambda: len(rig.routed()) >= shards, max(300, 2 * shards), 0.5
         )
         result["up_s"] = time.monotonic() - started
+        result["up_cpu"] = {  # the daemons started with the fleet: all their CPU so far
+            "machine_busy_s": machine_busy_s() - busy_at_start,
+            "daemons_s": sum(cpu_of([daemon_pid(rig, node) for node in rig.names]).values()),
+        }
         phases = result["phase_s"] = {"up": result["up_s"]}
         for name, measure in [
             ("idle", lambda: idle_cost(rig, window=1.0 if quick else 5.0)),
@@ -284,11 +290,11 @@ def run_fleet(
             ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
             ("cut", lambda: cut_one(rig, rig.names[-1], 1.0 if quick else 2.0) if faults else None),
         ]:
-            began = time.monotonic()
+            began, begun[name] = time.monotonic(), time.time()
             value = measure()
             if value is not None:
                 result[name], phases[name] = value, time.monotonic() - began
-        result["health"] = health(rig)
+        result["health"] = health(rig, begun)
         stopping = time.monotonic()
         down = rig.run(rig.names[0], "down", "--cluster", timeout=600)
         result["down_s"] = phases["down"] = time.monotonic() - stopping
@@ -303,18 +309,34 @@ def run_fleet(
     return result
 
 
-def health(rig: ClusterRig) -> dict[str, Any]:
+def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
     """The control plane over the whole run so far, from the daemons' logs and status: its
-    event loops' stalls (daemon.loop_stalled: the machine's CPU withheld, docs/operations.md
-    "Logs"), the nodes marked lost (the cut's one is expected), entries the leader waited on
-    (cluster.node_loss_deferred), and the shards' restarts (the kill's are expected)."""
-    stalls = [float(e.get("seconds", 0.0)) for e in rig.logged("daemon.loop_stalled")]
+    event loops' stalls (daemon.loop_stalled, docs/operations.md "Logs"), per phase (`begun`:
+    phase -> wall clock at its start), with the daemon's own CPU share of each (near 1: its
+    own work; near 0: the machine's CPU withheld); the nodes marked lost (the cut's one is
+    expected), entries the leader waited on (cluster.node_loss_deferred), and the shards'
+    restarts (the kill's are expected)."""
+    events = rig.logged("daemon.loop_stalled")
+    stalls = [float(e.get("seconds", 0.0)) for e in events]
+    order = sorted(begun.items(), key=lambda item: item[1])
+    per_phase: dict[str, dict[str, Any]] = {}
+    for event in events:
+        at = iso_epoch(str(event["timestamp"]))
+        phase = next((name for name, t in reversed(order) if t <= at), "before")
+        row = per_phase.setdefault(phase, {"n": 0, "max_s": 0.0, "total_s": 0.0, "shares": []})
+        row["n"] += 1
+        row["max_s"] = max(row["max_s"], float(event.get("seconds", 0.0)))
+        row["total_s"] += float(event.get("seconds", 0.0))
+        row["shares"].append(float(event.get("cpu_share", math.nan)))
+    for row in per_phase.values():
+        row["cpu_share_median"] = statistics.median(row.pop("shares"))
     restarts = sum(u["restarts"] for node in rig.names for u in rig.status(node)["units"]
                    if u["name"].startswith("worker@"))  # fmt: skip
     return {
         "loop_stalls": len(stalls),
         "loop_stall_max_s": max(stalls, default=0.0),
         "loop_stall_total_s": sum(stalls),
+        "loop_stalls_by_phase": per_phase,
         "marked_lost": [str(e.get("node")) for e in rig.logged("cluster.node_lost")],
         "loss_deferred": len(rig.logged("cluster.node_loss_deferred")),
         "shard_restarts": restarts,
@@ -691,6 +713,8 @@ def health_table(fleets: list[dict[str, Any]]) -> Table:
         "event-loop stalls, nodes marked lost (the cut's node is expected once), shard "
         "restarts (the kill's are expected)",
         ["nodes", "shards", "shard limits", "loop stalls", "longest s", "stalled s in all",
+         "of them in the start", "their daemon CPU share (median)",
+         "daemons' CPU s in the start", "machine busy CPU s in the start",
          "nodes marked lost", "marks deferred", "shard restarts", "of them killed"],
         digits=2,
     )  # fmt: skip
@@ -700,6 +724,9 @@ def health_table(fleets: list[dict[str, Any]]) -> Table:
         table.rows.append(
             [f["nodes"], f["shards"], limits, h.get("loop_stalls", math.nan),
              h.get("loop_stall_max_s", math.nan), h.get("loop_stall_total_s", math.nan),
+             pick(h, "loop_stalls_by_phase", "up", "n"),
+             pick(h, "loop_stalls_by_phase", "up", "cpu_share_median"),
+             pick(f, "up_cpu", "daemons_s"), pick(f, "up_cpu", "machine_busy_s"),
              " ".join(h.get("marked_lost", [])) or "-", h.get("loss_deferred", math.nan),
              h.get("shard_restarts", math.nan), pick(f, "kill", "killed")]
         )  # fmt: skip
