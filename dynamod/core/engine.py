@@ -638,10 +638,10 @@ class Engine:
         for name, port in unit.spec.ports.items():
             if port not in targets:
                 continue
-            owners = self.host.port_owners(port)
+            if self.host.port_owners(port, among=self.host.unit_pids(unit.name, child)):
+                continue  # one of the unit's own processes listens: the answer was its
+            owners = self.host.port_owners(port)  # whose, then: every process's fds
             if not owners:
-                continue
-            if owners & self.host.unit_pids(unit.name, child):
                 continue
             who = self._owners(sorted(owners))
             return (

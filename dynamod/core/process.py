@@ -732,8 +732,9 @@ class ProcessHost(Protocol):
         """Whether something listens on (or holds) the local TCP port."""
         ...
 
-    def port_owners(self, port: int) -> set[int]:
-        """The pids listening on the local TCP port, as far as they can be seen."""
+    def port_owners(self, port: int, among: set[int] | None = None) -> set[int]:
+        """The pids listening on the local TCP port, as far as they can be seen (of
+        `among` only, when given)."""
         ...
 
     def allocate_port(self) -> int:
@@ -836,8 +837,8 @@ class OsHost:
     def port_in_use(self, port: int) -> bool:
         return ports.in_use(port)
 
-    def port_owners(self, port: int) -> set[int]:
-        return ports.listener_pids(port)
+    def port_owners(self, port: int, among: set[int] | None = None) -> set[int]:
+        return ports.listener_pids(port, among=among)
 
     def allocate_port(self) -> int:
         if self._ports is None:

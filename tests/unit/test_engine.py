@@ -99,7 +99,7 @@ class FakeHost:
     def port_in_use(self, port: int) -> bool:
         return port in self.ports_taken
 
-    def port_owners(self, port: int) -> set[int]:
+    def port_owners(self, port: int, among: set[int] | None = None) -> set[int]:
         return set()
 
     def allocate_port(self) -> int:

@@ -52,3 +52,23 @@ def test_another_process_claim_holds_until_it_exits(tmp_path: Path) -> None:
     # its owner is gone: the claim is stale and dropped, its ports are free again
     assert _claimed_ports(tmp_path, own=None) == got
     assert not list(tmp_path.glob(f"claim-{child.pid}-*"))
+
+
+def test_listener_pids_reads_the_fds_of_the_given_processes_or_of_all() -> None:
+    """A unit's own processes are asked first (a shard turning ready had every process's
+    fds read, half the daemons' time at 4 nodes x 32 shards); all of them only to name
+    another owner."""
+    import os
+    import socket
+
+    from dynamod.core.ports import listener_pids
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert os.getpid() in listener_pids(port)
+        assert listener_pids(port, among={os.getpid()}) == {os.getpid()}
+        assert listener_pids(port, among={os.getppid()}) == set()  # it holds no such socket
+        assert listener_pids(port, among=set()) == set()
+    assert listener_pids(port, among={os.getpid()}) == set()  # closed: nobody listens
