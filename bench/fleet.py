@@ -113,7 +113,8 @@ def main() -> None:
         type=int,
         default=None,
         help="give every shard `limits = { nice = N }` (1-19): each shard process yields "
-        "the CPU to etcd, NATS, the frontend and the daemons when the cores are short",
+        "the CPU to etcd, NATS, the frontend and the daemons when the cores are short (at "
+        "4 x 32 it did not change the daemons' loop stalls: docs/benchmarks.md 16)",
     )
     args = parser.parse_args()
     try:
