@@ -351,7 +351,7 @@ async def test_a_failover_reuses_the_clients_token_instead_of_logging_in_again(
     port = server.sockets[0].getsockname()[1]
     endpoints = [f"http://127.0.0.1:{port}", lasting_auth_url]
     try:
-        async with EtcdClient(endpoints, auth=EtcdAuth(USER, PASSWORD), timeout_s=0.5) as client:
+        async with EtcdClient(endpoints, auth=EtcdAuth(USER, PASSWORD), timeout_s=2) as client:
             await client.put(key, "through the proxy")
             assert (client.endpoint, client.login.logins) == (endpoints[0], 1)
             token = client.login.token
