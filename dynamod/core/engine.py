@@ -101,6 +101,17 @@ class Unit:
 Process = process.Child
 
 
+def _failing(unit: Unit) -> bool:
+    """Failed, in backoff, or trying again after a failed exit: what `status` explains
+    with the unit's telling log lines. A retry's new attempt counts (seen: `up` timing out
+    while etcd on a full disk was starting once more, and showing only its probe's
+    "cannot connect" instead of the ENOSPC that ended every attempt)."""
+    if unit.state in {UnitState.BACKOFF, UnitState.FAILED}:
+        return True
+    retrying = unit.state in {UnitState.STARTING, UnitState.WAITING}
+    return retrying and unit.last_exit is not None and not unit.last_exit.clean
+
+
 def _satisfied(state: UnitState, condition: Condition) -> bool:
     if condition is Condition.COMPLETED:
         return state is UnitState.COMPLETED
@@ -924,17 +935,8 @@ class Engine:
                     "depends_on": {k: str(v) for k, v in unit.spec.depends_on.items()},
                     "log": str(unit.log_path),
                     # why a unit that keeps failing fails: its telling log lines (ENOSPC, ...)
-                    "explain": (
-                        self.explain(unit)
-                        if unit.state in {UnitState.BACKOFF, UnitState.FAILED}
-                        else None
-                    ),
-                    "cause": unit.cause
-                    or (
-                        unit.sink.cause()
-                        if unit.state in {UnitState.BACKOFF, UnitState.FAILED}
-                        else None
-                    ),
+                    "explain": self.explain(unit) if _failing(unit) else None,
+                    "cause": unit.cause or (unit.sink.cause() if _failing(unit) else None),
                     "command": list(unit.spec.command),
                     "operator_stop": (
                         {"by": unit.operator_stop[0],

@@ -57,3 +57,41 @@ def test_status_and_up_name_a_failing_units_own_cause(
     assert code == 1 and f"its own cause: {CAUSE}" in err, err
     rows = json.loads((dm.state_dir / "last-down.json").read_text())["units"]
     assert unit_by_name({"units": rows}, "engine")["cause"] == CAUSE, rows
+
+
+ONCE = f"""
+import pathlib, sys, time
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():
+    marker.touch()
+    print("{CAUSE}", file=sys.stderr, flush=True)
+    sys.exit(1)
+print("trying again: up, never ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_up_timing_out_on_a_retry_names_the_failed_attempts_cause(
+    dm: Dynamod, stack_file: Any, tmp_path: Path
+) -> None:
+    """`up` gives up while the unit's next attempt is starting (not in backoff): the
+    failed attempt's cause is still what it shows, not only the new attempt's probe."""
+    engine = tmp_path / "engine.py"
+    engine.write_text(ONCE)
+    stack = stack_file(f"""
+        [stack]
+        name = "retrying"
+        [units.engine]
+        command = ["{sys.executable}", "{engine}", "{tmp_path / "failed-once"}"]
+        ports = {{ http = 0 }}
+        restart = {{ policy = "always", backoff_initial = 0.2 }}
+        [units.engine.ready]
+        kind = "http"
+        url = "http://127.0.0.1:{{ports.http}}/health"
+        deadline = 120
+    """)
+    up = dm.run("up", str(stack), "--detach", "--timeout", "8")
+    assert up.returncode == 1, up.stdout + up.stderr
+    shown = up.stderr.split("not ready after 8s")[1]
+    assert "engine: starting:" in shown, up.stderr  # the second attempt, running
+    assert f"its own cause: {CAUSE}" in shown, up.stderr
