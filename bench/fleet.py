@@ -317,7 +317,8 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
     own work; near 0: the machine's CPU withheld); the nodes marked lost (the cut's one is
     expected), entries the leader waited on (cluster.node_loss_deferred), and the shards'
     restarts (the kill's are expected)."""
-    events = rig.logged("daemon.loop_stalled")
+    logged = rig.logged("daemon.loop_stalled", "cluster.node_lost", "cluster.node_loss_deferred")
+    events = [e for e in logged if e["event"] == "daemon.loop_stalled"]
     stalls = [float(e.get("seconds", 0.0)) for e in events]
     order = sorted(begun.items(), key=lambda item: item[1])
     per_phase: dict[str, dict[str, Any]] = {}
@@ -338,8 +339,8 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
         "loop_stall_max_s": max(stalls, default=0.0),
         "loop_stall_total_s": sum(stalls),
         "loop_stalls_by_phase": per_phase,
-        "marked_lost": [str(e.get("node")) for e in rig.logged("cluster.node_lost")],
-        "loss_deferred": len(rig.logged("cluster.node_loss_deferred")),
+        "marked_lost": [str(e.get("node")) for e in logged if e["event"] == "cluster.node_lost"],
+        "loss_deferred": sum(e["event"] == "cluster.node_loss_deferred" for e in logged),
         "shard_restarts": restarts,
     }
 

@@ -226,21 +226,23 @@ class ClusterRig:
         listener: socket.socket = self.in_node(node, lambda: _bind_when_free(address, number))
         return PortHold(listener, f"{address}:{number}")
 
-    def logged(self, event: str) -> list[dict[str, Any]]:
-        """Every `event` record in the nodes' daemon logs (JSON lines), by timestamp."""
+    def logged(self, *events: str) -> list[dict[str, Any]]:
+        """Every record of these events in the nodes' daemon logs (JSON lines), by
+        timestamp; each log is read once, however many events are asked for."""
         import json
 
+        quoted = [f'"{event}"' for event in events]
         found = []
         for node in self.names:
             path = self.state_dir(node) / "daemon.log"
             if not path.exists():
                 continue
             for line in path.read_text(errors="replace").splitlines():
-                if f'"{event}"' not in line:
+                if not any(q in line for q in quoted):
                     continue
                 with contextlib.suppress(ValueError):
                     record = json.loads(line)
-                    if record.get("event") == event:
+                    if record.get("event") in events:
                         found.append({"logged_by": node, **record})
         return sorted(found, key=lambda r: str(r.get("timestamp")))
 
