@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamod.core import proctable
 from dynamod.core.atomicfile import StateWriteError, write_atomic
 
 RUN_FILE = "run.json"
@@ -31,8 +32,11 @@ class RunRecord:
     ended: str | None = None  # "down" or "swept": nothing of this run is left to sweep
 
     def daemon_alive(self) -> bool:
-        """Whether the run's daemon process still exists (alive or not yet reaped)."""
-        return self.pid is not None and Path(f"/proc/{self.pid}").exists()
+        """Whether the run's daemon process is still running. A zombie is not: it holds no
+        lock and serves no socket, and a detached daemon's zombie waits for whatever reaps
+        orphans here (on CI it outlived the daemon, so a losing `up` named the previous
+        run's daemon as the winner)."""
+        return self.pid is not None and not proctable.is_zombie(self.pid)
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from dynamod.core import runrecord
+from dynamod.core import proctable, runrecord
 from dynamod.core.runrecord import RunRecord
 
 
@@ -70,3 +73,16 @@ def test_daemon_alive_follows_the_recorded_pid() -> None:
     assert _record(pid=os.getpid()).daemon_alive()
     assert not _record(pid=None).daemon_alive()
     assert not _record(pid=2**22 + 1).daemon_alive()  # above pid_max's ceiling: no such process
+
+
+def test_a_daemon_that_exited_but_is_not_reaped_is_not_alive() -> None:
+    """Its zombie holds no lock and serves nothing (the CI machine reaps orphans late)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 10
+        while not proctable.is_zombie(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Path(f"/proc/{child.pid}").exists()  # exited, not reaped: still in /proc
+        assert not _record(pid=child.pid).daemon_alive()
+    finally:
+        child.wait()
