@@ -80,7 +80,7 @@ async def proxied() -> AsyncIterator[Proxied]:
 @pytest.mark.asyncio
 async def test_healthy_proxy_passes_bytes_through(proxied: Proxied) -> None:
     got, seconds = await proxied.round_trip(b"x" * 100_000)
-    assert got == b"x" * 100_000 and seconds < 1
+    assert got == b"x" * 100_000 and seconds < 5  # loopback: milliseconds, unless starved
 
 
 @pytest.mark.asyncio
@@ -93,7 +93,9 @@ async def test_latency_and_bandwidth_are_added_and_healed(proxied: Proxied) -> N
     assert limited >= 0.9
     await proxied.set(bandwidth_kbps=0)
     _, healed = await proxied.round_trip()
-    assert healed < 0.1
+    # the latency left (0.3 s a round trip, as `slow` measured with it), on a machine
+    # slow enough to stretch a loopback round trip, would still be at least slow / 2
+    assert healed < slow / 2, (healed, slow)
 
 
 @pytest.mark.asyncio

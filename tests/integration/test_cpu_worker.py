@@ -392,13 +392,23 @@ def test_pause_keep_holds_in_flight_output(stack: RawStack, resumed: Worker) -> 
         time.sleep(0.01)
     assert chunks, "the stream never started"
     assert worker.engine("pause_generation", {"mode": "keep"})[1]["status"] == "ok"
-    paused_at = time.monotonic()
+    # What was produced before the pause may still be on its way (a starved reader reads
+    # it late): wait until nothing has arrived for 0.5 s, then hold 1.5 s in which no
+    # chunk may arrive. A pause that does not hold never goes quiet, or ends the stream.
+    settle = time.monotonic() + 10
+    seen, quiet_since = len(chunks), time.monotonic()
+    while time.monotonic() - quiet_since < 0.5 and time.monotonic() < settle:
+        time.sleep(0.05)
+        if len(chunks) != seen:
+            seen, quiet_since = len(chunks), time.monotonic()
     time.sleep(1.5)  # the window in which no chunk may arrive: its length is the check
-    during = [t for t, _ in chunks if paused_at + 0.2 < t]
+    during = len(chunks) - seen
+    finished = [c for _, c in chunks if c["choices"][0].get("finish_reason")]
     resumed_at = time.monotonic()
     assert worker.engine("resume_generation")[1]["status"] == "ok"
     reader.join(30)
-    assert not during, f"{len(during)} chunks arrived while paused"
+    assert not during, f"{during} chunks arrived while paused"
+    assert not finished, "the stream ended while paused"
     assert any(t > resumed_at for t, _ in chunks), "the stream did not continue after resume"
     assert chunks[-1][1]["choices"][0]["finish_reason"] == "length"
 
@@ -413,14 +423,12 @@ def test_pause_abort_ends_in_flight_requests(stack: RawStack, resumed: Worker) -
         time.sleep(0.01)
     assert chunks, "the stream never started"
     assert worker.engine("pause_generation", {"mode": "abort"})[1]["mode"] == "abort"
-    aborted_at = time.monotonic()
     reader.join(10)
     assert not reader.is_alive()
     # Dynamo reports an engine's "cancelled" to OpenAI clients as "stop", well short of
     # the 2000 tokens asked for.
     assert chunks[-1][1]["choices"][0]["finish_reason"] == "stop"
-    assert chunks[-1][0] - aborted_at < 2.0
-    assert len(chunks) < 2000
+    assert len(chunks) < 2000  # ended by the abort, long before its 2000 tokens
 
 
 def test_sleep_frees_the_cache_holds_requests_and_wake_up_serves_again(

@@ -50,7 +50,8 @@ def _follow(dm: Dynamod) -> subprocess.Popen[str]:
 
 
 def _followed_kill(follow: subprocess.Popen[str], pid: int) -> list[dict[str, Any]]:
-    """Kill `pid` once `follow` is reading; what it printed within 2 s of the kill."""
+    """Kill `pid` once `follow` is reading; what it printed within 10 s of the kill (it
+    stops at the backoff line: live, not at the next start)."""
     assert follow.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(follow.stdout, selectors.EVENT_READ)
@@ -59,7 +60,7 @@ def _followed_kill(follow: subprocess.Popen[str], pid: int) -> list[dict[str, An
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     lines: list[dict[str, Any]] = []
-    while (left := 2.0 - (time.monotonic() - killed_at)) > 0 and sel.select(timeout=left):
+    while (left := 10.0 - (time.monotonic() - killed_at)) > 0 and sel.select(timeout=left):
         lines.append(json.loads(follow.stdout.readline()))
         if any(e.get("to") == "backoff" for e in lines):
             break

@@ -31,9 +31,17 @@ CONNECT = (
 
 
 def _listen_everywhere(box: Sandbox) -> None:
+    """A listener on each node, each listening before this returns (each node reaches
+    its own, within 20 s: an interpreter's start on a loaded machine)."""
     for i in range(len(box.nodes)):
         box.run(i, [sys.executable, "-c", LISTEN, box.address(i), str(PORT)])
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    waiting = set(range(len(box.nodes)))
+    while waiting and time.monotonic() < deadline:
+        waiting = {i for i in waiting if not _reaches(box, i, i)}
+        if waiting:
+            time.sleep(0.1)
+    assert not waiting, f"nodes {sorted(waiting)}: their listener never listened"
 
 
 def _reaches(box: Sandbox, src: int, dst: int) -> bool:

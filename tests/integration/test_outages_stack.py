@@ -467,5 +467,7 @@ def test_a_sigstopped_frontend_is_replaced_and_a_saturated_one_is_not(
           f"{(since - stopped_at) if since else float('nan'):.2f}s after the hang began; "
           f"{len(failed)} requests failed")
     assert "liveness failed 2 times in a row" in (back["last_exit"] + dm.daemon_log())
-    assert killed - stopped_wall <= 2.0
+    # Detected by its liveness probe (2 misses of 0.5 s, 0.25 s apart: ~1.5 s), not by
+    # anything slower; the time itself is measured in bench/outages.py, not held here.
+    assert killed - stopped_wall <= 2 * (0.25 + 0.5) + 3.0
     assert since is not None

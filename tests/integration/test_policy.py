@@ -69,6 +69,11 @@ def shard_versions(dm: Dynamod) -> dict[str, Any]:
 
 def admitted_at(dm: Dynamod, unit: str, after: float) -> list[float]:
     """Wall-clock times the daemon log shows `unit` going held -> ready after `after`."""
+    return moved_at(dm, unit, after, "held", "ready")
+
+
+def moved_at(dm: Dynamod, unit: str, after: float, old: str, new: str) -> list[float]:
+    """Wall-clock times the daemon log shows `unit` going old -> new after `after`."""
     from datetime import datetime
 
     times = []
@@ -76,7 +81,7 @@ def admitted_at(dm: Dynamod, unit: str, after: float) -> list[float]:
         if '"unit.state"' not in line:
             continue
         event = json.loads(line)
-        if event["unit"] == unit and event["old"] == "held" and event["new"] == "ready":
+        if event["unit"] == unit and event["old"] == old and event["new"] == new:
             at = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
             if at >= after:
                 times.append(at)
@@ -121,12 +126,16 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     by_new = [r for r in served if r["instance"] == new_instance]
     mono_to_wall = time.time() - time.monotonic()
     assert by_new, "the rejoined shard never served"
-    # The shard is paused until the rejoin's resume step; after it the daemon still waits
-    # for the router to list the shard (route), reads the ledger and records the ack,
-    # then logs held -> ready. So its traffic opened at the resume, which the ack's own
-    # timings place before that line (0.25 s more for the ledger read and the record).
+    # The shard is paused until the rejoin's resume step. Counted forward: it went held
+    # (registered, paused) and then ran its replay's steps one after another, so it
+    # resumed no earlier than that line plus their times. (Counted back from the held ->
+    # ready line, the bound needs slack for the ledger read and the ack's record after
+    # the route, which a loaded machine stretches; see test_spares' served bound.)
     ms = back["policy"]["last_ack_ms"]
-    resumed_wall = admitted_wall - (ms["resume"] + ms.get("route", 0.0)) / 1000 - 0.25
+    (held_wall,) = moved_at(dm, "worker@1", killed_wall, "starting", "held")
+    before_resume = ("pause", "load", "kv_reset", "verify", "taint")
+    resumed_wall = held_wall + sum(ms[step] for step in before_resume) / 1000
+    assert resumed_wall <= admitted_wall, (ms, held_wall, admitted_wall)
     early = [r for r in by_new if r["done"] + mono_to_wall < resumed_wall]
     assert early == [], f"answered by the rejoined shard before its resume: {early[:3]}"
     failures = [r for r in history.rows if r["status"] != 200]

@@ -18,7 +18,7 @@ from tests.conftest import Dynamod, wait_dead
 
 pytestmark = pytest.mark.slow
 
-WATCHDOG_USEC = 400_000  # dynamod pets every 0.2 s
+WATCHDOG_USEC = 1_000_000  # dynamod pets every 0.5 s
 
 
 class NotifySocket:
@@ -54,6 +54,15 @@ class NotifySocket:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if (fields := self.receive(left)) is not None:
+                got.append(fields)
+        return got
+
+    def collect_keyed(self, key: str, count: int, seconds: float) -> list[dict[str, str]]:
+        """The next `count` messages carrying `key`, or those that arrive within `seconds`."""
+        got: list[dict[str, str]] = []
+        deadline = time.monotonic() + seconds
+        while len(got) < count and (left := deadline - time.monotonic()) > 0:
+            if (fields := self.receive(left)) is not None and key in fields:
                 got.append(fields)
         return got
 
@@ -106,21 +115,22 @@ def test_ready_status_watchdog_stopping_and_stalled_loop(
         assert status["daemon_pid"] == daemon.pid
         unit_pids = [u["pid"] for u in status["units"]]
 
-        # pets keep coming, about every WATCHDOG_USEC / 2
-        pets = [f for f in notify_socket.collect(1.2) if "WATCHDOG" in f]
+        # pets keep coming, about every WATCHDOG_USEC / 2 (the first 4, or 10 s at most)
+        pets = notify_socket.collect_keyed("WATCHDOG", count=4, seconds=10)
         assert len(pets) >= 4 and all(p["WATCHDOG"] == "1" for p in pets)
         times = [t for t, f in notify_socket.messages if "WATCHDOG" in f][-len(pets) :]
         # Receive times jitter when the test itself is descheduled (two queued datagrams
-        # read back to back), so judge the mean period, not each gap.
+        # read back to back), so judge the mean period, not each gap: about half the
+        # watchdog's interval, and below it (systemd would not fire).
         period = (times[-1] - times[0]) / (len(times) - 1)
-        assert 0.1 < period < 0.5, times
+        assert 0.25 < period < 0.9, times
 
         # a stalled daemon stops petting, and pets again once it runs
         os.kill(daemon.pid, signal.SIGSTOP)
         notify_socket.drain(quiet=0.05)  # what was in flight before the stop
         assert notify_socket.collect(1.5) == []
         os.kill(daemon.pid, signal.SIGCONT)
-        assert notify_socket.wait_for("WATCHDOG", timeout=2)["WATCHDOG"] == "1"
+        assert notify_socket.wait_for("WATCHDOG", timeout=10)["WATCHDOG"] == "1"
 
         # SIGTERM: STOPPING=1, then a clean exit
         daemon.send_signal(signal.SIGTERM)

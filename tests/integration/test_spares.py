@@ -210,9 +210,11 @@ def test_sleeping_spare_behind_the_push_is_woken_and_replayed_before_it_serves(
     # weights, so it stays one version behind until it is woken.
     result = push(dm, 1, checkpoint(base, tmp_path / "step-1", 1.01))
     assert result["ok"] and set(result["acks"]) == {u["name"] for u in roles["serving"]}
-    time.sleep(0.5)
-    behind = unit_by_name(dm.status(), spare["name"])
-    assert behind["policy_version"] == 0 and behind["spare"]["behind"] == 1
+    behind = dm.wait_for(
+        lambda s: (u := unit_by_name(s, spare["name"]))["spare"]["behind"] == 1 and u,
+        what="the sleeping spare one version behind",
+    )
+    assert behind["policy_version"] == 0
     assert "1 behind, asleep" in behind["detail"]
 
     history = History(frontend(status))

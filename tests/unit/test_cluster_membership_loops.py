@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,6 +53,13 @@ class _ClosedUnderCalls:
         return []
 
 
+async def _until(done: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Until `done()` holds or `timeout` s passed (the assertion after it says which)."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
 async def test_a_stray_cancelled_error_is_a_failed_round_and_a_stop_still_ends_the_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -59,7 +67,7 @@ async def test_a_stray_cancelled_error_is_a_failed_round_and_a_stop_still_ends_t
     member = _reading(monkeypatch, etcd)
     with capture_logs() as logs:
         task = asyncio.get_running_loop().create_task(member._read_loop())
-        await asyncio.sleep(0.2)
+        await _until(lambda: etcd.reads > 3 or task.done())
         assert not task.done() and etcd.reads > 3, "the loop must go on after those rounds"
         task.cancel()  # a real cancel (stop) ends it
         with pytest.raises(asyncio.CancelledError):
@@ -84,7 +92,8 @@ async def test_a_loop_that_ends_is_logged_and_started_again_until_stop(
 
     with capture_logs() as logs:
         member._spawn("cluster-test", dies_once)
-        await asyncio.sleep(0.1)
+        await _until(lambda: starts >= 2)
+        await asyncio.sleep(0.05)  # and no third start
         assert starts == 2 and len(member._tasks) == 1 and not member._tasks[0].done()
         await member.stop()
         await asyncio.sleep(0.05)
