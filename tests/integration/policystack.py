@@ -75,7 +75,12 @@ class History:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    async def one(self, session: aiohttp.ClientSession, version: int | None) -> None:
+    async def one(
+        self, session: aiohttp.ClientSession, version: int | None, asked: float | None = None
+    ) -> None:
+        """One request for `version`. `asked`: when that version was read (monotonic), which
+        is before `sent` (the task's first run): filter on it to be sure of what a request
+        asked for after some moment."""
         nvext: dict[str, Any] = {"extra_fields": ["worker_id", "engine_data"]}
         if version is not None:
             nvext["routing_constraints"] = {"required_taints": [f"dynamod.policy/{version}"]}
@@ -87,6 +92,7 @@ class History:
         except (aiohttp.ClientError, TimeoutError) as exc:
             status, text = -1, repr(exc)
         row: dict[str, Any] = {
+            "asked": sent if asked is None else asked,
             "sent": sent,
             "done": time.monotonic(),
             "required": version,
@@ -106,7 +112,9 @@ class History:
                 tasks = []
                 start = time.monotonic()
                 while not self._stop.is_set() and time.monotonic() - start < limit_s:
-                    tasks.append(asyncio.create_task(self.one(session, version_of())))
+                    asked = time.monotonic()
+                    request = self.one(session, version_of(), asked)
+                    tasks.append(asyncio.create_task(request))
                     await asyncio.sleep(1 / rate)
                 await asyncio.gather(*tasks)
 
@@ -119,10 +127,10 @@ class History:
         self._thread.join(timeout=60)
 
     def wait_served(self, count: int, *, after: float = 0.0, timeout: float = 60) -> None:
-        """Until `count` requests sent at or after `after` (monotonic) were answered 200:
+        """Until `count` requests asked at or after `after` (monotonic) were answered 200:
         traffic that has flowed, not a guess at how long it takes to."""
         deadline = time.monotonic() + timeout
-        while sum(r["sent"] >= after and r["status"] == 200 for r in self.rows) < count:
+        while sum(r["asked"] >= after and r["status"] == 200 for r in self.rows) < count:
             if time.monotonic() > deadline:
                 since = [r for r in self.rows if r["sent"] >= after]
                 raise AssertionError(

@@ -403,9 +403,9 @@ def test_push_right_after_etcd_kill_9_completes_only_once_the_router_routes_it(
     finally:
         history.stop()
     routes = {name: ack["ms"].get("route") for name, ack in result["acks"].items()}
-    after = [r for r in history.rows if r["sent"] >= done_at]
+    after = [r for r in history.rows if r["asked"] >= done_at]  # each asked for v1
     failed_after = [r for r in after if r["status"] != 200]
-    during = [r for r in history.rows if pushed_at <= r["sent"] < done_at]
+    during = [r for r in history.rows if pushed_at <= r["asked"] < done_at]
     print(f"\npush took {pushed_took:.2f}s after etcd was back (route checks ms: {routes}); "
           f"{len(after)} requests for v1 after it, {len(failed_after)} failed; "
           f"{sum(r['status'] != 200 for r in during)} of {len(during)} failed during the push")
