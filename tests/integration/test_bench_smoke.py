@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from bench.goodput import QUICK_RUN_S
 from bench.run_all import BENCHMARKS
 from tests.conftest import ROOT, extra_venv
 
@@ -120,7 +121,8 @@ def check_goodput(result: dict[str, Any]) -> None:
     # (AIPerf's request_count counts the requests that succeeded)
     assert run["records"] > 0 and run["records"] == run["requests"] + run["failed"], run
     assert run["failed"] == run["aiperf_errors"], run
-    assert not run["fault_error"] and 2 < run["fault_at_s"] < 5, run
+    # mid-run: at its time (3 s) or late on a loaded machine, with 2 s of the run after it
+    assert not run["fault_error"] and 2 < run["fault_at_s"] < QUICK_RUN_S - 2, run
     assert run["reference"]["goodput_rps"] > 0 and run["served_after"], run
     assert run["recovery_s"] is None or 0 <= run["recovery_s"] < 8, run
 

@@ -180,7 +180,8 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
 
     killed_at, dropped_after = asyncio.run(scenario())
     print(f"\nthe frontend dropped the killed worker after {dropped_after * 1000:.0f} ms")
-    assert dropped_after < 5, "the frontend kept routing to the dead worker"
+    # well inside the 300 s lease a dead worker's registration would otherwise outlive
+    assert dropped_after < 30, "the frontend kept routing to the dead worker"
     outcomes = Counter(code for _, code, _ in events)
     failures = [e for e in events if e[1] != 200]
     print(f"\n{len(events)} requests, outcomes {dict(outcomes)}; failures: {failures[:5]}")

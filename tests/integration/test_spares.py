@@ -401,7 +401,10 @@ def test_a_promoted_spare_serves_only_once_a_canary_reaches_it_through_the_front
         os.kill(front["pid"], signal.SIGCONT)
     (promoted,) = wait_event(dm, "spares.promoted")
     assert promoted["unit"] == spare["name"] and promoted["wall"] >= resumed_wall
-    assert promoted["steps_ms"]["route"] > 300, promoted["steps_ms"]  # it waited for the canary
+    # It waited for the canary: not promoted while the frontend was stopped (above), and
+    # promoted only after it resumed, by its route step (how long that step took depends
+    # on how soon the loaded daemon saw the kill, so it is not held to a number here).
+    assert "route" in promoted["steps_ms"], promoted["steps_ms"]
     again = settled(dm, 0)
     assert unit_by_name(again["status"], "frontend")["pid"] == front["pid"], "frontend restarted"
     assert unit_by_name(again["status"], spare["name"])["policy"]["admitted"] is True
