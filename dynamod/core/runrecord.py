@@ -34,8 +34,8 @@ class RunRecord:
     def daemon_alive(self) -> bool:
         """Whether the run's daemon process is still running. A zombie is not: it holds no
         lock and serves no socket, and a detached daemon's zombie waits for whatever reaps
-        orphans here (on CI it outlived the daemon, so a losing `up` named the previous
-        run's daemon as the winner)."""
+        orphans here (in a local run of the suite it outlived the daemon, so a losing `up`
+        named the previous run's daemon as the winner)."""
         return self.pid is not None and not proctable.is_zombie(self.pid)
 
     def to_json(self) -> dict[str, Any]:
