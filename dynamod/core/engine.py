@@ -913,6 +913,7 @@ class Engine:
         for unit in self.units.values():
             child = unit.child
             alive = child is not None and child.alive
+            failing = _failing(unit)
             rows.append(
                 {
                     "name": unit.name,
@@ -935,8 +936,8 @@ class Engine:
                     "depends_on": {k: str(v) for k, v in unit.spec.depends_on.items()},
                     "log": str(unit.log_path),
                     # why a unit that keeps failing fails: its telling log lines (ENOSPC, ...)
-                    "explain": self.explain(unit) if _failing(unit) else None,
-                    "cause": unit.cause or (unit.sink.cause() if _failing(unit) else None),
+                    "explain": self.explain(unit) if failing else None,
+                    "cause": unit.cause or (unit.sink.cause() if failing else None),
                     "command": list(unit.spec.command),
                     "operator_stop": (
                         {"by": unit.operator_stop[0],

@@ -48,21 +48,17 @@ class NotifySocket:
                 return fields
         raise AssertionError(f"no {key}= within {timeout}s; got {self.keys()}")
 
-    def collect(self, seconds: float) -> list[dict[str, str]]:
-        """Everything that arrives within the next `seconds`."""
-        got = []
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if (fields := self.receive(left)) is not None:
-                got.append(fields)
-        return got
-
-    def collect_keyed(self, key: str, count: int, seconds: float) -> list[dict[str, str]]:
-        """The next `count` messages carrying `key`, or those that arrive within `seconds`."""
+    def collect(
+        self, seconds: float, key: str | None = None, count: int | None = None
+    ) -> list[dict[str, str]]:
+        """Everything that arrives within the next `seconds` (only messages carrying
+        `key`, when given; at most `count`, returning as soon as that many arrived)."""
         got: list[dict[str, str]] = []
         deadline = time.monotonic() + seconds
-        while len(got) < count and (left := deadline - time.monotonic()) > 0:
-            if (fields := self.receive(left)) is not None and key in fields:
+        while (count is None or len(got) < count) and (
+            left := deadline - time.monotonic()
+        ) > 0:
+            if (fields := self.receive(left)) is not None and (key is None or key in fields):
                 got.append(fields)
         return got
 
@@ -116,7 +112,7 @@ def test_ready_status_watchdog_stopping_and_stalled_loop(
         unit_pids = [u["pid"] for u in status["units"]]
 
         # pets keep coming, about every WATCHDOG_USEC / 2 (the first 4, or 10 s at most)
-        pets = notify_socket.collect_keyed("WATCHDOG", count=4, seconds=10)
+        pets = notify_socket.collect(10, key="WATCHDOG", count=4)
         assert len(pets) >= 4 and all(p["WATCHDOG"] == "1" for p in pets)
         times = [t for t, f in notify_socket.messages if "WATCHDOG" in f][-len(pets) :]
         # Receive times jitter when the test itself is descheduled (two queued datagrams
