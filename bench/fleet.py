@@ -112,9 +112,9 @@ def main() -> None:
         "--shard-nice",
         type=int,
         default=None,
-        help="give every shard `limits = { nice = N }` (1-19): each shard process yields "
-        "the CPU to etcd, NATS, the frontend and the daemons when the cores are short (at "
-        "4 x 32 it did not change the daemons' loop stalls: docs/benchmarks.md 16)",
+        help="give every shard `limits = { nice = N }` (1-19): each shard (its processes "
+        "and its session) yields the CPU to etcd, NATS, the frontend and the daemons when "
+        "the cores are short (docs/benchmarks.md 16)",
     )
     args = parser.parse_args()
     try:

@@ -45,7 +45,8 @@ class Enforcer:
         if self._offer is None:
             self._offer = self._detect()
             log.info("limits.offer", v2=sorted(self._offer.v2), v1=sorted(self._offer.v1),
-                     missing=dict(self._offer.missing))  # fmt: skip
+                     missing=dict(self._offer.missing),
+                     autogroup=self._offer.autogroup)  # fmt: skip
         return self._offer
 
     def _detect(self) -> Offer:
@@ -80,7 +81,7 @@ class Enforcer:
                     + (f"{base} not writable)" if base is not None else "not mounted)")
                 )
         self._hierarchies = hierarchies
-        return Offer(frozenset(v2), frozenset(v1), missing)
+        return Offer(frozenset(v2), frozenset(v1), missing, autogroup=_autogroups())
 
     def prepare(self, unit: str, limits: LimitsSpec | None) -> Confinement:
         """Before a spawn: the unit's cgroups made and its limits written. Raises
@@ -106,7 +107,7 @@ class Enforcer:
             _write_all(where, files)
             procs.append(where / "cgroup.procs")
         self._oom_seen[unit] = self._oom_count(unit) or 0
-        return Confinement(tuple(procs), plan.rlimits, plan.cpus, plan.nice)
+        return Confinement(tuple(procs), plan.rlimits, plan.cpus, plan.nice, plan.autogroup)
 
     def _v1_dir(self, controller: str) -> Path:
         """This run's directory in the controller's v1 hierarchy, made at first use."""
@@ -178,3 +179,15 @@ def _write(path: Path, name: str, value: str) -> None:
 def _write_all(path: Path, files: Mapping[str, str]) -> None:
     for name, value in files.items():
         _write(path, name, value)
+
+
+AUTOGROUP_SWITCH = Path("/proc/sys/kernel/sched_autogroup_enabled")
+
+
+def _autogroups(switch: Path = AUTOGROUP_SWITCH) -> bool:
+    """Whether the kernel weighs each session as one group (CONFIG_SCHED_AUTOGROUP, on):
+    then a unit's nice must be its session's too to order it against other units."""
+    try:
+        return switch.read_text().strip() == "1" and Path("/proc/self/autogroup").exists()
+    except OSError:
+        return False

@@ -13,9 +13,16 @@ rlimits to set, and how an OOM kill is read from the counters. The I/O is
     cpu_quota    cpu.max                cpu.cfs_quota_us / cfs_period_us -
     cpuset       cpuset.cpus            cpuset.cpus (+ cpuset.mems)      sched_setaffinity
     pids_max     pids.max               pids.max                         RLIMIT_NPROC
-    nice         -                      -                                setpriority
+    nice         cpu.weight (its nice's) -                               setpriority
+                                        (+ the session's autogroup nice)
 
-`nice` is no cgroup limit: every host carries it, per process, between fork and exec.
+`nice` is set per process between fork and exec (setpriority) on every host, but that
+alone orders only processes that the scheduler weighs against each other. A unit starts in
+a session of its own, and where the kernel groups sessions (`sched_autogroup_enabled`),
+each session is weighed as one against every other whatever its processes' nice: so the
+session's autogroup gets the nice too (/proc/self/autogroup). Where the unit has a v2
+cgroup with the cpu controller, that cgroup is the group weighed: it gets the weight the
+kernel gives that nice (10 -> cpu.weight 11), unless the unit sets `cpu_weight` itself.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class Offer:
     v2: frozenset[str] = frozenset()
     v1: frozenset[str] = frozenset()
     missing: Mapping[str, str] = field(default_factory=dict)  # controller -> why
+    autogroup: bool = False  # the kernel weighs each session as one (sched_autogroup_enabled)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class Confinement:
     rlimits: tuple[tuple[int, int], ...] = ()
     cpus: frozenset[int] | None = None
     nice: int | None = None
+    autogroup: bool = False  # the nice goes to the session's autogroup too
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ class Plan:
     rlimits: tuple[tuple[int, int], ...] = ()
     cpus: frozenset[int] | None = None  # sched_setaffinity, without a cpuset controller
     nice: int | None = None  # setpriority
+    autogroup: bool = False  # and the session's autogroup nice
 
     def mechanism(self) -> str:
         used = [m for m in Mechanism if any(e.mechanism is m for e in self.enforced.values())]
@@ -178,7 +188,6 @@ def plan(limits: LimitsSpec, offer: Offer) -> Plan:
     v2, v1 = v2_settings(limits), v1_settings(limits)
     for name, value in words.items():
         if name == "nice":
-            enforced[name] = Enforcement(value, Mechanism.PRIORITY, "setpriority")
             continue
         controller = CONTROLLER_OF[name]
         if controller in offer.v2:
@@ -199,7 +208,35 @@ def plan(limits: LimitsSpec, offer: Offer) -> Plan:
         else:
             why = offer.missing.get(controller, f"no {controller} controller")
             enforced[name] = Enforcement(value, Mechanism.NONE, why)
-    return Plan(limits, enforced, v2_files, v1_files, tuple(rlimits), cpus, limits.nice)
+    autogroup = False
+    if limits.nice is not None:
+        how = "setpriority"
+        if "cpu" in offer.v2 and limits.cpu_weight is None:
+            weight = nice_weight(limits.nice)
+            v2_files["cpu.weight"] = str(weight)
+            how += f" + cpu.weight {weight}"
+        elif offer.autogroup:
+            autogroup = True
+            how += " + the session's autogroup"
+        enforced["nice"] = Enforcement(str(limits.nice), Mechanism.PRIORITY, how)
+    return Plan(
+        limits, enforced, v2_files, v1_files, tuple(rlimits), cpus, limits.nice, autogroup
+    )
+
+
+# the kernel's weight per nice -20 .. 19 (kernel/sched/core.c, sched_prio_to_weight)
+_PRIO_TO_WEIGHT = (
+    88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916,
+    9548, 7620, 6100, 4904, 3906, 3121, 2501, 1991, 1586, 1277,
+    1024, 820, 655, 526, 423, 335, 272, 215, 172, 137,
+    110, 87, 70, 56, 45, 36, 29, 23, 18, 15,
+)  # fmt: skip
+
+
+def nice_weight(nice: int) -> int:
+    """The cgroup v2 cpu.weight that weighs a group as the kernel weighs a task at `nice`
+    (nice 0 -> 100, the default; 10 -> 11; 19 -> 1)."""
+    return max(1, min(10000, round(_PRIO_TO_WEIGHT[nice + 20] * 100 / 1024)))
 
 
 def oom_kill_count(text: str) -> int | None:

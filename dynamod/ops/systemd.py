@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
+from dynamod.core import resources
 from dynamod.core.spec import Condition, LimitsSpec, LogProbe, Probe, Stack, UnitSpec
 from dynamod.ops.supervisord import ENV_NAME, bin_dir, lease_note, resolve_command
 
@@ -286,13 +287,18 @@ def _unit_service(stack: Stack, spec: UnitSpec, dynamod: Sequence[str]) -> UnitF
 
 def resource_control(limits: LimitsSpec | None) -> list[str]:
     """A unit's `limits` as systemd's resource-control settings (their names are where
-    the table's come from); systemd picks the cgroup controllers itself."""
+    the table's come from); systemd picks the cgroup controllers itself. A `nice` without
+    a `cpu_weight` is a CPUWeight too, as dynamod's own v2 cgroups get it: each service is
+    a cgroup of its own, weighed as one against the others whatever its processes' nice."""
     if limits is None:
         return []
+    weight = limits.cpu_weight
+    if weight is None and limits.nice is not None:
+        weight = resources.nice_weight(limits.nice)
     pairs = [
         ("MemoryMax", limits.memory_max),
         ("MemoryHigh", limits.memory_high),
-        ("CPUWeight", limits.cpu_weight),
+        ("CPUWeight", weight),
         # "%" starts a specifier in a unit file: "%%" is the percent sign
         ("CPUQuota", f"{limits.cpu_quota:g}%%" if limits.cpu_quota is not None else None),
         ("AllowedCPUs", limits.cpuset),

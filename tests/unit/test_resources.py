@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamod.core import resources, spec
+from dynamod.core import enforce, resources, spec
 from dynamod.core.cgroups import remove_v1_run, v1_hierarchies
 from dynamod.core.errors import SpecErrors
 from dynamod.core.resources import Mechanism, Offer
@@ -170,7 +170,33 @@ def test_nice_is_set_per_process_on_every_host() -> None:
         plan = resources.plan(limits, offer)
         assert plan.nice == 10 and plan.enforced["nice"].mechanism is Mechanism.PRIORITY
         assert plan.status(0)["limits"]["nice"] == "10 via priority setpriority"
+        assert not plan.autogroup and "cpu.weight" not in plan.v2_files
     assert resources.plan(LimitsSpec.model_validate({"pids_max": 8}), Offer()).nice is None
+
+
+def test_nice_weighs_the_units_session_or_its_cpu_cgroup_where_the_kernel_weighs_those() -> None:
+    """A unit is a session of its own: with autogroups the kernel weighs sessions, so the
+    session takes the nice; in a v2 cgroup with the cpu controller the cgroup is weighed,
+    so it takes the nice's weight, unless cpu_weight says otherwise."""
+    nice = LimitsSpec.model_validate({"nice": 10})
+    plan = resources.plan(nice, Offer(autogroup=True))
+    assert plan.autogroup and plan.nice == 10
+    shown = plan.status(0)["limits"]["nice"]
+    assert shown == "10 via priority setpriority + the session's autogroup"
+    plan = resources.plan(nice, Offer(v2=frozenset({"cpu"}), autogroup=True))
+    assert plan.v2_files == {"cpu.weight": "11"} and not plan.autogroup
+    assert plan.status(0)["limits"]["nice"] == "10 via priority setpriority + cpu.weight 11"
+    weighed = LimitsSpec.model_validate({"nice": 10, "cpu_weight": 300})
+    plan = resources.plan(weighed, Offer(v2=frozenset({"cpu"})))
+    assert plan.v2_files == {"cpu.weight": "300"} and plan.nice == 10
+
+
+def test_a_nices_weight_is_the_kernels() -> None:
+    assert [resources.nice_weight(n) for n in (-20, -1, 0, 1, 10, 19)] == [
+        8668, 125, 100, 80, 11, 1,
+    ]
+    weights = [resources.nice_weight(n) for n in range(-20, 20)]
+    assert weights == sorted(weights, reverse=True)
 
 
 def test_without_cgroups_rlimits_and_the_affinity_are_the_fallback_and_say_so() -> None:
@@ -240,3 +266,12 @@ def test_the_supervisord_export_says_it_drops_the_limits(tmp_path: Path) -> None
     limited = supervisord_gaps(load(tmp_path, '{ pids_max = 64 }'))
     assert any(g.startswith("limits: supervisord sets no") and "(app have" in g for g in limited)
     assert not any(g.startswith("limits:") for g in supervisord_gaps(load(tmp_path, "{}")))
+
+
+def test_autogroups_are_read_from_the_kernels_switch(tmp_path: Path) -> None:
+    switch = tmp_path / "sched_autogroup_enabled"
+    switch.write_text("0\n")
+    assert not enforce._autogroups(switch)
+    switch.write_text("1\n")
+    assert enforce._autogroups(switch) == Path("/proc/self/autogroup").exists()
+    assert not enforce._autogroups(tmp_path / "absent")

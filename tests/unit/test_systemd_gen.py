@@ -196,6 +196,10 @@ def test_a_units_limits_become_systemds_resource_control(tmp_path: Path) -> None
         f"AllowedCPUs={min(os.sched_getaffinity(0))}", "TasksMax=512", "Nice=5",
     ]
     assert systemd.resource_control(None) == []
+    # a nice alone weighs the service's cgroup as the kernel weighs that nice
+    assert systemd.resource_control(LimitsSpec.model_validate({"nice": 10})) == [
+        "CPUWeight=11", "Nice=10",
+    ]
     stack = load(tmp_path)
     files = {f.name: f.text for f in systemd.per_unit_services(stack, dynamod=DYNAMOD)}
     assert "MemoryMax" not in files["dynamod-etcd.service"]  # no limits: none written
