@@ -116,6 +116,12 @@ def main() -> None:
         "and its session) yields the CPU to etcd, NATS, the frontend and the daemons when "
         "the cores are short (docs/benchmarks.md 16)",
     )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each fleet's work dir (the daemons' and units' logs) after a clean run "
+        "too; its path is printed on stderr",
+    )
     args = parser.parse_args()
     try:
         nodes = [2] if args.quick else parse_sizes(args.nodes, len(NODE_NAMES))
@@ -150,7 +156,8 @@ def main() -> None:
             faults = n > 1 and not args.no_faults
             fleets.append(
                 run_fleet(
-                    n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits
+                    n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
+                    keep=args.keep,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -250,9 +257,11 @@ def run_fleet(
     faults: bool,
     lease: int | None = None,
     limits: dict[str, int] | None = None,
+    keep: bool = False,
 ) -> dict[str, Any]:
-    """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp; a failed one
-    keeps the daemons' logs in its work dir (named in the error) and kills every process."""
+    """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
+    a failed one keeps the daemons' logs in its work dir (named in the error) and kills
+    every process."""
     print(f"# fleet: {n_nodes} nodes x {per_node} shards", file=sys.stderr, flush=True)
     variables = {"workers": str(per_node), "trainer_steps": "0", "worker_engine": "mocker"}
     units = paths.units_dir()
@@ -306,7 +315,10 @@ def run_fleet(
     if problems or failed:
         detail = f": {problems}" if problems else ""
         raise ClusterError(f"fleet of {n_nodes} nodes failed; logs in {rig.work_dir}{detail}")
-    shutil.rmtree(rig.work_dir, ignore_errors=True)
+    if keep:
+        print(f"# fleet: logs kept in {rig.work_dir}", file=sys.stderr, flush=True)
+    else:
+        shutil.rmtree(rig.work_dir, ignore_errors=True)
     return result
 
 

@@ -49,7 +49,7 @@ log = structlog.get_logger("dynamod.cluster.membership")
 READ_FALLBACK_S = 1.0  # a read without a change seen: covers a watch being re-opened
 WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
-PUBLISH_RETRY_S = 0.1  # a failed publish round (its keepalive) is tried again this soon
+PUBLISH_RETRY_S = 0.1  # a failed publish round or keepalive is tried again this soon
 ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
 LEDGER_FOLLOW_S = 0.5
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
@@ -93,6 +93,9 @@ class Membership(Extension):
         self.down_acks: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
         self.last_published: float | None = None  # monotonic, last successful publish
+        self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
+        self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
+        self._away = False  # the keepalive went through again after more than a lease
         self._written: tuple[str, float] | None = None  # the entry last put, and when
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
@@ -131,6 +134,7 @@ class Membership(Extension):
         if self.policy is not None:
             self.policy.after_commit = self.await_other_nodes
         loops = {
+            "cluster-keepalive": self._keepalive_loop,
             "cluster-publish": self._publish_loop,
             "cluster-watch": self._watch_loop,
             "cluster-read": self._read_loop,
@@ -295,32 +299,74 @@ class Membership(Extension):
             self._dirty.clear()
             await asyncio.sleep(0.05)  # a burst of transitions makes one write
 
+    async def _keepalive_loop(self) -> None:
+        """Renew the lease every third of it, on a task of its own: a publish round may
+        take seconds (an entry write on a loaded etcd, or putting back 32 shards'
+        registrations and pausing each after a loss), and a keepalive that waited behind
+        it let the lease expire again: at 4 nodes x 32 shards the head was marked lost
+        4-9 times in one start, each return round ending in the next loss."""
+        period = self.cluster.lease_ttl / 3
+        failed = 0
+        while not self._stopping:
+            lease = self.lease
+            if lease is not None:
+                try:
+                    await self._renew(lease)
+                    failed = 0
+                except (Exception, asyncio.CancelledError) as exc:  # see _failed
+                    self._failed("keepalive", exc)
+                    failed += 1
+            await asyncio.sleep(publish_wait(failed, period))
+
+    async def _renew(self, lease: int) -> None:
+        assert self.etcd is not None
+        async with asyncio.timeout(ROUND_TIMEOUT_S):
+            alive = await self.etcd.lease_keepalive(lease) is not None
+        if self.lease != lease:  # a publish round replaced it meanwhile
+            return
+        now = time.monotonic()
+        if not alive:  # etcd's answer that it is gone: a publish round takes a new one
+            self.lease, self._lease_gone = None, True
+        else:
+            late = self.renewed_at is not None and now - self.renewed_at > self.cluster.lease_ttl
+            self._away |= late
+            self.renewed_at = now
+            self._reachable()
+        if not alive or self._away:
+            self._dirty.set()
+
+    def _reachable(self) -> None:
+        if self.error is not None:
+            log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error)
+        self.error = None
+
     async def _publish(self) -> None:
         assert self.etcd is not None
-        lease_lost = False
-        if self.lease is not None and await self.etcd.lease_keepalive(self.lease) is None:
-            lease_lost = True
-            self.lease = None
+        lease_lost, self._lease_gone = self._lease_gone, False
+        called = False  # whether this round went to etcd (else it says nothing of etcd)
         if self.lease is None:
             self.lease = await self.etcd.lease_grant(max(1, math.ceil(self.cluster.lease_ttl)))
+            self.renewed_at = time.monotonic()
             self._written = None  # a new lease: the entry goes on it
+            called = True
         encoded = self.entry().encode()
         if must_write(self._written, encoded, time.monotonic(), self.cluster.lease_ttl):
             key = registry.node_key(self.stack, self.cluster.node)
             await self.etcd.put(key, encoded, self.lease)
             self._written = (encoded, time.monotonic())
+            called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
             if self.cluster.is_head:  # what `up --join` on another node reads
                 await self.etcd.put(join.spec_key(self.stack), self._bundle().encode())
         now = time.monotonic()
-        away = (
+        away = self._away or (
             self.last_published is not None and now - self.last_published > self.cluster.lease_ttl
         )
+        self._away = False
         self.last_published = now
-        if self.error is not None:
-            log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error)
-        self.error = None
+        if called:
+            self._reachable()
         if lease_lost or away:
             log.warning(
                 "cluster.back_in_contact",
