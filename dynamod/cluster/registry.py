@@ -11,6 +11,7 @@ as up, lost or behind. Keys, under `dynamod/<stack>/cluster/`:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
@@ -116,6 +117,13 @@ class NodeEntry:
     def shards(self) -> list[UnitEntry]:
         return [u for u in self.units if u.shard]
 
+    @functools.cached_property
+    def unit_rows(self) -> list[dict[str, Any]]:
+        """The units as `status --json` shows them; made once per entry (an entry is
+        replaced, never changed), not at every status call: at 4 nodes x 32 shards this
+        conversion was most of what each `status` cost the daemon. Read-only."""
+        return [asdict(u) for u in self.units]
+
 
 def short_detail(text: str) -> str:
     first = text.splitlines()[0] if text else ""
@@ -214,7 +222,7 @@ def view(
                 "state": str(state),
                 "daemon_pid": entry.daemon_pid if entry else None,
                 "phase": entry.phase if entry else None,
-                "units": [asdict(u) for u in entry.units] if entry else [],
+                "units": list(entry.unit_rows) if entry else [],
                 "behind": late.get(name, []),
                 "lost": asdict(record) if record and state is NodeState.LOST else None,
             }

@@ -29,7 +29,14 @@ import structlog
 from dynamod.core import cgroups, exits, graph, portmove, process, unittmp
 from dynamod.core.errors import DynamodError, SpecErrors, UnitFailed
 from dynamod.core.logs import LogFile, OutputSink
-from dynamod.core.probes import ProbeContext, Prober, ProbeResult, describe, make_prober
+from dynamod.core.probes import (
+    ProbeContext,
+    Prober,
+    ProbeResult,
+    describe,
+    make_prober,
+    ready_pause,
+)
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
 from dynamod.core.state import ALLOWED, UnitState, check_transition
@@ -603,7 +610,8 @@ class Engine:
                 self.set_detail(unit, result.detail)
                 if result.ok:
                     return True, result.detail
-                pause = min(spec.interval, deadline - time.monotonic())
+                waited = time.monotonic() - child.started_at
+                pause = min(ready_pause(spec.interval, waited), deadline - time.monotonic())
                 if pause > 0:
                     await asyncio.wait([child.exited], timeout=pause)
                 if time.monotonic() >= deadline:

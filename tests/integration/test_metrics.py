@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import urllib.request
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -98,3 +99,34 @@ def test_bad_or_taken_metrics_address_fails_before_anything_runs(dm: Dynamod) ->
     assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (dm.state_dir / "run.json").exists()  # failed before the daemon started
+
+
+SLOW_START = """
+    [units.slow]
+    command = ["{python}", "@PROC@", "serve", "{ports.main}", "--delay", "6"]
+    ports = { main = 0 }
+    [units.slow.ready]
+    kind = "tcp"
+    host = "127.0.0.1"
+    port = "{ports.main}"
+    interval = 0.05
+    deadline = 30
+"""
+
+
+def test_a_slow_start_is_probed_less_often_after_its_first_two_seconds(
+    dm: Dynamod, stack_file: Any
+) -> None:
+    """A unit ready after 6 s, probed every 0.05 s: 120 attempts at that pace; with the
+    pause growing after 2 s (core/probes.py ready_pause), ~40 in the first 2 s and ~20 in
+    the next 4. The daemon's metrics count them."""
+    port = free_port()
+    dm.run("up", str(stack_file(SLOW_START)), "--detach", "--metrics-addr",
+           f"127.0.0.1:{port}", check=True)  # fmt: skip
+    samples, _ = scrape(port)
+    failed = value(samples, "dynamod_probe_duration_seconds_count",
+                   unit="slow", probe="ready", result="fail")  # fmt: skip
+    assert value(samples, "dynamod_probe_duration_seconds_count",
+                 unit="slow", probe="ready", result="ok") == 1  # fmt: skip
+    assert 10 < failed <= 80, failed
+    dm.run("down", check=True)
