@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -315,3 +316,51 @@ def test_the_leader_judges_a_vanished_entry_only_after_a_lease_of_its_own_contac
     assert registry.may_judge(None, 5.0, lease_ttl=2)  # never failed
     assert not registry.may_judge(100.0, 101.99, lease_ttl=2)
     assert registry.may_judge(100.0, 102.0, lease_ttl=2)
+
+
+class _Leases:
+    """Stands in for the etcd client's lease calls: keepalives answer the TTL (None once
+    `gone`), and each is timed."""
+
+    def __init__(self) -> None:
+        self.renewals: list[float] = []
+        self.gone = False
+
+    async def lease_keepalive(self, lease: int) -> int | None:
+        self.renewals.append(time.monotonic())
+        return None if self.gone else 1
+
+
+async def test_the_lease_is_kept_alive_while_a_publish_round_is_stuck() -> None:
+    """A publish round may take seconds (an entry write on a loaded etcd, or putting back
+    every shard's registration after a loss); the lease's keepalive does not wait for it:
+    at 4 nodes x 32 shards, keepalives behind such rounds let the head's lease expire
+    again and again."""
+    member = Membership(SPEC.model_copy(update={"lease_ttl": 1.0}), registrations=Any,  # type: ignore[arg-type]
+                        policy=None)  # fmt: skip
+    etcd = _Leases()
+    member.etcd, member.lease = etcd, 7  # type: ignore[assignment]
+    rounds = 0
+
+    async def stuck() -> None:  # one publish round that never ends (8 s would cut it)
+        nonlocal rounds
+        rounds += 1
+        await asyncio.sleep(3600)
+
+    member._publish = stuck  # type: ignore[method-assign]
+    tasks = [asyncio.create_task(loop()) for loop in (member._publish_loop, member._keepalive_loop)]
+    try:
+        await asyncio.sleep(1.5)
+        assert rounds == 1, "the publish round is still the first one"
+        assert len(etcd.renewals) >= 4, etcd.renewals  # every third of the 1 s lease
+        gaps = [b - a for a, b in itertools.pairwise(etcd.renewals)]
+        assert max(gaps) < 0.5, gaps
+        # etcd's answer that the lease is gone: the next publish round takes a new one
+        etcd.gone = True
+        await _until(lambda: member.lease is None)
+        assert member.lease is None and member._lease_gone and member._dirty.is_set()
+    finally:
+        member._stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
