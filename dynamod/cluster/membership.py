@@ -320,6 +320,7 @@ class Membership(Extension):
 
     async def _renew(self, lease: int) -> None:
         assert self.etcd is not None
+        asked = time.monotonic()
         async with asyncio.timeout(ROUND_TIMEOUT_S):
             alive = await self.etcd.lease_keepalive(lease) is not None
         if self.lease != lease:  # a publish round replaced it meanwhile
@@ -328,7 +329,13 @@ class Membership(Extension):
         if not alive:  # etcd's answer that it is gone: a publish round takes a new one
             self.lease, self._lease_gone = None, True
         else:
-            late = self.renewed_at is not None and now - self.renewed_at > self.cluster.lease_ttl
+            since = None if self.renewed_at is None else now - self.renewed_at
+            if since is not None and since > self.cluster.lease_ttl / 2:
+                # how near this node came to being marked lost, and where the time went
+                log.warning("cluster.lease_renewed_late", node=self.cluster.node,
+                            since_last_s=round(since, 3), call_s=round(now - asked, 3),
+                            lease_ttl=self.cluster.lease_ttl)  # fmt: skip
+            late = since is not None and since > self.cluster.lease_ttl
             self._away |= late
             self.renewed_at = now
             self._reachable()
