@@ -33,6 +33,7 @@ def _membership() -> Membership:
 def _reading(monkeypatch: pytest.MonkeyPatch, etcd: object) -> Membership:
     """A membership whose read loop polls fast and reads from `etcd`."""
     monkeypatch.setattr(membership, "READ_FALLBACK_S", 0.01)
+    monkeypatch.setattr(membership, "READ_GAP_S", 0.01)
     member = _membership()
     member.host = SimpleNamespace(stack=SimpleNamespace(name="s"), phase=Phase.UP)  # type: ignore[assignment]
     member.etcd = etcd  # type: ignore[assignment]
@@ -359,6 +360,57 @@ async def test_the_lease_is_kept_alive_while_a_publish_round_is_stuck() -> None:
         etcd.gone = True
         await _until(lambda: member.lease is None)
         assert member.lease is None and member._lease_gone and member._dirty.is_set()
+    finally:
+        member._stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Watched:
+    """Stands in for the etcd client at the registry prefix: watch events come from a
+    queue the test fills; each read of the prefix is timed (it holds no entries)."""
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.reads: list[float] = []
+
+    async def watch_prefix(self, prefix: str) -> Any:
+        while True:
+            yield await self.events.get()
+
+    async def get_prefix(self, prefix: str) -> list[Any]:
+        self.reads.append(time.monotonic())
+        return []
+
+
+async def test_entry_writes_are_read_at_most_every_gap_and_a_delete_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every read is the whole registry (~260 KB at 8 x 32): on a stream of entry writes a
+    daemon reads it at most every READ_GAP_S, not back to back; a delete (a node's lease
+    expired) is read at once, a read just before it notwithstanding."""
+    etcd = _Watched()
+    member = _reading(monkeypatch, etcd)
+    monkeypatch.setattr(membership, "READ_FALLBACK_S", 5.0)
+    monkeypatch.setattr(membership, "READ_GAP_S", 0.3)
+    put = SimpleNamespace(kind="put", key="k", value=b"", mod_revision=1)
+    tasks = [asyncio.create_task(member._watch_loop()), asyncio.create_task(member._read_loop())]
+    try:
+        await _until(lambda: len(etcd.reads) == 1)
+        for _ in range(60):  # 1.2 s of writes, one every 20 ms
+            etcd.events.put_nowait(put)
+            await asyncio.sleep(0.02)
+        gaps = [b - a for a, b in itertools.pairwise(etcd.reads)]
+        assert 3 <= len(etcd.reads) <= 6 and min(gaps) >= 0.29, gaps
+        await _until(lambda: time.monotonic() - etcd.reads[-1] > 0.1)
+        reads = len(etcd.reads)
+        etcd.events.put_nowait(put)
+        await asyncio.sleep(0.05)
+        deleted = time.monotonic()
+        etcd.events.put_nowait(SimpleNamespace(kind="delete", key="k", value=b"", mod_revision=2))
+        await _until(lambda: len(etcd.reads) > reads)
+        assert etcd.reads[-1] - deleted < 0.1, etcd.reads[-1] - deleted
     finally:
         member._stopping = True
         for task in tasks:
