@@ -165,7 +165,6 @@ def _become_daemon(log_path: Path) -> None:
     os.close(log_fd)
 
 
-
 # `up` reads the daemon's whole status between its progress lines: every 0.05 s at first,
 # then 2 % of the wait so far (a stack ready after 10 s is reported at most 0.2 s late), at
 # most every 0.5 s. At 4 nodes x 32 shards, `up` asking every 0.05 s was a fifth of the head
