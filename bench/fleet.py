@@ -257,13 +257,18 @@ def inotify_room(shards: int, *, raise_limit: bool) -> Iterator[dict[str, Any]]:
         )
 
 
+def waves(names: list[str]) -> list[list[str]]:
+    """The nodes holding etcd's members together (a member alone has no quorum), then
+    every other node on its own."""
+    first = members(names)
+    return [first] + [[name] for name in names if name not in first]
+
+
 def up_in_waves(rig: ClusterRig, per_node: int) -> list[float]:
     """The nodes with etcd's members first (the members need each other for a quorum),
     then every other node alone; the seconds each wave took."""
-    first = members(rig.names)
-    waves = [first] + [[name] for name in rig.names if name not in first]
     took = []
-    for wave in waves:
+    for wave in waves(rig.names):
         began = time.monotonic()
         rig.up(wave, timeout=max(600, 4 * per_node * len(wave)))
         took.append(time.monotonic() - began)

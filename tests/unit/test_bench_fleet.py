@@ -148,3 +148,10 @@ def test_raise_inotify_raises_the_limit_for_the_run_and_puts_it_back(
     assert knob.read_text() == "128\n"  # back, even after a failure
     with fleet.inotify_room(40, raise_limit=True) as facts:  # fits: left alone
         assert facts["raised_to"] is None and knob.read_text() == "128\n"
+
+
+def test_a_staggered_fleet_starts_the_etcd_members_together_then_one_node_at_a_time() -> None:
+    names = ["head", "n1", "n2", "n3", "n4", "n5", "n6", "n7"]
+    assert fleet.waves(names) == [["head", "n1", "n2"], ["n3"], ["n4"], ["n5"], ["n6"], ["n7"]]
+    assert fleet.waves(["head", "n1"]) == [["head"], ["n1"]]  # below 3 nodes: the head's alone
+    assert fleet.waves(["head"]) == [["head"]]
