@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import structlog
@@ -60,6 +60,7 @@ ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over
 LEDGER_FOLLOW_S = 0.5
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
+_T = TypeVar("_T")
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 # An unchanged entry is rewritten only this many lease_ttl apart: every write wakes every
 # node's registry watch into a read of the whole prefix, so rewriting it at each keepalive
@@ -184,9 +185,9 @@ class Membership(Extension):
             auth=self._auth,
         )
 
-    async def _bounded(self, what: str, round_: Awaitable[None]) -> None:
-        """One publish or read round, cut off after ROUND_TIMEOUT_S: every call has its own
-        deadline, yet the cluster-ha test saw a node's rounds stop for good after the
+    async def _bounded(self, what: str, round_: Awaitable[_T]) -> _T:
+        """One publish, read or keepalive round, cut off after ROUND_TIMEOUT_S: every call
+        has its own deadline, yet the cluster-ha test saw a node's rounds stop for good after the
         start-up TLS and auth failures with nothing logged. A round that overruns gets a
         fresh client (new connections); the old one is closed behind it. asyncio.timeout,
         not wait_for: Python 3.11's wait_for returns the round's result when the round ends
@@ -194,7 +195,7 @@ class Membership(Extension):
         did not exit after `down`)."""
         try:
             async with asyncio.timeout(ROUND_TIMEOUT_S):
-                await round_
+                return await round_
         except TimeoutError:
             log.warning("cluster.registry_stuck", node=self.cluster.node, round=what,
                         seconds=ROUND_TIMEOUT_S, action="new etcd client")  # fmt: skip
@@ -329,8 +330,7 @@ class Membership(Extension):
     async def _renew(self, lease: int) -> None:
         assert self.etcd is not None
         asked = time.monotonic()
-        async with asyncio.timeout(ROUND_TIMEOUT_S):
-            alive = await self.etcd.lease_keepalive(lease) is not None
+        alive = await self._bounded("keepalive", self.etcd.lease_keepalive(lease)) is not None
         if self.lease != lease:  # a publish round replaced it meanwhile
             return
         now = time.monotonic()
