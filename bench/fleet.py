@@ -59,7 +59,13 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
-from bench.fleet_stack import members, replicated, with_lease, with_shard_limits
+from bench.fleet_stack import (
+    members,
+    replicated,
+    with_lease,
+    with_shard_limits,
+    with_shard_live_timeout,
+)
 from bench.procs import cpu_of, cpu_since, iso_epoch, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
@@ -117,6 +123,15 @@ def main() -> None:
         "the cores are short (docs/benchmarks.md 16)",
     )
     parser.add_argument(
+        "--shard-live-timeout",
+        type=float,
+        default=None,
+        help="seconds each shard's liveness probe may take to answer (the stack's: 2). A "
+        "node of the fleet is 32 shards on the machine's cores where a real node gives each "
+        "its own: at 8 x 32 on two cores a push to every shard left them answering in more "
+        "than 2 s, and the kills that followed restarted them all (docs/benchmarks.md 16)",
+    )
+    parser.add_argument(
         "--staggered",
         action="store_true",
         help="start the nodes that hold etcd's members together, then every other node on "
@@ -143,6 +158,9 @@ def main() -> None:
         parser.error(f"--shard-cpu-weight: 1 to 10000, got {weight}")
     if args.shard_nice is not None and not 1 <= args.shard_nice <= 19:
         parser.error(f"--shard-nice: 1 to 19, got {args.shard_nice}")
+    live_timeout = args.shard_live_timeout
+    if live_timeout is not None and not 0 < live_timeout <= 300:
+        parser.error(f"--shard-live-timeout: seconds above 0 and at most 300, got {live_timeout}")
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -157,7 +175,8 @@ def main() -> None:
         reference = (
             None
             if args.quick
-            else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits)
+            else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
+                           live_timeout=live_timeout)
         )
         fleets = []
         for n in nodes:
@@ -165,7 +184,7 @@ def main() -> None:
             fleets.append(
                 run_fleet(
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
-                    keep=args.keep, staggered=args.staggered,
+                    keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -286,6 +305,7 @@ def run_fleet(
     limits: dict[str, int] | None = None,
     keep: bool = False,
     staggered: bool = False,
+    live_timeout: float | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -296,14 +316,15 @@ def run_fleet(
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
     stack = work_dir / "fleet-stack.toml"
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
-    text = with_shard_limits(text, limits or {})
+    text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
     lease_s = tomllib.loads(text)["cluster"]["lease_ttl"]
     result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node,
                               "registry_lease_s": lease_s,
-                              "shard_limits": limits or {}}  # fmt: skip
+                              "shard_limits": limits or {},
+                              "shard_live_timeout_s": live_timeout}  # fmt: skip
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
@@ -752,12 +773,20 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
     return table
 
 
+def shard_settings(fleet: dict[str, Any]) -> str:
+    """What the run set on its shards beyond the stack: limits, a longer liveness timeout."""
+    settings = [f"{k} {v}" for k, v in fleet.get("shard_limits", {}).items()]
+    if fleet.get("shard_live_timeout_s") is not None:
+        settings.append(f"liveness timeout {fleet['shard_live_timeout_s']:g} s")
+    return ", ".join(settings) or "-"
+
+
 def health_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
         "The control plane over the run (start to the end of the faults): the daemons' "
         "event-loop stalls, nodes marked lost (the cut's node is expected once), shard "
         "restarts (the kill's are expected)",
-        ["nodes", "shards", "shard limits", "loop stalls", "longest s", "stalled s in all",
+        ["nodes", "shards", "shard settings", "loop stalls", "longest s", "stalled s in all",
          "of them in the start", "their daemon CPU share (median)",
          "daemons' CPU s in the start", "machine busy CPU s in the start",
          "nodes marked lost", "marks deferred", "shard restarts", "of them killed"],
@@ -765,7 +794,7 @@ def health_table(fleets: list[dict[str, Any]]) -> Table:
     )  # fmt: skip
     for f in fleets:
         h = f.get("health", {})
-        limits = ", ".join(f"{k} {v}" for k, v in f.get("shard_limits", {}).items()) or "-"
+        limits = shard_settings(f)
         table.rows.append(
             [f["nodes"], f["shards"], limits, h.get("loop_stalls", math.nan),
              h.get("loop_stall_max_s", math.nan), h.get("loop_stall_total_s", math.nan),

@@ -69,6 +69,20 @@ def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
     return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")
 
 
+def with_shard_live_timeout(text: str, timeout: float | None) -> str:
+    """`text` (cluster.toml) with the shards' liveness probe given `timeout` s to answer
+    (the stack's is 2 s); unchanged for None."""
+    if timeout is None:
+        return text
+    return _one(
+        r'^(live = \{ kind = "http", method = "POST", url = "[^"]*/engine/liveness_probe"'
+        r".*timeout = )[0-9.]+(.*)$",
+        text,
+        f"\\g<1>{timeout:g}\\g<2>",
+        "units.worker live",
+    )
+
+
 def with_shard_limits(text: str, limits: dict[str, int]) -> str:
     """`text` (cluster.toml) with every shard under `limits` (`{ cpu_weight = 20 }`,
     `{ nice = 10 }`); unchanged for none."""

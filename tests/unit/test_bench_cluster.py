@@ -1,7 +1,8 @@
-"""bench.cluster's lease variants and bench.fleet's shard limits (bench/fleet_stack.py
-`with_lease`, `with_shard_limits`): the stock cluster stack rewritten for a registry lease,
-with the etcd election timeout a 1 s lease needs, or with limits (a CPU weight, a nice) on
-its shards; or refused when a line it rewrites is not there."""
+"""bench.cluster's lease variants and bench.fleet's shard settings (bench/fleet_stack.py
+`with_lease`, `with_shard_limits`, `with_shard_live_timeout`): the stock cluster stack
+rewritten for a registry lease, with the etcd election timeout a 1 s lease needs, with
+limits (a CPU weight, a nice) on its shards or a longer liveness timeout; or refused when a
+line it rewrites is not there."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from bench.cluster import STACK
-from bench.fleet_stack import ELECTION_TIMEOUT_MS, StackShapeError, with_lease, with_shard_limits
+from bench.fleet_stack import (
+    ELECTION_TIMEOUT_MS,
+    StackShapeError,
+    with_lease,
+    with_shard_limits,
+    with_shard_live_timeout,
+)
 
 UNITS = Path("/units")
 
@@ -52,3 +59,15 @@ def test_shard_limits_limit_the_workers_alone() -> None:
     assert with_shard_limits(STACK.read_text(), {}) == STACK.read_text()
     with pytest.raises(StackShapeError, match=r"no units\.worker line"):
         with_shard_limits("[units.frontend]\ndescription = 'x'\n", {"nice": 10})
+
+
+def test_a_shard_live_timeout_changes_the_workers_liveness_timeout_alone() -> None:
+    stock = tomllib.loads(STACK.read_text())
+    stack = tomllib.loads(with_shard_live_timeout(STACK.read_text(), 12.5))
+    assert stack["units"]["worker"]["live"] == {**stock["units"]["worker"]["live"], "timeout": 12.5}
+    for name, unit in stack["units"].items():  # etcd's, NATS's, the frontend's: as they were
+        if name != "worker":
+            assert unit == stock["units"][name], name
+    assert with_shard_live_timeout(STACK.read_text(), None) == STACK.read_text()
+    with pytest.raises(StackShapeError, match=r"no units\.worker live line"):
+        with_shard_live_timeout('live = { kind = "http", url = "x", timeout = 2 }\n', 10)
