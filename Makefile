@@ -159,7 +159,8 @@ cluster: install
 # for a smaller one. bench-fleet-256 is the issue's 8 x 32 (1, 2, 4, 8 nodes of 32 shards):
 # it raises the inotify limit for the run and puts it back at its end, and starts each fleet
 # in waves (--staggered: 256 shards starting at once on 2 cores all miss their readiness
-# deadline). On 2 cores its 8 x 32 starts but does not get through the push (docs/benchmarks.md 16).
+# deadline). On 2 cores its 8 x 32 starts but does not get through the push, with the shards'
+# liveness stretched too (FLEET="--shard-live-timeout 20"; docs/benchmarks.md 16).
 FLEET ?=
 bench-fleet: install
 	$(BIN)/python -m bench.fleet $(FLEET)
