@@ -284,8 +284,7 @@ def waves(names: list[str]) -> list[list[str]]:
 
 
 def up_in_waves(rig: ClusterRig, per_node: int) -> list[float]:
-    """The nodes with etcd's members first (the members need each other for a quorum),
-    then every other node alone; the seconds each wave took."""
+    """Start the fleet in `waves`; the seconds each wave took."""
     took = []
     for wave in waves(rig.names):
         began = time.monotonic()
@@ -794,9 +793,8 @@ def health_table(fleets: list[dict[str, Any]]) -> Table:
     )  # fmt: skip
     for f in fleets:
         h = f.get("health", {})
-        limits = shard_settings(f)
         table.rows.append(
-            [f["nodes"], f["shards"], limits, h.get("loop_stalls", math.nan),
+            [f["nodes"], f["shards"], shard_settings(f), h.get("loop_stalls", math.nan),
              h.get("loop_stall_max_s", math.nan), h.get("loop_stall_total_s", math.nan),
              pick(h, "loop_stalls_by_phase", "up", "n"),
              pick(h, "loop_stalls_by_phase", "up", "cpu_share_median"),
