@@ -66,6 +66,7 @@ from bench.runners import (
     Dynamod,
     Supervisord,
 )
+from dynamod.ops.supervisord import program_name, supervisorctl_name
 
 UNITS = 4
 CROWD = 1000  # extra idle processes on the host: detection must not scale with the process table
@@ -268,24 +269,24 @@ def run_supervisord(kills: int, stops: int = 0) -> dict[str, Any]:
         try:
             sd.start()
             sd.wait_rpc()
-            programs = [f"victim-{i}" for i in range(UNITS)]
-            last: dict[str, int | None] = dict.fromkeys(programs)
+            victims = [f"victim@{i}" for i in range(UNITS)]
+            last: dict[str, int | None] = dict.fromkeys(victims)
 
-            def running(program: str) -> int | None:
-                info = sd.rpc.supervisor.getProcessInfo(program)
+            def running(victim: str) -> int | None:
+                info = sd.process_info(victim)
                 pid = int(info["pid"])
-                return pid if info["statename"] == "RUNNING" and pid != last[program] else None
+                return pid if info["statename"] == "RUNNING" and pid != last[victim] else None
 
             plan: list[tuple[str, float]] = []
             for k in range(kills):
-                program = programs[k % UNITS]
-                pid = wait_until(lambda p=program: running(p), 15, 0.01, f"{program} RUNNING")
-                last[program] = pid
+                victim = victims[k % UNITS]
+                pid = wait_until(lambda v=victim: running(v), 15, 0.01, f"{victim} RUNNING")
+                last[victim] = pid
                 clock.watch(pid)
                 quiet()
                 t_kill = time.time()
                 os.kill(pid, signal.SIGKILL)
-                plan.append((program, t_kill))
+                plan.append((program_name(victim), t_kill))  # as supervisord.log names it
                 quiet()
                 exits.append(clock.exited(pid))
             events = wait_until(
@@ -301,12 +302,12 @@ def run_supervisord(kills: int, stops: int = 0) -> dict[str, Any]:
             processes = host_processes()
             stop_rtt_ms: list[float] = []
             for k in range(stops):
-                program = programs[k % UNITS]
-                wait_until(lambda p=program: running(p), 15, 0.01, f"{program} RUNNING")
+                victim = victims[k % UNITS]
+                wait_until(lambda v=victim: running(v), 15, 0.01, f"{victim} RUNNING")
                 started = time.monotonic()
-                sd.rpc.supervisor.stopProcess(program)
+                sd.rpc.supervisor.stopProcess(supervisorctl_name(victim))
                 stop_rtt_ms.append((time.monotonic() - started) * 1000)
-                sd.rpc.supervisor.startProcess(program, False)
+                sd.rpc.supervisor.startProcess(supervisorctl_name(victim), False)
         finally:
             clock.close()
             sd.close()

@@ -97,7 +97,7 @@ class DynamodRun(DynamodVariant, Faultable):
 
 class SupervisordRun(SupervisordVariant, Faultable):
     def pid(self, unit: str) -> int:
-        return self.sd.pid(unit.replace("@", "-"))
+        return self.sd.pid(unit)
 
 
 class PlainRun(PlainVariant, Faultable):

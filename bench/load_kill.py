@@ -128,10 +128,10 @@ class SupervisordVariant(Variant):
         wait_routable(self.url, self.workers, timeout=180)
 
     def victim_pid(self) -> int:
-        return self.sd.pid(VICTIM.replace("@", "-"))
+        return self.sd.pid(VICTIM)
 
     def after(self) -> dict[str, Any]:
-        info = self.sd.rpc.supervisor.getProcessInfo(VICTIM.replace("@", "-"))
+        info = self.sd.process_info(VICTIM)
         return {"victim_state": info["statename"]}
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ from bench.procs import (
     wait_until,
 )
 from dynamod.core import runrecord
+from dynamod.ops.supervisord import supervisorctl_name
 
 # --------------------------------------------------------------------------- dynamod
 
@@ -193,8 +194,13 @@ class Supervisord:
         result: list[dict[str, Any]] = self.rpc.supervisor.getAllProcessInfo()
         return result
 
-    def pid(self, program: str) -> int:
-        return int(self.rpc.supervisor.getProcessInfo(program)["pid"])
+    def process_info(self, instance: str) -> dict[str, Any]:
+        """supervisord's record of a unit instance (worker@1 is worker:worker-1 to it)."""
+        info: dict[str, Any] = self.rpc.supervisor.getProcessInfo(supervisorctl_name(instance))
+        return info
+
+    def pid(self, instance: str) -> int:
+        return int(self.process_info(instance)["pid"])
 
     def wait_rpc(self, timeout: float = 30) -> None:
         def answers() -> bool:

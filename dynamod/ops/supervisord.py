@@ -75,6 +75,13 @@ def program_name(instance: str) -> str:
     return instance.replace("@", "-")
 
 
+def supervisorctl_name(instance: str) -> str:
+    """The name supervisorctl and the XML-RPC interface take for an instance: a replica is
+    in its unit's group (worker@0 -> worker:worker-0), a single unit is its own (etcd)."""
+    base, at, _ = instance.partition("@")
+    return f"{base}:{program_name(instance)}" if at else instance
+
+
 def _ini(value: str, what: str) -> str:
     """A value for supervisord's config parser: '%' doubled (it expands %(name)s), no
     newline, and no whitespace followed by ';' or '#' (an inline comment to it)."""
@@ -176,9 +183,29 @@ def supervisord_config(stack: Stack, *, state_dir: Path) -> str:
         "[rpcinterface:supervisor]",
         "supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface",
     ]
+    groups: dict[str, list[str]] = {}  # a replicated unit -> its programs' instances
     for name, instance in names.items():
         lines += ["", *_program(stack.units[instance], name, levels[instance], base)]
+        unit, at, _ = instance.partition("@")
+        if at:
+            groups.setdefault(unit, []).append(instance)
+    for unit, instances in groups.items():
+        programs = [program_name(i) for i in instances]
+        lines += ["", *_group(unit, programs, levels[instances[0]])]
     return "\n".join(lines) + "\n"
+
+
+def _group(unit: str, programs: list[str], level: int) -> list[str]:
+    """A replicated unit's programs as one group. supervisord stops one group per pass of
+    its main loop (about a second each) when it shuts down, so replicas left as groups of
+    their own took ~35 s to stop 64 of them; a group's programs are stopped together."""
+    return [
+        f"; {unit}'s replicas, stopped together; supervisorctl names them {unit}:{programs[0]} "
+        f"and so on ({unit}:* for all)",
+        f"[group:{unit}]",
+        f"programs={','.join(programs)}",
+        f"priority={_PRIORITY_BASE + _PRIORITY_STEP * level}",
+    ]
 
 
 def _program(spec: UnitSpec, name: str, level: int, base: str) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dynamod.core.ports import listening
+from dynamod.ops.supervisord import supervisorctl_name
 from tests.conftest import PROC, Dynamod, pid_alive, wait_dead
 
 pytestmark = pytest.mark.slow
@@ -96,8 +97,13 @@ def test_supervisord_parses_the_export(dm: Dynamod, stack_file: object, tmp_path
     (dm.state_dir / "logs").mkdir()  # as the export says: supervisord does not make it
     options = ServerOptions()
     options.realize(args=["-c", str(conf)])
-    programs = {g.name: g.process_configs[0] for g in options.process_group_configs}
+    groups = {g.name: g for g in options.process_group_configs}
+    programs = {p.name: p for g in groups.values() for p in g.process_configs}
+    # a unit's replicas are one group (stopped together), `worker:worker-0` to supervisorctl
+    assert set(groups) == {"db", "worker"}
     assert set(programs) == {"db", "worker-0", "worker-1"}
+    assert {p.name for p in groups["worker"].process_configs} == {"worker-0", "worker-1"}
+    assert supervisorctl_name("worker@1") == "worker:worker-1" and supervisorctl_name("db") == "db"
     db, worker = programs["db"], programs["worker-0"]
     argv = shlex.split(db.command)
     assert argv[:3] == [sys.executable, str(PROC), "serve"]
@@ -112,6 +118,7 @@ def test_supervisord_parses_the_export(dm: Dynamod, stack_file: object, tmp_path
     assert db.startretries == 7 and db.autorestart is RestartUnconditionally
     assert worker.autorestart is False
     assert db.priority < worker.priority == programs["worker-1"].priority
+    assert groups["db"].priority < groups["worker"].priority == worker.priority
     assert db.stopasgroup and db.killasgroup
 
 
