@@ -15,7 +15,6 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamod.cluster import tls
 from dynamod.core.errors import DynamodError, shown
 from dynamod.rollout.etcd import EtcdAuth
 
@@ -134,6 +133,10 @@ def init(path: Path, nodes: dict[str, str], *, stack_user: str = STACK_USER) -> 
         nats_password=_password(),
         nats_route_password=_password(),
     )
+    # here, not at the top: cryptography costs every daemon and `up` ~0.1 s of CPU to
+    # import, and only making the directory needs it
+    from dynamod.cluster import tls
+
     ca = tls.make_ca()
     _write_new(path / CA_CERT, ca.cert)
     _write_new(path / CA_KEY, ca.key)
