@@ -74,8 +74,17 @@ class Trainer:
         self.control = Control(config.state_dir)
         self.tokenizer = Tokenizer.from_file(str(config.model_dir / "tokenizer.json"))
         self.target = grpo.word_start_ids(self.tokenizer.get_vocab())
-        self.learner = Learner(config.model_dir, config.lr, config.seed)
+        self._learner: Learner | None = None
         self.load_s = time.monotonic() - started
+
+    @property
+    def learner(self) -> Learner:
+        """The model and its optimizer, built on first use: a run with no step left (a
+        stack started with `trainer_steps = 0`, or a ledger at the final step) never needs
+        them, and building them (torch's import included) costs ~3.5 s of CPU here."""
+        if self._learner is None:
+            self._learner = Learner(self.config.model_dir, self.config.lr, self.config.seed)
+        return self._learner
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text).ids
@@ -91,10 +100,12 @@ class Trainer:
         started = time.monotonic()
         ledger = await self.control.ledger()
         begin = max(config.start_step, ledger.version)
-        source = str(config.model_dir)
-        if ledger.path is not None:
+        steps_left = max(0, config.final_step - begin)
+        source = str(config.model_dir) if steps_left else "none (no step left)"
+        learner = self.learner if steps_left else None  # built here: load_s below counts it
+        if ledger.path is not None and learner is not None:
             try:
-                digest = self.learner.load(Path(ledger.path))
+                digest = learner.load(Path(ledger.path))
             except DynamodError as exc:
                 raise TrainerError(
                     f"cannot resume from the ledger's version {ledger.version}: {exc}"
@@ -110,7 +121,7 @@ class Trainer:
             ledger_version=ledger.version,
             first_step=begin + 1,
             final_step=config.final_step,
-            steps_left=max(0, config.final_step - begin),
+            steps_left=steps_left,
             weights=source,
             history=str(config.history),
             load_s=round(self.load_s + time.monotonic() - started, 2),

@@ -139,6 +139,19 @@ def test_a_killed_trainer_resumes_from_the_ledger_and_never_pushes_backwards(
     assert Client(dm.state_dir).policy_status()["current"] == steps
     assert violations(read_history(dm.state_dir / "trainer" / "history.jsonl")) == []
 
+    # Started again with the ledger at its final step: nothing is left to train, so it
+    # builds no model (torch is not even imported), reads no checkpoint, and completes.
+    dm.run("restart", "trainer", check=True)
+
+    def third_run_done(status: dict[str, Any]) -> bool:
+        readies = [e for e in trainer_events(log) if e["event"] == "trainer.ready"]
+        return len(readies) == 3 and unit_by_name(status, "trainer")["state"] == "completed"
+
+    dm.wait_for(third_run_done, timeout=60, what="the trainer started again to finish")
+    last = [e for e in trainer_events(log) if e["event"] == "trainer.ready"][-1]
+    assert last["steps_left"] == 0 and last["weights"] == "none (no step left)", last
+    assert [e["step"] for e in trainer_events(log) if e["event"] == "trainer.step"] == pushed
+
 
 def test_twenty_steps_from_a_fixed_seed_raise_the_reward(dm: Dynamod) -> None:
     """The tiny model learns the trainer's task (start new words) on the default stack,

@@ -102,10 +102,10 @@ def _groups() -> list[list[Completion]]:
 
 def test_the_trainer_fails_loudly_when_the_engine_disagrees() -> None:
     trainer = object.__new__(Trainer)
-    trainer.learner = _Scorer(0.0)  # type: ignore[assignment]
+    trainer._learner = _Scorer(0.0)  # type: ignore[assignment]
     report = trainer.check_boundary(3, _groups())
     assert (report.terminal, report.cancelled, report.tokens) == (1, 1, 3)
-    trainer.learner = _Scorer(0.05)  # type: ignore[assignment]
+    trainer._learner = _Scorer(0.05)  # type: ignore[assignment]
     with pytest.raises(TrainerError, match="step 3: the engine's logprobs do not match"):
         trainer.check_boundary(3, _groups())
 
