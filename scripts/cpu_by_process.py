@@ -4,7 +4,8 @@
 
 Runs COMMAND and, until it exits, reads every process's user + system time from /proc
 every 0.5 s; writes the CPU seconds and process count per kind (dynamod daemons, CPU
-workers, Ray, etcd, ...) to OUT.json and prints them. A process that lives less than one
+workers, Ray, etcd, ...) to OUT.json and prints them, then the CPU of the processes no
+kind names by their command. A process that lives less than one
 interval is missed; what processes used before the first read is not counted. Exits with
 COMMAND's status. Linux only; reads /proc, changes nothing.
 """
@@ -30,7 +31,8 @@ KINDS = [
     ("raylet", "Ray"), ("gcs_server", "Ray"), ("ray::", "Ray"), ("ray/", "Ray"),
     ("verl", "verl"), ("aiperf", "AIPerf"),
     ("etcd", "etcd"), ("nats-server", "NATS"),
-    ("pytest", "pytest"), ("mypy", "mypy"), ("ruff", "ruff"),
+    ("pytest", "pytest"), ("exec(eval(sys.stdin", "pytest"),  # xdist's workers
+    ("mypy", "mypy"), ("ruff", "ruff"),
     ("uv ", "the install"), ("compileall", "the install"),
     ("dynamod.trainer", "our CPU trainer"),
     ("bench.", "benchmarks"), ("dynamod.chaos", "chaos"),
@@ -46,6 +48,12 @@ def kind_of(cmdline: str) -> str:
     if "python" in cmdline:
         return "other Python"
     return "other"
+
+
+def short(cmdline: str) -> str:
+    """A command line cut to what tells processes apart: file names without their
+    directories, the first four words."""
+    return " ".join(word.rsplit("/", 1)[-1] for word in cmdline.split()[:4])
 
 
 def read_all() -> dict[int, tuple[str, int]]:
@@ -81,6 +89,7 @@ def main(argv: list[str]) -> int:
     last = {pid: (start, ticks, cmdline_of(pid)) for pid, (start, ticks) in before.items()}
     seconds: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
+    unsorted: dict[str, float] = defaultdict(float)  # the "other" kinds, by command
     child = subprocess.Popen(argv[2:])
     while True:
         done = child.poll() is not None
@@ -90,20 +99,28 @@ def main(argv: list[str]) -> int:
             known = last.get(pid)
             if known is None or known[0] != start:  # new since the last read
                 cmdline = cmdline_of(pid)
-                kind = kind_of(cmdline)
-                seconds[kind] += ticks / TICK
-                count[kind] += 1
+                count[kind_of(cmdline)] += 1
+                used = ticks / TICK
             else:
                 cmdline = known[2]
-                seconds[kind_of(cmdline)] += (ticks - known[1]) / TICK
+                used = (ticks - known[1]) / TICK
+            kind = kind_of(cmdline)
+            seconds[kind] += used
+            if kind.startswith("other"):
+                unsorted[short(cmdline)] += used
             last[pid] = (start, ticks, cmdline)
         if done:
             break
         time.sleep(INTERVAL_S)
     rows = sorted(seconds.items(), key=lambda kv: -kv[1])
-    out.write_text(json.dumps({"cpu_s": dict(rows), "processes": dict(count)}, indent=1))
+    others = sorted(unsorted.items(), key=lambda kv: -kv[1])[:20]
+    out.write_text(json.dumps({"cpu_s": dict(rows), "processes": dict(count),
+                               "other_by_command": dict(others)}, indent=1))
     for kind, cpu in rows:
         print(f"{cpu:9.1f} s {count[kind]:6d}  {kind}", file=sys.stderr)
+    print("the \"other\" kinds, by command:", file=sys.stderr)
+    for command, cpu in others:
+        print(f"{cpu:9.1f} s  {command}", file=sys.stderr)
     return int(child.returncode)
 
 
