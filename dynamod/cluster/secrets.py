@@ -133,8 +133,8 @@ def init(path: Path, nodes: dict[str, str], *, stack_user: str = STACK_USER) -> 
         nats_password=_password(),
         nats_route_password=_password(),
     )
-    # here, not at the top: cryptography costs every daemon and `up` ~0.1 s of CPU to
-    # import, and only making the directory needs it
+    # here, not at the top: every daemon and `up` imports this module, cryptography's
+    # import costs each ~30 ms, and only making the directory needs it
     from dynamod.cluster import tls
 
     ca = tls.make_ca()

@@ -2,7 +2,8 @@
 every export needs: absolute executables, the PATH units see, and what gets lost.
 
 supervisord (`supervisord_config`) runs the same commands with the same environment, in
-dependency order by priority, and stops each unit's process group. It cannot express
+dependency order by priority, and stops each unit's process group (a unit's replicas
+together, as one supervisord group). It cannot express
 readiness gating, liveness probes, the rejoin protocol or the tree sweep; `supervisord_gaps`
 says so in words, for the file header and for stderr.
 
@@ -138,7 +139,8 @@ def _autorestart(spec: UnitSpec) -> str:
 
 
 def supervisord_config(stack: Stack, *, state_dir: Path) -> str:
-    """The whole supervisord config: daemon sections plus one [program:x] per instance.
+    """The whole supervisord config: daemon sections, one [program:x] per instance and
+    one [group:unit] per replicated unit.
     supervisord's socket, pid file and log go in `state_dir`, unit logs in `state_dir/logs`
     (where `dynamod logs` looks)."""
     names: dict[str, str] = {}
