@@ -3,9 +3,9 @@ every export needs: absolute executables, the PATH units see, and what gets lost
 
 supervisord (`supervisord_config`) runs the same commands with the same environment, in
 dependency order by priority, and stops each unit's process group (a unit's replicas
-together, as one supervisord group). It cannot express
-readiness gating, liveness probes, the rejoin protocol or the tree sweep; `supervisord_gaps`
-says so in words, for the file header and for stderr.
+together, as one supervisord group). It cannot express readiness gating, liveness probes,
+the rejoin protocol or the tree sweep; `supervisord_gaps` says so in words, for the file
+header and for stderr.
 
 Ports are allocated when the stack is loaded, so an exported file carries fixed ports.
 """
