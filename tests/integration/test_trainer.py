@@ -153,6 +153,26 @@ def test_a_killed_trainer_resumes_from_the_ledger_and_never_pushes_backwards(
     assert [e["step"] for e in trainer_events(log) if e["event"] == "trainer.step"] == pushed
 
 
+def test_a_trainer_with_no_step_to_train_completes_at_once_without_a_restart(
+    dm: Dynamod,
+) -> None:
+    """trainer_steps = 0 (most stacks here): the trainer builds no model and exits 0 in
+    well under a second; that exit is its completion, not a failed start to retry (with
+    the default min_uptime of 1 s it was retried until one run happened to last 1 s: up
+    took 38 s and the trainer restarted 6 times)."""
+    dm.run("up", "--detach", "--var", "trainer_steps=0", timeout=300, check=True)
+
+    def trainer_settled(status: dict[str, Any]) -> dict[str, Any] | None:
+        unit = unit_by_name(status, "trainer")
+        return unit if unit["state"] in {"completed", "failed"} else None
+
+    trainer = dm.wait_for(trainer_settled, timeout=60, what="the trainer to finish")
+    log = Path(trainer["log"])
+    assert trainer["state"] == "completed" and trainer["restarts"] == 0, log.read_text()[-3000:]
+    (ready,) = [e for e in trainer_events(log) if e["event"] == "trainer.ready"]
+    assert ready["steps_left"] == 0 and ready["weights"] == "none (no step left)", ready
+
+
 def test_twenty_steps_from_a_fixed_seed_raise_the_reward(dm: Dynamod) -> None:
     """The tiny model learns the trainer's task (start new words) on the default stack,
     every step's logprobs match the trainer's (boundary 1), and the curve is drawn."""
