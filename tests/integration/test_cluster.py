@@ -99,7 +99,13 @@ def test_a_second_stack_on_the_cluster_s_etcd_stays_apart(rig: ClusterRig, tmp_p
     each frontend is served by its own stack's workers, a push to beta leaves the
     cluster's ledger, beta's start-up sweep revokes none of the cluster's registrations,
     and copies that claim the cluster's identity (or namespace) are refused."""
-    cluster_ids = set().union(*(rig.instance_ids(n) for n in rig.names))
+    # every node's shard registered in the head's view: a node can be "up" there before its
+    # shard's instance id is (one run took this snapshot with only the head's, and failed)
+    def registered() -> set[int]:
+        ids = [rig.instance_ids(n) for n in rig.names]
+        return set().union(*ids) if all(ids) else set()
+
+    cluster_ids: set[int] = rig.wait("every node's shard in the head's view", registered, 30)
     before, current = _shards(rig), rig.status("head")["policy"]["current"]
     beta = Dynamod(rig.work_dir / "beta")
     try:
