@@ -76,11 +76,18 @@ def program_name(instance: str) -> str:
     return instance.replace("@", "-")
 
 
+def group_of(instance: str) -> str | None:
+    """The supervisord group a replica's program is in (its unit: worker@0 -> worker);
+    None for a single unit, which is a group of its own."""
+    base, at, _ = instance.partition("@")
+    return base if at else None
+
+
 def supervisorctl_name(instance: str) -> str:
     """The name supervisorctl and the XML-RPC interface take for an instance: a replica is
     in its unit's group (worker@0 -> worker:worker-0), a single unit is its own (etcd)."""
-    base, at, _ = instance.partition("@")
-    return f"{base}:{program_name(instance)}" if at else instance
+    group = group_of(instance)
+    return f"{group}:{program_name(instance)}" if group else instance
 
 
 def _ini(value: str, what: str) -> str:
@@ -188,9 +195,8 @@ def supervisord_config(stack: Stack, *, state_dir: Path) -> str:
     groups: dict[str, list[str]] = {}  # a replicated unit -> its programs' instances
     for name, instance in names.items():
         lines += ["", *_program(stack.units[instance], name, levels[instance], base)]
-        unit, at, _ = instance.partition("@")
-        if at:
-            groups.setdefault(unit, []).append(instance)
+        if (group := group_of(instance)) is not None:
+            groups.setdefault(group, []).append(instance)
     for unit, instances in groups.items():
         programs = [program_name(i) for i in instances]
         lines += ["", *_group(unit, programs, levels[instances[0]])]
