@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[0])
     before = read_all()  # counted from here on only
     last = {pid: (start, ticks, cmdline_of(pid)) for pid, (start, ticks) in before.items()}
+    kinds = {cmdline: kind_of(cmdline) for _, _, cmdline in last.values()}  # each one once
     seconds: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     unsorted: dict[str, float] = defaultdict(float)  # the "other" kinds, by command
@@ -99,12 +100,13 @@ def main(argv: list[str]) -> int:
             known = last.get(pid)
             if known is None or known[0] != start:  # new since the last read
                 cmdline = cmdline_of(pid)
-                count[kind_of(cmdline)] += 1
+                kind = kinds.setdefault(cmdline, kind_of(cmdline))
+                count[kind] += 1
                 used = ticks / TICK
             else:
                 cmdline = known[2]
+                kind = kinds[cmdline]
                 used = (ticks - known[1]) / TICK
-            kind = kind_of(cmdline)
             seconds[kind] += used
             if kind.startswith("other"):
                 unsorted[short(cmdline)] += used
