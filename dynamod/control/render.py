@@ -89,6 +89,12 @@ def status_table(status: Mapping[str, Any]) -> str:
         )
     for warning in status.get("exposure") or []:
         out.append(f"warning: {warning}")
+    slots = status.get("start_slots")
+    if slots and slots["waiting"]:
+        out.append(
+            f"start slots: {len(slots['starting'])} of max_starting {slots['max_starting']} "
+            f"in use ({', '.join(slots['starting'])}); waiting: {', '.join(slots['waiting'])}"
+        )
     degraded = status.get("degraded") or {}
     if degraded:
         out.append("degraded: " + "; ".join(f"{name} {why}" for name, why in degraded.items()))

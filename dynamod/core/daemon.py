@@ -187,6 +187,11 @@ class Daemon:
             "containment": self.containment.as_dict() if self.containment else None,
             "guardian": self.guardian.as_dict() if self.guardian else None,
             "swept_previous": self.swept.as_dict() if self.swept else None,
+            "start_slots": (
+                self.engine.start_slots.as_dict()
+                if self.engine is not None and self.engine.start_slots.limit is not None
+                else None
+            ),
         }
         dropped = sum(u["log_dropped_bytes"] for u in status["units"])
         if dropped:

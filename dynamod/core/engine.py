@@ -39,6 +39,7 @@ from dynamod.core.probes import (
 )
 from dynamod.core.restart import Decision, Exit, RestartTracker
 from dynamod.core.spec import Condition, Stack, UnitSpec
+from dynamod.core.startslots import StartSlots
 from dynamod.core.state import ALLOWED, UnitState, check_transition
 from dynamod.core.status import EngineUnitStatus
 
@@ -170,6 +171,7 @@ class Engine:
         self.stopping = False
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
         self._changed = asyncio.Event()
+        self.start_slots = StartSlots(stack.max_starting)  # `[stack] max_starting`
         self.log_max_bytes = log_max_bytes
         logs = state_dir / "logs"
         for name in stack.order:
@@ -445,17 +447,36 @@ class Engine:
         return oom
 
     async def _run_once(self, unit: Unit) -> Exit | None:
-        """Spawn, wait for readiness, watch. The exit, or None if it could not spawn."""
+        """Spawn, wait for readiness, watch. The exit, or None if it could not spawn. The
+        start (spawn until its probe passes or it stayed up min_uptime; a oneshot's whole
+        run) holds one of the node's start slots (`[stack] max_starting`)."""
         unit.failure_hint = None
         unit.recorded = None
-        self._move_taken_ports(unit)
-        if not await self._spawn(unit):
-            return None
-        child = unit.child
-        assert child is not None
-        if unit.spec.type == "oneshot" or not await self._become_ready(unit, child):
+        await self._take_start_slot(unit)
+        try:
+            self._move_taken_ports(unit)
+            if not await self._spawn(unit):
+                return None
+            child = unit.child
+            assert child is not None
+            if unit.spec.type == "oneshot":
+                return await child.wait()
+            ready = await self._become_ready(unit, child)
+        finally:
+            self.start_slots.give_back(unit.name)
+        if not ready:
             return await child.wait()
         return await self._watch(unit, child)
+
+    async def _take_start_slot(self, unit: Unit) -> None:
+        """Wait for a start slot, saying so while it waits (the readiness deadline counts
+        from the spawn, so the wait costs the unit none of it)."""
+        slots = self.start_slots
+        if slots.would_wait():
+            self.set_detail(unit, f"waiting for a start slot ({slots.describe()})")
+            log.info("unit.start_slot_wait", unit=unit.name, starting=slots.holders,
+                     waiting=len(slots.waiting) + 1)  # fmt: skip
+        await slots.take(unit.name)
 
     async def _become_ready(self, unit: Unit, child: Process) -> bool:
         """Readiness (its probe, or min_uptime up), then the hooks: True once the unit
@@ -472,6 +493,9 @@ class Engine:
             await asyncio.wait([child.exited], timeout=spec.restart.min_uptime)
             if not child.alive:
                 return False
+        # Started: the hooks (a shard's replay) have no deadline to miss, and one may wait
+        # on others (the ledger), so they run without a start slot.
+        self.start_slots.give_back(unit.name)
         for hook in self.hooks:
             if await _race(hook.on_ready(unit), child.exited) is _EXITED:
                 return False
@@ -860,6 +884,7 @@ class Engine:
                 unit.sink.close()
         self.units = units
         self.stack = stack
+        self.start_slots.set_limit(stack.max_starting)
         for listener in self.restack_listeners:  # e.g. which units are rollout shards now
             listener(stack)
         self._changed.set()

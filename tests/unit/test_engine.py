@@ -625,3 +625,98 @@ async def test_a_restart_starts_an_operator_stopped_unit(tmp_path: Path) -> None
         await run.engine.restart_unit("app")
         unit = await run.reach("app", S.READY)
         assert unit.operator_stop is None and len(run.host.spawned["app"]) == 2
+
+
+# ------------------------------------------------------------------ start slots
+
+
+def _spawned(run: Run, *names: str) -> list[str]:
+    return [n for n in names if n in run.host.spawned]
+
+
+async def test_max_starting_lets_that_many_start_and_the_rest_wait_their_turn(
+    tmp_path: Path,
+) -> None:
+    names = ["a", "b", "c", "d"]
+    units = "[stack]\nmax_starting = 2\n" + "".join(service(n, READY_ON_LOG) for n in names)
+    async with running(tmp_path, units) as run:
+        await run.until(lambda: len(_spawned(run, *names)) == 2, "two spawns")
+        await asyncio.sleep(0.05)  # many probe intervals: no third start
+        assert _spawned(run, *names) == ["a", "b"]
+        for name in ["c", "d"]:
+            unit = run.unit(name)
+            assert unit.state is S.INACTIVE
+            assert unit.detail == "waiting for a start slot (2 of max_starting 2 starting: a, b)"
+        run.host.say("b", "listening")  # b is started: its slot goes to c, first in line
+        await run.reach("b", S.READY)
+        await run.until(lambda: "c" in run.host.spawned, "c spawned")
+        assert "d" not in run.host.spawned and run.engine.start_slots.holders == ["a", "c"]
+        run.host.exit("a", code=1)  # a start that fails gives its slot back too
+        await run.until(lambda: "d" in run.host.spawned, "d spawned")
+        # a's restart waits behind d, with the deadline of a fresh start
+        await run.until(lambda: run.unit("a").detail.startswith("waiting for a start"), "a waits")
+        assert run.unit("a").state is S.BACKOFF and len(run.host.spawned["a"]) == 1
+        run.host.say("c", "listening")
+        await run.until(lambda: len(run.host.spawned["a"]) == 2, "a started again")
+        for name in ["a", "d"]:
+            run.host.say(name, "listening")
+        for name in names:
+            await run.reach(name, S.READY)
+        assert run.engine.start_slots.holders == [] and run.engine.start_slots.waiting == []
+
+
+async def test_without_max_starting_every_unit_starts_at_once(tmp_path: Path) -> None:
+    """The control for the test above: the same stack without the limit."""
+    names = ["a", "b", "c", "d"]
+    async with running(tmp_path, "".join(service(n, READY_ON_LOG) for n in names)) as run:
+        await run.until(lambda: len(_spawned(run, *names)) == 4, "four spawns")
+        assert all(run.unit(n).state is S.STARTING for n in names)
+
+
+async def test_a_oneshot_holds_its_slot_until_it_exits(tmp_path: Path) -> None:
+    units = "[stack]\nmax_starting = 1\n" + service("job", 'type = "oneshot"') + service("app")
+    async with running(tmp_path, units) as run:
+        await run.reach("job", S.STARTING)
+        await asyncio.sleep(0.05)  # app's min_uptime many times over
+        assert "app" not in run.host.spawned
+        run.host.exit("job", code=0)
+        await run.reach("app", S.READY)
+
+
+async def test_the_hooks_after_readiness_run_without_a_slot(tmp_path: Path) -> None:
+    """A shard held for its replay (which may wait on the ledger) does not hold up starts."""
+    release = asyncio.Event()
+
+    class Replay:
+        async def on_ready(self, unit: Unit) -> None:
+            if unit.name == "a":
+                await release.wait()
+
+        async def on_exit(self, unit: Unit, exit: Exit) -> None:
+            pass
+
+    units = "[stack]\nmax_starting = 1\n" + service("a") + service("b")
+    async with running(tmp_path, units, hooks=[Replay()]) as run:
+        await run.reach("b", S.READY)
+        assert run.unit("a").state is S.STARTING  # still in its hook
+        release.set()
+        await run.reach("a", S.READY)
+
+
+async def test_a_stop_while_waiting_for_a_slot_starts_nothing(tmp_path: Path) -> None:
+    units = "[stack]\nmax_starting = 1\n" + service("a", READY_ON_LOG) + service("b")
+    async with running(tmp_path, units) as run:
+        await run.reach("a", S.STARTING)
+        await run.until(lambda: run.engine.start_slots.waiting == ["b"], "b in line")
+        await run.engine.stop()
+        assert "b" not in run.host.spawned and run.unit("b").state is S.STOPPED
+        assert run.engine.start_slots.holders == [] and run.engine.start_slots.waiting == []
+
+
+async def test_a_raised_limit_lets_the_waiting_start(tmp_path: Path) -> None:
+    units = "[stack]\nmax_starting = 1\n" + service("a", READY_ON_LOG) + service("b")
+    async with running(tmp_path, units) as run:
+        await run.until(lambda: run.engine.start_slots.waiting == ["b"], "b in line")
+        run.engine.start_slots.set_limit(2)  # as `adopt` does when apply raises it
+        await run.reach("b", S.READY)
+        assert run.unit("a").state is S.STARTING

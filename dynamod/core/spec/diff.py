@@ -8,7 +8,8 @@ or as JSON (`as_json`).
                     new spec is taken in place
   replicas          base unit -> (old count, new count), where the count differs
   vars              variable -> (old, new) (None: the side that does not have it)
-  tables            stack table (`policy`) -> field -> (old, new)
+  tables            stack table (`policy`; `stack` for `[stack] max_starting`) -> field ->
+                    (old, new)
 
 Fields that never reach the process (description, install_hint, the file a unit came from)
 are not changes: editing a comment-like field restarts nothing.
@@ -95,12 +96,19 @@ def diff(old: Stack, new: Stack) -> StackDiff:
         changed=changed,
         replicas=_replicas(old, new),
         vars=_changed_values(old_vars, new_vars),
-        tables={
+        tables=_stack_settings(old, new) | {
             key: fields
             for key in sorted({*old.tables, *new.tables})
             if (fields := _table_fields(old.tables.get(key), new.tables.get(key)))
         },
     )
+
+
+def _stack_settings(old: Stack, new: Stack) -> dict[str, dict[str, tuple[Any, Any]]]:
+    """The `[stack]` table's settings that act on a running stack (changed in place)."""
+    if old.max_starting == new.max_starting:
+        return {}
+    return {"stack": {"max_starting": (old.max_starting, new.max_starting)}}
 
 
 def unit_fields(old: UnitSpec, new: UnitSpec) -> list[str]:

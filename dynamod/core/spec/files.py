@@ -32,10 +32,11 @@ class RawStack:
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # registered tables
     files_read: int = 0
     id: str | None = None  # `[stack] id`: the stack's identity in a shared etcd (see below)
+    max_starting: int | None = None  # `[stack] max_starting`: starts at once (core/startslots)
 
 
 _STACK_KEYS = ["stack", "vars", "units", "cluster"]
-_STACK_TABLE_KEYS = {"name", "id", "include", "description"}
+_STACK_TABLE_KEYS = {"name", "id", "include", "description", "max_starting"}
 # Every stack has this variable: its identity in an etcd it shares (dynamod's keys live
 # under `dynamod/<stack_id>/`, and the stock units' Dynamo namespace is it). Its default is
 # `[stack] id`, else the stack's name ('.' made '-': a Dynamo namespace has no dots);
@@ -78,6 +79,14 @@ def _load_file(
         stack.name = _stack_name(header["name"], path)
     if is_root and "id" in header:
         stack.id = check_id(header["id"], path, "stack.id")
+    if "max_starting" in header:
+        if not is_root:
+            raise SpecError(
+                "only the stack file itself may set it (it is the node's, not a part's)",
+                file=path,
+                field="stack.max_starting",
+            )
+        stack.max_starting = check_max_starting(header["max_starting"], path)
     _take_vars(data, path, stack, included_vars, is_root=is_root)
     if "cluster" in data:
         stack.cluster = _root_table(data, "cluster", path, is_root=is_root)
@@ -222,6 +231,21 @@ def _stack_name(value: Any, path: Path) -> str:
 def default_id(name: str) -> str:
     """A stack's identity when nothing names one: its name, '.' made '-'."""
     return name.replace(".", "-")
+
+
+def check_max_starting(value: Any, path: Path) -> int:
+    """How many units may be starting at once: a whole number, 1 up to the stack's limit
+    on instances (a larger one limits nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+        1 <= value <= limits.MAX_INSTANCES
+    ):
+        raise SpecError(
+            f"must be a whole number from 1 to {limits.MAX_INSTANCES} (units starting at "
+            f"once; leave it out for no limit), got {value!r}",
+            file=path,
+            field="stack.max_starting",
+        )
+    return value
 
 
 def check_id(value: Any, path: Path, where: str) -> str:

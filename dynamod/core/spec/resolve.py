@@ -99,8 +99,9 @@ def resolve_stack(
     _raise_any(errors)
     source = StackSource(raw, state_dir, python, node)
     return Stack(
-        raw.name, raw.path, specs, order, source=source, cluster=cluster, tables=found, id=stack_id
-    )
+        raw.name, raw.path, specs, order, source=source, cluster=cluster, tables=found,
+        id=stack_id, max_starting=raw.max_starting,
+    )  # fmt: skip
 
 
 def _first(step: Callable[[], T]) -> T:

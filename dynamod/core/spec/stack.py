@@ -38,6 +38,8 @@ class Stack:
     # the stack tables a layer above the core registered (e.g. [policy]), by key
     tables: dict[str, SpecModel] = field(default_factory=dict)
     id: str = ""  # `vars.stack_id` as rendered; empty: a stack built without the resolver
+    # `[stack] max_starting`: units of this node starting at once (None: no limit)
+    max_starting: int | None = None
 
     @property
     def identity(self) -> str:
