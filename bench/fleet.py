@@ -1,7 +1,7 @@
 """Benchmark - fleet: dynamod's control plane over a simulated fleet, and how it grows.
 
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
-                          [--raise-inotify] [--no-faults]
+                          [--raise-inotify] [--no-faults] [--max-starting N]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -63,6 +63,7 @@ from bench.fleet_stack import (
     members,
     replicated,
     with_lease,
+    with_max_starting,
     with_shard_limits,
     with_shard_live_timeout,
 )
@@ -132,6 +133,15 @@ def main() -> None:
         "push to every shard (docs/benchmarks.md 16)",
     )
     parser.add_argument(
+        "--max-starting",
+        type=int,
+        default=None,
+        help="set `[stack] max_starting = N`: each node's daemon starts at most N of its "
+        "units at once, the rest wait their turn before the spawn (docs/stack-files.md); "
+        "without it all 256 shards of 8 x 32 starting at once on two cores missed their "
+        "readiness deadlines for good (docs/benchmarks.md 16)",
+    )
+    parser.add_argument(
         "--staggered",
         action="store_true",
         help="start the nodes that hold etcd's members together, then every other node on "
@@ -161,6 +171,8 @@ def main() -> None:
     live_timeout = args.shard_live_timeout
     if live_timeout is not None and not 0 < live_timeout <= 300:
         parser.error(f"--shard-live-timeout: seconds above 0 and at most 300, got {live_timeout}")
+    if args.max_starting is not None and not 1 <= args.max_starting <= 256:
+        parser.error(f"--max-starting: 1 to 256, got {args.max_starting}")
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -176,7 +188,7 @@ def main() -> None:
             None
             if args.quick
             else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
-                           live_timeout=live_timeout)
+                           live_timeout=live_timeout, max_starting=args.max_starting)
         )
         fleets = []
         for n in nodes:
@@ -185,6 +197,7 @@ def main() -> None:
                 run_fleet(
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
+                    max_starting=args.max_starting,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -305,6 +318,7 @@ def run_fleet(
     keep: bool = False,
     staggered: bool = False,
     live_timeout: float | None = None,
+    max_starting: int | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -316,6 +330,7 @@ def run_fleet(
     stack = work_dir / "fleet-stack.toml"
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
     text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
+    text = with_max_starting(text, max_starting)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
@@ -323,7 +338,8 @@ def run_fleet(
     result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node,
                               "registry_lease_s": lease_s,
                               "shard_limits": limits or {},
-                              "shard_live_timeout_s": live_timeout}  # fmt: skip
+                              "shard_live_timeout_s": live_timeout,
+                              "max_starting": max_starting}  # fmt: skip
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
@@ -777,6 +793,8 @@ def shard_settings(fleet: dict[str, Any]) -> str:
     settings = [f"{k} {v}" for k, v in fleet.get("shard_limits", {}).items()]
     if fleet.get("shard_live_timeout_s") is not None:
         settings.append(f"liveness timeout {fleet['shard_live_timeout_s']:g} s")
+    if fleet.get("max_starting") is not None:
+        settings.append(f"max_starting {fleet['max_starting']}")
     return ", ".join(settings) or "-"
 
 

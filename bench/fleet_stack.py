@@ -93,3 +93,11 @@ def with_shard_limits(text: str, limits: dict[str, int]) -> str:
         r'^(\[units\.worker\]\ndescription = .*)$', text,
         f"\\g<0>\nlimits = {{ {table} }}", "units.worker",
     )  # fmt: skip
+
+
+def with_max_starting(text: str, max_starting: int | None) -> str:
+    """`text` (cluster.toml) with `[stack] max_starting` set: each node's daemon starts at
+    most that many of its units at once; unchanged for None."""
+    if max_starting is None:
+        return text
+    return _one(r"^\[stack\]$", text, f"\\g<0>\nmax_starting = {max_starting}", "[stack]")

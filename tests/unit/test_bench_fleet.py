@@ -22,7 +22,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
-from bench.fleet_stack import StackShapeError, members, replicated
+from bench.fleet_stack import StackShapeError, members, replicated, with_max_starting
 from dynamod.core import paths
 
 NODES = [1, 2, 4, 8]
@@ -155,3 +155,15 @@ def test_a_staggered_fleet_starts_the_etcd_members_together_then_one_node_at_a_t
     assert fleet.waves(names) == [["head", "n1", "n2"], ["n3"], ["n4"], ["n5"], ["n6"], ["n7"]]
     assert fleet.waves(["head", "n1"]) == [["head"], ["n1"]]  # below 3 nodes: the head's alone
     assert fleet.waves(["head"]) == [["head"]]
+
+
+def test_max_starting_is_set_in_the_fleet_stack_s_own_table() -> None:
+    stock = (paths.units_dir() / "stacks" / "cluster.toml").read_text()
+    assert with_max_starting(stock, None) == stock
+    text = replicated(with_max_starting(stock, 2), ["head", "n1", "n2"], paths.units_dir())
+    stack = tomllib.loads(text)
+    assert stack["stack"]["max_starting"] == 2 and stack["stack"]["name"] == "cluster"
+    assert fleet.shard_settings({"shard_limits": {"nice": 10}, "max_starting": 2}) == (
+        "nice 10, max_starting 2")
+    with pytest.raises(StackShapeError, match=r"\[stack\]"):
+        with_max_starting(stock.replace("[stack]\n", "[stack] \n"), 2)
