@@ -12,7 +12,9 @@ file order against it, the last one tearing it down:
   `LOGPROB_TOLERANCE` (float32 on both sides);
 * nothing the stack runs listens beyond loopback;
 * kill -9 of the shard's main pid leaves no EngineCore or Worker behind, its registration
-  is revoked at once, and it comes back at the current policy version. The module runs
+  is revoked at once, and it comes back at the current policy version, its Worker keeping
+  torch inductor's compiled kernels in dynamod's cache dir (not in its TMPDIR, emptied at
+  every spawn, where every restart compiled them again). The module runs
   under the containment the machine gives (cgroup v2 here and on CI);
   `make real-engine-pgroup` runs it again under the process-group fallback
   (DYNAMOD_CONTAINMENT=pgroup), where the daemon's process group, markers and subreaper
@@ -306,6 +308,16 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     back = dm.wait_ready_again("worker@0", shard["pid"], timeout=1800)
     assert engine(back, "get_weight_version")["version"] == STEPS
     assert instance_of(back) != instance
+    # The restarted Worker keeps torch inductor's kernels where the start before it left
+    # them, not in its TMPDIR (emptied at every spawn): its replay compiles no kernel again.
+    inductor = paths.cache_dir() / "torchinductor"
+    worker = next(p for p in shard_pids(dm.status(), "worker@0") if comm(p) == "VLLM::Worker")
+    environ = dict(
+        line.split("=", 1) for line in
+        Path(f"/proc/{worker}/environ").read_text().split("\0") if "=" in line
+    )  # fmt: skip
+    assert environ.get("TORCHINDUCTOR_CACHE_DIR") == str(inductor)
+    assert inductor.is_dir() and any(inductor.iterdir()), f"{inductor} holds no kernel"
 
 
 # The CI subset of runbooks/real-engine/ (`make chaos-real-engine-quick` runs them all, on
