@@ -309,7 +309,8 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     assert engine(back, "get_weight_version")["version"] == STEPS
     assert instance_of(back) != instance
     # The restarted Worker keeps torch inductor's kernels where the start before it left
-    # them, not in its TMPDIR (emptied at every spawn): its replay compiles no kernel again.
+    # them, not in its TMPDIR (emptied at every spawn): its replay does not compile them
+    # again (only inductor's precompiled header, whose path follows the TMPDIR).
     inductor = paths.cache_dir() / "torchinductor"
     worker = next(p for p in shard_pids(dm.status(), "worker@0") if comm(p) == "VLLM::Worker")
     environ = dict(
