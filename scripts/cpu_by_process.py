@@ -100,7 +100,9 @@ def main(argv: list[str]) -> int:
             known = last.get(pid)
             if known is None or known[0] != start:  # new since the last read
                 cmdline = cmdline_of(pid)
-                kind = kinds.setdefault(cmdline, kind_of(cmdline))
+                if cmdline not in kinds:  # setdefault would classify it on every new pid
+                    kinds[cmdline] = kind_of(cmdline)
+                kind = kinds[cmdline]
                 count[kind] += 1
                 used = ticks / TICK
             else:
