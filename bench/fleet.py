@@ -2,6 +2,7 @@
 
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
                           [--raise-inotify] [--no-faults] [--max-starting N]
+                          [--max-updating N]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -65,6 +66,7 @@ from bench.fleet_stack import (
     replicated,
     with_lease,
     with_max_starting,
+    with_max_updating,
     with_shard_limits,
     with_shard_live_timeout,
 )
@@ -143,6 +145,15 @@ def main() -> None:
         "readiness deadlines for good (docs/benchmarks.md 16)",
     )
     parser.add_argument(
+        "--max-updating",
+        type=int,
+        default=None,
+        help="set `[policy] max_updating = N`: each node's daemon lets at most N of its "
+        "shards apply an update at once, the rest wait their turn still serving "
+        "(docs/stack-files.md); without it 256 shards updating at once on two cores failed "
+        "their liveness probes inside the push (docs/benchmarks.md 16)",
+    )
+    parser.add_argument(
         "--staggered",
         action="store_true",
         help="start the nodes that hold etcd's members together, then every other node on "
@@ -174,6 +185,8 @@ def main() -> None:
         parser.error(f"--shard-live-timeout: seconds above 0 and at most 300, got {live_timeout}")
     if args.max_starting is not None and not 1 <= args.max_starting <= 256:
         parser.error(f"--max-starting: 1 to 256, got {args.max_starting}")
+    if args.max_updating is not None and not 1 <= args.max_updating <= 256:
+        parser.error(f"--max-updating: 1 to 256, got {args.max_updating}")
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -189,7 +202,8 @@ def main() -> None:
             None
             if args.quick
             else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
-                           live_timeout=live_timeout, max_starting=args.max_starting)
+                           live_timeout=live_timeout, max_starting=args.max_starting,
+                           max_updating=args.max_updating)
         )
         fleets = []
         for n in nodes:
@@ -198,7 +212,7 @@ def main() -> None:
                 run_fleet(
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
-                    max_starting=args.max_starting,
+                    max_starting=args.max_starting, max_updating=args.max_updating,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -320,6 +334,7 @@ def run_fleet(
     staggered: bool = False,
     live_timeout: float | None = None,
     max_starting: int | None = None,
+    max_updating: int | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -331,7 +346,7 @@ def run_fleet(
     stack = work_dir / "fleet-stack.toml"
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
     text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
-    text = with_max_starting(text, max_starting)
+    text = with_max_updating(with_max_starting(text, max_starting), max_updating)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
@@ -340,7 +355,8 @@ def run_fleet(
                               "registry_lease_s": lease_s,
                               "shard_limits": limits or {},
                               "shard_live_timeout_s": live_timeout,
-                              "max_starting": max_starting}  # fmt: skip
+                              "max_starting": max_starting,
+                              "max_updating": max_updating}  # fmt: skip
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
@@ -425,8 +441,7 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
         row["shares"].append(float(event.get("cpu_share", math.nan)))
     for row in per_phase.values():
         row["cpu_share_median"] = statistics.median(row.pop("shares"))
-    restarts = sum(u["restarts"] for node in rig.names for u in rig.status(node)["units"]
-                   if u["name"].startswith("worker@"))  # fmt: skip
+    restarts = shard_restarts(rig)
     return {
         "loop_stalls": len(stalls),
         "loop_stall_max_s": max(stalls, default=0.0),
@@ -436,6 +451,12 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
         "loss_deferred": sum(e["event"] == "cluster.node_loss_deferred" for e in logged),
         "shard_restarts": restarts,
     }
+
+
+def shard_restarts(rig: ClusterRig) -> int:
+    """Every node's shards' restarts so far."""
+    return sum(u["restarts"] for node in rig.names for u in rig.status(node)["units"]
+               if u["name"].startswith("worker@"))  # fmt: skip
 
 
 def shard_pids(rig: ClusterRig, node: str) -> dict[str, int]:
@@ -499,9 +520,11 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     daemons = [daemon_pid(rig, node) for node in rig.names]
     cpu_before = cpu_of([*shards, *daemons])
     busy_before = machine_busy_s()
+    restarts_before = shard_restarts(rig)
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
+    restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     busy = machine_busy_s() - busy_before
     used = cpu_since(cpu_before)
     after = etcd_counters(rig)
@@ -520,6 +543,9 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
         "behind": answer.get("behind", []),
         "shard_median_ms": statistics.median(totals),
         "shard_max_ms": max(totals),
+        # in line for an update slot (`[policy] max_updating`), the head's shards
+        "shard_waited_max_ms": max(float(a.get("waited_ms", 0.0)) for a in acks.values()),
+        "shards_restarted": restarted,
         "etcd_before": before,
         "etcd_after": after,
         "etcd_writes": writes(before, after),
@@ -743,8 +769,8 @@ def size_table(
         "Per fleet: start, a push to every shard, status (a 1 x 1 row is the reference)",
         ["nodes", "shards", "up s", "push: trainer's stall s", "daemon's total s",
          "stall / one shard's", "head's shards: median ms", "slowest ms", "behind",
-         "all routed again s", "status --json CLI s (max)", "CLI start alone s",
-         "daemon's answer ms (max)", "status KB", "down s"],
+         "shards restarted in it", "all routed again s", "status --json CLI s (max)",
+         "CLI start alone s", "daemon's answer ms (max)", "status KB", "down s"],
         digits=2,
     )  # fmt: skip
     for f in [reference, *fleets] if reference is not None else fleets:
@@ -752,8 +778,8 @@ def size_table(
         table.rows.append(
             [f["nodes"], f["shards"], f["up_s"], p["stall_s"], p["daemon_s"],
              p["stall_s"] / ref_s, p["shard_median_ms"], p["shard_max_ms"], len(p["behind"]),
-             pick(f, "whole", "s"), st["max_s"], pick(st, "cli_start_s"), st["answer_max_ms"],
-             st["json_kb"], f["down_s"]]
+             p.get("shards_restarted", math.nan), pick(f, "whole", "s"), st["max_s"],
+             pick(st, "cli_start_s"), st["answer_max_ms"], st["json_kb"], f["down_s"]]
         )  # fmt: skip
     return table
 
@@ -807,8 +833,9 @@ def shard_settings(fleet: dict[str, Any]) -> str:
     settings = [f"{k} {v}" for k, v in fleet.get("shard_limits", {}).items()]
     if fleet.get("shard_live_timeout_s") is not None:
         settings.append(f"liveness timeout {fleet['shard_live_timeout_s']:g} s")
-    if fleet.get("max_starting") is not None:
-        settings.append(f"max_starting {fleet['max_starting']}")
+    for key in ("max_starting", "max_updating"):
+        if fleet.get(key) is not None:
+            settings.append(f"{key} {fleet[key]}")
     return ", ".join(settings) or "-"
 
 

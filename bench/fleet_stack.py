@@ -101,3 +101,11 @@ def with_max_starting(text: str, max_starting: int | None) -> str:
     if max_starting is None:
         return text
     return _one(r"^\[stack\]$", text, f"\\g<0>\nmax_starting = {max_starting}", "[stack]")
+
+
+def with_max_updating(text: str, max_updating: int | None) -> str:
+    """`text` (cluster.toml) with `[policy] max_updating` set: each node's daemon lets at most
+    that many of its shards apply an update at once; unchanged for None."""
+    if max_updating is None:
+        return text
+    return _one(r"^\[policy\]$", text, f"\\g<0>\nmax_updating = {max_updating}", "[policy]")

@@ -89,12 +89,7 @@ def status_table(status: Mapping[str, Any]) -> str:
         )
     for warning in status.get("exposure") or []:
         out.append(f"warning: {warning}")
-    slots = status.get("start_slots")
-    if slots and slots["waiting"]:
-        out.append(
-            f"start slots: {len(slots['starting'])} of max_starting {slots['max_starting']} "
-            f"in use ({', '.join(slots['starting'])}); waiting: {', '.join(slots['waiting'])}"
-        )
+    out += slot_lines(status)
     degraded = status.get("degraded") or {}
     if degraded:
         out.append("degraded: " + "; ".join(f"{name} {why}" for name, why in degraded.items()))
@@ -121,6 +116,23 @@ def identity_lines(identity: Mapping[str, Any]) -> list[str]:
     if identity.get("refused"):
         lines.append(f"identity not held: {identity['refused']}")
     return lines
+
+
+def slot_lines(status: Mapping[str, Any]) -> list[str]:
+    """A line for each bounded line that has units waiting: `[stack] max_starting`'s starts,
+    `[policy] max_updating`'s shard updates."""
+    out = []
+    for title, slots, setting, doing in (
+        ("start slots", status.get("start_slots"), "max_starting", "starting"),
+        ("update slots", (status.get("policy") or {}).get("update_slots"), "max_updating",
+         "updating"),
+    ):  # fmt: skip
+        if slots and slots["waiting"]:
+            out.append(
+                f"{title}: {len(slots[doing])} of {setting} {slots[setting]} in use "
+                f"({', '.join(slots[doing])}); waiting: {', '.join(slots['waiting'])}"
+            )
+    return out
 
 
 def limits_lines(units: Sequence[UnitStatus]) -> list[str]:

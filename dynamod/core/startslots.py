@@ -1,4 +1,5 @@
-"""How many of a node's units may be starting at once (`[stack] max_starting`).
+"""How many of a node's units may be starting at once (`[stack] max_starting`), and the
+same line for other bounded work (`[policy] max_updating`: shards applying an update).
 
 A start is the stretch from spawn until the unit's readiness probe passes (or it stayed up
 `min_uptime`; a oneshot until it exits). What runs after (a rollout shard's replay) has no
@@ -23,8 +24,11 @@ class StartSlots:
     arrival; `give_back` frees a slot. A limit lowered below the holders now lets them finish
     and hands out no slot until they are below it; a limit raised wakes the waiting."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(
+        self, limit: int | None, setting: str = "max_starting", doing: str = "starting"
+    ) -> None:
         self.limit = limit
+        self.setting, self.doing = setting, doing  # the limit's name, what holders do
         self.holders: list[str] = []  # in the order they took their slot
         self._waiting: deque[tuple[str, asyncio.Future[None]]] = deque()
 
@@ -38,12 +42,12 @@ class StartSlots:
 
     def describe(self) -> str:
         """Who holds the slots, for a waiting unit's detail."""
-        starting = ", ".join(self.holders) or "none"
-        return f"{len(self.holders)} of max_starting {self.limit} starting: {starting}"
+        holders = ", ".join(self.holders) or "none"
+        return f"{len(self.holders)} of {self.setting} {self.limit} {self.doing}: {holders}"
 
     def as_dict(self) -> dict[str, Any]:
-        """`start_slots` in `status --json`."""
-        return {"max_starting": self.limit, "starting": list(self.holders),
+        """`start_slots` (`update_slots`) in `status --json`."""
+        return {self.setting: self.limit, self.doing: list(self.holders),
                 "waiting": self.waiting}  # fmt: skip
 
     async def take(self, name: str) -> None:

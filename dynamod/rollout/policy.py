@@ -41,6 +41,7 @@ from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
 from dynamod.core.spec import Stack
+from dynamod.core.startslots import StartSlots
 from dynamod.core.state import UnitState
 from dynamod.core.status import ExtensionUnitStatus
 from dynamod.rollout import dynamo, policy_table
@@ -182,6 +183,8 @@ class PolicyManager(Extension):
         self._shards: dict[str, ShardPolicy] = {}  # shard name -> what is known of its policy
         self.spares = SparePool(self, spec.spares)
         self._removing: set[str] = set()  # the shards an apply in progress removes
+        # `[policy] max_updating`: this node's shards applying an update at once
+        self.update_slots = StartSlots(spec.max_updating, "max_updating", "updating")
         # Set by a multi-node layer: after a push committed, wait for the other nodes'
         # shards (step -> what to add to the push's answer).
         self.after_commit: Callable[[int], Awaitable[dict[str, Any]]] | None = None
@@ -217,6 +220,7 @@ class PolicyManager(Extension):
         if policy is None:
             return
         self.spares.resize(policy.spares)  # [policy] spares, of the shards there are now
+        self.update_slots.set_limit(policy.max_updating)  # a raised limit starts the waiting
         if policy == self.spec:
             return
         moved = policy.etcd != self.spec.etcd
@@ -504,7 +508,31 @@ class PolicyManager(Extension):
 
     async def apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
         """Bring one shard to `target` (None: the boot weights at initial_version), reset its
-        KV cache, verify, taint and resume it. The shard stays paused if any step fails."""
+        KV cache, verify, taint and resume it. The shard stays paused if any step fails.
+
+        With `[policy] max_updating = N`, at most N of this node's shards apply at once (a
+        push's, a replay's, a spare's); the rest wait their turn before the pause, so a
+        serving shard serves on while it waits. Every update on a node shares its cores
+        (or its disk and host memory): 32 shards of one node updating at once on two cores
+        failed their liveness probes and were restarted in the middle of the push."""
+        slots, asked = self.update_slots, time.monotonic()
+        if slots.would_wait():
+            log.info("policy.update_slot_wait", unit=unit.name, updating=slots.holders,
+                     waiting=len(slots.waiting) + 1)  # fmt: skip
+            if unit.hold_reason is not None:  # a serving shard's detail stays what it is
+                self.engine.set_detail(
+                    unit, f"{unit.hold_reason}; waiting for an update slot ({slots.describe()})"
+                )
+        await slots.take(unit.name)
+        waited = (time.monotonic() - asked) * 1000
+        try:
+            ack = await self._apply(unit, target)
+        finally:
+            slots.give_back(unit.name)
+        ack.waited_ms = waited
+        return ack
+
+    async def _apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
         timings: dict[str, float] = {}
 
         async def step(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -988,6 +1016,9 @@ class PolicyManager(Extension):
             "serving": admitted >= max(1, self.spec.min_ready_shards),
             "held": [n for n in shards if self.engine.units[n].hold_reason is not None],
             "spares": self.spares.summary(),
+            "update_slots": (
+                self.update_slots.as_dict() if self.update_slots.limit is not None else None
+            ),
         }
 
     # ------------------------------------------------------------------ across nodes

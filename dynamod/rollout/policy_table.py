@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from dynamod.core import limits
 from dynamod.core.errors import SpecError
@@ -19,6 +19,13 @@ from dynamod.core.spec.tables import Render
 from dynamod.rollout.worker_table import worker_of
 
 KEY = "policy"
+
+
+def _whole_number(value: Any) -> Any:
+    """TOML's true would pass as 1."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a whole number, got {str(value).lower()}")
+    return value
 
 
 class PolicySpec(SpecModel):
@@ -41,6 +48,13 @@ class PolicySpec(SpecModel):
     )
     initial_version: int = Field(
         0, ge=0, le=2**63 - 1, description="version of the weights shards boot with"
+    )
+    max_updating: Annotated[int | None, BeforeValidator(_whole_number)] = Field(
+        None,
+        ge=1,
+        le=limits.MAX_INSTANCES,
+        description="this node's shards applying a policy update (a push's, a replay's) at "
+        "once; the rest wait their turn, still serving (none: no limit)",
     )
     taint_prefix: str = "dynamod.policy/"
     replay_backoff_initial: float = seconds(0.5, positive=True)

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 
 @dataclass
 class ShardAck:
-    """A shard holds `version` (its weights' `digest`), verified; `timings_ms` per step."""
+    """A shard holds `version` (its weights' `digest`), verified; `timings_ms` per step;
+    `waited_ms` in line for an update slot before the first (`[policy] max_updating`)."""
 
     shard: str
     version: int
     digest: str | None
     timings_ms: dict[str, float] = field(default_factory=dict)
+    waited_ms: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -33,6 +35,7 @@ class ShardAck:
             "digest": self.digest,
             "ms": {k: round(v, 1) for k, v in self.timings_ms.items()},
             "total_ms": round(sum(self.timings_ms.values()), 1),
+            "waited_ms": round(self.waited_ms, 1),
         }
 
 

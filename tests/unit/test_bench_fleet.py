@@ -22,7 +22,13 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
-from bench.fleet_stack import StackShapeError, members, replicated, with_max_starting
+from bench.fleet_stack import (
+    StackShapeError,
+    members,
+    replicated,
+    with_max_starting,
+    with_max_updating,
+)
 from dynamod.core import paths
 
 NODES = [1, 2, 4, 8]
@@ -167,3 +173,15 @@ def test_max_starting_is_set_in_the_fleet_stack_s_own_table() -> None:
         "nice 10, max_starting 2")
     with pytest.raises(StackShapeError, match=r"\[stack\]"):
         with_max_starting(stock.replace("[stack]\n", "[stack] \n"), 2)
+
+
+def test_max_updating_is_set_in_the_fleet_stack_s_policy_table() -> None:
+    stock = (paths.units_dir() / "stacks" / "cluster.toml").read_text()
+    assert with_max_updating(stock, None) == stock
+    text = replicated(with_max_updating(stock, 2), ["head", "n1", "n2"], paths.units_dir())
+    stack = tomllib.loads(text)
+    assert stack["policy"]["max_updating"] == 2 and stack["policy"]["shards"] == ["worker"]
+    assert fleet.shard_settings({"max_starting": 2, "max_updating": 4}) == (
+        "max_starting 2, max_updating 4")
+    with pytest.raises(StackShapeError, match=r"\[policy\]"):
+        with_max_updating(stock.replace("[policy]\n", "[policy] \n"), 2)

@@ -35,7 +35,9 @@ def _report(result: dict[str, Any], as_json: bool) -> None:
             click.echo(f"  {shard:<12} at version {ack['version']} (committed before)")
         elif ack.get("ok"):
             steps = ", ".join(f"{k} {v:.0f}ms" for k, v in ack.get("ms", {}).items())
-            click.echo(f"  {shard:<12} ok    {ack.get('total_ms', 0):.0f} ms  ({steps})")
+            waited = ack.get("waited_ms") or 0  # in line for an update slot (max_updating)
+            queued = f", after {waited:.0f} ms waiting for an update slot" if waited >= 1 else ""
+            click.echo(f"  {shard:<12} ok    {ack.get('total_ms', 0):.0f} ms  ({steps}){queued}")
         else:
             click.echo(f"  {shard:<12} STALE {ack['error']}")
     if result.get("stale"):
