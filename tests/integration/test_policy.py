@@ -315,3 +315,33 @@ def test_daemon_killed_and_restarted_keeps_ledger_and_admits_nothing_stale(
             event = json.loads(line)
             if event["new"] == "ready" and event["unit"].startswith("worker@"):
                 assert "at policy version 2 " in event["detail"], event
+
+
+def test_max_updating_1_updates_the_shards_one_at_a_time(dm: Dynamod, tmp_path: Path) -> None:
+    """`[policy] max_updating = 1` on 3 shards: a push updates them one after another (each
+    one's wait for its update slot covers the updates before it), the CLI says who waited;
+    `apply` lifts the limit in place and the next push updates them all at once (the
+    control)."""
+    limited = write_stack(tmp_path / "limited.toml", "updslots", workers=3, max_updating=1)
+    status = up(dm, limited)
+    assert status["policy"]["update_slots"] == {"max_updating": 1, "updating": [], "waiting": []}
+    base = model_dir(status)
+    first = push(dm, 1, checkpoint(base, tmp_path / "step-1", 1.01))
+    acks = sorted(first["acks"].values(), key=lambda a: a["waited_ms"])
+    assert len(acks) == 3 and all(a["ok"] and a["version"] == 1 for a in acks), first
+    assert acks[0]["waited_ms"] < 100, acks
+    for k in (1, 2):  # in line behind every update before it (10 % for the clocks' reads)
+        before = sum(a["total_ms"] for a in acks[:k])
+        assert acks[k]["waited_ms"] >= 0.9 * before, (k, acks)
+    out = dm.run("policy", "push", "--step", "2", "--path",
+                 str(checkpoint(base, tmp_path / "step-2", 1.02)), check=True).stdout
+    waited = [line for line in out.splitlines() if "waiting for an update slot" in line]
+    assert len(waited) == 2, out  # the first in line took its slot at once
+
+    lifted = write_stack(tmp_path / "lifted.toml", "updslots", workers=3)
+    applied = dm.run("apply", str(lifted), check=True).stdout
+    assert "~ [policy] max_updating: 1 -> (unset)" in applied, applied
+    assert dm.status()["policy"]["update_slots"] is None
+    third = push(dm, 3, checkpoint(base, tmp_path / "step-3", 1.03))
+    assert all(a["ok"] and a["waited_ms"] < 100 for a in third["acks"].values()), third
+    assert shard_versions(dm) == {"worker@0": 3, "worker@1": 3, "worker@2": 3}
