@@ -516,15 +516,18 @@ class PolicyManager(Extension):
         (or its disk and host memory): 32 shards of one node updating at once on two cores
         failed their liveness probes and were restarted in the middle of the push."""
         slots, asked = self.update_slots, time.monotonic()
+        said = slots.would_wait() and unit.hold_reason is not None
         if slots.would_wait():
             log.info("policy.update_slot_wait", unit=unit.name, updating=slots.holders,
                      waiting=len(slots.waiting) + 1)  # fmt: skip
-            if unit.hold_reason is not None:  # a serving shard's detail stays what it is
-                self.engine.set_detail(
-                    unit, f"{unit.hold_reason}; waiting for an update slot ({slots.describe()})"
-                )
+        if said:  # a held shard says why it waits; a serving one's detail stays what it is
+            self.engine.set_detail(
+                unit, f"{unit.hold_reason}; waiting for an update slot ({slots.describe()})"
+            )
         await slots.take(unit.name)
         waited = (time.monotonic() - asked) * 1000
+        if said and unit.hold_reason is not None:  # its turn: the wait is over
+            self.engine.set_detail(unit, unit.hold_reason)
         try:
             ack = await self._apply(unit, target)
         finally:

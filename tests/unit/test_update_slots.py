@@ -102,7 +102,8 @@ async def test_a_held_shard_in_line_says_so_and_status_lists_the_line() -> None:
     assert units[2].detail == ("held: replaying; waiting for an update slot (1 of max_updating 1 "
                                "updating: worker@0)")  # fmt: skip
     await asyncio.gather(*tasks)
-    assert "worker@0" not in engine.details
+    assert "worker@0" not in engine.details  # it did not wait
+    assert units[2].detail == "held: replaying"  # its turn came: the wait is not shown on
 
 
 async def test_a_failed_update_gives_its_slot_to_the_next() -> None:
