@@ -278,8 +278,8 @@ def _scan(running: Mapping[str, tuple[int, Any]], enforced: Mapping[str, bool]) 
 
 
 REFRESH_S = 5.0  # how often the daemon looks at its units' sockets again
-# A unit that turned ready is looked at again soon, but not sooner than this after the last
-# look: a push turns every shard ready again within a second or two.
+# A unit whose readiness probe just passed is looked at again soon, but not sooner than this
+# after the last look: a node's shards start within seconds of each other.
 MIN_GAP_S = 1.0
 
 
@@ -302,7 +302,12 @@ class ExposureWatch(Extension):
         self._task = asyncio.get_running_loop().create_task(self._refresh(), name="exposure")
 
     def _on_change(self, unit: Unit, old: UnitState, new: UnitState) -> None:
-        if new is UnitState.READY:  # its sockets are open now: look again soon
+        """A unit past its readiness probe (ready, or held: a shard catching up) has its
+        sockets open now: look again soon. A shard admitted again after an update (held ->
+        ready) or a unit whose liveness recovered is the same process with the same
+        sockets: the next regular look is enough. Looking again at every admission made
+        this scan 40-50 % of a node's daemon CPU during a push at 8 x 32 (py-spy)."""
+        if old is UnitState.STARTING and new in {UnitState.READY, UnitState.HELD}:
             self._again.set()
 
     async def stop(self) -> None:

@@ -150,3 +150,24 @@ def test_one_scan_reads_a_namespace_s_socket_table_once(monkeypatch: pytest.Monk
         warnings = exposure.process_warnings(units)
     assert len(reads) == 1, f"read {len(reads)} times for 5 units in one namespace"
     assert sum(f"tcp 0.0.0.0:{port} is beyond loopback" in w for w in warnings) == 5
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "looks_again"),
+    [
+        ("starting", "ready", True),  # its probe passed: its sockets are open now
+        ("starting", "held", True),  # a shard past its probe, held to catch up
+        ("held", "ready", False),  # a shard admitted again after an update: same sockets
+        ("degraded", "ready", False),  # liveness recovered: the same process
+        ("ready", "held", False),
+        ("starting", "backoff", False),
+    ],
+)
+async def test_the_daemon_looks_again_soon_only_at_a_unit_past_its_probe(
+    old: str, new: str, looks_again: bool
+) -> None:
+    from dynamod.core.state import UnitState
+
+    watch = exposure.ExposureWatch()
+    watch._on_change(None, UnitState(old), UnitState(new))  # type: ignore[arg-type]
+    assert watch._again.is_set() is looks_again
