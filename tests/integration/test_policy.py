@@ -330,9 +330,11 @@ def test_max_updating_1_updates_the_shards_one_at_a_time(dm: Dynamod, tmp_path: 
     acks = sorted(first["acks"].values(), key=lambda a: a["waited_ms"])
     assert len(acks) == 3 and all(a["ok"] and a["version"] == 1 for a in acks), first
     assert acks[0]["waited_ms"] < 100, acks
-    for k in (1, 2):  # in line behind every update before it (10 % for the clocks' reads)
+    # In line behind every update before it. Slack: 10 %, and 10 ms for the time the first
+    # took to reach its first engine call before the next one asked (a loaded machine).
+    for k in (1, 2):
         before = sum(a["total_ms"] for a in acks[:k])
-        assert acks[k]["waited_ms"] >= 0.9 * before, (k, acks)
+        assert acks[k]["waited_ms"] >= 0.9 * before - 10, (k, acks)
     out = dm.run("policy", "push", "--step", "2", "--path",
                  str(checkpoint(base, tmp_path / "step-2", 1.02)), check=True).stdout
     waited = [line for line in out.splitlines() if "waiting for an update slot" in line]
