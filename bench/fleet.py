@@ -518,15 +518,15 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     before = etcd_counters(rig)
     shards = [pid for node in rig.names for pid in shard_pids(rig, node).values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
+    restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
     cpu_before = cpu_of([*shards, *daemons])
     busy_before = machine_busy_s()
-    restarts_before = shard_restarts(rig)
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
-    restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     busy = machine_busy_s() - busy_before
     used = cpu_since(cpu_before)
+    restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     after = etcd_counters(rig)
     acks = answer["acks"]
     bad = {k: v.get("error") or v for k, v in acks.items() if not v.get("ok")}

@@ -516,8 +516,9 @@ class PolicyManager(Extension):
         (or its disk and host memory): 32 shards of one node updating at once on two cores
         failed their liveness probes and were restarted in the middle of the push."""
         slots, asked = self.update_slots, time.monotonic()
-        said = slots.would_wait() and unit.hold_reason is not None
-        if slots.would_wait():
+        waits = slots.would_wait()
+        said = waits and unit.hold_reason is not None
+        if waits:
             log.info("policy.update_slot_wait", unit=unit.name, updating=slots.holders,
                      waiting=len(slots.waiting) + 1)  # fmt: skip
         if said:  # a held shard says why it waits; a serving one's detail stays what it is
