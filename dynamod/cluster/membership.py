@@ -88,6 +88,7 @@ class Membership(Extension):
         self.etcd: EtcdClient | None = None
         self.lease: int | None = None
         self.entries: dict[str, NodeEntry] = {}
+        self._decoded = registry.EntryCache()
         self.lost: dict[str, LostRecord] = {}
         # Nodes whose entry vanished and that the leader has not marked lost yet: a marking
         # that failed (etcd) is tried again at the next read while the entry is still gone.
@@ -531,7 +532,7 @@ class Membership(Extension):
             kind, _, name = rest.partition("/")
             try:
                 if kind == "nodes":
-                    entries[name] = NodeEntry.decode(kv.value)
+                    entries[name] = self._decoded.decode(name, kv.value)
                 elif kind == "lost":
                     lost[name] = LostRecord.decode(kv.value)
                 elif kind == "leader":
@@ -542,6 +543,7 @@ class Membership(Extension):
                     acks[name] = _json(kv.value)
             except (ValueError, TypeError, KeyError) as exc:
                 log.warning("cluster.bad_record", key=kv.key, error=str(exc))
+        self._decoded.keep_only(entries.keys())
         before = self.entries
         self.entries, self.lost, self.leader = entries, lost, leader
         self.down_request, self.down_acks = down, acks

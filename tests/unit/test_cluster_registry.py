@@ -26,6 +26,21 @@ def test_entries_and_lost_records_round_trip() -> None:
     assert registry.shard_id("n1", "worker@0") == "n1/worker@0"
 
 
+def test_a_read_decodes_only_the_entries_whose_bytes_changed() -> None:
+    cache = registry.EntryCache()
+    raw = {n: entry(n, 3).encode().encode() for n in ("head", "n1")}
+    first = {n: cache.decode(n, raw[n]) for n in raw}
+    assert first == {n: entry(n, 3) for n in raw}
+    again = {n: cache.decode(n, bytes(raw[n])) for n in raw}  # equal bytes, a new object
+    assert all(again[n] is first[n] for n in raw)
+    moved = cache.decode("n1", entry("n1", 4).encode().encode())
+    assert moved is not first["n1"] and moved.units[0].policy_version == 4
+    assert cache.decode("n1", raw["n1"]).units[0].policy_version == 3  # and back again
+    cache.keep_only({"n1"})  # the head's entry expired: a new one is decoded afresh
+    back = cache.decode("head", raw["head"])
+    assert back == first["head"] and back is not first["head"]
+
+
 def test_a_vanished_entry_is_lost_except_while_the_cluster_stops() -> None:
     before = {n: entry(n, 3) for n in NODES}
     now = {n: before[n] for n in ("head", "n1")}
