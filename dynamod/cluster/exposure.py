@@ -15,7 +15,9 @@ import contextlib
 import ipaddress
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,14 +174,31 @@ def _socket_table(pid: int) -> dict[str, tuple[str, str, int]]:
         with contextlib.suppress(OSError):
             lines = Path(f"/proc/{pid}/net/{proto}").read_text().splitlines()[1:]
             for line in lines:
+                # a node of 32 shards has thousands of connections here and a few dozen
+                # listeners: look at the state before splitting the rest of the line
+                head = line.split(None, 4)
+                if len(head) < 5 or head[3] != wanted:
+                    continue
                 fields = line.split()
-                if len(fields) < 10 or fields[3] != wanted:
+                if len(fields) < 10:
                     continue
                 hex_addr, hex_port = fields[1].split(":")
                 if int(hex_port, 16) == 0:
                     continue
                 table[fields[9]] = (proto, _address(hex_addr, proto), int(hex_port, 16))
     return table
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """The inodes of every socket pid holds open (a readlink per open file)."""
+    inodes: set[str] = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+    return inodes
 
 
 def _process_name(pid: int) -> str:
@@ -193,7 +212,24 @@ def _process_name(pid: int) -> str:
     return Path(words[0]).name if words else "?"
 
 
-SocketTables = dict[str, dict[str, tuple[str, str, int]]]  # netns -> _socket_table
+SocketTable = dict[str, tuple[str, str, int]]  # inode -> (proto, address, port): _socket_table
+SocketTables = dict[str, SocketTable]  # netns -> its table
+
+
+def _table_of(pid: int, tables: SocketTables, beyond_loopback: bool = False) -> SocketTable | None:
+    """pid's namespace's socket table (only those beyond loopback, if asked), read once per
+    namespace into `tables`; None if pid is gone."""
+    try:
+        netns = os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+    table = tables.get(netns)
+    if table is None:
+        table = _socket_table(pid)
+        if beyond_loopback:
+            table = {inode: sock for inode, sock in table.items() if not is_loopback(sock[1])}
+        tables[netns] = table
+    return table
 
 
 def listeners(pids: Iterable[int], tables: SocketTables | None = None) -> list[Listener]:
@@ -202,22 +238,10 @@ def listeners(pids: Iterable[int], tables: SocketTables | None = None) -> list[L
     found: list[Listener] = []
     tables = {} if tables is None else tables
     for pid in sorted(set(pids)):
-        inodes: set[str] = set()
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("socket:["):
-                        inodes.add(target[8:-1])
-        if not inodes:
-            continue
-        try:
-            netns = os.readlink(f"/proc/{pid}/ns/net")
-        except OSError:
-            continue
-        table = tables.get(netns)
+        inodes = _socket_inodes(pid)
+        table = _table_of(pid, tables) if inodes else None
         if table is None:
-            table = tables[netns] = _socket_table(pid)
+            continue
         name = _process_name(pid)
         for inode in sorted(inodes & table.keys()):
             proto, address, port = table[inode]
@@ -225,22 +249,87 @@ def listeners(pids: Iterable[int], tables: SocketTables | None = None) -> list[L
     return found
 
 
+MEMO_S = 60.0  # how long a process's walked sockets are trusted before it is walked again
+
+
+@dataclass(frozen=True)
+class _Walked:
+    started: int | None  # the process's start time: a reused pid is another process
+    wide: frozenset[str]  # its namespace's sockets beyond loopback when it was walked
+    held: frozenset[str]  # of those, the ones it held
+
+
+class SocketMemo:
+    """Which sockets beyond loopback each process held when its open files were last read.
+    Reading a process's open files (a readlink each) is what a scan costs; a shard's
+    process holds hundreds (its connections) and keeps the same listeners for its life.
+    A process is read again when its namespace's set of sockets beyond loopback changed
+    (a new listener or bound socket has a new inode, so a socket opened since shows up
+    there), when its pid now names another process, and at least every MEMO_S (a socket
+    handed to another process, which the namespace's set does not show)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._walked: dict[int, _Walked] = {}
+        self._since = clock()
+        self.walks = 0  # processes whose open files were read: what a test counts
+
+    def begin(self) -> None:
+        """Once per scan: forget everything every MEMO_S."""
+        if self._clock() - self._since >= MEMO_S:
+            self._walked.clear()
+            self._since = self._clock()
+
+    def held(self, pid: int, wide: frozenset[str]) -> frozenset[str]:
+        """The sockets of `wide` (its namespace's beyond loopback) that `pid` holds."""
+        started = proctable.start_time(pid)
+        known = self._walked.get(pid)
+        if known is not None and known.started == started and known.wide == wide:
+            return known.held
+        self.walks += 1
+        held = frozenset(_socket_inodes(pid) & wide)
+        self._walked[pid] = _Walked(started, wide, held)
+        return held
+
+    def keep_only(self, pids: AbstractSet[int]) -> None:
+        """Forget the processes a scan no longer found."""
+        for pid in self._walked.keys() - pids:
+            del self._walked[pid]
+
+
 def process_warnings(
-    units: Mapping[str, Iterable[int]], authenticated: Mapping[str, bool] | None = None
+    units: Mapping[str, Iterable[int]],
+    authenticated: Mapping[str, bool] | None = None,
+    memo: SocketMemo | None = None,
 ) -> list[str]:
     """One line per socket of a unit's processes beyond loopback, unless that unit enforces
     auth (`authenticated[unit]`). Each network namespace's socket table is read once for
     all units: it lists every socket of the namespace (a node of 32 shards: thousands of
     connections), and a read per unit made this scan the daemon's largest CPU cost during
-    a push to 64 shards (the fleet benchmark, profiled)."""
+    a push to 64 shards (the fleet benchmark, profiled). A process's open files are read
+    only where its namespace has a socket beyond loopback at all (none, on a stack that
+    binds loopback only), and with a `memo`, only when that set changed (SocketMemo)."""
     warnings: list[str] = []
-    tables: SocketTables = {}
+    tables: SocketTables = {}  # netns -> its sockets beyond loopback
+    memo = SocketMemo() if memo is None else memo
+    memo.begin()
+    seen: set[int] = set()
     for unit, pids in units.items():
         if authenticated and authenticated.get(unit):
             continue
-        for listener in listeners(pids, tables):
-            if not listener.loopback:
+        for pid in sorted(set(pids)):
+            wide = _table_of(pid, tables, beyond_loopback=True)
+            if not wide:
+                continue
+            seen.add(pid)
+            held = memo.held(pid, frozenset(wide))
+            if not held:
+                continue
+            name = _process_name(pid)
+            for inode in sorted(held):
+                listener = Listener(pid, name, *wide[inode])
                 warnings.append(f"{unit}: {listener} is beyond loopback, without auth")
+    memo.keep_only(seen)
     return warnings
 
 
@@ -269,12 +358,14 @@ def tree_pids(pid: int) -> list[int]:
     return [pid, *proctable.descendants(pid)]
 
 
-def _scan(running: Mapping[str, tuple[int, Any]], enforced: Mapping[str, bool]) -> list[str]:
+def _scan(
+    running: Mapping[str, tuple[int, Any]], enforced: Mapping[str, bool], memo: SocketMemo
+) -> list[str]:
     units: dict[str, list[int]] = {}
     for name, (pid, cgroup) in running.items():
         pids = cgroups.procs(cgroup) if cgroup is not None else tree_pids(pid)
         units[name] = pids or [pid]
-    return process_warnings(units, enforced)
+    return process_warnings(units, enforced, memo)
 
 
 REFRESH_S = 5.0  # how often the daemon looks at its units' sockets again
@@ -294,6 +385,7 @@ class ExposureWatch(Extension):
         self._warnings: list[str] = []
         self._task: asyncio.Task[None] | None = None
         self._again = asyncio.Event()
+        self._memo = SocketMemo()  # used by one scan at a time, in its worker thread
 
     async def start(self, host: ExtensionHost) -> None:
         self.host = host
@@ -334,7 +426,7 @@ class ExposureWatch(Extension):
             self._again.clear()  # a unit ready from here on is seen by the next look
             running, enforced = self._snapshot()
             with contextlib.suppress(OSError):
-                self._warnings = await asyncio.to_thread(_scan, running, enforced)
+                self._warnings = await asyncio.to_thread(_scan, running, enforced, self._memo)
             await asyncio.sleep(MIN_GAP_S)
             with contextlib.suppress(TimeoutError):  # not wait_for: 3.11's can lose a cancel
                 async with asyncio.timeout(REFRESH_S - MIN_GAP_S):

@@ -171,3 +171,69 @@ async def test_the_daemon_looks_again_soon_only_at_a_unit_past_its_probe(
     watch = exposure.ExposureWatch()
     watch._on_change(None, UnitState(old), UnitState(new))  # type: ignore[arg-type]
     assert watch._again.is_set() is looks_again
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_scan_reads_a_process_s_open_files_again_only_when_its_sockets_could_differ(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard holds hundreds of open files and the same listeners for its life: a scan
+    with a memo reads them again only after a new socket beyond loopback appeared in its
+    namespace, its pid named another process, or MEMO_S went by."""
+    real = exposure._socket_table
+
+    def mine(pid: int) -> dict[str, tuple[str, str, int]]:  # other processes' sockets
+        held = exposure._socket_inodes(os.getpid())  # come and go: leave them out
+        return {i: s for i, s in real(pid).items() if i in held}
+
+    monkeypatch.setattr(exposure, "_socket_table", mine)
+    clock = Clock()
+    memo = exposure.SocketMemo(clock)
+    me = {"me": [os.getpid()]}
+    with socket.socket() as first:
+        first.bind(("0.0.0.0", 0))
+        first.listen()
+        one = exposure.process_warnings(me, memo=memo)
+        assert memo.walks == 1
+        assert exposure.process_warnings(me, memo=memo) == one  # from the memo
+        assert memo.walks == 1
+        with socket.socket() as second:  # a new listener: its namespace's set changed
+            second.bind(("0.0.0.0", 0))
+            second.listen()
+            two = exposure.process_warnings(me, memo=memo)
+            assert memo.walks == 2
+            assert any(f"0.0.0.0:{second.getsockname()[1]} " in w for w in two)
+        exposure.process_warnings(me, memo=memo)  # ... and when it closed
+        assert memo.walks == 3
+        clock.now = exposure.MEMO_S  # trusted for MEMO_S at most
+        assert exposure.process_warnings(me, memo=memo) == one
+        assert memo.walks == 4
+        monkeypatch.setattr(exposure.proctable, "start_time", lambda pid: -1)  # a reused pid
+        assert exposure.process_warnings(me, memo=memo) == one
+        assert memo.walks == 5
+
+
+def test_nothing_beyond_loopback_in_a_namespace_reads_no_open_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The single-node stacks bind loopback only: a scan there reads each namespace's
+    socket table and no process's open files."""
+    real = exposure._socket_table
+
+    def loopback_only(pid: int) -> dict[str, tuple[str, str, int]]:
+        return {i: s for i, s in real(pid).items() if exposure.is_loopback(s[1])}
+
+    monkeypatch.setattr(exposure, "_socket_table", loopback_only)
+    memo = exposure.SocketMemo()
+    with socket.socket() as local:
+        local.bind(("127.0.0.1", 0))
+        local.listen()
+        assert exposure.process_warnings({"me": [os.getpid()]}, memo=memo) == []
+    assert memo.walks == 0
