@@ -216,9 +216,11 @@ SocketTable = dict[str, tuple[str, str, int]]  # inode -> (proto, address, port)
 SocketTables = dict[str, SocketTable]  # netns -> its table
 
 
-def _table_of(pid: int, tables: SocketTables, beyond_loopback: bool = False) -> SocketTable | None:
-    """pid's namespace's socket table (only those beyond loopback, if asked), read once per
-    namespace into `tables`; None if pid is gone."""
+def _namespace(
+    pid: int, tables: SocketTables, beyond_loopback: bool = False
+) -> tuple[str, SocketTable] | None:
+    """pid's network namespace and its socket table (only the sockets beyond loopback, if
+    asked), read once per namespace into `tables`; None if pid is gone."""
     try:
         netns = os.readlink(f"/proc/{pid}/ns/net")
     except OSError:
@@ -229,7 +231,7 @@ def _table_of(pid: int, tables: SocketTables, beyond_loopback: bool = False) -> 
         if beyond_loopback:
             table = {inode: sock for inode, sock in table.items() if not is_loopback(sock[1])}
         tables[netns] = table
-    return table
+    return netns, table
 
 
 def listeners(pids: Iterable[int], tables: SocketTables | None = None) -> list[Listener]:
@@ -239,62 +241,80 @@ def listeners(pids: Iterable[int], tables: SocketTables | None = None) -> list[L
     tables = {} if tables is None else tables
     for pid in sorted(set(pids)):
         inodes = _socket_inodes(pid)
-        table = _table_of(pid, tables) if inodes else None
-        if table is None:
+        space = _namespace(pid, tables) if inodes else None
+        if space is None:
             continue
-        name = _process_name(pid)
+        table, name = space[1], _process_name(pid)
         for inode in sorted(inodes & table.keys()):
             proto, address, port = table[inode]
             found.append(Listener(pid, name, proto, address, port))
     return found
 
 
-MEMO_S = 60.0  # how long a process's walked sockets are trusted before it is walked again
-
-
-@dataclass(frozen=True)
-class _Walked:
-    started: int | None  # the process's start time: a reused pid is another process
-    wide: frozenset[str]  # its namespace's sockets beyond loopback when it was walked
-    held: frozenset[str]  # of those, the ones it held
+MEMO_S = 60.0  # how long a process's sockets read once are trusted before a fresh read
 
 
 class SocketMemo:
     """Which sockets beyond loopback each process held when its open files were last read.
-    Reading a process's open files (a readlink each) is what a scan costs; a shard's
-    process holds hundreds (its connections) and keeps the same listeners for its life.
-    A process is read again when its namespace's set of sockets beyond loopback changed
-    (a new listener or bound socket has a new inode, so a socket opened since shows up
-    there), when its pid now names another process, and at least every MEMO_S (a socket
-    handed to another process, which the namespace's set does not show)."""
+    Reading a process's open files (a readlink each) is what a scan costs: a shard's
+    process holds hundreds (its connections). A scan reads again the processes it has not
+    read (or whose pid now names another process) and then, while its namespace has a
+    socket beyond loopback that no process read holds, others until every such socket
+    has its holder: first the ones that lost a socket since (a shard whose engine binds
+    anew on a weight update closes its old sockets and opens new ones), then the rest.
+    What no process of the stack holds after every one was read is another's (a member
+    left out as authenticated) and is not looked for again. Everything is read afresh at
+    least every MEMO_S (a socket handed from one process to another)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._walked: dict[int, _Walked] = {}
+        self._read: dict[int, tuple[int | None, frozenset[str]]] = {}  # pid -> start, held
+        self._foreign: dict[str, frozenset[str]] = {}  # netns -> sockets no process held
         self._since = clock()
-        self.walks = 0  # processes whose open files were read: what a test counts
+        self.reads = 0  # processes whose open files were read: what a test counts
 
-    def begin(self) -> None:
-        """Once per scan: forget everything every MEMO_S."""
-        if self._clock() - self._since >= MEMO_S:
-            self._walked.clear()
-            self._since = self._clock()
-
-    def held(self, pid: int, wide: frozenset[str]) -> frozenset[str]:
-        """The sockets of `wide` (its namespace's beyond loopback) that `pid` holds."""
-        started = proctable.start_time(pid)
-        known = self._walked.get(pid)
-        if known is not None and known.started == started and known.wide == wide:
-            return known.held
-        self.walks += 1
+    def _walk(self, pid: int, started: int | None, wide: AbstractSet[str]) -> frozenset[str]:
+        self.reads += 1
         held = frozenset(_socket_inodes(pid) & wide)
-        self._walked[pid] = _Walked(started, wide, held)
+        self._read[pid] = (started, held)
         return held
+
+    def held(
+        self, netns: str, pids: Sequence[int], wide: AbstractSet[str]
+    ) -> dict[int, frozenset[str]]:
+        """For each of `pids` (all in `netns`), the sockets of `wide` (the namespace's
+        beyond loopback) that it holds."""
+        if self._clock() - self._since >= MEMO_S:
+            self._read.clear()
+            self._foreign.clear()
+            self._since = self._clock()
+        found: dict[int, frozenset[str]] = {}
+        lost_one: list[tuple[int, int | None]] = []
+        others: list[tuple[int, int | None]] = []
+        for pid in pids:
+            started = proctable.start_time(pid)
+            known = self._read.get(pid)
+            if known is None or known[0] != started:
+                found[pid] = self._walk(pid, started, wide)
+                continue
+            found[pid] = known[1] & wide
+            (lost_one if known[1] - wide else others).append((pid, started))
+        unheld = set(wide) - self._foreign.get(netns, frozenset())
+        for held in found.values():
+            unheld -= held
+        for pid, started in (*lost_one, *others):
+            if not unheld:
+                break
+            found[pid] = self._walk(pid, started, wide)
+            unheld -= found[pid]
+        else:  # every process read: what none holds is another's
+            self._foreign[netns] = frozenset(wide).difference(*found.values())
+        return found
 
     def keep_only(self, pids: AbstractSet[int]) -> None:
         """Forget the processes a scan no longer found."""
-        for pid in self._walked.keys() - pids:
-            del self._walked[pid]
+        for pid in self._read.keys() - pids:
+            del self._read[pid]
 
 
 def process_warnings(
@@ -308,28 +328,30 @@ def process_warnings(
     connections), and a read per unit made this scan the daemon's largest CPU cost during
     a push to 64 shards (the fleet benchmark, profiled). A process's open files are read
     only where its namespace has a socket beyond loopback at all (none, on a stack that
-    binds loopback only), and with a `memo`, only when that set changed (SocketMemo)."""
-    warnings: list[str] = []
+    binds loopback only), and with a `memo`, only as SocketMemo says."""
     tables: SocketTables = {}  # netns -> its sockets beyond loopback
-    memo = SocketMemo() if memo is None else memo
-    memo.begin()
-    seen: set[int] = set()
+    spaces: dict[str, dict[int, None]] = {}  # netns -> the pids in it to read
+    looked: list[tuple[str, int, str]] = []  # unit, pid, netns
     for unit, pids in units.items():
         if authenticated and authenticated.get(unit):
             continue
         for pid in sorted(set(pids)):
-            wide = _table_of(pid, tables, beyond_loopback=True)
-            if not wide:
-                continue
-            seen.add(pid)
-            held = memo.held(pid, frozenset(wide))
-            if not held:
-                continue
+            space = _namespace(pid, tables, beyond_loopback=True)
+            if space is not None and space[1]:
+                spaces.setdefault(space[0], {})[pid] = None
+                looked.append((unit, pid, space[0]))
+    memo = SocketMemo() if memo is None else memo
+    held: dict[int, frozenset[str]] = {}
+    for netns, in_it in spaces.items():
+        held.update(memo.held(netns, list(in_it), tables[netns].keys()))
+    memo.keep_only(held.keys())
+    warnings: list[str] = []
+    for unit, pid, netns in looked:
+        if held.get(pid):
             name = _process_name(pid)
-            for inode in sorted(held):
-                listener = Listener(pid, name, *wide[inode])
+            for inode in sorted(held[pid]):
+                listener = Listener(pid, name, *tables[netns][inode])
                 warnings.append(f"{unit}: {listener} is beyond loopback, without auth")
-    memo.keep_only(seen)
     return warnings
 
 

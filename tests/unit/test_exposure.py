@@ -185,8 +185,8 @@ def test_a_scan_reads_a_process_s_open_files_again_only_when_its_sockets_could_d
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A shard holds hundreds of open files and the same listeners for its life: a scan
-    with a memo reads them again only after a new socket beyond loopback appeared in its
-    namespace, its pid named another process, or MEMO_S went by."""
+    with a memo reads them again only for a socket beyond loopback that no process read
+    holds, for a pid that names another process, or after MEMO_S."""
     real = exposure._socket_table
 
     def mine(pid: int) -> dict[str, tuple[str, str, int]]:  # other processes' sockets
@@ -201,23 +201,84 @@ def test_a_scan_reads_a_process_s_open_files_again_only_when_its_sockets_could_d
         first.bind(("0.0.0.0", 0))
         first.listen()
         one = exposure.process_warnings(me, memo=memo)
-        assert memo.walks == 1
+        assert memo.reads == 1 and len(one) == 1
         assert exposure.process_warnings(me, memo=memo) == one  # from the memo
-        assert memo.walks == 1
-        with socket.socket() as second:  # a new listener: its namespace's set changed
+        assert memo.reads == 1
+        with socket.socket() as second:  # a new socket nobody read holds: read again
             second.bind(("0.0.0.0", 0))
             second.listen()
             two = exposure.process_warnings(me, memo=memo)
-            assert memo.walks == 2
+            assert memo.reads == 2
             assert any(f"0.0.0.0:{second.getsockname()[1]} " in w for w in two)
-        exposure.process_warnings(me, memo=memo)  # ... and when it closed
-        assert memo.walks == 3
+        assert exposure.process_warnings(me, memo=memo) == one  # closed: gone from the
+        assert memo.reads == 2  # namespace's table, nothing to look for
         clock.now = exposure.MEMO_S  # trusted for MEMO_S at most
         assert exposure.process_warnings(me, memo=memo) == one
-        assert memo.walks == 4
+        assert memo.reads == 3
         monkeypatch.setattr(exposure.proctable, "start_time", lambda pid: -1)  # a reused pid
         assert exposure.process_warnings(me, memo=memo) == one
-        assert memo.walks == 5
+        assert memo.reads == 4
+
+
+class Namespace:
+    """One network namespace's processes and sockets, for SocketMemo alone."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pids: int) -> None:
+        self.held = {pid: {f"{pid}-a", f"{pid}-b"} for pid in range(1, pids + 1)}
+        self.read: list[int] = []
+        monkeypatch.setattr(exposure, "_socket_inodes", self._inodes)
+        monkeypatch.setattr(exposure.proctable, "start_time", lambda pid: 7)
+
+    def _inodes(self, pid: int) -> set[str]:
+        self.read.append(pid)
+        return {*self.held[pid], f"{pid}-connection"}  # not in the table: a connection
+
+    def wide(self, *others: str) -> set[str]:
+        return {i for held in self.held.values() for i in held} | set(others)
+
+
+def test_a_shard_that_binds_anew_is_the_one_process_read_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shard's engine that binds new sockets on a weight update closes its old ones: it
+    is read first, and the scan stops once every socket has its holder (the fleet's push:
+    every shard of a node binding anew in turn)."""
+    ns = Namespace(monkeypatch, 32)
+    memo = exposure.SocketMemo()
+    pids = list(ns.held)
+    assert memo.held("ns", pids, ns.wide()) == {p: frozenset(ns.held[p]) for p in pids}
+    assert sorted(ns.read) == pids
+    ns.read.clear()
+    ns.held[20] = {"20-c", "20-d"}  # worker 20 bound anew
+    found = memo.held("ns", pids, ns.wide())
+    assert ns.read == [20] and found[20] == {"20-c", "20-d"}
+    ns.read.clear()
+    ns.held[9].add("9-extra")  # a socket added, none closed: read until found
+    found = memo.held("ns", pids, ns.wide())
+    assert ns.read[-1] == 9 and found[9] == {"9-a", "9-b", "9-extra"}
+    assert len(ns.read) == 9  # in pid order, 1 to 9: no further
+
+
+def test_a_socket_no_process_of_the_stack_holds_is_not_looked_for_at_every_scan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head's etcd and NATS members are left out of the scan (they enforce auth), but
+    their sockets are in the namespace's table: after every process was read once without
+    finding them, they are another's, not a reason to read everything at every scan."""
+    ns = Namespace(monkeypatch, 4)
+    memo = exposure.SocketMemo()
+    pids = list(ns.held)
+    wide = ns.wide("etcd-client", "etcd-peer")
+    memo.held("ns", pids, wide)
+    assert sorted(ns.read) == pids
+    ns.read.clear()
+    assert memo.held("ns", pids, wide) == {p: frozenset(ns.held[p]) for p in pids}
+    assert ns.read == []
+    memo.held("ns", pids, wide | {"nats"})  # a new one nobody holds: everyone once more
+    assert sorted(ns.read) == pids
+    ns.read.clear()
+    memo.held("ns", pids, wide | {"nats"})
+    assert ns.read == []
 
 
 def test_nothing_beyond_loopback_in_a_namespace_reads_no_open_files(
@@ -236,4 +297,4 @@ def test_nothing_beyond_loopback_in_a_namespace_reads_no_open_files(
         local.bind(("127.0.0.1", 0))
         local.listen()
         assert exposure.process_warnings({"me": [os.getpid()]}, memo=memo) == []
-    assert memo.walks == 0
+    assert memo.reads == 0
