@@ -61,6 +61,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
+from bench.fleet_scan import exposure_scan
 from bench.fleet_stack import (
     members,
     replicated,
@@ -379,6 +380,7 @@ def run_fleet(
         phases = result["phase_s"] = {"up": result["up_s"]}
         for name, measure in [
             ("idle", lambda: idle_cost(rig, window=1.0 if quick else 5.0)),
+            ("scan", lambda: exposure_scan(rig, rig.names[0])),
             ("push", lambda: push_all(rig, step=1)),
             ("whole", lambda: whole_again(rig, shards)),
             ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
@@ -743,7 +745,8 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     ref_s, ref_what = one_shards_push(reference, full)
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets)]
     report.tables += [fault_table(fleets), health_table(fleets)]
-    report.tables += [cost_table(fleets), growth_table(fleets), shard_table(full)]
+    report.tables += [cost_table(fleets), scan_table(fleets), growth_table(fleets)]
+    report.tables += [shard_table(full)]
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
     report.target(
         f"push to every shard: trainer's stall / one shard's ({ref_what}, {ref_s:.2f} s), {at}",
@@ -882,6 +885,22 @@ def cost_table(fleets: list[dict[str, Any]]) -> Table:
              p["etcd_revisions"], p["etcd_write_rate"], i["etcd_reads_per_s"],
              i["etcd_writes_per_s"]]
         )  # fmt: skip
+    return table
+
+
+def scan_table(fleets: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "The exposure scan of the head's units, idle (bench/fleet_scan.py): CPU ms of one "
+        "scan, median of 5 each way, side by side",
+        ["nodes", "shards", "processes", "every process's open files read ms",
+         "with the daemon's memo ms", "ratio", "sockets beyond loopback found"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        s = f["scan"]
+        ratio = s["memo_ms"] / s["every_process_ms"] if s["every_process_ms"] else None
+        table.rows.append([f["nodes"], f["shards"], s["processes"], s["every_process_ms"],
+                           s["memo_ms"], ratio, "/".join(map(str, s["found"]))])  # fmt: skip
     return table
 
 
