@@ -49,6 +49,23 @@ DYNAMO_HOSTS = {
 TLS_PLANES = {"DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST"}  # DYN_TCP_TLS_* applies
 # Modules that default every DYNAMO_HOSTS variable to 127.0.0.1 themselves.
 LOOPBACK_DEFAULT_MODULES = frozenset({"dynamod.workers.cpu"})
+# Dynamo's mocker engine (ai-dynamo 1.6.1) binds its ZMQ sockets on every interface
+# whatever the DYNAMO_HOSTS variables say: its KV event publisher and four more, each
+# engine (our CPU worker's `--engine mocker` starts a new one at every cache flush).
+MOCKER_EVERYWHERE = (
+    "Dynamo's mocker engine binds its ZMQ sockets (its KV event publisher and 4 more) on "
+    "every interface whatever DYN_*_HOST say, without auth"
+)
+
+
+def _runs_the_mocker(module: str | None, command: Sequence[str]) -> bool:
+    if module == "dynamo.mocker":
+        return True
+    if module != "dynamod.workers.cpu":
+        return False
+    pairs = zip(command, [*command[1:], ""], strict=True)
+    return any(word == "--engine=mocker" or (word, after) == ("--engine", "mocker")
+               for word, after in pairs)  # fmt: skip
 
 
 def is_loopback(host: str) -> bool:
@@ -132,6 +149,8 @@ def _unit_warnings(unit: UnitSpec, tls_request_plane: bool) -> list[str]:
                 continue
             what = DYNAMO_HOSTS.get(var, var)
             out.append(f"{var}={value} puts the {what} beyond loopback, without auth")
+    if _runs_the_mocker(module, unit.command):
+        out.append(MOCKER_EVERYWHERE)
     if module and module.split(".")[0] == "dynamo" and module not in LOOPBACK_DEFAULT_MODULES:
         for var, what in DYNAMO_HOSTS.items():
             if var not in unit.env:

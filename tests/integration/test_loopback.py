@@ -124,3 +124,21 @@ def test_status_warns_about_a_listener_beyond_loopback(dm: Dynamod, stack_file: 
     assert len(warnings) == 1 and warnings[0].startswith(f"open: pid {unit['pid']} (python")
     assert "tcp 0.0.0.0:" in warnings[0] and warnings[0].endswith("beyond loopback, without auth")
     assert f"warning: {warnings[0]}" in dm.run("status", check=True).stdout
+
+
+def test_the_mocker_engine_s_sockets_beyond_loopback_are_named_by_check_and_by_status(
+    dm: Dynamod,
+) -> None:
+    """Our CPU worker puts Dynamo's planes on loopback, but Dynamo's mocker engine binds its
+    ZMQ sockets on every interface whatever DYN_*_HOST say: `dynamod check` says so from
+    the stack file, before anything runs, and `status` then finds them on the worker's
+    process, and on no other unit's."""
+    mocker = ("--var", "workers=1", "--var", "worker_engine=mocker")
+    checked = dm.run("check", *mocker, check=True)
+    assert f"warning: worker@0: {exposure.MOCKER_EVERYWHERE}" in checked.stderr
+    dm.run("up", "--detach", *mocker, "--timeout", "240", timeout=300, check=True)
+    warnings = sampled_exposure(dm)
+    print("\n".join(warnings))
+    pid = dm.unit("worker@0")["pid"]
+    assert warnings and all(w.startswith(f"worker@0: pid {pid} (python") for w in warnings)
+    assert all(" tcp 0.0.0.0:" in w for w in warnings), warnings

@@ -68,8 +68,25 @@ DYN_SYSTEM_HOST = "0.0.0.0"
 def test_a_dynamo_module_without_host_variables_warns_for_each_plane(tmp_path: Path) -> None:
     resolved = stack(tmp_path, '[units.w]\ncommand = ["python", "-m", "dynamo.mocker"]\n')
     warnings = exposure.spec_warnings(resolved)
-    assert len(warnings) == len(exposure.DYNAMO_HOSTS)
-    assert "w: DYN_TCP_RPC_HOST is not set: Dynamo binds its TCP request plane" in warnings[0]
+    assert warnings[0] == f"w: {exposure.MOCKER_EVERYWHERE}"  # the mocker's own ZMQ sockets
+    assert len(warnings) == 1 + len(exposure.DYNAMO_HOSTS)
+    assert "w: DYN_TCP_RPC_HOST is not set: Dynamo binds its TCP request plane" in warnings[1]
+
+
+@pytest.mark.parametrize(
+    ("engine", "warns"),
+    [(["--engine", "mocker"], True), (["--engine=mocker"], True),
+     (["--engine", "numpy"], False), ([], False)],
+)  # fmt: skip
+def test_the_cpu_worker_warns_only_with_the_mocker_engine(
+    tmp_path: Path, engine: list[str], warns: bool
+) -> None:
+    """The CPU worker puts Dynamo's planes on loopback itself, but not the mocker engine's
+    ZMQ sockets: `--engine mocker` (the fleet's shards) binds five on every interface."""
+    command = ["python", "-m", "dynamod.workers.cpu", "--model-path", "m", *engine]
+    resolved = stack(tmp_path, f"[units.w]\ncommand = {command!r}\n".replace("'", '"'))
+    expected = [f"w: {exposure.MOCKER_EVERYWHERE}"] if warns else []
+    assert exposure.spec_warnings(resolved) == expected
 
 
 def test_zmq_bind_on_every_interface_warns(tmp_path: Path) -> None:
