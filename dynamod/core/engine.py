@@ -38,8 +38,8 @@ from dynamod.core.probes import (
     ready_pause,
 )
 from dynamod.core.restart import Decision, Exit, RestartTracker
+from dynamod.core.slots import Slots
 from dynamod.core.spec import Condition, Stack, UnitSpec
-from dynamod.core.startslots import StartSlots
 from dynamod.core.state import ALLOWED, UnitState, check_transition
 from dynamod.core.status import EngineUnitStatus
 
@@ -171,7 +171,7 @@ class Engine:
         self.stopping = False
         self.killed: dict[str, list[int]] = {}  # unit -> pids SIGKILL reached while stopping
         self._changed = asyncio.Event()
-        self.start_slots = StartSlots(stack.max_starting)  # `[stack] max_starting`
+        self.start_slots = Slots(stack.max_starting)  # `[stack] max_starting`
         self.log_max_bytes = log_max_bytes
         logs = state_dir / "logs"
         for name in stack.order:

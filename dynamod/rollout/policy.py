@@ -40,8 +40,8 @@ from aiohttp import web
 from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.restart import Exit
+from dynamod.core.slots import Slots
 from dynamod.core.spec import Stack
-from dynamod.core.startslots import StartSlots
 from dynamod.core.state import UnitState
 from dynamod.core.status import ExtensionUnitStatus
 from dynamod.rollout import dynamo, policy_table
@@ -184,7 +184,7 @@ class PolicyManager(Extension):
         self.spares = SparePool(self, spec.spares)
         self._removing: set[str] = set()  # the shards an apply in progress removes
         # `[policy] max_updating`: this node's shards applying an update at once
-        self.update_slots = StartSlots(spec.max_updating, "max_updating", "updating")
+        self.update_slots = Slots(spec.max_updating, "max_updating", "updating")
         # Set by a multi-node layer: after a push committed, wait for the other nodes'
         # shards (step -> what to add to the push's answer).
         self.after_commit: Callable[[int], Awaitable[dict[str, Any]]] | None = None

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from dynamod.core import spec
 from dynamod.core.errors import SpecError
+from dynamod.core.slots import Slots
 from dynamod.core.spec import change
 from dynamod.core.spec.diff import StackDiff, diff, lines
-from dynamod.core.startslots import StartSlots
 
 # ------------------------------------------------------------------ the slots
 
@@ -40,7 +40,7 @@ def test_slots_never_grant_past_the_limit_and_go_in_order(
     longest waiting first; a cancelled wait leaves the line; a freed slot goes on at once."""
 
     async def main() -> None:
-        slots = StartSlots(start)
+        slots = Slots(start)
         tasks: dict[str, asyncio.Task[None]] = {}
         line: list[str] = []  # the model: who waits, in order
         holders: list[str] = []
@@ -83,7 +83,7 @@ def test_slots_never_grant_past_the_limit_and_go_in_order(
 
 
 async def test_a_wait_cancelled_as_its_slot_is_granted_gives_the_slot_on() -> None:
-    slots = StartSlots(1)
+    slots = Slots(1)
     await slots.take("a")
     b = asyncio.ensure_future(slots.take("b"))
     c = asyncio.ensure_future(slots.take("c"))
@@ -97,7 +97,7 @@ async def test_a_wait_cancelled_as_its_slot_is_granted_gives_the_slot_on() -> No
 
 
 async def test_the_detail_names_who_is_starting() -> None:
-    slots = StartSlots(2)
+    slots = Slots(2)
     await slots.take("worker@0")
     await slots.take("worker@1")
     assert slots.would_wait()

@@ -32,7 +32,7 @@ class RawStack:
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # registered tables
     files_read: int = 0
     id: str | None = None  # `[stack] id`: the stack's identity in a shared etcd (see below)
-    max_starting: int | None = None  # `[stack] max_starting`: starts at once (core/startslots)
+    max_starting: int | None = None  # `[stack] max_starting`: starts at once (core/slots)
 
 
 _STACK_KEYS = ["stack", "vars", "units", "cluster"]

@@ -1,5 +1,6 @@
-"""How many of a node's units may be starting at once (`[stack] max_starting`), and the
-same line for other bounded work (`[policy] max_updating`: shards applying an update).
+"""A first-come-first-served line for bounded work on a node: how many of its units may be
+starting at once (`[stack] max_starting`, core/engine.py) and how many of its shards may
+be applying a policy update at once (`[policy] max_updating`, rollout/policy.py).
 
 A start is the stretch from spawn until the unit's readiness probe passes (or it stayed up
 `min_uptime`; a oneshot until it exits). What runs after (a rollout shard's replay) has no
@@ -19,7 +20,7 @@ from collections import deque
 from typing import Any
 
 
-class StartSlots:
+class Slots:
     """At most `limit` holders at once (None: no limit). `take` waits its turn in order of
     arrival; `give_back` frees a slot. A limit lowered below the holders now lets them finish
     and hands out no slot until they are below it; a limit raised wakes the waiting."""
