@@ -2,6 +2,7 @@
 
     python -m bench.goodput [--quick] [--json] [--concurrency 4,16]
                             [--supervisors dynamod,supervisord,none]   (make bench-goodput)
+                            [--faults worker_kill,...|none] [--rounds N]
 
 AIPerf (`aiperf profile`, from .venv-aiperf: `make install-aiperf`; the benchmark refuses
 in one line without it) drives the serve-only default stack (2 CPU workers, the stock
@@ -27,12 +28,18 @@ run's (bench.aiperf_run.recovery_s; "never" if not within the run).
 
 --quick: worker_kill only, concurrency 4, dynamod only, a QUICK_RUN_S run; the fault-free
 reference is the run's own requests before the fault. --concurrency 4 and --supervisors
-dynamod,none narrow the full profile (each ~1-2 min per fault and supervisor here).
+dynamod,none narrow the full profile (each ~1-2 min per fault and supervisor here);
+--faults names the faults to inject (`none`: the fault-free runs alone). --rounds N runs
+the whole plan N times, the supervisors taking turns in each round, and adds a table of
+each supervisor's fault-free goodput over the rounds against no supervisor's: the one way
+to tell a supervisor's own cost from this machine's speed, which moves between runs. Only
+one supervisor's stack is up at a time: another's idle processes would share the cores.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 import threading
@@ -305,6 +312,8 @@ class Stacks:
         self.restarts: dict[str, int] = {}
 
     def get(self, cls: type[Variant]) -> Variant:
+        for name in [n for n in self.up if n != cls.name]:  # one stack up at a time: an
+            self.up.pop(name).cleanup()  # idle one's probes and loops share the cores
         run = self.up.get(cls.name)
         if run is not None and serving(run, 90):
             return run
@@ -328,7 +337,7 @@ def plan(args: Any) -> tuple[list[type[Variant]], tuple[int, ...], list[str]]:
     if args.quick:
         return [DynamodRun], (4,), ["worker_kill"]
     runs = [cls for cls in RUNS if cls.name in args.supervisors]
-    return runs, tuple(args.concurrency), list(FAULTS)
+    return runs, tuple(args.concurrency), list(args.faults)
 
 
 def parse_args() -> Any:
@@ -341,7 +350,32 @@ def parse_args() -> Any:
         "--supervisors", type=_names, default=[cls.name for cls in RUNS],
         help="comma-separated, of: dynamod, supervisord, none (full profile; default all)",
     )  # fmt: skip
+    parser.add_argument(
+        "--faults", type=_faults, default=list(FAULTS),
+        help=f"comma-separated, of: {', '.join(FAULTS)}; or none, for the fault-free runs "
+        "alone (full profile; default all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=_rounds, default=1,
+        help="run the plan N times, the supervisors taking turns in each (full profile; "
+        "default 1)",
+    )  # fmt: skip
     return parser.parse_args()
+
+
+def _faults(text: str) -> list[str]:
+    if text == "none":
+        return []
+    if not set(text.split(",")) <= set(FAULTS):
+        raise ValueError(text)
+    return text.split(",")
+
+
+def _rounds(text: str) -> int:
+    rounds = int(text)
+    if not 1 <= rounds <= 20:
+        raise ValueError(text)
+    return rounds
 
 
 def _levels(text: str) -> list[int]:
@@ -365,9 +399,11 @@ def run_all(args: Any, work: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     stacks = Stacks()
     try:
-        for cls in runs:
-            for c in levels:
-                results += one_supervisor(stacks, cls, c, seconds, fault_at, faults, work, quick)
+        for turn in range(1 if quick else args.rounds):
+            for cls in runs:
+                for c in levels:
+                    got = one_supervisor(stacks, cls, c, seconds, fault_at, faults, work, quick)
+                    results += [{**r, "round": turn + 1} for r in got]
     finally:
         stacks.close()
     for r in results:
@@ -460,11 +496,41 @@ def tables(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
         ref = Table(f"Fault-free, {seconds:g} s of AIPerf load", FREE, digits=1)
         ref.rows = [[x for x, h in zip(row(r), HEADERS, strict=True) if h in FREE] for r in base]
         report.tables.append(ref)
+    if any(r.get("round", 1) > 1 for r in base):
+        report.tables.append(rounds_table(base))
     for fault, label in FAULTS.items():
         rows = [row(r) for r in results if r["fault"] == fault]
         if rows:
             title = f"{label}, {fault_at:g} s into {seconds:g} s of AIPerf load"
             report.tables.append(Table(title, HEADERS, rows, digits=1))
+
+
+def rounds_table(base: list[dict[str, Any]]) -> Table:
+    """Each supervisor's fault-free goodput, round by round, against no supervisor's in the
+    same round (their runs minutes apart, not a whole supervisor's runs apart)."""
+    table = Table(
+        "Fault-free goodput over the rounds, the supervisors taking turns in each: the "
+        "supervisor's own cost, side by side",
+        ["supervisor", "concurrency", "goodput req/s, round by round", "median",
+         "/ no supervisor's in the same round (median)", "TTFT p50 ms (median)",
+         "ITL p50 ms (median)"],
+        digits=2,
+    )  # fmt: skip
+    plain = {(r["concurrency"], r["round"]): r["goodput_rps"] for r in base
+             if r["supervisor"] == PlainRun.name}  # fmt: skip
+    for name in dict.fromkeys(r["supervisor"] for r in base):
+        for c in sorted({r["concurrency"] for r in base if r["supervisor"] == name}):
+            mine = [r for r in base if r["supervisor"] == name and r["concurrency"] == c]
+            ratios = [r["goodput_rps"] / plain[(c, r["round"])] for r in mine
+                      if plain.get((c, r["round"]))]  # fmt: skip
+            table.rows.append([
+                name, c, " / ".join(f"{r['goodput_rps']:.1f}" for r in mine),
+                statistics.median(r["goodput_rps"] for r in mine),
+                statistics.median(ratios) if ratios else None,
+                statistics.median(r["ttft_p50_ms"] for r in mine),
+                statistics.median(r["itl_p50_ms"] for r in mine),
+            ])  # fmt: skip
+    return table
 
 
 def notes(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
