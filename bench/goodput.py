@@ -38,6 +38,7 @@ one supervisor's stack is up at a time: another's idle processes would share the
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import subprocess
@@ -204,7 +205,9 @@ def wait_profiling(proc: subprocess.Popen[bytes], artifacts: Path, timeout: floa
 def drive(run: Variant, load: Load, fault: str | None, fault_at: float, work: Path) -> Any:
     """One aiperf run against `run`, `fault` injected `fault_at` s into it; its records,
     summary and the injector (None without a fault)."""
-    artifacts = work / f"{run.name.replace(' ', '-')}-{fault or 'none'}-c{load.concurrency}"
+    name = f"{run.name.replace(' ', '-')}-{fault or 'none'}-c{load.concurrency}"
+    artifacts = next(work / f"{name}-{n}" for n in itertools.count(1)  # a round each
+                     if not (work / f"{name}-{n}").exists())  # fmt: skip
     artifacts.mkdir(parents=True)
     env = aiperf_run.environment(work / "hf")
     env["TMPDIR"] = str(work)  # aiperf's mmap dirs go with the work dir
