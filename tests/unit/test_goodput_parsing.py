@@ -210,11 +210,44 @@ def test_the_full_profile_narrows_by_flag() -> None:
             goodput._levels(bad)
     with pytest.raises(ValueError):
         goodput._names("dynamod,systemd")
-    args = SimpleNamespace(quick=False, concurrency=[16], supervisors=["no supervisor"])
+    assert goodput._faults("none") == []  # the fault-free runs alone
+    assert goodput._faults("push,etcd_kill") == ["push", "etcd_kill"]
+    for bad in ("push,reboot", ""):
+        with pytest.raises(ValueError):
+            goodput._faults(bad)
+    assert goodput._rounds("3") == 3
+    for bad in ("0", "21", "x"):
+        with pytest.raises(ValueError):
+            goodput._rounds(bad)
+    args = SimpleNamespace(quick=False, concurrency=[16], supervisors=["no supervisor"],
+                           faults=list(goodput.FAULTS))  # fmt: skip
     runs, levels, faults = goodput.plan(args)
     assert runs == [goodput.PlainRun] and levels == (16,) and faults == list(goodput.FAULTS)
+    args.faults = []
+    assert goodput.plan(args)[2] == []
     quick = goodput.plan(SimpleNamespace(quick=True, concurrency=[16], supervisors=[]))
     assert quick == ([goodput.DynamodRun], (4,), ["worker_kill"])
+
+
+def test_each_supervisor_is_compared_with_no_supervisor_in_the_same_round() -> None:
+    """--rounds: a supervisor's goodput over no supervisor's of its own round, the median
+    over the rounds (a machine that slows down between rounds slows both alike)."""
+    from bench import goodput
+
+    def run(who: str, turn: int, goodput_rps: float) -> dict[str, Any]:
+        return {"supervisor": who, "concurrency": 16, "round": turn, "fault": "none",
+                "goodput_rps": goodput_rps, "ttft_p50_ms": 50.0, "itl_p50_ms": 4.0}  # fmt: skip
+
+    base = [
+        run("dynamod", 1, 60.0), run("no supervisor", 1, 66.0),
+        run("dynamod", 2, 30.0), run("no supervisor", 2, 30.0),  # the machine slowed
+        run("dynamod", 3, 45.0), run("no supervisor", 3, 50.0),
+    ]  # fmt: skip
+    rows = {r[0]: r for r in goodput.rounds_table(base).rows}
+    assert rows["dynamod"][2] == "60.0 / 30.0 / 45.0"
+    assert rows["dynamod"][3] == 45.0  # the median goodput
+    assert rows["dynamod"][4] == pytest.approx(60 / 66)  # the median of 60/66, 1.0, 0.9
+    assert rows["no supervisor"][4] == 1.0
 
 
 def test_failures_split_around_the_fault() -> None:
