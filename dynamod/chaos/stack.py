@@ -19,6 +19,7 @@ from typing import Any
 from dynamod.chaos.history import Teardown
 from dynamod.client import Client
 from dynamod.core import runrecord
+from dynamod.core.argv import flag_value
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.core.proctable import marked_pids
 
@@ -34,8 +35,9 @@ _MODEL_NAME_FLAGS = ("--model-name", "--served-model-name")
 def served_model_name(command: list[str], default: str = "tiny-cpu") -> str:
     """The model a shard serves, from its command line (`default` if it names none)."""
     for flag in _MODEL_NAME_FLAGS:
-        if flag in command and command.index(flag) + 1 < len(command):
-            return command[command.index(flag) + 1]
+        value = flag_value(command, flag)
+        if value is not None:
+            return value
     return default
 
 

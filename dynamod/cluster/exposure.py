@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from dynamod.core import cgroups, proctable
+from dynamod.core.argv import flag_value
 from dynamod.core.extensions import Extension
 from dynamod.core.spec import Stack, UnitSpec
 from dynamod.core.state import UnitState
@@ -61,11 +62,7 @@ MOCKER_EVERYWHERE = (
 def _runs_the_mocker(module: str | None, command: Sequence[str]) -> bool:
     if module == "dynamo.mocker":
         return True
-    if module != "dynamod.workers.cpu":
-        return False
-    pairs = zip(command, [*command[1:], ""], strict=True)
-    return any(word == "--engine=mocker" or (word, after) == ("--engine", "mocker")
-               for word, after in pairs)  # fmt: skip
+    return module == "dynamod.workers.cpu" and flag_value(command, "--engine") == "mocker"
 
 
 def is_loopback(host: str) -> bool:

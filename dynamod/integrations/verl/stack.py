@@ -11,11 +11,12 @@ talks to the daemon.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamod.core.argv import flag_value
 from dynamod.integrations.verl.config import PREFIX, RolloutSettings
 from dynamod.integrations.verl.errors import RolloutConfigError, StackNotReadyError
 
@@ -70,15 +71,6 @@ class StackView:
         return [s for i, s in enumerate(ordered) if i % replicas == replica_rank]
 
 
-def _flag(command: Sequence[str], flag: str) -> str | None:
-    for i, arg in enumerate(command):
-        if arg == flag and i + 1 < len(command):
-            return str(command[i + 1])
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def parse_status(status: Mapping[str, Any]) -> StackView:
     """The stack as the daemon reports it (the `status --json` object)."""
     units: list[Mapping[str, Any]] = list(status.get("units") or [])
@@ -119,7 +111,7 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         phase=str(status.get("phase", "?")),
         frontend_url=f"http://127.0.0.1:{http}" if http else None,
         frontend_state=str(frontend["state"]) if frontend else None,
-        router_mode=_flag((frontend or {}).get("command") or [], "--router-mode"),
+        router_mode=flag_value((frontend or {}).get("command") or [], "--router-mode"),
         model=model,
         model_path=model_path,
         namespace=namespace,
@@ -127,8 +119,8 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         shards=tuple(sorted(shards, key=lambda s: s.name)),
         current_version=int(policy.get("current") or 0),
         ray_address=f"127.0.0.1:{gcs}" if gcs else None,
-        ray_cpus=_number(_flag(ray_command, "--num-cpus")),
-        ray_gpus=_number(_flag(ray_command, "--num-gpus")),
+        ray_cpus=_number(flag_value(ray_command, "--num-cpus")),
+        ray_gpus=_number(flag_value(ray_command, "--num-gpus")),
     )
 
 
@@ -140,14 +132,15 @@ def _model(
     for unit in units:
         if unit["name"] in shards:
             command = unit.get("command") or []
-            model_path = _flag(command, "--model-path") or _flag(command, "--model")
+            model_path = flag_value(command, "--model-path") or flag_value(command, "--model")
             break
     if router is not None:
-        model = _flag(router.get("command") or [], "--model-name")
+        model = flag_value(router.get("command") or [], "--model-name")
     for unit in units if model is None else []:
         if unit["name"] in shards:
             command = unit.get("command") or []
-            model = _flag(command, "--served-model-name") or _flag(command, "--model-name")
+            served = flag_value(command, "--served-model-name")
+            model = served or flag_value(command, "--model-name")
             break
     return model, model_path
 
