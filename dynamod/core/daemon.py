@@ -27,6 +27,7 @@ from typing import IO, Any, cast
 
 import aiohttp
 import structlog
+from aiohttp import web
 
 from dynamod.core import (
     api,
@@ -331,6 +332,41 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        reaper = self._prepare(loop)
+        guardian = self.guardian
+        assert self.containment is not None and guardian is not None
+        census = None
+        stalls = loop.create_task(loopwatch.watch(), name="loop-watch")
+        if self.containment.kind is cgroups.Kind.PGROUP:
+            census = loop.create_task(guardian.watch_orphans(), name="guardian-census")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._shutdown.set)
+        runner = None
+        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        exit_code = 0
+        try:
+            runner = await self._start_engine(reaper, session)
+            exit_code = await self._bring_up_and_serve()
+        finally:
+            survivors = await self._teardown()
+            if survivors:
+                exit_code = exit_code or 3
+            if runner is not None:
+                with contextlib.suppress(Exception):
+                    await runner.cleanup()
+            await self._stop_extensions()
+            await session.close()
+            if census is not None:
+                census.cancel()
+            stalls.cancel()
+            guardian.close()  # the guardian sees EOF, finds nothing left, exits
+            self.state.release()
+            self.set_phase(Phase.STOPPED)
+        return exit_code
+
+    def _prepare(self, loop: asyncio.AbstractEventLoop) -> process.Reaper:
+        """Take the state dir, sweep what a previous daemon left, find the containment and
+        start the guardian: everything before the first unit can start."""
         self._down_result = loop.create_future()
         self.state.acquire()
         self.events.emit("phase", None, phase=str(self.phase), stack=self.stack.name,
@@ -356,58 +392,41 @@ class Daemon:
             self.run_id, self.containment.root, reaper, on_change=self._write_run
         )
         self.guardian.start()
-        census = None
-        stalls = loop.create_task(loopwatch.watch(), name="loop-watch")
-        if self.containment.kind is cgroups.Kind.PGROUP:
-            census = loop.create_task(self.guardian.watch_orphans(), name="guardian-census")
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._shutdown.set)
-        runner = None
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-        exit_code = 0
-        try:
-            self.engine = Engine(
-                self.stack,
-                state_dir=self.state.path,
-                run_id=self.run_id,
-                host=self._units_host(reaper),
-                session=session,
-                hooks=[],
-            )
-            self.engine.listeners.append(watch_units(self.events))
-            self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
-            for extension in self.extensions:
-                await extension.start(self)  # as its ExtensionHost
-            app = api.build_app(self)
-            for extension in self.extensions:
-                app.router.add_routes(extension.routes())
-            runner = await api.serve(app, paths.socket_path(self.state.path))
-            self.engine.start()
-            exit_code = await self._bring_up_and_serve()
-        finally:
-            survivors = await self._teardown()
-            if survivors:
-                exit_code = exit_code or 3
-            if runner is not None:
-                with contextlib.suppress(Exception):
-                    await runner.cleanup()
-            for extension in self.extensions:  # each in bounded time: the daemon exits
-                try:
-                    async with asyncio.timeout(EXTENSION_STOP_S):
-                        await extension.stop()
-                except TimeoutError:
-                    log.error("extension.stop_timeout", extension=type(extension).__name__,
-                              seconds=EXTENSION_STOP_S)  # fmt: skip
-                except Exception:
-                    log.exception("extension.stop_failed", extension=type(extension).__name__)
-            await session.close()
-            if census is not None:
-                census.cancel()
-            stalls.cancel()
-            self.guardian.close()  # the guardian sees EOF, finds nothing left, exits
-            self.state.release()
-            self.set_phase(Phase.STOPPED)
-        return exit_code
+        return reaper
+
+    async def _start_engine(
+        self, reaper: process.Reaper, session: aiohttp.ClientSession
+    ) -> web.AppRunner:
+        """The engine, its extensions and the control socket; the engine's loop running."""
+        self.engine = Engine(
+            self.stack,
+            state_dir=self.state.path,
+            run_id=self.run_id,
+            host=self._units_host(reaper),
+            session=session,
+            hooks=[],
+        )
+        self.engine.listeners.append(watch_units(self.events))
+        self.engine.env_sources.extend(e.spawn_env for e in self.extensions)
+        for extension in self.extensions:
+            await extension.start(self)  # as its ExtensionHost
+        app = api.build_app(self)
+        for extension in self.extensions:
+            app.router.add_routes(extension.routes())
+        runner = await api.serve(app, paths.socket_path(self.state.path))
+        self.engine.start()
+        return runner
+
+    async def _stop_extensions(self) -> None:
+        for extension in self.extensions:  # each in bounded time: the daemon exits
+            try:
+                async with asyncio.timeout(EXTENSION_STOP_S):
+                    await extension.stop()
+            except TimeoutError:
+                log.error("extension.stop_timeout", extension=type(extension).__name__,
+                          seconds=EXTENSION_STOP_S)  # fmt: skip
+            except Exception:
+                log.exception("extension.stop_failed", extension=type(extension).__name__)
 
     def _units_host(self, reaper: process.Reaper) -> process.OsHost:
         self.units_host = process.OsHost(self.run_id, reaper, self.containment)

@@ -83,7 +83,32 @@ def parse(table: Mapping[str, Any], *, path: Path, node: str | None) -> dict[str
         if key not in _CLUSTER_KEYS:
             known = ", ".join(sorted(_CLUSTER_KEYS))
             raise SpecError(f"unknown key (expected: {known})", file=path, field=f"cluster.{key}")
-    nodes = table.get("nodes")
+    nodes = _nodes(table.get("nodes"), path)
+    head = table.get("head", next(iter(nodes)))
+    if head not in nodes:
+        raise SpecError(
+            f"{head!r} is not one of the nodes ({', '.join(nodes)})",
+            file=path,
+            field="cluster.head",
+        )
+    if node is not None and node not in nodes:
+        raise SpecError(
+            f"node {node!r} is not in the stack's [cluster] nodes ({', '.join(nodes)})",
+            file=path,
+            field="--node",
+        )
+    return {
+        "nodes": nodes,
+        "head": head,
+        "node": node or head,
+        "secrets": _secrets(table.get("secrets"), path),
+        "lease_ttl": _lease_ttl(table.get("lease_ttl", 3.0), path),
+        "registry": _registry(table.get("registry", DEFAULT_REGISTRY), path),
+    }
+
+
+def _nodes(nodes: Any, path: Path) -> dict[str, str]:
+    """`cluster.nodes`: name = address, in order."""
     if not isinstance(nodes, dict) or not nodes:
         raise SpecError(
             'must be a table of node name = address, e.g. { head = "10.77.0.1" }',
@@ -109,25 +134,20 @@ def parse(table: Mapping[str, Any], *, path: Path, node: str | None) -> dict[str
             raise SpecError(
                 f"must be a host address, got {address!r}", file=path, field=f"cluster.nodes.{name}"
             )
-    head = table.get("head", next(iter(nodes)))
-    if head not in nodes:
-        raise SpecError(
-            f"{head!r} is not one of the nodes ({', '.join(nodes)})",
-            file=path,
-            field="cluster.head",
-        )
-    if node is not None and node not in nodes:
-        raise SpecError(
-            f"node {node!r} is not in the stack's [cluster] nodes ({', '.join(nodes)})",
-            file=path,
-            field="--node",
-        )
-    secrets = table.get("secrets")
-    if secrets is not None:
-        if not isinstance(secrets, str) or not secrets:
-            raise SpecError("must be a directory path", file=path, field="cluster.secrets")
-        secrets = str((path.parent / secrets).absolute())
-    lease_ttl = table.get("lease_ttl", 3.0)
+    return {str(k): str(v) for k, v in nodes.items()}
+
+
+def _secrets(secrets: Any, path: Path) -> str | None:
+    """`cluster.secrets`: a directory, relative to the stack file."""
+    if secrets is None:
+        return None
+    if not isinstance(secrets, str) or not secrets:
+        raise SpecError("must be a directory path", file=path, field="cluster.secrets")
+    return str((path.parent / secrets).absolute())
+
+
+def _lease_ttl(lease_ttl: Any, path: Path) -> float:
+    """`cluster.lease_ttl`: seconds, above 0 and at most 60."""
     if (
         isinstance(lease_ttl, bool)
         or not isinstance(lease_ttl, int | float)
@@ -138,7 +158,11 @@ def parse(table: Mapping[str, Any], *, path: Path, node: str | None) -> dict[str
             file=path,
             field="cluster.lease_ttl",
         )
-    registry = table.get("registry", DEFAULT_REGISTRY)
+    return float(lease_ttl)
+
+
+def _registry(registry: Any, path: Path) -> list[str]:
+    """`cluster.registry`: a URL or a list of them (rendered later)."""
     if isinstance(registry, str):
         registry = [registry]
     if (
@@ -147,14 +171,7 @@ def parse(table: Mapping[str, Any], *, path: Path, node: str | None) -> dict[str
         or not all(isinstance(r, str) for r in registry)
     ):
         raise SpecError("must be a URL or a list of URLs", file=path, field="cluster.registry")
-    return {
-        "nodes": {str(k): str(v) for k, v in nodes.items()},
-        "head": head,
-        "node": node or head,
-        "lease_ttl": float(lease_ttl),
-        "secrets": secrets,
-        "registry": registry,
-    }
+    return registry
 
 
 def unit_nodes(

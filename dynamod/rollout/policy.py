@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import struct
@@ -536,26 +537,31 @@ class PolicyManager(Extension):
         ack.waited_ms = waited
         return ack
 
+    async def _step(
+        self, unit: Unit, timings: dict[str, float], name: str, route: str,
+        payload: dict[str, Any],
+    ) -> dict[str, Any]:
+        """One step of an update on `unit`, sent again where `send_again` says so; its
+        milliseconds added to `timings[name]`."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                reply = await self.call(unit, route, payload)
+                break
+            except ShardError as exc:
+                if not send_again(route, exc.detail, time.monotonic() - started):
+                    raise
+                log.warning("policy.step_retried", unit=unit.name, step=name,
+                            attempt=attempt, error=exc.detail[:300])  # fmt: skip
+                await asyncio.sleep(_TAINT_RETRY_S)
+        timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
+        return reply
+
     async def _apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
         timings: dict[str, float] = {}
-
-        async def step(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
-            started = time.monotonic()
-            attempt = 0
-            while True:
-                attempt += 1
-                try:
-                    reply = await self.call(unit, route, payload)
-                    break
-                except ShardError as exc:
-                    if not send_again(route, exc.detail, time.monotonic() - started):
-                        raise
-                    log.warning("policy.step_retried", unit=unit.name, step=name,
-                                attempt=attempt, error=exc.detail[:300])  # fmt: skip
-                    await asyncio.sleep(_TAINT_RETRY_S)
-            timings[name] = timings.get(name, 0.0) + (time.monotonic() - started) * 1000
-            return reply
-
+        step = functools.partial(self._step, unit, timings)
         await step("pause", "pause_generation", {})
         if target is not None and ADMIT_WITHOUT_REPLAY and self.shard_version(unit) is None:
             log.warning("policy.admit_without_replay", unit=unit.name, version=target.version)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -351,20 +351,7 @@ class SparePool:
                         if driver.current_version != version:
                             continue  # a push overtook the replay: replay again
                         if replay_ms == 0.0:
-                            # Verified when it was replayed, and only dynamod calls its admin
-                            # routes (a restarted process gets a new slot): the taint is the
-                            # one call between the loss and the spare serving, and the
-                            # canary through the frontend says the router has seen it.
-                            await timed(
-                                "taint",
-                                "update/model_taints",
-                                {"taints": [*self.taints(unit, version), *own]},
-                            )
-                            started = time.monotonic()
-                            await driver.routed(unit, version)
-                            timings["route"] = (time.monotonic() - started) * 1000
-                            digest = driver.shard_policy(unit).digest
-                            ack = ShardAck(unit.name, version, digest)
+                            ack = await self._admit_current(unit, version, own, timed, timings)
                         slot.role = Role.SERVING
                         ack.timings_ms = {**timings, **ack.timings_ms}
                         self._promoted(
@@ -387,6 +374,26 @@ class SparePool:
                 self._keep_current(unit)
                 self._promote_one(replaced, reason, detail, since, exclude={unit.name})
             # (a spare that died while promoted was replaced by `lost`, as a serving one)
+
+    async def _admit_current(
+        self,
+        unit: Unit,
+        version: int,
+        own: list[str],
+        timed: Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]],
+        timings: dict[str, float],
+    ) -> ShardAck:
+        """A spare already at `version`: verified when it was replayed, and only dynamod
+        calls its admin routes (a restarted process gets a new slot), so the taint is the
+        one call between the loss and the spare serving, and the canary through the
+        frontend says the router has seen it."""
+        await timed(
+            "taint", "update/model_taints", {"taints": [*self.taints(unit, version), *own]}
+        )
+        started = time.monotonic()
+        await self.driver.routed(unit, version)
+        timings["route"] = (time.monotonic() - started) * 1000
+        return ShardAck(unit.name, version, self.driver.shard_policy(unit).digest)
 
     def _promoted(self, unit: Unit, reason: Reason, **facts: Any) -> None:
         """A spare serves: counted, logged in full, and recorded for `dynamod events`."""

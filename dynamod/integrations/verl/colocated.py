@@ -38,7 +38,7 @@ from dynamod.integrations.verl.checkpoint import CheckpointWriter, HostCopy
 from dynamod.integrations.verl.engine import call_route
 from dynamod.integrations.verl.errors import EngineCallError, StackNotReadyError
 from dynamod.integrations.verl.ipc import DEFAULT_BUCKET_BYTES, WeightSender, socket_address
-from dynamod.integrations.verl.stack import Shard, read_stack
+from dynamod.integrations.verl.stack import Shard, StackView, read_stack
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
@@ -71,43 +71,11 @@ class ColocatedSync:
                      origin: dict[str, Any] | None = None) -> dict[str, Any]:
         started = time.monotonic()
         view = read_stack(self.state_dir)
-        targets = self.owned(view.admitted)
-        if not targets and self.rank == 0:
-            raise StackNotReadyError(
-                f"no admitted rollout shard to update to step {step}: "
-                f"{[(s.name, s.state) for s in view.shards]}"
-            )
-        addresses = {s.name: socket_address(self.ipc_dir, s.name) for s in targets}
         errors: dict[str, str] = {}
-        listening = {n for n, a in addresses.items() if Path(a.removeprefix("ipc://")).exists()}
-        if targets and not listening:
-            raise StackNotReadyError(
-                f"weight_sync=ipc, but no shard of stack {view.stack!r} has a weight receiver "
-                f"in {self.ipc_dir} (looked for {sorted(addresses.values())}): run the shards "
-                "with dynamod's worker extension (stack vars worker_extension_cls and "
-                "weight_ipc_dir; set in units/stacks/verl-cpu.toml and units/dynamo-vllm.toml), "
-                "or set engine_kwargs.dynamod.ipc_dir to their weight_ipc_dir"
-            )
-        for name in sorted(set(addresses) - listening):
-            errors[name] = f"no weight receiver at {addresses[name]}"
-        targets = [s for s in targets if s.name in listening]
-        async with aiohttp.ClientSession() as session:
-            paused = await self._each(session, targets, "pause_generation", {"mode": "keep"},
-                                      errors)
-            copy = HostCopy() if self.rank == 0 else None
-            sender = WeightSender([addresses[s.name] for s in paused], self.bucket_bytes,
-                                  self.timeout_s)
-            sent_at = time.monotonic()
-            by_address = await asyncio.to_thread(sender.send, weights, step, copy)
-            send_s = time.monotonic() - sent_at
-            for name, address in addresses.items():
-                if address in sender.errors:
-                    errors[name] = sender.errors[address]
-            acked = [s for s in paused if addresses[s.name] in by_address]
-            for route, body in (("flush_cache", {}), ("set_weight_version",
-                                                      {"weight_version": step})):
-                acked = await self._each(session, acked, route, body, errors)
-        acks = {s.name: by_address[addresses[s.name]].get("digest") for s in acked}
+        targets, addresses = self._receivers(view, step, errors)
+        copy = HostCopy() if self.rank == 0 else None
+        acks, sender, send_s = await self._deliver(targets, addresses, weights, step, copy,
+                                                   errors)
         if self.rank != 0:
             self._leave_acks(step, acks, errors)
             return {"step": step, "acks": acks, "errors": errors}
@@ -144,6 +112,55 @@ class ColocatedSync:
         updates.log_update(self.state_dir, record)
         log.info("verl.colocated_update", **{k: v for k, v in record.items() if k != "acks"})
         return {**record, "publish": published}
+
+    def _receivers(self, view: StackView, step: int,
+                   errors: dict[str, str]) -> tuple[list[Shard], dict[str, str]]:
+        """This rank's admitted shards that have a weight receiver, and every owned shard's
+        receiver address; a shard without one goes into `errors`."""
+        targets = self.owned(view.admitted)
+        if not targets and self.rank == 0:
+            raise StackNotReadyError(
+                f"no admitted rollout shard to update to step {step}: "
+                f"{[(s.name, s.state) for s in view.shards]}"
+            )
+        addresses = {s.name: socket_address(self.ipc_dir, s.name) for s in targets}
+        listening = {n for n, a in addresses.items() if Path(a.removeprefix("ipc://")).exists()}
+        if targets and not listening:
+            raise StackNotReadyError(
+                f"weight_sync=ipc, but no shard of stack {view.stack!r} has a weight receiver "
+                f"in {self.ipc_dir} (looked for {sorted(addresses.values())}): run the shards "
+                "with dynamod's worker extension (stack vars worker_extension_cls and "
+                "weight_ipc_dir; set in units/stacks/verl-cpu.toml and units/dynamo-vllm.toml), "
+                "or set engine_kwargs.dynamod.ipc_dir to their weight_ipc_dir"
+            )
+        for name in sorted(set(addresses) - listening):
+            errors[name] = f"no weight receiver at {addresses[name]}"
+        return [s for s in targets if s.name in listening], addresses
+
+    async def _deliver(
+        self, targets: list[Shard], addresses: dict[str, str],
+        weights: Iterable[tuple[str, Any]], step: int, copy: HostCopy | None,
+        errors: dict[str, str],
+    ) -> tuple[dict[str, Any], WeightSender, float]:
+        """Pause `targets`, send them the weights, flush their KV cache and set their
+        version: each shard that went through all of it, with its digest; the sender; the
+        send's seconds."""
+        async with aiohttp.ClientSession() as session:
+            paused = await self._each(session, targets, "pause_generation", {"mode": "keep"},
+                                      errors)
+            sender = WeightSender([addresses[s.name] for s in paused], self.bucket_bytes,
+                                  self.timeout_s)
+            sent_at = time.monotonic()
+            by_address = await asyncio.to_thread(sender.send, weights, step, copy)
+            send_s = time.monotonic() - sent_at
+            for name, address in addresses.items():
+                if address in sender.errors:
+                    errors[name] = sender.errors[address]
+            acked = [s for s in paused if addresses[s.name] in by_address]
+            for route, body in (("flush_cache", {}), ("set_weight_version",
+                                                      {"weight_version": step})):
+                acked = await self._each(session, acked, route, body, errors)
+        return {s.name: by_address[addresses[s.name]].get("digest") for s in acked}, sender, send_s
 
     async def _each(self, session: aiohttp.ClientSession, shards: list[Shard], route: str,
                     body: dict[str, Any], errors: dict[str, str]) -> list[Shard]:
