@@ -56,6 +56,7 @@ from bench.fleet_growth import (
     SizesError,
     exponent,
     faster_than_linear,
+    history_kb,
     parse_sizes,
     prometheus,
     shards_that_fit,
@@ -83,6 +84,7 @@ from dynamod.core.errors import DynamodError
 
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
 MACHINE_GIB = 24  # what the issue's fleet has to fit in
+IDLE_S = 5.0  # the idle window
 LOAD = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
 
 
@@ -163,6 +165,14 @@ def main() -> None:
         "16); `up s` is then the sum, and each wave's time is in the JSON",
     )
     parser.add_argument(
+        "--idle",
+        type=float,
+        default=IDLE_S,
+        help=f"seconds of the idle window (default {IDLE_S:g}; 1 in --quick): each shard's "
+        "and daemon's CPU, etcd's reads and writes, and how fast etcd's kept history grows "
+        "(a node's registry entry is rewritten every 20 s: take 120 or more for that)",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep each fleet's work dir (the daemons' and units' logs) after a clean run "
@@ -188,6 +198,8 @@ def main() -> None:
         parser.error(f"--max-starting: 1 to 256, got {args.max_starting}")
     if args.max_updating is not None and not 1 <= args.max_updating <= 256:
         parser.error(f"--max-updating: 1 to 256, got {args.max_updating}")
+    if not 1 <= args.idle <= 3600:
+        parser.error(f"--idle: seconds from 1 to 3600, got {args.idle:g}")
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -214,6 +226,7 @@ def main() -> None:
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                     max_starting=args.max_starting, max_updating=args.max_updating,
+                    idle_s=args.idle,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -336,6 +349,7 @@ def run_fleet(
     live_timeout: float | None = None,
     max_starting: int | None = None,
     max_updating: int | None = None,
+    idle_s: float = 5.0,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -379,7 +393,7 @@ def run_fleet(
         }
         phases = result["phase_s"] = {"up": result["up_s"]}
         for name, measure in [
-            ("idle", lambda: idle_cost(rig, window=1.0 if quick else 5.0)),
+            ("idle", lambda: idle_cost(rig, window=1.0 if quick else idle_s)),
             ("scan", lambda: exposure_scan(rig, rig.names[0])),
             ("push", lambda: push_all(rig, step=1)),
             ("whole", lambda: whole_again(rig, shards)),
@@ -488,6 +502,7 @@ def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
     per_node = len(shards) / len(rig.names)
     return {
         "etcd_writes_per_s": writes(etcd_before, etcd_after) / took,
+        "etcd_history_kb_per_min": history_kb(etcd_before, etcd_after) / took * 60,
         "etcd_reads_per_s": (etcd_after["ranges"] - etcd_before["ranges"]) / took,
         "shard_cpu_pct": statistics.mean(share[p] for p in shards.values() if p in share),
         "shard_rss_mb": statistics.mean(rss_mb(p) for p in shards.values() if p in share),
@@ -552,6 +567,7 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
         "etcd_after": after,
         "etcd_writes": writes(before, after),
         "etcd_revisions": after["revision"] - before["revision"],
+        "etcd_history_kb": history_kb(before, after),
         "etcd_write_rate": writes(before, after) / stall,
         "cpu": {
             "busy_s": busy,
@@ -724,6 +740,7 @@ GROWTH = {  # label -> path in a fleet's result
     "etcd keys written per push": ("push", "etcd_writes"),
     "etcd reads / s, idle": ("idle", "etcd_reads_per_s"),
     "etcd keys written / s, idle": ("idle", "etcd_writes_per_s"),
+    "etcd history KB per push": ("push", "etcd_history_kb"),
     "cut: out of routing, s": ("cut", "rerouted_s"),
     "kill 10 %: serving again, s": ("kill", "back_s"),
     "daemon CPU % per shard (idle)": ("idle", "daemon_cpu_pct_per_shard"),
@@ -873,7 +890,8 @@ def cost_table(fleets: list[dict[str, Any]]) -> Table:
         ["nodes", "shards", "shard CPU %", "shard PSS MB", "daemon CPU % / shard",
          "daemon RSS MB", "daemon RSS MB / shard", "etcd keys", "watchers",
          "keys written / push", "revisions / push", "keys written / s of push",
-         "reads / s idle", "keys written / s idle"],
+         "reads / s idle", "keys written / s idle", "history KB / push",
+         "history KB / min idle", "store MB at the end"],
         digits=2,
     )  # fmt: skip
     for f in fleets:
@@ -883,7 +901,9 @@ def cost_table(fleets: list[dict[str, Any]]) -> Table:
              i["daemon_cpu_pct_per_shard"], i["daemon_rss_mb"], i["daemon_rss_mb_per_shard"],
              p["etcd_after"]["keys"], p["etcd_after"]["watchers"], p["etcd_writes"],
              p["etcd_revisions"], p["etcd_write_rate"], i["etcd_reads_per_s"],
-             i["etcd_writes_per_s"]]
+             i["etcd_writes_per_s"], p.get("etcd_history_kb", math.nan),
+             i.get("etcd_history_kb_per_min", math.nan),
+             p["etcd_after"].get("db_bytes", math.nan) / 1e6]
         )  # fmt: skip
     return table
 

@@ -17,6 +17,10 @@ ETCD_METRICS = {
     "ranges": "etcd_mvcc_range_total",  # reads
     "puts": "etcd_mvcc_put_total",
     "deletes": "etcd_mvcc_delete_total",
+    # the store's file and the part of it in use: what history etcd keeps (every revision
+    # of every key until a compaction) grows the second
+    "db_bytes": "etcd_mvcc_db_total_size_in_bytes",
+    "db_in_use_bytes": "etcd_mvcc_db_total_size_in_use_in_bytes",
 }
 WRITES = ("puts", "deletes")
 
@@ -84,6 +88,13 @@ def prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
 def writes(before: dict[str, float], after: dict[str, float]) -> float:
     """Keys etcd wrote (put or deleted) between two readings."""
     return sum(after[k] - before[k] for k in WRITES)
+
+
+def history_kb(before: dict[str, float], after: dict[str, float]) -> float:
+    """KB the store's part in use grew by between two readings: what etcd kept of the
+    writes meanwhile (every revision stays until a compaction frees it; page-sized steps,
+    and a compaction meanwhile makes it smaller or negative)."""
+    return (after["db_in_use_bytes"] - before["db_in_use_bytes"]) / 1024
 
 
 # A shard on the mocker engine holds two of Dynamo's runtimes with file discovery, each an
