@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from dynamod.cluster import secrets
+
+# etcd's periodic retention: a Go duration ("1h", "10m", "1h30m", "90s") or whole hours ("0": off)
+HISTORY = re.compile(r"[0-9]+|([0-9]+(\.[0-9]+)?(h|m|s|ms))+")
 
 
 def etcd_argv(
@@ -26,8 +30,15 @@ def etcd_argv(
     peer_port: int,
     metrics_port: int,
     cluster_token: str,
+    history: str = "1h",
 ) -> list[str]:
-    """etcd's command line for member `name`. Only paths enter it, never a secret."""
+    """etcd's command line for member `name`. Only paths enter it, never a secret.
+    `history`: how long etcd keeps old revisions (a periodic compaction; "0" keeps all)."""
+    if not HISTORY.fullmatch(history):
+        raise secrets.SecretsError(
+            f"--history: a duration such as 1h, 10m or 90s (or 0: keep every revision), "
+            f"got {history!r}"
+        )
     if name not in nodes:
         raise secrets.SecretsError(f"--name: node {name!r} is not in --nodes ({', '.join(nodes)})")
     files = loaded.node(name)
@@ -56,23 +67,23 @@ def etcd_argv(
         cluster_token,
         "--listen-metrics-urls",
         f"http://127.0.0.1:{metrics_port}",
-        "--cert-file",
-        str(files.server_cert),
-        "--key-file",
-        str(files.server_key),
-        "--trusted-ca-file",
-        ca,
-        "--client-cert-auth",
-        "--peer-cert-file",
-        str(files.server_cert),
-        "--peer-key-file",
-        str(files.server_key),
-        "--peer-trusted-ca-file",
-        ca,
-        "--peer-client-cert-auth",
+        *_tls(str(files.server_cert), str(files.server_key), ca),
+        "--auto-compaction-mode",
+        "periodic",
+        "--auto-compaction-retention",
+        history,
         "--log-level",
         "warn",
     ]
+
+
+def _tls(cert: str, key: str, ca: str) -> list[str]:
+    """TLS with client certificates required, for clients and peers alike."""
+    return [
+        "--cert-file", cert, "--key-file", key, "--trusted-ca-file", ca, "--client-cert-auth",
+        "--peer-cert-file", cert, "--peer-key-file", key, "--peer-trusted-ca-file", ca,
+        "--peer-client-cert-auth",
+    ]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peer-port", type=int, default=2380)
     parser.add_argument("--metrics-port", type=int, default=2381)
     parser.add_argument("--cluster-token", default="dynamod")
+    parser.add_argument(
+        "--history", default="1h", help="how long etcd keeps old revisions (default 1h; 0: all)"
+    )
     args = parser.parse_args(argv)
     etcd = shutil.which("etcd")
     if etcd is None:
@@ -112,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             peer_port=args.peer_port,
             metrics_port=args.metrics_port,
             cluster_token=args.cluster_token,
+            history=args.history,
         )
     except secrets.SecretsError as exc:
         print(f"dynamod.cluster.etcd_member: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ import pytest
 from dynamod.core.ports import listening
 from dynamod.rollout import dynamo
 from tests.conftest import Dynamod, unit_by_name, wait_dead
+from tests.integration import etcd_history
 
 pytestmark = pytest.mark.slow
 
@@ -200,6 +201,42 @@ def test_kill_9_worker_under_load_loses_no_request(dm: Dynamod) -> None:
     assert not set(victim["dynamo"]["instance_ids"]) & registered
     log = dm.daemon_log()
     assert '"event": "dynamo.revoked"' in log
+
+
+def test_the_router_follows_new_registrations_through_etcd_compactions(dm: Dynamod) -> None:
+    """The stock etcd compacts its history (`etcd_history`: 1 h; 2 s here). Dynamo's frontend
+    finds its workers through an etcd watch, and a watch that comes back asking for a
+    revision etcd no longer keeps is refused. After etcd's kill -9 and restart (every watch
+    comes back) and compactions past it, a restarted worker's new registration still
+    reaches the router, and requests are served."""
+    dm.run("up", "--detach", "--var", "trainer_steps=0", "--var", "etcd_history=2s",
+           timeout=300, check=True)  # fmt: skip
+    status = dm.status()
+    url = frontend_url(status)
+    etcd = unit_by_name(status, "etcd")
+    port = etcd["ports"]["client"]
+    first = etcd_history.rewrite(port, 30)[0]
+    assert etcd_history.kept(port, first, wait_s=10) is False  # compacted past every watch
+    os.kill(etcd["pid"], signal.SIGKILL)
+    dm.wait_ready_again("etcd", etcd["pid"], timeout=60)
+    again = etcd_history.rewrite(port, 30)[0]
+    assert etcd_history.kept(port, again, wait_s=10) is False  # and past the watches' return
+
+    victim = unit_by_name(dm.status(), "worker@0")
+    os.kill(victim["pid"], signal.SIGKILL)
+    back = dm.wait_ready_again("worker@0", victim["pid"], timeout=60)
+    new_ids = set(back["dynamo"]["instance_ids"])
+    assert new_ids and new_ids.isdisjoint(victim["dynamo"]["instance_ids"])
+
+    async def routed_then_served() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            deadline = time.monotonic() + 30
+            while not new_ids <= await dynamo.frontend_routed_instances(session, url, "local"):
+                assert time.monotonic() < deadline, "the router never saw the new registration"
+                await asyncio.sleep(0.1)
+            return [(await complete(session, url, f"after {i}"))[0] for i in range(10)]
+
+    assert asyncio.run(routed_then_served()) == [200] * 10
 
 
 def test_wrong_model_directory_fails_up_cleanly(dm: Dynamod, tmp_path: Path) -> None:

@@ -140,10 +140,23 @@ def test_etcd_member_argv_requires_client_certs_and_holds_no_secret(made: secret
     assert "--client-cert-auth" in argv and "--peer-client-cert-auth" in argv
     assert "--listen-client-urls https://10.77.0.2:2379,https://127.0.0.1:2379" in joined
     assert "--listen-metrics-urls http://127.0.0.1:2381" in joined
+    assert "--auto-compaction-mode periodic --auto-compaction-retention 1h" in joined
     assert "head=https://10.77.0.1:2380,n1=https://10.77.0.2:2380,n2=https://10.77.0.3:2380" in argv
     assert "http://10.77" not in joined
     for word in vars(made.credentials).values():
         assert word not in joined
+    kept = etcd_member.etcd_argv(
+        etcd="etcd", name="n1", nodes=NODES, loaded=made, data_dir=Path("/d"),
+        client_port=2379, peer_port=2380, metrics_port=2381, cluster_token="t", history="0",
+    )  # fmt: skip
+    assert "--auto-compaction-retention 0" in " ".join(kept)
+    for bad in ("", "1 h", "an hour", "-1h", "1d"):
+        with pytest.raises(secrets.SecretsError, match="--history: a duration"):
+            etcd_member.etcd_argv(
+                etcd="etcd", name="n1", nodes=NODES, loaded=made, data_dir=Path("/d"),
+                client_port=2379, peer_port=2380, metrics_port=2381, cluster_token="t",
+                history=bad,
+            )  # fmt: skip
     with pytest.raises(secrets.SecretsError, match="node 'n7' is not in --nodes"):
         etcd_member.etcd_argv(
             etcd="etcd", name="n7", nodes=NODES, loaded=made, data_dir=Path("/d"),
