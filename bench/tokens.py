@@ -10,6 +10,12 @@ and asks for `max_tokens` tokens; the other worker stays idle, as on the default
 between rollouts. tokens/s = completion tokens of all requests / wall time of the batch.
 TTFT = time from sending to the first streamed chunk with a token, for a 32-token prompt,
 one request at a time (each prompt fresh, so no prefix-cache hit).
+
+TTFT again through raw sockets, two kept-alive connections taking turns request by request:
+one reading plainly, one setting TCP_QUICKACK before each read (its ACKs go out at once
+instead of after Linux's delayed-ACK timer, up to 40 ms). The frontend writes the response
+head and the first event separately and its connections have Nagle's algorithm on
+(Dynamo 1.6.1's axum server sets no TCP_NODELAY): the event waits for the ACK of the head.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -95,6 +102,63 @@ async def measure(url: str, instance: int | None, quick: bool) -> dict[str, Any]
     return out
 
 
+def raw_request(sock: socket.socket, instance: int | None, prompt_ids: list[int],
+                quickack: bool, max_tokens: int = 1) -> tuple[float, int]:
+    """One streamed completion over a kept-alive raw connection: its TTFT ms (until the
+    first event with `choices`) and how many reads brought events (1: the whole stream
+    arrived at once)."""
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt_ids, "max_tokens": max_tokens,
+                            "ignore_eos": True, "stream": True}  # fmt: skip
+    if instance is not None:
+        body["nvext"] = {"backend_instance_id": instance}
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")  # fmt: skip
+    started = time.monotonic()
+    sock.sendall(head.encode() + data)
+    seen, first, arrivals = b"", None, 0
+    while b"data: [DONE]" not in seen:
+        if quickack:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise RuntimeError("the frontend closed the connection mid-stream")
+        arrivals += b'"choices"' in chunk
+        seen += chunk
+        if first is None and b'"choices"' in seen:
+            first = (time.monotonic() - started) * 1000
+        if b" 200 OK" not in seen[:64] and b"\r\n\r\n" in seen:
+            raise RuntimeError(f"frontend answered {seen[:200]!r}")
+    if first is None:
+        raise RuntimeError("no event with choices in the stream")
+    return first, arrivals
+
+
+def raw_ttfts(port: int, instance: int | None, runs: int, streams: int,
+              max_tokens: int) -> dict[str, dict[str, list[float]]]:
+    """Through two kept-alive raw connections taking turns (plain, quickack): the TTFT ms
+    of `runs` one-token requests, and the reads that brought events in each of `streams`
+    streams of `max_tokens` tokens."""
+    out: dict[str, dict[str, list[float]]] = {
+        kind: {"ttft": [], "arrivals": []} for kind in ("plain", "quickack")
+    }
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as plain, \
+            socket.create_connection(("127.0.0.1", port), timeout=30) as quick:  # fmt: skip
+        pair = (("plain", plain, False), ("quickack", quick, True))
+        for _, sock, ack in pair:  # warm both
+            raw_request(sock, instance, prompt(32, 90_000 + int(ack)), ack)
+        for i in range(runs):
+            for kind, sock, ack in pair:
+                salt = 60_000 + 2 * i + int(ack)
+                out[kind]["ttft"].append(raw_request(sock, instance, prompt(32, salt), ack)[0])
+        for i in range(streams):
+            for kind, sock, ack in pair:
+                salt = 80_000 + 2 * i + int(ack)
+                _, arrivals = raw_request(sock, instance, prompt(32, salt), ack, max_tokens)
+                out[kind]["arrivals"].append(arrivals)
+    return out
+
+
 @entry
 def main() -> None:
     args = options(__doc__.splitlines()[0]).parse_args()
@@ -115,6 +179,12 @@ def main() -> None:
                     results[engine] = asyncio.run(
                         measure(f"http://127.0.0.1:{port}", int(instance), args.quick)
                     )
+                    raw = raw_ttfts(port, int(instance), 10 if args.quick else 40,
+                                    3 if args.quick else 10, 32 if args.quick else 64)
+                    results[engine]["raw"] = {
+                        kind: {"ttft_ms": summary(v["ttft"]), "arrivals": summary(v["arrivals"])}
+                        for kind, v in raw.items()
+                    }
                 finally:
                     dm.close()
     finally:
@@ -145,6 +215,22 @@ def main() -> None:
             ]
         )
     report.tables.append(table)
+    acks = Table(
+        "Through kept-alive raw connections taking turns, the client's ACKs delayed (Linux's "
+        "default) or sent at once (TCP_QUICKACK): TTFT ms, and the reads that brought a "
+        "stream's events (1: the whole stream at once)",
+        ["engine", "TTFT p50 plain", "TTFT p95 plain", "TTFT p50 quickack",
+         "TTFT p95 quickack", "plain / quickack", "reads with events, median: plain",
+         "quickack", "tokens a stream"],
+    )
+    for engine, r in results.items():
+        plain, quick = r["raw"]["plain"], r["raw"]["quickack"]
+        acks.rows.append([engine, plain["ttft_ms"]["median"], plain["ttft_ms"]["p95"],
+                          quick["ttft_ms"]["median"], quick["ttft_ms"]["p95"],
+                          ratio(plain["ttft_ms"]["median"], quick["ttft_ms"]["median"]),
+                          plain["arrivals"]["median"], quick["arrivals"]["median"],
+                          32 if args.quick else 64])  # fmt: skip
+    report.tables.append(acks)
     if "numpy" in results:
         numpy_result = results["numpy"]
         report.target(
