@@ -30,6 +30,7 @@ side (the reference: the head's median shard's own time in the same push).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -49,6 +50,7 @@ from typing import Any
 
 import structlog
 
+from bench import fleet_history
 from bench.fleet_growth import (
     ETCD_METRICS,
     INOTIFY_PER_SHARD,
@@ -545,6 +547,8 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     used = cpu_since(cpu_before)
     restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     after = etcd_counters(rig)
+    by_key = rig.in_node(rig.names[0], lambda: asyncio.run(fleet_history.writes_between(
+        "http://127.0.0.1:2379", int(before["revision"]) + 1, int(after["revision"]))))
     acks = answer["acks"]
     bad = {k: v.get("error") or v for k, v in acks.items() if not v.get("ok")}
     if bad:
@@ -568,6 +572,7 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
         "etcd_writes": writes(before, after),
         "etcd_revisions": after["revision"] - before["revision"],
         "etcd_history_kb": history_kb(before, after),
+        "etcd_writes_by_key": by_key,
         "etcd_write_rate": writes(before, after) / stall,
         "cpu": {
             "busy_s": busy,
@@ -762,7 +767,8 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     ref_s, ref_what = one_shards_push(reference, full)
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets)]
     report.tables += [fault_table(fleets), health_table(fleets)]
-    report.tables += [cost_table(fleets), scan_table(fleets), growth_table(fleets)]
+    report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
+                      growth_table(fleets)]
     report.tables += [shard_table(full)]
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
     report.target(
@@ -905,6 +911,22 @@ def cost_table(fleets: list[dict[str, Any]]) -> Table:
              i.get("etcd_history_kb_per_min", math.nan),
              p["etcd_after"].get("db_bytes", math.nan) / 1e6]
         )  # fmt: skip
+    return table
+
+
+def history_table(fleets: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "What the push wrote to etcd, by kind of key (bench/fleet_history.py): KB of key and "
+        "value kept in etcd's history (writes), most first",
+        ["nodes", "shards", "writes", "KB", "by key"],
+        digits=1,
+    )
+    for f in fleets:
+        by_key = f["push"].get("etcd_writes_by_key") or {}
+        table.rows.append([f["nodes"], f["shards"],
+                           sum(v["writes"] for v in by_key.values()),
+                           sum(v["kb"] for v in by_key.values()),
+                           fleet_history.summary_of(by_key) or "-"])  # fmt: skip
     return table
 
 

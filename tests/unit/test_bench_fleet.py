@@ -185,3 +185,28 @@ def test_max_updating_is_set_in_the_fleet_stack_s_policy_table() -> None:
         "max_starting 2, max_updating 4")
     with pytest.raises(StackShapeError, match=r"\[policy\]"):
         with_max_updating(stock.replace("[policy]\n", "[policy] \n"), 2)
+
+
+def test_fleet_history_sums_writes_by_kind_of_key() -> None:
+    from bench import fleet_history
+
+    assert fleet_history.key_class("dynamod/cluster/cluster/nodes/n1") == "cluster/nodes"
+    assert fleet_history.key_class("dynamod/cluster/policy/current") == "policy/current"
+    assert fleet_history.key_class("dynamod/cluster/policy/history/000000000002") == (
+        "policy/history"
+    )
+    assert fleet_history.key_class("dynamod/cluster/shards/worker@3") == "shards"
+    assert fleet_history.key_class("v1/instances/dynamod/backend/generate/1a") == (
+        "dynamo instances"
+    )
+    assert fleet_history.key_class("dynamod/x") == "dynamod"
+    assert fleet_history.key_class("") == "(empty)"
+    totals: dict[str, dict[str, float]] = {}
+    fleet_history.add_write(totals, "dynamod/s/cluster/nodes/n1", b"x" * 2048)
+    fleet_history.add_write(totals, "dynamod/s/cluster/nodes/n2", b"x" * 1024)
+    fleet_history.add_write(totals, "dynamod/s/shards/w", b"")  # a delete: the key only
+    rows = fleet_history.by_class(totals)
+    assert [r[0] for r in rows] == ["cluster/nodes", "shards"]
+    key_bytes = len("dynamod/s/cluster/nodes/n1") * 2
+    assert rows[0][1] == 2 and rows[0][2] == (3072 + key_bytes) / 1024
+    assert fleet_history.summary_of(totals).startswith("cluster/nodes 3 KB (2), shards 0 KB (1)")
