@@ -15,7 +15,7 @@ TTFT again through raw sockets, two kept-alive connections taking turns request 
 one reading plainly, one setting TCP_QUICKACK before each read (its ACKs go out at once
 instead of after Linux's delayed-ACK timer, up to 40 ms). The frontend writes the response
 head and the first event separately and its connections have Nagle's algorithm on
-(Dynamo 1.6.1's axum server sets no TCP_NODELAY): the event waits for the ACK of the head.
+(Dynamo's HTTP service sets no TCP_NODELAY): the event waits for the ACK of the head.
 """
 
 from __future__ import annotations
