@@ -351,7 +351,7 @@ def run_fleet(
     live_timeout: float | None = None,
     max_starting: int | None = None,
     max_updating: int | None = None,
-    idle_s: float = 5.0,
+    idle_s: float = IDLE_S,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills

@@ -12,6 +12,7 @@ from typing import Any
 from dynamod.rollout.etcd import EtcdClient
 
 REPLAY_S = 5.0  # a historic watch delivers at once: this bounds the read, whatever happens
+LAST_S = 0.2  # after the last revision's first event, for the rest of its transaction
 
 
 def key_class(key: str) -> str:
@@ -40,11 +41,13 @@ async def writes_between(url: str, first: int, last: int) -> dict[str, dict[str,
         return totals
     async with EtcdClient([url]) as etcd:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(REPLAY_S):
+            async with asyncio.timeout(REPLAY_S) as deadline:
                 async for event in etcd.watch_prefix("", start_revision=first):
                     if event.mod_revision > last:
                         break
                     add_write(totals, event.key, event.value)
+                    if event.mod_revision == last:  # its transaction's other keys come with it
+                        deadline.reschedule(asyncio.get_running_loop().time() + LAST_S)
     return totals
 
 

@@ -4,23 +4,17 @@ ask for an old revision of it (etcd refuses one that a compaction removed)."""
 from __future__ import annotations
 
 import base64
-import json
 import time
-import urllib.error
-import urllib.request
+
+from tests.integration.rawstack import http_json
 
 KEY = base64.b64encode(b"dynamod-test/history").decode()
 
 
 def etcd_call(port: int, path: str, body: dict[str, object]) -> dict[str, object]:
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v3/{path}", data=json.dumps(body).encode(), method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=2) as resp:
-            answer: dict[str, object] = json.loads(resp.read())
-    except urllib.error.HTTPError as err:  # etcd's gateway answers an error with its JSON
-        answer = json.loads(err.read())
+    """etcd's JSON answer (an error's too: the gateway answers those with JSON)."""
+    _, answer = http_json("POST", f"http://127.0.0.1:{port}/v3/{path}", body, timeout=2)
+    assert isinstance(answer, dict), answer
     return answer
 
 
