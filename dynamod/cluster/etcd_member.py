@@ -7,16 +7,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from dynamod.cluster import secrets
-
-# etcd's periodic retention: a Go duration ("1h", "10m", "1h30m", "90s") or whole hours ("0": off)
-HISTORY = re.compile(r"[0-9]+|([0-9]+(\.[0-9]+)?(h|m|s|ms))+")
+from dynamod.core.spec.varformats import DURATION as HISTORY  # etcd's periodic retention
 
 
 def etcd_argv(

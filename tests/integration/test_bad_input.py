@@ -268,3 +268,25 @@ def test_an_unknown_var_is_refused_naming_it_the_stack_and_the_closest_names(
     assert str(stack) in result.stderr and "Traceback" not in result.stderr
     assert list(out.iterdir()) == [] and result.stdout == ""
     assert_nothing_started(dm)
+
+
+# a var with a declared format (`[var_formats]`), through each command that resolves the
+# stack: refused before anything starts, not as the program's own failure once it runs
+@pytest.mark.parametrize("command, var, expect", [
+    (_UP, "etcd_history=bogus", "field '--var etcd_history': must be a duration"),
+    (_CHECK, "etcd_history=-1h", "field '--var etcd_history': must be a duration"),
+    (_EXPORT, "dynamo_lease_ttl=0", "must be a whole number of seconds above 0, got 0"),
+    (_SYSTEMD, "migration_limit=-1", "must be a whole number, 0 or more, got -1"),
+])
+def test_a_var_that_is_not_its_format_is_refused_before_anything_starts(
+    dm: Dynamod, tmp_path: Path, command: list[str], var: str, expect: str
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    result = dm.run(*[a.format(out=out) for a in command], "--var", var)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and expect in result.stderr, result.stderr
+    assert str(paths.units_dir() / "stacks" / "local.toml") in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert list(out.iterdir()) == []
+    assert_nothing_started(dm)

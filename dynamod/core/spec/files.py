@@ -12,6 +12,7 @@ from typing import Any
 
 from dynamod.core import limits, tomlfile
 from dynamod.core.errors import SpecError
+from dynamod.core.spec import varformats
 
 
 @dataclass
@@ -28,6 +29,7 @@ class RawStack:
     units: dict[str, RawUnit] = field(default_factory=dict)
     vars: dict[str, Any] = field(default_factory=dict)  # defaults, then --var on top
     defaults: dict[str, Any] = field(default_factory=dict)  # as the files declare them
+    formats: dict[str, str] = field(default_factory=dict)  # `[var_formats]`: var -> format
     cluster: dict[str, Any] | None = None
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)  # registered tables
     files_read: int = 0
@@ -35,7 +37,7 @@ class RawStack:
     max_starting: int | None = None  # `[stack] max_starting`: starts at once (core/slots)
 
 
-_STACK_KEYS = ["stack", "vars", "units", "cluster"]
+_STACK_KEYS = ["stack", "vars", "var_formats", "units", "cluster"]
 _STACK_TABLE_KEYS = {"name", "id", "include", "description", "max_starting"}
 # Every stack has this variable: its identity in an etcd it shares (dynamod's keys live
 # under `dynamod/<stack_id>/`, and the stock units' Dynamo namespace is it). Its default is
@@ -146,15 +148,22 @@ def _take_vars(
     is_root: bool,
 ) -> None:
     """The stack file's vars are the stack's; an included file's fill in what is unset
-    (the first include to set one wins)."""
+    (the first include to set one wins). So do their `[var_formats]`."""
     file_vars = data.get("vars", {})
     if not isinstance(file_vars, dict):
         raise SpecError("must be a table", file=path, field="vars")
+    formats = data.get("var_formats", {})
+    if not isinstance(formats, dict):
+        raise SpecError("must be a table", file=path, field="var_formats")
+    varformats.check_declared(formats, file_vars, path)
     if is_root:
         stack.vars = dict(file_vars)
+        stack.formats.update(formats)
     else:
         for key, value in file_vars.items():
             included_vars.setdefault(key, value)
+        for key, format_name in formats.items():
+            stack.formats.setdefault(key, format_name)
 
 
 def _root_table(data: Mapping[str, Any], key: str, path: Path, *, is_root: bool) -> dict[str, Any]:

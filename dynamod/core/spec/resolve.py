@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from dynamod.core import graph, limits, paths
 from dynamod.core.errors import CycleError, SpecError, SpecErrors
 from dynamod.core.placement import ClusterSpec
-from dynamod.core.spec import links, nodes, tables
+from dynamod.core.spec import links, nodes, tables, varformats
 from dynamod.core.spec.files import STACK_ID_VAR, RawStack, RawUnit, check_id, load_stack
 from dynamod.core.spec.models import Condition, LimitsSpec, SpecModel, UnitSpec
 from dynamod.core.spec.render import Renderer, as_int, check_error_count, pydantic_errors
@@ -79,7 +79,7 @@ def resolve_stack(
     renderer = Renderer()
     python = python or sys.executable
     cluster, where = _first(lambda: _nodes(raw, node))
-    context = base_context(raw, state_dir, python, cluster, renderer)
+    context = _first(lambda: base_context(raw, state_dir, python, cluster, renderer))
     stack_id = _first(lambda: check_id(context["vars"].get(STACK_ID_VAR), raw.path, "--var"))
     extra = _first(lambda: tables.extra_replicas(raw, context, renderer))
     if cluster is not None:
@@ -140,6 +140,8 @@ def base_context(
         key: renderer.field(value, context, holder, f"vars.{key}")
         for key, value in raw.vars.items()
     }
+    given = {k: v for k, v in raw.vars.items() if k not in raw.defaults or raw.defaults[k] != v}
+    varformats.check_values(context["vars"], raw.formats, given, raw.path)
     return context
 
 

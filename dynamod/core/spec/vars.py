@@ -21,11 +21,13 @@ _LISTED = 20  # known names listed when none is close
 
 @dataclass(frozen=True)
 class Variable:
-    """One stack variable; `required`: referenced with no default, so `--var` gives it."""
+    """One stack variable; `required`: referenced with no default, so `--var` gives it;
+    `format`: what its value must be (`[var_formats]`, core/spec/varformats), if declared."""
 
     name: str
     default: Any = None
     required: bool = False
+    format: str | None = None
 
 
 def parse_var(text: str) -> tuple[str, Any]:
@@ -42,7 +44,10 @@ def parse_var(text: str) -> tuple[str, Any]:
 def variables(raw: RawStack) -> dict[str, Variable]:
     """Every variable the stack knows, by name: declared ones with their defaults, then
     those its templates reference without a default."""
-    known = {name: Variable(name, value) for name, value in sorted(raw.defaults.items())}
+    known = {
+        name: Variable(name, value, format=raw.formats.get(name))
+        for name, value in sorted(raw.defaults.items())
+    }
     for name in sorted(referenced(raw) - set(known)):
         known[name] = Variable(name, required=True)
     return known
