@@ -104,7 +104,8 @@ class Membership(Extension):
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
         self._away = False  # the keepalive went through again after more than a lease
-        self._written: tuple[str, float] | None = None  # the entry last put, and when
+        # the entry's keys last put, and when all of them last were
+        self._written: tuple[dict[str, str], float] | None = None
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
@@ -365,11 +366,15 @@ class Membership(Extension):
             self.renewed_at = time.monotonic()
             self._written = None  # a new lease: the entry goes on it
             called = True
-        encoded = self.entry().encode()
-        if must_write(self._written, encoded, time.monotonic(), self.cluster.lease_ttl):
-            key = registry.node_key(self.stack, self.cluster.node)
-            await self.etcd.put(key, encoded, self.lease)
-            self._written = (encoded, time.monotonic())
+        records = self.entry().records(self.stack)
+        now = time.monotonic()
+        puts, deletes, full = must_write(self._written, records, now, self.cluster.lease_ttl)
+        if puts or deletes:
+            for ops in registry.entry_writes(self.stack, self.cluster.node, puts, deletes,
+                                             self.lease):  # fmt: skip
+                await self.etcd.txn([], ops)
+            kept_at = now if full or self._written is None else self._written[1]
+            self._written = (records, kept_at)
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
@@ -521,32 +526,14 @@ class Membership(Extension):
     async def read(self) -> None:
         """Everything under the stack's registry prefix, into the fields above."""
         assert self.etcd is not None
-        base = registry.prefix(self.stack)
-        entries: dict[str, NodeEntry] = {}
-        lost: dict[str, LostRecord] = {}
-        leader: str | None = None
-        down: dict[str, Any] | None = None
-        acks: dict[str, dict[str, Any]] = {}
-        for kv in await self.etcd.get_prefix(base):
-            rest = kv.key[len(base) :]
-            kind, _, name = rest.partition("/")
-            try:
-                if kind == "nodes":
-                    entries[name] = self._decoded.decode(name, kv.value)
-                elif kind == "lost":
-                    lost[name] = LostRecord.decode(kv.value)
-                elif kind == "leader":
-                    leader = kv.value.decode()
-                elif kind == "down":
-                    down = _json(kv.value)
-                elif kind == "down-acks":
-                    acks[name] = _json(kv.value)
-            except (ValueError, TypeError, KeyError) as exc:
-                log.warning("cluster.bad_record", key=kv.key, error=str(exc))
-        self._decoded.keep_only(entries.keys())
+        kvs = await self.etcd.get_prefix(registry.prefix(self.stack))
+        found = registry.parse(self.stack, kvs, self._decoded)
+        for key, error in found.bad:
+            log.warning("cluster.bad_record", key=key, error=error)
+        entries, leader, down = found.entries, found.leader, found.down
         before = self.entries
-        self.entries, self.lost, self.leader = entries, lost, leader
-        self.down_request, self.down_acks = down, acks
+        self.entries, self.lost, self.leader = entries, found.lost, leader
+        self.down_request, self.down_acks = down, found.acks
         self.seen |= set(entries)
         if not self._read_once:  # a request older than this daemon is not for it
             self._read_once = True
@@ -746,15 +733,6 @@ class Membership(Extension):
         return sorted(self.seen - set(self.entries) - set(self.lost) - {self.cluster.node})
 
 
-def _json(raw: bytes) -> dict[str, Any]:
-    import json
-
-    data = json.loads(raw)
-    if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
-    return data
-
-
 def publish_wait(failed: int, period: float) -> float:
     """Seconds to the next publish round after `failed` failed rounds in a row: the period
     (a third of the lease) after a success; after a failure again soon, doubling up to the
@@ -766,11 +744,19 @@ def publish_wait(failed: int, period: float) -> float:
     return min(period, PUBLISH_RETRY_S * 2.0 ** min(failed - 1, 16))
 
 
-def must_write(written: tuple[str, float] | None, encoded: str, now: float, ttl: float) -> bool:
-    """Whether a node's registry entry must be put: none written on this lease yet, changed
-    since (`written`: what was put, and when), or due its rare rewrite; otherwise the lease's
-    keepalive alone keeps it."""
-    if written is None:
-        return True
-    last, at = written
-    return encoded != last or now - at >= _REWRITE_TTLS * ttl
+def must_write(
+    written: tuple[dict[str, str], float] | None,
+    records: dict[str, str],
+    now: float,
+    ttl: float,
+) -> tuple[dict[str, str], list[str], bool]:
+    """What of a node's registry entry must be written: (keys to put, keys to delete, whether
+    that is all of it). All of it when none was written on this lease yet (`written`: the
+    keys put, and when all of them last were) or its rare rewrite is due; else only the keys
+    that changed, and the keys of units that are gone. Nothing: the lease's keepalive alone
+    keeps the entry."""
+    last = written[0] if written is not None else {}
+    deletes = sorted(last.keys() - records.keys())
+    if written is None or now - written[1] >= _REWRITE_TTLS * ttl:
+        return dict(records), deletes, True
+    return {k: v for k, v in records.items() if last.get(k) != v}, deletes, False

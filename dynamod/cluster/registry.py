@@ -2,7 +2,11 @@
 logic (no I/O): what each node's daemon writes, how it is read back, and which nodes count
 as up, lost or behind. Keys, under `dynamod/<stack>/cluster/`:
 
-    nodes/<node>      NodeEntry (JSON) on the node's own lease (`lease_ttl`)
+    nodes/<node>      NodeEntry's header (JSON: every field but its units', and their
+                      names in order) on the node's own lease (`lease_ttl`)
+    units/<node>/<unit>  one unit of that entry (UnitEntry, JSON), on the same lease: a
+                      unit's change rewrites its own ~300 bytes, not the node's whole entry
+                      (~10 KB at 32 shards, rewritten ~30 times a push at 8 x 32)
     lost/<node>       LostRecord: the node's lease expired; its shards and what was revoked
     leader            the node that handles losses, on its own lease
     down              a cluster-wide stop request: {"id", "step", "units", "by"}
@@ -13,15 +17,18 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from dynamod.rollout.etcd.endpoints import EndpointError, parse_endpoint
+from dynamod.rollout.etcd.records import KeyValue, TxnDelete, TxnOp, TxnPut
 
 _DETAIL_MAX = 200
+# operations in one transaction: etcd refuses more than --max-txn-ops (128 by default)
+TXN_OPS = 100
 
 
 def prefix(stack: str) -> str:
@@ -30,6 +37,10 @@ def prefix(stack: str) -> str:
 
 def node_key(stack: str, node: str) -> str:
     return f"{prefix(stack)}nodes/{node}"
+
+
+def unit_key(stack: str, node: str, unit: str) -> str:
+    return f"{prefix(stack)}units/{node}/{unit}"
 
 
 def lost_key(stack: str, node: str) -> str:
@@ -105,14 +116,28 @@ class NodeEntry:
     units: list[UnitEntry]
     policy_current: int | None = None
 
-    def encode(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+    def records(self, stack: str) -> dict[str, str]:
+        """The keys this entry is written as, with their values: its header at
+        `nodes/<node>` (the units' names, in order, in place of the units) and each unit at
+        `units/<node>/<unit>`."""
+        header = {k: v for k, v in asdict(self).items() if k != "units"}
+        header["unit_names"] = [u.name for u in self.units]
+        out = {node_key(stack, self.node): json.dumps(header, sort_keys=True)}
+        for unit in self.units:
+            out[unit_key(stack, self.node, unit.name)] = json.dumps(asdict(unit), sort_keys=True)
+        return out
 
     @classmethod
-    def decode(cls, raw: bytes | str) -> NodeEntry:
-        data = json.loads(raw)
-        units = [UnitEntry(**u) for u in data.pop("units", [])]
-        return cls(units=units, **data)
+    def assemble(cls, header: bytes | str, units: Mapping[str, bytes | str]) -> NodeEntry:
+        """An entry from its header and its units' values by unit name. A unit the header
+        names but `units` lacks is left out: a node with more units than one transaction
+        takes writes them in several, and a read may fall between two."""
+        data = json.loads(header)
+        names = data.pop("unit_names", [])
+        if not isinstance(names, list):
+            raise ValueError("unit_names is not a list")
+        found = [UnitEntry(**json.loads(units[name])) for name in names if name in units]
+        return cls(units=found, **data)
 
     def shards(self) -> list[UnitEntry]:
         return [u for u in self.units if u.shard]
@@ -133,15 +158,16 @@ class EntryCache:
     x shards (decoding was ~10 % of a daemon's samples in that push, py-spy)."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, tuple[bytes, NodeEntry]] = {}
+        self._seen: dict[str, tuple[tuple[bytes, dict[str, bytes]], NodeEntry]] = {}
 
-    def decode(self, node: str, raw: bytes) -> NodeEntry:
-        """`raw` decoded, or the same NodeEntry as last time if its bytes did not change
-        (an entry is replaced, never changed, so handing out the same one is safe)."""
+    def decode(self, node: str, header: bytes, units: dict[str, bytes]) -> NodeEntry:
+        """The node's entry from its keys' bytes, or the same NodeEntry as last time if none
+        changed (an entry is replaced, never changed, so handing out the same one is safe)."""
+        raw = (header, units)
         kept = self._seen.get(node)
         if kept is not None and kept[0] == raw:
             return kept[1]
-        entry = NodeEntry.decode(raw)
+        entry = NodeEntry.assemble(header, units)
         self._seen[node] = (raw, entry)
         return entry
 
@@ -149,6 +175,75 @@ class EntryCache:
         """Forget the nodes a read no longer found (their entry expired or was deleted)."""
         for node in self._seen.keys() - nodes:
             del self._seen[node]
+
+
+def entry_writes(
+    stack: str, node: str, puts: Mapping[str, str], deletes: list[str], lease: int
+) -> list[list[TxnOp]]:
+    """The transactions that write an entry's changed keys (`puts`) and delete its gone
+    units' keys: usually one. Past TXN_OPS operations the units go first, then the header,
+    then the deletes, so a read between two finds every unit its header names, or the
+    header before it named the new ones."""
+    header = node_key(stack, node)
+    ops: list[TxnOp] = [TxnPut(k, v, lease) for k, v in sorted(puts.items()) if k != header]
+    if header in puts:
+        ops.append(TxnPut(header, puts[header], lease))
+    ops += [TxnDelete(k) for k in deletes]
+    return [ops[i : i + TXN_OPS] for i in range(0, len(ops), TXN_OPS)]
+
+
+@dataclass
+class Snapshot:
+    """The registry prefix as one read found it; `bad`: (key, error) of records it could
+    not decode (logged by the reader, and left out)."""
+
+    entries: dict[str, NodeEntry] = field(default_factory=dict)
+    lost: dict[str, LostRecord] = field(default_factory=dict)
+    leader: str | None = None
+    down: dict[str, Any] | None = None
+    acks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    bad: list[tuple[str, str]] = field(default_factory=list)
+
+
+def parse(stack: str, kvs: Iterable[KeyValue], cache: EntryCache) -> Snapshot:
+    """Every key under the stack's registry prefix (one read, one revision) -> a Snapshot:
+    each node's entry assembled from its header and its units' keys."""
+    base = prefix(stack)
+    out = Snapshot()
+    headers: dict[str, bytes] = {}
+    units: dict[str, dict[str, bytes]] = {}
+    for kv in kvs:
+        kind, _, name = kv.key[len(base) :].partition("/")
+        try:
+            if kind == "nodes":
+                headers[name] = kv.value
+            elif kind == "units":
+                node, _, unit = name.partition("/")
+                units.setdefault(node, {})[unit] = kv.value
+            elif kind == "lost":
+                out.lost[name] = LostRecord.decode(kv.value)
+            elif kind == "leader":
+                out.leader = kv.value.decode()
+            elif kind == "down":
+                out.down = _json(kv.value)
+            elif kind == "down-acks":
+                out.acks[name] = _json(kv.value)
+        except (ValueError, TypeError, KeyError) as exc:
+            out.bad.append((kv.key, str(exc)))
+    for name, header in headers.items():
+        try:
+            out.entries[name] = cache.decode(name, header, units.get(name, {}))
+        except (ValueError, TypeError, KeyError) as exc:
+            out.bad.append((node_key(stack, name), str(exc)))
+    cache.keep_only(out.entries.keys())
+    return out
+
+
+def _json(raw: bytes) -> dict[str, Any]:
+    data = json.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    return data
 
 
 def short_detail(text: str) -> str:

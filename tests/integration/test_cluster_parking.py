@@ -156,7 +156,8 @@ async def test_reads_side_by_side_mark_a_lost_node_once_with_all_its_keys(
                               detail="", instance_ids=[lost], shard=True)  # fmt: skip
     entry = registry.NodeEntry(node="n2", address="10.1.0.2", daemon_pid=1, run_id="r",
                                phase="up", head=False, units=[unit])  # fmt: skip
-    await etcd.put(registry.node_key("parkrace", "n2"), entry.encode(), entry_lease)
+    for key, value in entry.records("parkrace").items():
+        await etcd.put(key, value, entry_lease)
     try:
         await member.read()  # sees n2, and takes the leader key
         assert member.leader == "head" and "n2" in member.entries

@@ -176,13 +176,18 @@ async def test_stop_is_bounded_when_a_loop_will_not_end(monkeypatch: pytest.Monk
 
 def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
     """Each put wakes every node's registry watch into a read of the whole prefix: an idle
-    node writes its entry once per lease, then only when it changes or every 10 ttl."""
+    node writes its entry once per lease, then only its keys that changed, or all of them
+    every 10 ttl; a unit gone has its key deleted."""
     must_write = membership.must_write
-    assert must_write(None, "e", 5.0, ttl=2)  # nothing on this lease yet
-    assert not must_write(("e", 100.0), "e", 100.7, ttl=2)  # a keepalive tick: unchanged
-    assert not must_write(("e", 100.0), "e", 119.9, ttl=2)
-    assert must_write(("e", 100.0), "e", 120.0, ttl=2)  # the rare rewrite
-    assert must_write(("e", 100.0), "f", 100.1, ttl=2)  # a unit changed
+    e = {"h": "1", "u/a": "x", "u/b": "y"}
+    assert must_write(None, e, 5.0, ttl=2) == (e, [], True)  # nothing on this lease yet
+    assert must_write((e, 100.0), dict(e), 100.7, ttl=2) == ({}, [], False)  # a keepalive tick
+    assert must_write((e, 100.0), dict(e), 119.9, ttl=2) == ({}, [], False)
+    assert must_write((e, 100.0), dict(e), 120.0, ttl=2) == (e, [], True)  # the rare rewrite
+    moved = {**e, "u/b": "z"}
+    assert must_write((e, 100.0), moved, 100.1, ttl=2) == ({"u/b": "z"}, [], False)
+    fewer = {"h": "2", "u/a": "x"}
+    assert must_write((e, 100.0), fewer, 100.1, ttl=2) == ({"h": "2"}, ["u/b"], False)
 
 
 class _Ledger:
@@ -251,8 +256,8 @@ class _Registry:
         self.nodes = nodes
 
     async def get_prefix(self, prefix: str) -> list[Any]:
-        rows = [SimpleNamespace(key=f"{prefix}nodes/{n}", value=_entry(n).encode())
-                for n in self.nodes]  # fmt: skip
+        rows = [SimpleNamespace(key=k, value=v.encode())
+                for n in self.nodes for k, v in _entry(n).records("s").items()]  # fmt: skip
         return [*rows, SimpleNamespace(key=f"{prefix}leader", value=b"head")]
 
 
