@@ -104,8 +104,8 @@ class Membership(Extension):
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
         self._away = False  # the keepalive went through again after more than a lease
-        # the entry's keys last put, and when all of them last were
-        self._written: tuple[dict[str, str], float] | None = None
+        # each key of the entry as last put on this lease, and when
+        self._written: dict[str, tuple[str, float]] | None = None
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
@@ -368,13 +368,13 @@ class Membership(Extension):
             called = True
         records = self.entry().records(self.stack)
         now = time.monotonic()
-        puts, deletes, full = must_write(self._written, records, now, self.cluster.lease_ttl)
+        puts, deletes = must_write(self._written, records, now, self.cluster.lease_ttl)
         if puts or deletes:
             for ops in registry.entry_writes(self.stack, self.cluster.node, puts, deletes,
                                              self.lease):  # fmt: skip
                 await self.etcd.txn([], ops)
-            kept_at = now if full or self._written is None else self._written[1]
-            self._written = (records, kept_at)
+            kept = {k: v for k, v in (self._written or {}).items() if k in records}
+            self._written = {**kept, **{k: (v, now) for k, v in puts.items()}}
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
@@ -745,18 +745,23 @@ def publish_wait(failed: int, period: float) -> float:
 
 
 def must_write(
-    written: tuple[dict[str, str], float] | None,
+    written: dict[str, tuple[str, float]] | None,
     records: dict[str, str],
     now: float,
     ttl: float,
-) -> tuple[dict[str, str], list[str], bool]:
-    """What of a node's registry entry must be written: (keys to put, keys to delete, whether
-    that is all of it). All of it when none was written on this lease yet (`written`: the
-    keys put, and when all of them last were) or its rare rewrite is due; else only the keys
-    that changed, and the keys of units that are gone. Nothing: the lease's keepalive alone
-    keeps the entry."""
-    last = written[0] if written is not None else {}
-    deletes = sorted(last.keys() - records.keys())
-    if written is None or now - written[1] >= _REWRITE_TTLS * ttl:
-        return dict(records), deletes, True
-    return {k: v for k, v in records.items() if last.get(k) != v}, deletes, False
+) -> tuple[dict[str, str], list[str]]:
+    """What of a node's registry entry must be written: (keys to put, keys to delete). All
+    of it when none was written on this lease yet (`written`: each key as last put, and
+    when); else the keys that changed or are due their rare rewrite, and the keys of units
+    that are gone. Nothing: the lease's keepalive alone keeps the entry."""
+    if written is None:
+        return dict(records), []
+    deletes = sorted(written.keys() - records.keys())
+    puts = {
+        key: value
+        for key, value in records.items()
+        if key not in written
+        or written[key][0] != value
+        or now - written[key][1] >= _REWRITE_TTLS * ttl
+    }
+    return puts, deletes

@@ -176,18 +176,22 @@ async def test_stop_is_bounded_when_a_loop_will_not_end(monkeypatch: pytest.Monk
 
 def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
     """Each put wakes every node's registry watch into a read of the whole prefix: an idle
-    node writes its entry once per lease, then only its keys that changed, or all of them
-    every 10 ttl; a unit gone has its key deleted."""
+    node writes its entry once per lease, then only its keys that changed, and each key 10
+    ttl after its last write; a unit gone has its key deleted."""
     must_write = membership.must_write
     e = {"h": "1", "u/a": "x", "u/b": "y"}
-    assert must_write(None, e, 5.0, ttl=2) == (e, [], True)  # nothing on this lease yet
-    assert must_write((e, 100.0), dict(e), 100.7, ttl=2) == ({}, [], False)  # a keepalive tick
-    assert must_write((e, 100.0), dict(e), 119.9, ttl=2) == ({}, [], False)
-    assert must_write((e, 100.0), dict(e), 120.0, ttl=2) == (e, [], True)  # the rare rewrite
+    at = {k: (v, 100.0) for k, v in e.items()}
+    assert must_write(None, e, 5.0, ttl=2) == (e, [])  # nothing on this lease yet
+    assert must_write(at, dict(e), 100.7, ttl=2) == ({}, [])  # a keepalive tick: unchanged
+    assert must_write(at, dict(e), 119.9, ttl=2) == ({}, [])
+    assert must_write(at, dict(e), 120.0, ttl=2) == (e, [])  # the rare rewrite
     moved = {**e, "u/b": "z"}
-    assert must_write((e, 100.0), moved, 100.1, ttl=2) == ({"u/b": "z"}, [], False)
+    assert must_write(at, moved, 100.1, ttl=2) == ({"u/b": "z"}, [])
     fewer = {"h": "2", "u/a": "x"}
-    assert must_write((e, 100.0), fewer, 100.1, ttl=2) == ({"h": "2"}, ["u/b"], False)
+    assert must_write(at, fewer, 100.1, ttl=2) == ({"h": "2"}, ["u/b"])
+    # a key rewritten lately is not due with the others: each key's own last write counts
+    mixed = {**at, "u/b": ("y", 115.0)}
+    assert must_write(mixed, dict(e), 121.0, ttl=2) == ({"h": "1", "u/a": "x"}, [])
 
 
 class _Ledger:
