@@ -502,7 +502,11 @@ def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
     etcd_after = etcd_counters(rig)
     took = time.monotonic() - started
     per_node = len(shards) / len(rig.names)
+    by_key = rig.in_node(rig.names[0], lambda: asyncio.run(fleet_history.writes_between(
+        "http://127.0.0.1:2379", int(etcd_before["revision"]) + 1, int(etcd_after["revision"]))))
     return {
+        "window_s": took,
+        "etcd_writes_by_key": by_key,
         "etcd_writes_per_s": writes(etcd_before, etcd_after) / took,
         "etcd_history_kb_per_min": history_kb(etcd_before, etcd_after) / took * 60,
         "etcd_reads_per_s": (etcd_after["ranges"] - etcd_before["ranges"]) / took,
@@ -916,17 +920,21 @@ def cost_table(fleets: list[dict[str, Any]]) -> Table:
 
 def history_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
-        "What the push wrote to etcd, by kind of key (bench/fleet_history.py): KB of key and "
-        "value kept in etcd's history (writes), most first",
-        ["nodes", "shards", "writes", "KB", "by key"],
+        "What the push and the idle window wrote to etcd, by kind of key "
+        "(bench/fleet_history.py): KB of key and value kept in etcd's history (writes), "
+        "most first",
+        ["nodes", "shards", "when", "writes", "KB", "by key"],
         digits=1,
     )
     for f in fleets:
-        by_key = f["push"].get("etcd_writes_by_key") or {}
-        table.rows.append([f["nodes"], f["shards"],
-                           sum(v["writes"] for v in by_key.values()),
-                           sum(v["kb"] for v in by_key.values()),
-                           fleet_history.summary_of(by_key) or "-"])  # fmt: skip
+        idle = f.get("idle") or {}
+        for when, by_key in (("push", f["push"].get("etcd_writes_by_key") or {}),
+                             (f"idle {idle.get('window_s', 0):.0f} s",
+                              idle.get("etcd_writes_by_key") or {})):  # fmt: skip
+            table.rows.append([f["nodes"], f["shards"], when,
+                               sum(v["writes"] for v in by_key.values()),
+                               sum(v["kb"] for v in by_key.values()),
+                               fleet_history.summary_of(by_key) or "-"])  # fmt: skip
     return table
 
 

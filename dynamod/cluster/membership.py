@@ -1,6 +1,7 @@
 """A node's membership in its cluster, as a daemon extension: it writes this node's entry in
-the registry on a lease of its own (kept alive three times per `lease_ttl`; the entry
-written when it changes and every `_REWRITE_TTLS` ttl), reads everyone's entries for
+the registry on a lease of its own (kept alive three times per `lease_ttl`; the entry's keys
+written when they change, or when a read finds one gone or not as written), reads
+everyone's entries for
 `status` again at every change under the stack's registry prefix (a watch; a read every
 second besides, in case the watch is down), and, while it holds the leader key, turns a node
 whose lease expired into a lost record the moment etcd deletes its entry and withdraws that
@@ -18,7 +19,8 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
@@ -36,6 +38,7 @@ from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
+from dynamod.rollout.etcd.records import KeyValue
 from dynamod.rollout.worker_table import worker_of
 
 if TYPE_CHECKING:
@@ -62,11 +65,12 @@ LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much 
 STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
 _T = TypeVar("_T")
 _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
-# An unchanged entry is rewritten only this many lease_ttl apart: every write wakes every
-# node's registry watch into a read of the whole prefix, so rewriting it at each keepalive
-# (as before) made idle reads grow as nodes squared (bench.fleet: 6 -> 120 reads/s from 1
-# to 8 nodes). The rare rewrite covers an entry lost some other way than its lease.
-_REWRITE_TTLS = 10
+# An unchanged entry is not rewritten: every write wakes every node's registry watch into a
+# read of the whole prefix, so rewriting it at each keepalive (as once) made idle reads grow
+# as nodes squared (bench.fleet: 6 -> 120 reads/s from 1 to 8 nodes), and a rewrite of every
+# key every 10 leases (as next) was an idle 8 x 32 fleet's every write, ~270 KB of etcd
+# history a minute. A key lost some other way than its lease is found by the reads instead
+# (`not_as_written`) and put back.
 
 
 class Membership(Extension):
@@ -104,8 +108,10 @@ class Membership(Extension):
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
         self._away = False  # the keepalive went through again after more than a lease
-        # each key of the entry as last put on this lease, and when
+        # each key of the entry as last put on this lease, and when the put was done; and
+        # the keys a read found gone or not as put (put again by the next publish round)
         self._written: dict[str, tuple[str, float]] | None = None
+        self._not_as_written: set[str] = set()
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
@@ -367,14 +373,15 @@ class Membership(Extension):
             self._written = None  # a new lease: the entry goes on it
             called = True
         records = self.entry().records(self.stack)
-        now = time.monotonic()
-        puts, deletes = must_write(self._written, records, now, self.cluster.lease_ttl)
+        puts, deletes = must_write(self._written, records, self._not_as_written)
         if puts or deletes:
             for ops in registry.entry_writes(self.stack, self.cluster.node, puts, deletes,
                                              self.lease):  # fmt: skip
                 await self.etcd.txn([], ops)
+            done = time.monotonic()  # a read that began after this sees these writes
             kept = {k: v for k, v in (self._written or {}).items() if k in records}
-            self._written = {**kept, **{k: (v, now) for k, v in puts.items()}}
+            self._written = {**kept, **{k: (v, done) for k, v in puts.items()}}
+            self._not_as_written -= puts.keys()
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
@@ -526,8 +533,16 @@ class Membership(Extension):
     async def read(self) -> None:
         """Everything under the stack's registry prefix, into the fields above."""
         assert self.etcd is not None
+        began = time.monotonic()
         kvs = await self.etcd.get_prefix(registry.prefix(self.stack))
         found = registry.parse(self.stack, kvs, self._decoded)
+        if self._written is not None and self.lease is not None:
+            gone = not_as_written(self._written, kvs, self.lease, began)
+            if gone - self._not_as_written:
+                log.warning("cluster.entry_not_as_written", node=self.cluster.node,
+                            keys=sorted(gone)[:5], count=len(gone))  # fmt: skip
+                self._not_as_written |= gone
+                self._dirty.set()
         for key, error in found.bad:
             log.warning("cluster.bad_record", key=key, error=error)
         entries, leader, down = found.entries, found.leader, found.down
@@ -747,21 +762,36 @@ def publish_wait(failed: int, period: float) -> float:
 def must_write(
     written: dict[str, tuple[str, float]] | None,
     records: dict[str, str],
-    now: float,
-    ttl: float,
+    not_as_written: AbstractSet[str],
 ) -> tuple[dict[str, str], list[str]]:
     """What of a node's registry entry must be written: (keys to put, keys to delete). All
     of it when none was written on this lease yet (`written`: each key as last put, and
-    when); else the keys that changed or are due their rare rewrite, and the keys of units
-    that are gone. Nothing: the lease's keepalive alone keeps the entry."""
+    when); else the keys that changed or that a read found not as written, and the keys of
+    units that are gone. Nothing: the lease's keepalive alone keeps the entry."""
     if written is None:
         return dict(records), []
     deletes = sorted(written.keys() - records.keys())
     puts = {
         key: value
         for key, value in records.items()
-        if key not in written
-        or written[key][0] != value
-        or now - written[key][1] >= _REWRITE_TTLS * ttl
+        if key not in written or written[key][0] != value or key in not_as_written
     }
     return puts, deletes
+
+
+def not_as_written(
+    written: Mapping[str, tuple[str, float]], kvs: Iterable[KeyValue], lease: int, began: float
+) -> set[str]:
+    """The keys of this node's entry that a read (`kvs`, begun at `began`, monotonic) found
+    gone, changed, or on another lease than this node's: deleted or overwritten some other
+    way than by its lease's expiry. Only keys put before the read began: a read that began
+    earlier may not show the latest put yet."""
+    found = {kv.key: kv for kv in kvs if kv.key in written}
+    out = set()
+    for key, (value, at) in written.items():
+        if at >= began:
+            continue
+        kv = found.get(key)
+        if kv is None or kv.lease != lease or kv.value != value.encode():
+            out.add(key)
+    return out

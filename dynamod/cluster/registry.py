@@ -128,15 +128,30 @@ class NodeEntry:
         return out
 
     @classmethod
-    def assemble(cls, header: bytes | str, units: Mapping[str, bytes | str]) -> NodeEntry:
+    def assemble(
+        cls,
+        header: bytes | str,
+        units: Mapping[str, bytes | str],
+        bad: list[tuple[str, str]] | None = None,
+    ) -> NodeEntry:
         """An entry from its header and its units' values by unit name. A unit the header
         names but `units` lacks is left out: a node with more units than one transaction
-        takes writes them in several, and a read may fall between two."""
+        takes writes them in several, and a read may fall between two. So is a unit whose
+        value does not decode ((unit, why) in `bad`): one bad key is not the node gone,
+        which the leader would take for a lost node."""
         data = json.loads(header)
         names = data.pop("unit_names", [])
         if not isinstance(names, list):
             raise ValueError("unit_names is not a list")
-        found = [UnitEntry(**json.loads(units[name])) for name in names if name in units]
+        found = []
+        for name in names:
+            if name not in units:
+                continue
+            try:
+                found.append(UnitEntry(**json.loads(units[name])))
+            except (ValueError, TypeError) as exc:
+                if bad is not None:
+                    bad.append((name, str(exc)))
         return cls(units=found, **data)
 
     def shards(self) -> list[UnitEntry]:
@@ -160,14 +175,21 @@ class EntryCache:
     def __init__(self) -> None:
         self._seen: dict[str, tuple[tuple[bytes, dict[str, bytes]], NodeEntry]] = {}
 
-    def decode(self, node: str, header: bytes, units: dict[str, bytes]) -> NodeEntry:
+    def decode(
+        self,
+        node: str,
+        header: bytes,
+        units: dict[str, bytes],
+        bad: list[tuple[str, str]] | None = None,
+    ) -> NodeEntry:
         """The node's entry from its keys' bytes, or the same NodeEntry as last time if none
-        changed (an entry is replaced, never changed, so handing out the same one is safe)."""
+        changed (an entry is replaced, never changed, so handing out the same one is safe).
+        `bad`: its units that do not decode, when it is decoded afresh (NodeEntry.assemble)."""
         raw = (header, units)
         kept = self._seen.get(node)
         if kept is not None and kept[0] == raw:
             return kept[1]
-        entry = NodeEntry.assemble(header, units)
+        entry = NodeEntry.assemble(header, units, bad)
         self._seen[node] = (raw, entry)
         return entry
 
@@ -231,10 +253,12 @@ def parse(stack: str, kvs: Iterable[KeyValue], cache: EntryCache) -> Snapshot:
         except (ValueError, TypeError, KeyError) as exc:
             out.bad.append((kv.key, str(exc)))
     for name, header in headers.items():
+        bad: list[tuple[str, str]] = []
         try:
-            out.entries[name] = cache.decode(name, header, units.get(name, {}))
+            out.entries[name] = cache.decode(name, header, units.get(name, {}), bad)
         except (ValueError, TypeError, KeyError) as exc:
             out.bad.append((node_key(stack, name), str(exc)))
+        out.bad += [(unit_key(stack, name, unit), why) for unit, why in bad]
     cache.keep_only(out.entries.keys())
     return out
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +28,9 @@ from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
+from dynamod.cluster import registry
+from dynamod.rollout.etcd import EtcdClient
+from dynamod.rollout.etcd.records import KeyValue
 from tests.conftest import Dynamod, unit_by_name
 from tests.integration.policystack import frontend, model_dir, push, served_by
 from tests.integration.rawstack import free_port
@@ -92,6 +97,38 @@ def _local_on_the_cluster(rig: ClusterRig, stack_id: str, *extra: str) -> list[s
     return ["up", "local", "--detach", "--var", f"etcd={head}:2379", "--var", f"nats={head}:4222",
             "--var", f"stack_id={stack_id}", "--var", "workers=1", "--var", "trainer_steps=0",
             *extra]  # fmt: skip
+
+
+def test_a_registry_key_lost_some_other_way_is_put_back(rig: ClusterRig) -> None:
+    """n1's entry is a header and one key per unit, kept by its lease and rewritten only
+    when it changes; a key deleted or overwritten by something else (not its lease's
+    expiry) is found by n1's next read and put back as it was, on n1's lease."""
+    key = registry.unit_key("cluster", "n1", "worker@0")
+
+    async def tamper() -> tuple[int, float, float]:
+        async with EtcdClient(["http://127.0.0.1:2379"]) as etcd:
+            kv = await etcd.get_kv(key)
+            assert kv is not None and json.loads(kv.value)["name"] == "worker@0"
+            await etcd.delete(key)
+            gone_back = await _back(etcd, kv)
+            await etcd.put(key, b'{"name": "worker@0", "forged": true}')  # no lease
+            return kv.lease, gone_back, await _back(etcd, kv)
+
+    lease, after_delete, after_put = rig.in_node("head", lambda: asyncio.run(tamper()))
+    assert lease != 0 and after_delete < 5 and after_put < 5, (after_delete, after_put)
+    n1 = _cluster(rig.status("head"))["n1"]
+    assert n1["state"] == "up" and n1["lost"] is None, n1  # a unit key is not the node
+
+
+async def _back(etcd: EtcdClient, kv: KeyValue) -> float:
+    """Seconds until `kv` is in etcd again as it was, value and lease (at most 10)."""
+    began = time.monotonic()
+    while time.monotonic() - began < 10:
+        now = await etcd.get_kv(kv.key)
+        if now is not None and (now.value, now.lease) == (kv.value, kv.lease):
+            return time.monotonic() - began
+        await asyncio.sleep(0.05)
+    return math.inf
 
 
 def test_a_second_stack_on_the_cluster_s_etcd_stays_apart(rig: ClusterRig, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from dynamod.cluster import membership
 from dynamod.cluster.membership import Membership
 from dynamod.core.phase import Phase
 from dynamod.core.placement import ClusterSpec
+from dynamod.rollout.etcd.records import KeyValue
 
 SPEC = ClusterSpec(nodes={"head": "10.1.0.1"}, head="head", node="head",
                    registry=["http://10.1.0.1:2379"])  # fmt: skip
@@ -175,23 +176,30 @@ async def test_stop_is_bounded_when_a_loop_will_not_end(monkeypatch: pytest.Monk
 
 
 def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
-    """Each put wakes every node's registry watch into a read of the whole prefix: an idle
-    node writes its entry once per lease, then only its keys that changed, and each key 10
-    ttl after its last write; a unit gone has its key deleted."""
+    """Each put wakes every node's registry watch into a read of the whole prefix: a node
+    writes its entry once per lease, then only its keys that changed or that a read found
+    not as written; a unit gone has its key deleted. Idle, it writes nothing."""
     must_write = membership.must_write
     e = {"h": "1", "u/a": "x", "u/b": "y"}
     at = {k: (v, 100.0) for k, v in e.items()}
-    assert must_write(None, e, 5.0, ttl=2) == (e, [])  # nothing on this lease yet
-    assert must_write(at, dict(e), 100.7, ttl=2) == ({}, [])  # a keepalive tick: unchanged
-    assert must_write(at, dict(e), 119.9, ttl=2) == ({}, [])
-    assert must_write(at, dict(e), 120.0, ttl=2) == (e, [])  # the rare rewrite
-    moved = {**e, "u/b": "z"}
-    assert must_write(at, moved, 100.1, ttl=2) == ({"u/b": "z"}, [])
-    fewer = {"h": "2", "u/a": "x"}
-    assert must_write(at, fewer, 100.1, ttl=2) == ({"h": "2"}, ["u/b"])
-    # a key rewritten lately is not due with the others: each key's own last write counts
-    mixed = {**at, "u/b": ("y", 115.0)}
-    assert must_write(mixed, dict(e), 121.0, ttl=2) == ({"h": "1", "u/a": "x"}, [])
+    assert must_write(None, e, set()) == (e, [])  # nothing on this lease yet
+    assert must_write(at, dict(e), set()) == ({}, [])  # a keepalive tick: unchanged
+    assert must_write(at, {**e, "u/b": "z"}, set()) == ({"u/b": "z"}, [])
+    assert must_write(at, {"h": "2", "u/a": "x"}, set()) == ({"h": "2"}, ["u/b"])
+    assert must_write(at, dict(e), {"u/a"}) == ({"u/a": "x"}, [])  # a read found it gone
+
+
+def test_a_read_finds_the_keys_lost_or_overwritten_some_other_way() -> None:
+    def kv(key: str, value: str, lease: int = 7) -> KeyValue:
+        return KeyValue(key, value.encode(), lease, 1)
+
+    written = {"h": ("1", 100.0), "u/a": ("x", 100.0), "u/b": ("y", 100.0), "u/c": ("z", 105.0)}
+    intact = [kv("h", "1"), kv("u/a", "x"), kv("u/b", "y"), kv("u/c", "z"), kv("other", "q")]
+    assert membership.not_as_written(written, intact, 7, began=106.0) == set()
+    broken = [kv("h", "1"), kv("u/a", "X"), kv("u/b", "y", lease=8)]  # u/c gone
+    assert membership.not_as_written(written, broken, 7, began=106.0) == {"u/a", "u/b", "u/c"}
+    # a read begun before a put was done may not show it yet: that key is not judged
+    assert membership.not_as_written(written, broken, 7, began=104.0) == {"u/a", "u/b"}
 
 
 class _Ledger:

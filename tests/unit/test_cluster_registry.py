@@ -55,6 +55,10 @@ def test_an_entry_leaves_out_a_unit_its_header_names_but_the_read_lacks() -> Non
     assert [u.name for u in NodeEntry.assemble(header, units).units] == ["worker@0"]
     units["stray"] = units["worker@0"]  # a key no header names (an old run's): not shown
     assert [u.name for u in NodeEntry.assemble(header, units).units] == ["worker@0"]
+    units["model"] = b'{"name": "model", "forged": true}'  # overwritten by something else
+    bad: list[tuple[str, str]] = []
+    assert [u.name for u in NodeEntry.assemble(header, units, bad).units] == ["worker@0"]
+    assert [unit for unit, _ in bad] == ["model"]  # named, and the node is still there
 
 
 def test_the_writes_of_an_entry_go_units_first_in_transactions_etcd_takes() -> None:
@@ -77,11 +81,14 @@ def test_a_read_assembles_each_nodes_entry_and_names_bad_records() -> None:
             for n in ("head", "n1") for k, v in entry(n, 3).records("s").items()]  # fmt: skip
     rows += [SimpleNamespace(key=f"{base}leader", value=b"head"),
              SimpleNamespace(key=f"{base}down", value=b"[1]"),
-             SimpleNamespace(key=f"{base}nodes/n2", value=b"{")]  # fmt: skip
+             SimpleNamespace(key=f"{base}nodes/n2", value=b"{"),
+             SimpleNamespace(key=f"{base}units/n1/model", value=b"[]")]  # fmt: skip
     found = registry.parse("s", rows, registry.EntryCache())
-    assert found.entries == {"head": entry("head", 3), "n1": entry("n1", 3)}
-    assert found.leader == "head" and found.down is None
-    assert sorted(key for key, _ in found.bad) == [f"{base}down", f"{base}nodes/n2"]
+    assert found.entries["head"] == entry("head", 3) and found.leader == "head"
+    assert found.entries["n1"].units == entry("n1", 3).units[:1]  # its bad unit left out
+    assert found.down is None and set(found.entries) == {"head", "n1"}
+    assert sorted(key for key, _ in found.bad) == [
+        f"{base}down", f"{base}nodes/n2", f"{base}units/n1/model"]
 
 
 def test_a_read_decodes_only_the_entries_whose_bytes_changed() -> None:
