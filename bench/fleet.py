@@ -171,8 +171,8 @@ def main() -> None:
         type=float,
         default=IDLE_S,
         help=f"seconds of the idle window (default {IDLE_S:g}; 1 in --quick): each shard's "
-        "and daemon's CPU, etcd's reads and writes, and how fast etcd's kept history grows "
-        "(a node's registry entry is rewritten every 20 s: take 120 or more for that)",
+        "and daemon's CPU, etcd's reads and writes by kind of key, and how fast etcd's kept "
+        "history grows (an idle fleet writes nothing: a longer window shows a regression)",
     )
     parser.add_argument(
         "--keep",
