@@ -1,9 +1,8 @@
 """A node's membership in its cluster, as a daemon extension: it writes this node's entry in
 the registry on a lease of its own (kept alive three times per `lease_ttl`; the entry's keys
-written when they change, or when a read finds one gone or not as written), reads
-everyone's entries for
-`status` again at every change under the stack's registry prefix (a watch; a read every
-second besides, in case the watch is down), and, while it holds the leader key, turns a node
+written when they change, or when a read finds one gone or not as written), reads everyone's
+entries for `status` again at every change under the stack's registry prefix (a watch; a read
+every second besides, in case the watch is down), and, while it holds the leader key, turns a node
 whose lease expired into a lost record the moment etcd deletes its entry and withdraws that
 node's Dynamo registrations (cluster/parking.py) so the router stops using its shards. Back
 in contact after its own lease expired, it puts its shards' registrations back (each paused,
@@ -381,7 +380,7 @@ class Membership(Extension):
             done = time.monotonic()  # a read that began after this sees these writes
             kept = {k: v for k, v in (self._written or {}).items() if k in records}
             self._written = {**kept, **{k: (v, done) for k, v in puts.items()}}
-            self._not_as_written -= puts.keys()
+            self._not_as_written = (self._not_as_written - puts.keys()) & records.keys()
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
