@@ -22,8 +22,9 @@ ACCEPTED = {
     "port": [1, 2379, "65535"],
 }
 REFUSED = {
-    "duration": ["bogus", "1x", "-1h", "h", "1 h", "", "1.h", 1.5, True, "\uff11h"],  # fullwidth 1
-    "count": [-1, "-1", "1.5", 1.5, "three", "", True, "\u0663"],  # Arabic-Indic 3
+    # a fullwidth 1, an Arabic-Indic 3: digits to str.isdigit, not to etcd
+    "duration": ["bogus", "1x", "-1h", -1, "h", "1 h", "", "1.h", 1.5, True, "\uff11h"],
+    "count": [-1, "-1", "1.5", 1.5, "three", "", True, "\u0663"],
     "seconds": [0, "0", -5, 1.5, "30s", "", False],
     "port": [0, 65536, "70000", "http", -1, 80.0, True],
 }

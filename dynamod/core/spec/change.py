@@ -25,9 +25,7 @@ _ONE_VAR = re.compile(r"^\{vars\.([A-Za-z0-9_-]+)\}$")
 
 def overrides_of(raw: RawStack) -> dict[str, Any]:
     """The `--var` values a stack was resolved with (those that differ from the files')."""
-    return {
-        k: v for k, v in raw.vars.items() if k not in raw.defaults or raw.defaults[k] != v
-    }
+    return raw.overrides()
 
 
 def pinned_ports(stack: Stack) -> dict[str, dict[str, int]]:

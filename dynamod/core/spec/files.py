@@ -36,6 +36,12 @@ class RawStack:
     id: str | None = None  # `[stack] id`: the stack's identity in a shared etcd (see below)
     max_starting: int | None = None  # `[stack] max_starting`: starts at once (core/slots)
 
+    def overrides(self) -> dict[str, Any]:
+        """The `--var` values the stack was read with (those that differ from the files')."""
+        return {
+            k: v for k, v in self.vars.items() if k not in self.defaults or self.defaults[k] != v
+        }
+
 
 _STACK_KEYS = ["stack", "vars", "var_formats", "units", "cluster"]
 _STACK_TABLE_KEYS = {"name", "id", "include", "description", "max_starting"}

@@ -140,8 +140,7 @@ def base_context(
         key: renderer.field(value, context, holder, f"vars.{key}")
         for key, value in raw.vars.items()
     }
-    given = {k: v for k, v in raw.vars.items() if k not in raw.defaults or raw.defaults[k] != v}
-    varformats.check_values(context["vars"], raw.formats, given, raw.path)
+    varformats.check_values(context["vars"], raw.formats, raw.overrides(), raw.path)
     return context
 
 

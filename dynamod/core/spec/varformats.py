@@ -44,7 +44,10 @@ def _whole(value: Any) -> int | None:
 
 
 def _is_duration(value: Any) -> bool:
-    return _whole(value) is not None or (isinstance(value, str) and bool(DURATION.fullmatch(value)))
+    if isinstance(value, str):
+        return bool(DURATION.fullmatch(value))
+    hours = _whole(value)  # `--var etcd_history=2` arrives as an int
+    return hours is not None and hours >= 0
 
 
 def _is_count(value: Any) -> bool:
