@@ -95,6 +95,11 @@ def test_apply_and_scale_change_only_what_differs(dm: Dynamod, stack_file: Any) 
     assert "unit 'base', field 'comand'" in refused.stderr
     unknown = cli(dm, "scale", "wroker=2", code=2)
     assert "did you mean worker" in unknown.stderr
+    formats = stack_file(EDITED.replace('    workers = 1\n', '    workers = 1\n    [var_formats]\n'
+                                        '    workers = "count"\n'), name="formats.toml")
+    negative = cli(dm, "apply", str(formats), "--var", "workers=-1", code=2).stderr
+    assert negative.strip().count("\n") == 0 and "nothing was changed" in negative
+    assert "field '--var workers': must be a whole number, 0 or more, got -1" in negative
     assert pids(dm) == two
 
     # the edit: both workers restarted one at a time with the new command (workers=2, as
