@@ -502,11 +502,9 @@ def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
     etcd_after = etcd_counters(rig)
     took = time.monotonic() - started
     per_node = len(shards) / len(rig.names)
-    by_key = rig.in_node(rig.names[0], lambda: asyncio.run(fleet_history.writes_between(
-        "http://127.0.0.1:2379", int(etcd_before["revision"]) + 1, int(etcd_after["revision"]))))
     return {
         "window_s": took,
-        "etcd_writes_by_key": by_key,
+        "etcd_writes_by_key": writes_by_key(rig, etcd_before, etcd_after),
         "etcd_writes_per_s": writes(etcd_before, etcd_after) / took,
         "etcd_history_kb_per_min": history_kb(etcd_before, etcd_after) / took * 60,
         "etcd_reads_per_s": (etcd_after["ranges"] - etcd_before["ranges"]) / took,
@@ -518,6 +516,17 @@ def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
         "daemon_rss_mb": statistics.mean(rss_mb(p) for p in daemons.values()),
         "daemon_rss_mb_per_shard": statistics.mean(rss_mb(p) for p in daemons.values()) / per_node,
     }
+
+
+def writes_by_key(
+    rig: ClusterRig, before: dict[str, float], after: dict[str, float]
+) -> dict[str, dict[str, float]]:
+    """etcd's writes between two `etcd_counters` readings, by kind of key, replayed from
+    the head's member (bench/fleet_history.py)."""
+    first, last = int(before["revision"]) + 1, int(after["revision"])
+    totals: dict[str, dict[str, float]] = rig.in_node(rig.names[0], lambda: asyncio.run(
+        fleet_history.writes_between("http://127.0.0.1:2379", first, last)))  # fmt: skip
+    return totals
 
 
 def etcd_counters(rig: ClusterRig) -> dict[str, float]:
@@ -551,8 +560,7 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     used = cpu_since(cpu_before)
     restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     after = etcd_counters(rig)
-    by_key = rig.in_node(rig.names[0], lambda: asyncio.run(fleet_history.writes_between(
-        "http://127.0.0.1:2379", int(before["revision"]) + 1, int(after["revision"]))))
+    by_key = writes_by_key(rig, before, after)
     acks = answer["acks"]
     bad = {k: v.get("error") or v for k, v in acks.items() if not v.get("ok")}
     if bad:
