@@ -74,6 +74,7 @@ from bench.fleet_stack import (
     with_shard_limits,
     with_shard_live_timeout,
 )
+from bench.fleet_threads import by_thread, thread_table, threads_of
 from bench.procs import cpu_of, cpu_since, iso_epoch, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
@@ -552,12 +553,14 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     daemons = [daemon_pid(rig, node) for node in rig.names]
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
     cpu_before = cpu_of([*shards, *daemons])
+    threads_before = threads_of(shards)
     busy_before = machine_busy_s()
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
     busy = machine_busy_s() - busy_before
     used = cpu_since(cpu_before)
+    threads_after = threads_of(shards)
     restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     after = etcd_counters(rig)
     by_key = writes_by_key(rig, before, after)
@@ -590,6 +593,9 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
             "busy_s": busy,
             "busy_pct": busy / (stall * CORES) * 100,
             "shards_s": sum(used[pid] for pid in shards if pid in used),
+            "shards_by_thread": by_thread(
+                threads_before, threads_after, {p: used[p] for p in shards if p in used}
+            ),
             "daemons_s": sum(used[pid] for pid in daemons if pid in used),
             # a shard restarted meanwhile: its old process's CPU is not counted
             "shards_gone": sum(pid not in used for pid in shards),
@@ -777,7 +783,8 @@ def one_shards_push(reference: dict[str, Any] | None, full: dict[str, Any]) -> t
 def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[str, Any]]) -> None:
     full = fleets[-1]
     ref_s, ref_what = one_shards_push(reference, full)
-    report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets)]
+    report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets),
+                      thread_table(fleets)]  # fmt: skip
     report.tables += [fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       growth_table(fleets)]

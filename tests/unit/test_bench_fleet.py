@@ -6,6 +6,7 @@ cluster stack with a replicated etcd)."""
 from __future__ import annotations
 
 import math
+import os
 import tomllib
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from bench.fleet_stack import (
     with_max_starting,
     with_max_updating,
 )
+from bench.fleet_threads import ENDED, by_thread, group, threads_of
 from dynamod.core import paths
 
 NODES = [1, 2, 4, 8]
@@ -210,3 +212,30 @@ def test_fleet_history_sums_writes_by_kind_of_key() -> None:
     key_bytes = len("dynamod/s/cluster/nodes/n1") * 2
     assert rows[0][1] == 2 and rows[0][2] == (3072 + key_bytes) / 1024
     assert fleet_history.summary_of(totals).startswith("cluster/nodes 3 KB (2), shards 0 KB (1)")
+
+
+def test_thread_cpu_is_summed_by_name_and_what_ended_is_the_remainder() -> None:
+    before = {(10, 10): ("python", 1.0), (10, 11): ("tokio-runtime-w", 2.0),
+              (10, 12): ("tokio-runtime-w", 0.5), (20, 20): ("python", 3.0)}  # fmt: skip
+    after = {(10, 10): ("python", 1.2), (10, 11): ("tokio-runtime-w", 2.3),
+             (10, 13): ("tokio-runtime-w", 0.1),  # born in the window: from 0
+             (20, 20): ("python", 3.4), (30, 30): ("python", 9.0)}  # fmt: skip
+    # pid 10 used 1.0 s: 0.2 + 0.3 + 0.1 by its threads now, so 0.4 by threads that ended
+    # (tid 12); pid 30 is not a process of the window
+    got = by_thread(before, after, {10: 1.0, 20: 0.4})
+    assert got["python"] == pytest.approx(0.6)
+    assert got["tokio-runtime-w"] == pytest.approx(0.4)
+    assert got[ENDED] == pytest.approx(0.4)
+    assert sum(got.values()) == pytest.approx(1.4)
+
+
+def test_thread_names_lose_their_digits() -> None:
+    assert group("ZMQbg/IO/0") == "ZMQbg/IO/"
+    assert group("tokio-runtime-w") == "tokio-runtime-w"
+    assert group("42") == "42"
+
+
+def test_threads_of_reads_this_process_s_threads() -> None:
+    got = threads_of([os.getpid()])
+    assert (os.getpid(), os.getpid()) in got
+    assert all(secs >= 0 for _, secs in got.values())
