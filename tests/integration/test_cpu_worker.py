@@ -326,6 +326,48 @@ def test_flush_cache_leaves_no_cached_prefix_blocks(stack: RawStack, resumed: Wo
     assert cached_tokens(complete(stack, prompt)) == warm  # the cache works again
 
 
+def test_mocker_flushes_keep_one_port_claim_and_relay_the_new_engine_s_events(
+    stack: RawStack, model_dir: Path, tmp_path: Path
+) -> None:
+    """A flush replaces the mocker engine, and the next engine publishes its KV events on
+    the last one's port: the worker holds one claim in the machine's port registry
+    however many flushes (a new port per flush was a new claim held for the worker's
+    life, and every allocation reads every claim: bench.fleet's pushes slowed as the
+    fleet grew), and each new engine serves and its KV events reach the router."""
+    registry = tmp_path / "ports"
+    worker = stack.start_worker(
+        "mocker", model_dir, "tiny-mocker",
+        extra=["--engine", "mocker", "--block-size", "16"],
+        env={"DYNAMOD_PORT_REGISTRY": str(registry)},
+    )  # fmt: skip
+    try:
+        stack.wait_model("tiny-mocker")
+        pid = worker.proc.popen.pid
+
+        def claimed() -> list[str]:
+            return [p.read_text() for p in registry.glob(f"claim-{pid}-*")]
+
+        first = claimed()
+        assert len(first) == 1 and len(first[0].split()) == 1, first
+        for n in range(3):
+            prompt = f"flush {n} {PROMPT}"
+            complete(stack, prompt, model="tiny-mocker")
+            assert cached_tokens(complete(stack, prompt, model="tiny-mocker")) > 0
+            generation = worker.engine("liveness_probe")[1]["engine_generation"]
+            assert worker.engine("flush_cache")[1]["status"] == "ok"
+            assert worker.engine("liveness_probe")[1]["engine_generation"] == generation + 1
+            assert cached_tokens(complete(stack, prompt, model="tiny-mocker")) == 0
+        assert claimed() == first, "a flush claimed another port"
+        stored = router_counter(stack, EVENTS_APPLIED, event_type="stored", status="ok")
+        complete(stack, f"after the flushes {PROMPT}", model="tiny-mocker")
+        deadline = time.monotonic() + 10
+        while router_counter(stack, EVENTS_APPLIED, event_type="stored", status="ok") == stored:
+            assert time.monotonic() < deadline, "the router saw no block of the last engine"
+            time.sleep(0.05)
+    finally:
+        worker.proc.stop()
+
+
 def test_weight_update_resets_the_prefix_cache(
     stack: RawStack, resumed: Worker, model_dir: Path, tmp_path: Path
 ) -> None:
