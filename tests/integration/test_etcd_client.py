@@ -262,6 +262,46 @@ async def test_watch_prefix_sees_puts_and_deletes_under_the_prefix_in_order(
     assert revisions == sorted(revisions) and len(set(revisions)) == 3
 
 
+async def test_a_read_at_its_revision_and_a_watch_after_it_keep_a_mirror_of_the_prefix(
+    etcd: EtcdClient, prefix: str
+) -> None:
+    """get_prefix_at's revision is where a watch picks up: a mirror loaded from the read and
+    fed the watch's events holds what a fresh read holds, leases included; txn_at's
+    revision is one the mirror reaches once it has seen the transaction."""
+    from dynamod.rollout.etcd.mirror import PrefixMirror
+
+    lease = await etcd.lease_grant(30)
+    await etcd.put(f"{prefix}m/a", "1", lease)
+    await etcd.put(f"{prefix}m/b", "2")
+    kvs, revision = await etcd.get_prefix_at(f"{prefix}m/")
+    mirror = PrefixMirror(kvs, revision)
+    await etcd.put(f"{prefix}m/c", "3", lease)  # after the read: only the watch has it
+    assert [kv.key for kv in mirror.values()] == [f"{prefix}m/a", f"{prefix}m/b"]
+
+    async def follow() -> None:
+        async for event in etcd.watch_prefix(f"{prefix}m/", start_revision=revision + 1):
+            mirror.apply(event)
+
+    following = asyncio.create_task(follow())
+    try:
+        await etcd.delete(f"{prefix}m/b")
+        _, wrote = await etcd.txn_at([], [TxnPut(f"{prefix}m/a", "4", lease),
+                                          TxnPut(f"{prefix}m/d", "5")])  # fmt: skip
+        async with asyncio.timeout(5):
+            while mirror.revision < wrote:
+                await asyncio.sleep(0.01)
+        fresh, now = await etcd.get_prefix_at(f"{prefix}m/")
+        assert now >= wrote
+        assert mirror.values() == fresh
+        assert [(kv.key, kv.lease == lease) for kv in mirror.values()] == [
+            (f"{prefix}m/a", True), (f"{prefix}m/c", True), (f"{prefix}m/d", False)]  # fmt: skip
+    finally:
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
+        await etcd.lease_revoke(lease)
+
+
 # -- authentication -----------------------------------------------------------------------------
 
 

@@ -124,9 +124,14 @@ class EtcdClient:
         return kv.value if kv is not None else None
 
     async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        return (await self.get_prefix_at(prefix))[0]
+
+    async def get_prefix_at(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under `prefix`, and the store's revision the read was made at: a watch
+        from the revision after it sees every change since, none twice."""
         start, end = _range(prefix)
         got = await self._call("get_prefix", prefix, lambda c: c.get_range(start, end))
-        return [_kv(item) for item in got]
+        return [_kv(item) for item in got], int(got.header.revision)
 
     async def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
         await self._call("put", key, lambda c: c.put(key.encode(), _bytes(value), lease or None))
@@ -150,7 +155,7 @@ class EtcdClient:
         write happened.
         """
         compare = [Compare(key, "mod", "==", expected_mod_revision)]
-        return await self._txn("put_if", key, compare, [TxnPut(key, value, lease)], [])
+        return (await self._txn("put_if", key, compare, [TxnPut(key, value, lease)], []))[0]
 
     async def txn(
         self,
@@ -159,6 +164,16 @@ class EtcdClient:
         failure: Sequence[TxnOp] = (),
     ) -> bool:
         """If every `compare` holds apply `success`, else `failure` (atomically); True if held."""
+        return (await self.txn_at(compare, success, failure))[0]
+
+    async def txn_at(
+        self,
+        compare: Sequence[Compare],
+        success: Sequence[TxnOp],
+        failure: Sequence[TxnOp] = (),
+    ) -> tuple[bool, int]:
+        """As txn, and the store's revision after it: a read or watch at that revision or
+        later sees what it wrote."""
         key = compare[0].key if compare else (success[0].key if success else None)
         return await self._txn("txn", key, compare, success, failure)
 
@@ -169,7 +184,7 @@ class EtcdClient:
         compare: Sequence[Compare],
         success: Sequence[TxnOp],
         failure: Sequence[TxnOp],
-    ) -> bool:
+    ) -> tuple[bool, int]:
         request = rpc.TxnRequest(
             compare=[_compare(c) for c in compare],
             success=[_request_op(op) for op in success],
@@ -183,7 +198,7 @@ class EtcdClient:
         # A timed-out transaction may have applied; sending it to another member could apply it
         # twice, or report a compare that failed only because the first attempt succeeded.
         reply = await self._call(operation, key, send, idempotent=False)
-        return bool(reply.succeeded)
+        return bool(reply.succeeded), int(reply.header.revision)
 
     # -- watches --------------------------------------------------------------------------------
 
@@ -538,6 +553,7 @@ def _event(item: Any) -> WatchEvent:
         key=bytes(item.kv.key).decode(errors="replace"),
         value=bytes(item.kv.value),
         mod_revision=int(item.kv.mod_revision),
+        lease=int(item.kv.lease),
     )
 
 

@@ -33,6 +33,7 @@ class WatchEvent:
     key: str
     value: bytes
     mod_revision: int
+    lease: int = 0  # a put's lease (0: none); a delete's is 0
 
 
 @dataclass(frozen=True)
