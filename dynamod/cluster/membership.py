@@ -1,10 +1,11 @@
 """A node's membership in its cluster, as a daemon extension: it writes this node's entry in
 the registry on a lease of its own (kept alive three times per `lease_ttl`; the entry's keys
 written when they change, or when a read finds one gone or not as written), reads everyone's
-entries for `status` again at every change under the stack's registry prefix (a watch; a read
-every second besides, in case the watch is down), and, while it holds the leader key, turns a node
-whose lease expired into a lost record the moment etcd deletes its entry and withdraws that
-node's Dynamo registrations (cluster/parking.py) so the router stops using its shards. Back
+entries for `status` from a copy of the stack's registry prefix kept by a watch (read whole
+again only when the watch breaks, after this daemon's own registry calls failed, and every
+RESYNC_S), and, while it holds the leader key, turns a node whose lease expired into a lost
+record the moment etcd deletes its entry and withdraws that node's Dynamo registrations
+(cluster/parking.py) so the router stops using its shards. Back
 in contact after its own lease expired, it puts its shards' registrations back (each paused,
 then replayed at the ledger's current version before it is admitted) or, where a
 registration is gone for good, restarts the shard; and it follows the ledger, so a push made
@@ -37,6 +38,7 @@ from dynamod.core.placement import ClusterSpec
 from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError
+from dynamod.rollout.etcd.mirror import PrefixMirror
 from dynamod.rollout.etcd.records import KeyValue
 from dynamod.rollout.worker_table import worker_of
 
@@ -48,13 +50,20 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("dynamod.cluster.membership")
 
-READ_FALLBACK_S = 1.0  # a read without a change seen: covers a watch being re-opened
+READ_FALLBACK_S = 1.0  # a look without a change seen: a deferred loss is judged again
 # Reads after a put under the registry prefix (an entry rewritten) are at least this far
 # apart; a delete (a lease's expiry: a node to mark lost) is read at once. Every read is the
 # whole prefix, every node's entry: at 8 nodes x 32 shards ~260 KB, and during a start or
 # after a loss entries change many times a second, so reads back to back on every daemon
 # kept etcd's members busy past the registry lease (keepalives answered in 1-2 s).
 READ_GAP_S = 0.5
+# With the copy kept by the watch (PrefixMirror) a look costs etcd nothing: a put is looked
+# at this soon (a push waits for the other nodes' entries to show its version).
+MIRROR_GAP_S = 0.1
+# The copy is read whole again this often even while its watch looks healthy: a stream
+# that went silent without an error (a cut link, before gRPC's keepalive notices) leaves
+# it stale for no longer than this.
+RESYNC_S = 10.0
 WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
 PUBLISH_RETRY_S = 0.1  # a failed publish round or keepalive is tried again this soon
@@ -91,6 +100,9 @@ class Membership(Extension):
         self.etcd: EtcdClient | None = None
         self.lease: int | None = None
         self.entries: dict[str, NodeEntry] = {}
+        # the registry prefix as the watch keeps it (None: not in step; reads go to etcd)
+        self._mirror: PrefixMirror | None = None
+        self._resync = asyncio.Event()  # this daemon's own calls failed: read it whole again
         self._decoded = registry.EntryCache()
         self.lost: dict[str, LostRecord] = {}
         # Nodes whose entry vanished and that the leader has not marked lost yet: a marking
@@ -107,9 +119,10 @@ class Membership(Extension):
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
         self._away = False  # the keepalive went through again after more than a lease
-        # each key of the entry as last put on this lease, and when the put was done; and
-        # the keys a read found gone or not as put (put again by the next publish round)
-        self._written: dict[str, tuple[str, float]] | None = None
+        # each key of the entry as last put on this lease, and the store's revision after
+        # the put; and the keys a read found gone or not as put (put again by the next
+        # publish round)
+        self._written: dict[str, tuple[str, int]] | None = None
         self._not_as_written: set[str] = set()
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
@@ -374,10 +387,10 @@ class Membership(Extension):
         records = self.entry().records(self.stack)
         puts, deletes = must_write(self._written, records, self._not_as_written)
         if puts or deletes:
+            done = 0  # the store's revision after the last write: a view at it sees them all
             for ops in registry.entry_writes(self.stack, self.cluster.node, puts, deletes,
                                              self.lease):  # fmt: skip
-                await self.etcd.txn([], ops)
-            done = time.monotonic()  # a read that began after this sees these writes
+                done = (await self.etcd.txn_at([], ops))[1]
             kept = {k: v for k, v in (self._written or {}).items() if k in records}
             self._written = {**kept, **{k: (v, done) for k, v in puts.items()}}
             self._not_as_written = (self._not_as_written - puts.keys()) & records.keys()
@@ -485,6 +498,8 @@ class Membership(Extension):
             if task is not None and task.cancelling():
                 raise exc
         self.trouble_at = time.monotonic()
+        if what in ("keepalive", "publish"):  # out of contact: the watch may be silent too
+            self._resync.set()
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         if text != self.error:
             unexpected = not isinstance(exc, _FAILURES)
@@ -495,20 +510,50 @@ class Membership(Extension):
     # ------------------------------------------------------------------ everyone's entries
 
     async def _watch_loop(self) -> None:
-        """Wake the reader at every change under the registry prefix: a node's entry
-        deleted by its lease's expiry is acted on at once, not at the next poll."""
-        assert self.etcd is not None
+        """Keep the copy of the registry prefix: one read, then every change from the
+        watch from the revision after it, each waking the reader (a node's entry deleted
+        by its lease's expiry is acted on at once). The copy goes, and the reader reads
+        etcd, from the moment the watch breaks until a new read and watch are in step;
+        it is read whole again every RESYNC_S, and after this daemon's own calls failed."""
         while not self._stopping:
+            self._resync.clear()
             try:
-                async for event in self.etcd.watch_prefix(registry.prefix(self.stack)):
-                    if event.kind == "delete":
-                        self._urgent.set()
-                    self._changed.set()
+                await self._keep_mirror()
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("watch", exc)
-            self._urgent.set()  # the stream ended: read now, changes may have been missed
+            self._mirror = None
+            self._urgent.set()  # read now: changes may have been missed
             self._changed.set()
-            await asyncio.sleep(WATCH_RETRY_S)
+            if not self._resync.is_set():
+                await asyncio.sleep(WATCH_RETRY_S)
+
+    async def _keep_mirror(self) -> None:
+        assert self.etcd is not None
+        prefix = registry.prefix(self.stack)
+        kvs, revision = await self._bounded("read", self.etcd.get_prefix_at(prefix))
+        mirror = PrefixMirror(kvs, revision)
+        self._mirror = mirror
+        self._urgent.set()
+        self._changed.set()
+
+        async def follow(etcd: EtcdClient) -> None:
+            async for event in etcd.watch_prefix(prefix, start_revision=revision + 1):
+                mirror.apply(event)
+                if event.kind == "delete":
+                    self._urgent.set()
+                self._changed.set()
+
+        following = asyncio.ensure_future(follow(self.etcd))
+        resync = asyncio.ensure_future(self._resync.wait())
+        try:
+            done, _ = await asyncio.wait({following, resync}, timeout=RESYNC_S,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            for task in (following, resync):
+                task.cancel()
+            await asyncio.gather(following, resync, return_exceptions=True)
+        if following in done:
+            following.result()  # its error, else the stream was closed (a new client)
 
     async def _read_loop(self) -> None:
         while not self._stopping:
@@ -523,20 +568,24 @@ class Membership(Extension):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(READ_FALLBACK_S):
                     await self._changed.wait()
-            gap = began + READ_GAP_S - time.monotonic()
+            gap = began + (READ_GAP_S if self._mirror is None else MIRROR_GAP_S) - time.monotonic()
             if gap > 0 and not self._urgent.is_set():  # a put: not before the gap, unless a
                 with contextlib.suppress(TimeoutError):  # delete comes meanwhile
                     async with asyncio.timeout(gap):
                         await self._urgent.wait()
 
     async def read(self) -> None:
-        """Everything under the stack's registry prefix, into the fields above."""
+        """Everything under the stack's registry prefix, into the fields above: from the
+        copy the watch keeps, or from etcd while there is none."""
         assert self.etcd is not None
-        began = time.monotonic()
-        kvs = await self.etcd.get_prefix(registry.prefix(self.stack))
+        mirror = self._mirror
+        if mirror is not None:
+            kvs, revision = mirror.values(), mirror.revision
+        else:
+            kvs, revision = await self.etcd.get_prefix_at(registry.prefix(self.stack))
         found = registry.parse(self.stack, kvs, self._decoded)
         if self._written is not None and self.lease is not None:
-            gone = not_as_written(self._written, kvs, self.lease, began)
+            gone = not_as_written(self._written, kvs, self.lease, revision)
             if gone - self._not_as_written:
                 log.warning("cluster.entry_not_as_written", node=self.cluster.node,
                             keys=sorted(gone)[:5], count=len(gone))  # fmt: skip
@@ -759,7 +808,7 @@ def publish_wait(failed: int, period: float) -> float:
 
 
 def must_write(
-    written: dict[str, tuple[str, float]] | None,
+    written: dict[str, tuple[str, int]] | None,
     records: dict[str, str],
     not_as_written: AbstractSet[str],
 ) -> tuple[dict[str, str], list[str]]:
@@ -779,16 +828,16 @@ def must_write(
 
 
 def not_as_written(
-    written: Mapping[str, tuple[str, float]], kvs: Iterable[KeyValue], lease: int, began: float
+    written: Mapping[str, tuple[str, int]], kvs: Iterable[KeyValue], lease: int, revision: int
 ) -> set[str]:
-    """The keys of this node's entry that a read (`kvs`, begun at `began`, monotonic) found
-    gone, changed, or on another lease than this node's: deleted or overwritten some other
-    way than by its lease's expiry. Only keys put before the read began: a read that began
-    earlier may not show the latest put yet."""
+    """The keys of this node's entry that a view of the registry (`kvs`, as of the store's
+    `revision`) found gone, changed, or on another lease than this node's: deleted or
+    overwritten some other way than by its lease's expiry. Only keys whose put the view
+    includes (`written`: each key's value and the store's revision after its put)."""
     found = {kv.key: kv for kv in kvs if kv.key in written}
     out = set()
     for key, (value, at) in written.items():
-        if at >= began:
+        if at > revision:
             continue
         kv = found.get(key)
         if kv is None or kv.lease != lease or kv.value != value.encode():

@@ -21,7 +21,7 @@ from dynamod.cluster import membership
 from dynamod.cluster.membership import Membership
 from dynamod.core.phase import Phase
 from dynamod.core.placement import ClusterSpec
-from dynamod.rollout.etcd.records import KeyValue
+from dynamod.rollout.etcd.records import KeyValue, WatchEvent
 
 SPEC = ClusterSpec(nodes={"head": "10.1.0.1"}, head="head", node="head",
                    registry=["http://10.1.0.1:2379"])  # fmt: skip
@@ -49,11 +49,11 @@ class _ClosedUnderCalls:
         self.failures = failures
         self.reads = 0
 
-    async def get_prefix(self, prefix: str) -> list[Any]:
+    async def get_prefix_at(self, prefix: str) -> tuple[list[Any], int]:
         self.reads += 1
         if self.reads <= self.failures:
             raise asyncio.CancelledError
-        return []
+        return [], 1
 
 
 async def _until(done: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -119,6 +119,9 @@ class _CancelsAsItAnswers:
         self.task.cancel()
         return []
 
+    async def get_prefix_at(self, prefix: str) -> tuple[list[Any], int]:
+        return await self.get_prefix(prefix), 1
+
 
 async def test_a_stop_that_lands_as_a_round_ends_still_ends_the_loop(
     monkeypatch: pytest.MonkeyPatch,
@@ -181,7 +184,7 @@ def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
     not as written; a unit gone has its key deleted. Idle, it writes nothing."""
     must_write = membership.must_write
     e = {"h": "1", "u/a": "x", "u/b": "y"}
-    at = {k: (v, 100.0) for k, v in e.items()}
+    at = {k: (v, 100) for k, v in e.items()}
     assert must_write(None, e, set()) == (e, [])  # nothing on this lease yet
     assert must_write(at, dict(e), set()) == ({}, [])  # a keepalive tick: unchanged
     assert must_write(at, {**e, "u/b": "z"}, set()) == ({"u/b": "z"}, [])
@@ -193,13 +196,14 @@ def test_a_read_finds_the_keys_lost_or_overwritten_some_other_way() -> None:
     def kv(key: str, value: str, lease: int = 7) -> KeyValue:
         return KeyValue(key, value.encode(), lease, 1)
 
-    written = {"h": ("1", 100.0), "u/a": ("x", 100.0), "u/b": ("y", 100.0), "u/c": ("z", 105.0)}
+    # each key's value and the store's revision after its put
+    written = {"h": ("1", 100), "u/a": ("x", 100), "u/b": ("y", 100), "u/c": ("z", 105)}
     intact = [kv("h", "1"), kv("u/a", "x"), kv("u/b", "y"), kv("u/c", "z"), kv("other", "q")]
-    assert membership.not_as_written(written, intact, 7, began=106.0) == set()
+    assert membership.not_as_written(written, intact, 7, revision=106) == set()
     broken = [kv("h", "1"), kv("u/a", "X"), kv("u/b", "y", lease=8)]  # u/c gone
-    assert membership.not_as_written(written, broken, 7, began=106.0) == {"u/a", "u/b", "u/c"}
-    # a read begun before a put was done may not show it yet: that key is not judged
-    assert membership.not_as_written(written, broken, 7, began=104.0) == {"u/a", "u/b"}
+    assert membership.not_as_written(written, broken, 7, revision=105) == {"u/a", "u/b", "u/c"}
+    # a view older than a put may not show it yet: that key is not judged
+    assert membership.not_as_written(written, broken, 7, revision=104) == {"u/a", "u/b"}
 
 
 class _Ledger:
@@ -262,15 +266,15 @@ def test_a_failed_publish_round_is_tried_again_soon_then_backs_off_to_the_period
 
 class _Registry:
     """Stands in for the etcd client at the registry prefix: the entries it holds now
-    (this daemon already the leader); get_prefix answers them."""
+    (this daemon already the leader); get_prefix_at answers them."""
 
     def __init__(self, nodes: list[str]) -> None:
         self.nodes = nodes
 
-    async def get_prefix(self, prefix: str) -> list[Any]:
+    async def get_prefix_at(self, prefix: str) -> tuple[list[Any], int]:
         rows = [SimpleNamespace(key=k, value=v.encode())
                 for n in self.nodes for k, v in _entry(n).records("s").items()]  # fmt: skip
-        return [*rows, SimpleNamespace(key=f"{prefix}leader", value=b"head")]
+        return [*rows, SimpleNamespace(key=f"{prefix}leader", value=b"head")], 1
 
 
 def _entry(node: str) -> Any:
@@ -385,51 +389,109 @@ async def test_the_lease_is_kept_alive_while_a_publish_round_is_stuck() -> None:
 
 
 class _Watched:
-    """Stands in for the etcd client at the registry prefix: watch events come from a
-    queue the test fills; each read of the prefix is timed (it holds no entries)."""
+    """Stands in for the etcd client at the registry prefix: each read of the prefix is
+    timed and answers what the test put in `kvs`, at `revision`; a watch yields the
+    events the test queues (an exception queued breaks it), and records where it began."""
 
     def __init__(self) -> None:
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.reads: list[float] = []
+        self.kvs: list[KeyValue] = []
+        self.revision = 10
+        self.watched_from: list[int | None] = []
 
-    async def watch_prefix(self, prefix: str) -> Any:
+    async def watch_prefix(self, prefix: str, *, start_revision: int | None = None) -> Any:
+        self.watched_from.append(start_revision)
         while True:
-            yield await self.events.get()
+            item = await self.events.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
-    async def get_prefix(self, prefix: str) -> list[Any]:
+    async def get_prefix_at(self, prefix: str) -> tuple[list[KeyValue], int]:
         self.reads.append(time.monotonic())
-        return []
+        return list(self.kvs), self.revision
 
 
-async def test_entry_writes_are_read_at_most_every_gap_and_a_delete_at_once(
+def _event(kind: str, key: str, revision: int, value: bytes = b"v") -> WatchEvent:
+    put = kind == "put"
+    return WatchEvent(kind, key, value if put else b"", revision, 7 if put else 0)  # type: ignore[arg-type]
+
+
+async def test_the_watch_keeps_a_copy_looked_at_every_gap_and_a_delete_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every read is the whole registry (~260 KB at 8 x 32): on a stream of entry writes a
-    daemon reads it at most every READ_GAP_S, not back to back; a delete (a node's lease
-    expired) is read at once, a read just before it notwithstanding."""
+    """Every read is the whole registry (~260 KB at 8 x 32). It is read once and then
+    kept by the watch from the revision after that read: on a stream of entry writes the
+    daemon reads etcd no more, and looks at its copy at most every MIRROR_GAP_S, not
+    back to back; a delete (a node's lease expired) is looked at at once."""
     etcd = _Watched()
+    etcd.kvs = [KeyValue("s/k", b"old", 7, 9)]
     member = _reading(monkeypatch, etcd)
     monkeypatch.setattr(membership, "READ_FALLBACK_S", 5.0)
-    monkeypatch.setattr(membership, "READ_GAP_S", 0.3)
-    put = SimpleNamespace(kind="put", key="k", value=b"", mod_revision=1)
+    monkeypatch.setattr(membership, "MIRROR_GAP_S", 0.3)
+    looks: list[float] = []
+    parse = membership.registry.parse
+
+    def counted(*args: Any) -> Any:
+        looks.append(time.monotonic())
+        return parse(*args)
+
+    monkeypatch.setattr(membership.registry, "parse", counted)
     tasks = [asyncio.create_task(member._watch_loop()), asyncio.create_task(member._read_loop())]
     try:
-        await _until(lambda: len(etcd.reads) == 1)
-        for _ in range(60):  # 1.2 s of writes, one every 20 ms
-            etcd.events.put_nowait(put)
+        await _until(lambda: member._mirror is not None and len(looks) >= 1)
+        assert etcd.watched_from == [11]
+        first = len(looks)
+        for revision in range(11, 71):  # 1.2 s of writes, one every 20 ms
+            etcd.events.put_nowait(_event("put", "s/k", revision, f"v{revision}".encode()))
             await asyncio.sleep(0.02)
-        gaps = [b - a for a, b in itertools.pairwise(etcd.reads)]
-        assert 3 <= len(etcd.reads) <= 6 and min(gaps) >= 0.29, gaps
-        await _until(lambda: time.monotonic() - etcd.reads[-1] > 0.1)
-        reads = len(etcd.reads)
-        etcd.events.put_nowait(put)
+        assert len(etcd.reads) == 1, "a put was read from etcd, not from the copy"
+        gaps = [b - a for a, b in itertools.pairwise(looks[first:])]
+        assert 3 <= len(looks) - first <= 6 and min(gaps) >= 0.29, gaps
+        await _until(lambda: time.monotonic() - looks[-1] > 0.1)
+        assert member._mirror is not None and member._mirror.kvs["s/k"].value == b"v70"
+        seen = len(looks)
+        etcd.events.put_nowait(_event("put", "s/k", 71))
         await asyncio.sleep(0.05)
         deleted = time.monotonic()
-        etcd.events.put_nowait(SimpleNamespace(kind="delete", key="k", value=b"", mod_revision=2))
-        await _until(lambda: len(etcd.reads) > reads)
-        assert etcd.reads[-1] - deleted < 0.1, etcd.reads[-1] - deleted
+        etcd.events.put_nowait(_event("delete", "s/k", 72))
+        await _until(lambda: len(looks) > seen)
+        assert looks[-1] - deleted < 0.1, looks[-1] - deleted
+        assert "s/k" not in member._mirror.kvs and member._mirror.revision == 72
     finally:
         member._stopping = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_broken_watch_or_a_failed_keepalive_reads_the_registry_whole_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy goes the moment its watch breaks (the reader reads etcd meanwhile), and a
+    new read and a watch from the revision after it take over; a keepalive that failed
+    (this daemon out of contact: its watch may be silent without an error) does the
+    same."""
+    etcd = _Watched()
+    member = _reading(monkeypatch, etcd)
+    monkeypatch.setattr(membership, "WATCH_RETRY_S", 0.05)
+    task = asyncio.create_task(member._watch_loop())
+    try:
+        await _until(lambda: member._mirror is not None)
+        etcd.revision = 20
+        etcd.events.put_nowait(OSError("stream reset"))
+        await _until(lambda: etcd.watched_from == [11, 21])
+        assert len(etcd.reads) == 2 and member._mirror is not None
+        assert member._mirror.loaded_at == 20
+        etcd.revision = 30
+        member._failed("keepalive", TimeoutError("no answer"))
+        await _until(lambda: etcd.watched_from == [11, 21, 31])
+        assert len(etcd.reads) == 3
+        member._failed("watch", TimeoutError("no answer"))  # its own failures: no resync
+        await asyncio.sleep(0.2)
+        assert len(etcd.reads) == 3
+    finally:
+        member._stopping = True
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
