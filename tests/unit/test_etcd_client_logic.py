@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from dynamod.rollout.etcd import EndpointError, EtcdAuth, EtcdClient, EtcdError, parse_endpoints
+from dynamod.rollout.etcd import client as client_module
 from dynamod.rollout.etcd.endpoints import Rotation
-from dynamod.rollout.etcd.errors import FailureKind, classify
+from dynamod.rollout.etcd.errors import Failure, FailureKind, classify, electing
 
 
 def test_endpoints_parse_lists_and_comma_strings() -> None:
@@ -171,3 +173,63 @@ def test_a_keepalive_stream_that_ends_unanswered_tries_the_next_member_not_a_los
     # nobody answers: a failure naming both members, never "gone"
     with pytest.raises(EtcdError, match=r"no endpoint answered.*without an answer"):
         asyncio.run(keepalive(None, None))
+
+
+def _rpc_error(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details
+    )
+
+
+def test_a_cluster_between_leaders_is_named_and_another_member_is_tried() -> None:
+    for details in ("etcdserver: leader changed", "etcdserver: no leader"):
+        failure = classify("UNAVAILABLE", details, user=None, timeout_s=1)
+        assert failure.kind is FailureKind.ELECTION and failure.try_another_endpoint
+        assert failure.detail == f"its cluster is electing a leader ({details})"
+    election = Failure(FailureKind.ELECTION, "")
+    gone = Failure(FailureKind.UNREACHABLE, "")
+    assert electing([gone, election, election]) and electing([election])
+    assert not electing([gone, gone])  # nobody said so: the members are down
+    assert not electing([election, Failure(FailureKind.SERVER, "")])
+
+
+def _electing_call(
+    monkeypatch: pytest.MonkeyPatch, refusals: int, idempotent: bool
+) -> tuple[object, list[int]]:
+    monkeypatch.setattr(client_module, "ELECTION_WAIT_S", 0.01)
+    monkeypatch.setattr(client_module, "ELECTION_RETRY_S", 0.3)
+
+    async def call() -> tuple[object, list[int]]:
+        client = EtcdClient(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+        # each member answers 'leader changed' to its first `refusals` calls
+        members = {e: _Member(None) for e in client._rotation.endpoints}
+        client._connections = dict(members)  # type: ignore[arg-type]
+
+        async def send(conn: _Member) -> str:
+            conn.asked += 1
+            if conn.asked <= refusals:
+                raise _rpc_error("etcdserver: leader changed")
+            return "answer"
+
+        try:
+            got: object = await client._call("get", "k", send, idempotent=idempotent)  # type: ignore[arg-type]
+        except EtcdError as err:
+            got = err
+        return got, [m.asked for m in members.values()]
+
+    return asyncio.run(call())
+
+
+def test_a_call_during_an_election_goes_round_the_members_again_until_one_leads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI: the 3-member cluster's leader killed on a loaded machine; both members left
+    answered 'leader changed', and the call failed though a leader was a second away."""
+    got, asked = _electing_call(monkeypatch, refusals=2, idempotent=True)
+    assert got == "answer" and asked == [3, 2]  # two rounds refused, then the first answers
+    # a transaction is not sent twice: it may have applied
+    got, asked = _electing_call(monkeypatch, refusals=2, idempotent=False)
+    assert isinstance(got, EtcdError) and asked == [1, 1]
+    # bounded: a cluster that never elects one fails, naming the election
+    got, _ = _electing_call(monkeypatch, refusals=10_000, idempotent=True)
+    assert isinstance(got, EtcdError) and "electing a leader" in str(got)

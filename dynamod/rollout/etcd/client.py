@@ -25,6 +25,7 @@ from dynamod.rollout.etcd.errors import (
     Failure,
     FailureKind,
     classify,
+    electing,
 )
 from dynamod.rollout.etcd.records import (
     Compare,
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     import aiohttp
 
 DEFAULT_TIMEOUT_S = 2.0
+# A call that found the cluster electing a leader tries again this often, for this long: an
+# election takes an election timeout or two (1 s each by default; longer on a loaded machine).
+ELECTION_WAIT_S = 0.2
+ELECTION_RETRY_S = 3.0
 
 T = TypeVar("T")
 
@@ -354,32 +359,42 @@ class EtcdClient:
         idempotent: bool = True,
         missing_ok: bool = False,
     ) -> T:
-        """`send` on the member in use; on to the next member when one does not answer."""
-        failures: list[tuple[Endpoint, Failure]] = []
-        for endpoint in self._rotation.attempt_order():
-            conn = self._connection(endpoint)
-            failure: Failure | None
-            try:
-                return await self._send_once(conn, operation, key, send)
-            except asyncio.CancelledError:
-                if _cancelled():
-                    raise
-                failure = _CLOSED_UNDER_CALL
-            except grpc.aio.UsageError:  # the channel closed before the call reached it
-                failure = _CLOSED_UNDER_CALL
-            except Exception as err:
-                failure = self._failure(err)
-                if failure is None:
-                    raise
-            if failure.kind is FailureKind.NOT_FOUND and missing_ok:
-                raise _Missing(failure.detail)
-            if not failure.try_another_endpoint:
-                raise self._error(endpoint, operation, key, failure) from None
-            failures.append((endpoint, failure))
-            self._drop(endpoint)
-            if failure.kind is FailureKind.TIMEOUT and not idempotent:
-                break
-        raise self._all_failed(operation, key, failures)
+        """`send` on the member in use; on to the next member when one does not answer.
+        When the members that answered all said they are electing a leader, an idempotent
+        call goes round them again every ELECTION_WAIT_S, for up to ELECTION_RETRY_S."""
+        electing_until: float | None = None
+        while True:
+            failures: list[tuple[Endpoint, Failure]] = []
+            for endpoint in self._rotation.attempt_order():
+                conn = self._connection(endpoint)
+                failure: Failure | None
+                try:
+                    return await self._send_once(conn, operation, key, send)
+                except asyncio.CancelledError:
+                    if _cancelled():
+                        raise
+                    failure = _CLOSED_UNDER_CALL
+                except grpc.aio.UsageError:  # the channel closed before the call reached it
+                    failure = _CLOSED_UNDER_CALL
+                except Exception as err:
+                    failure = self._failure(err)
+                    if failure is None:
+                        raise
+                if failure.kind is FailureKind.NOT_FOUND and missing_ok:
+                    raise _Missing(failure.detail)
+                if not failure.try_another_endpoint:
+                    raise self._error(endpoint, operation, key, failure) from None
+                failures.append((endpoint, failure))
+                if failure.kind is not FailureKind.ELECTION:  # that member itself is fine
+                    self._drop(endpoint)
+                if failure.kind is FailureKind.TIMEOUT and not idempotent:
+                    break
+            now = asyncio.get_running_loop().time()
+            if electing_until is None:
+                electing_until = now + ELECTION_RETRY_S
+            if not (idempotent and electing([f for _, f in failures]) and now < electing_until):
+                raise self._all_failed(operation, key, failures)
+            await asyncio.sleep(ELECTION_WAIT_S)
 
     async def _send_once(
         self,

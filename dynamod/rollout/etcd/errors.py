@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dynamod.core.errors import DynamodError
@@ -42,6 +43,7 @@ class EtcdAuthError(EtcdError):
 
 class FailureKind(enum.Enum):
     UNREACHABLE = "unreachable"  # nothing answered: another endpoint may
+    ELECTION = "election"  # it answered that its cluster has no leader just now: soon will
     TIMEOUT = "timeout"  # asked, no answer in time: the request may or may not have applied
     TOKEN_EXPIRED = "token expired"  # authenticate again, then retry
     REFUSED_AUTH = "refused auth"  # wrong user/password, or TLS trust: no retry helps
@@ -57,9 +59,12 @@ class Failure:
 
     @property
     def try_another_endpoint(self) -> bool:
-        return self.kind in (FailureKind.UNREACHABLE, FailureKind.TIMEOUT)
+        return self.kind in (FailureKind.UNREACHABLE, FailureKind.TIMEOUT, FailureKind.ELECTION)
 
 
+# etcd's answers while its members elect a leader (the leader died or was cut off): every
+# member says so until one is elected, an election timeout or two later.
+_ELECTION_MARKERS = ("leader changed", "no leader")
 # Markers in gRPC's details text: it reports a failed handshake as UNAVAILABLE, like a refusal.
 _TLS_MARKERS = ("ssl", "tls", "handshake", "certificate")
 # A handshake the peer broke off by going away (a member killed, stopping, or its port reset)
@@ -111,6 +116,8 @@ def classify(
     if code == "UNAVAILABLE" and "timed out" in low:
         # It accepted the connection and never spoke HTTP/2 (gRPC gives up at our deadline).
         return Failure(FailureKind.TIMEOUT, f"no answer within {timeout_s:g} s ({text})")
+    if code == "UNAVAILABLE" and any(m in low for m in _ELECTION_MARKERS):
+        return Failure(FailureKind.ELECTION, f"its cluster is electing a leader ({_short(text)})")
     if code == "UNAVAILABLE":
         return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
     if "authentication is not enabled" in low:
@@ -176,3 +183,11 @@ def _tls_detail(low: str, text: str, client_cert: bool) -> str:
 
 def _short(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def electing(failures: Sequence[Failure]) -> bool:
+    """Whether one round over the members found the cluster between leaders: some member
+    said so, and every other one did not answer (the leader that died among them)."""
+    kinds = {f.kind for f in failures}
+    passing = {FailureKind.ELECTION, FailureKind.UNREACHABLE, FailureKind.TIMEOUT}
+    return FailureKind.ELECTION in kinds and kinds <= passing
