@@ -358,12 +358,16 @@ def test_mocker_flushes_keep_one_port_claim_and_relay_the_new_engine_s_events(
             assert worker.engine("liveness_probe")[1]["engine_generation"] == generation + 1
             assert cached_tokens(complete(stack, prompt, model="tiny-mocker")) == 0
         assert claimed() == first, "a flush claimed another port"
+        # the relay's subscription to the new engine connects a moment after the flush
+        # answers, and blocks stored before that are never announced again: each attempt
+        # is a prompt no earlier request shared a block with (as router_sees_cached_prefix)
         stored = router_counter(stack, EVENTS_APPLIED, event_type="stored", status="ok")
-        complete(stack, f"after the flushes {PROMPT}", model="tiny-mocker")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         while router_counter(stack, EVENTS_APPLIED, event_type="stored", status="ok") == stored:
             assert time.monotonic() < deadline, "the router saw no block of the last engine"
-            time.sleep(0.05)
+            prompt = f"{time.monotonic_ns()} after the flushes {PROMPT}"
+            complete(stack, prompt, model="tiny-mocker")
+            time.sleep(0.2)
     finally:
         worker.proc.stop()
 
