@@ -8,11 +8,14 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
 from dynamod.workers.weights import WeightSet
+
+if TYPE_CHECKING:
+    from dynamod.core.ports import PortAllocator
 
 log = logging.getLogger("dynamod.workers.cpu")
 
@@ -79,7 +82,7 @@ class MockerEngine:
         self.generation = 0  # how many engines have been started; a flush adds one
         self.kv_events: KvEventBridge | None = None
         self.events_port = 0  # where the current engine publishes its KV events
-        self._ports: Any = None  # this engine's port allocator (one claim, kept for life)
+        self._ports: PortAllocator | None = None  # one claim, kept for the worker's life
 
     def _new_runtime(self) -> Any:
         from dynamo.runtime import DistributedRuntime
@@ -137,8 +140,8 @@ class MockerEngine:
         its publisher let go of it, so one port for the worker's life. A new port per
         flush was a new claim in the machine's port registry, held for the worker's life,
         and every allocation reads every live claim: at 8 nodes x 32 shards on one
-        machine each flush read ~1,000 claim files (bench.fleet: ~65 of a shard's 83 ms
-        of Python in a push), and the claims grew with every push."""
+        machine each flush read ~1,000 claim files (bench.fleet: about half of a shard's
+        83 ms of Python in a push), and the claims grew with every push."""
         from dynamod.core.ports import PortAllocator, in_use
 
         port = self.events_port
@@ -152,7 +155,7 @@ class MockerEngine:
                         port, PORT_FREE_S)  # fmt: skip
         if self._ports is None:
             self._ports = PortAllocator()
-        return int(self._ports())
+        return self._ports()
 
     def _served(self, serving: asyncio.Future[Any]) -> None:
         if self._stopping or serving is not self._serving:
