@@ -553,14 +553,14 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     daemons = [daemon_pid(rig, node) for node in rig.names]
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
     cpu_before = cpu_of([*shards, *daemons])
-    threads_before = threads_of(shards)
+    threads_before = threads_of([*shards, *daemons])
     busy_before = machine_busy_s()
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
     busy = machine_busy_s() - busy_before
     used = cpu_since(cpu_before)
-    threads_after = threads_of(shards)
+    threads_after = threads_of([*shards, *daemons])
     restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     after = etcd_counters(rig)
     by_key = writes_by_key(rig, before, after)
@@ -597,6 +597,9 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
                 threads_before, threads_after, {p: used[p] for p in shards if p in used}
             ),
             "daemons_s": sum(used[pid] for pid in daemons if pid in used),
+            "daemons_by_thread": by_thread(
+                threads_before, threads_after, {p: used[p] for p in daemons if p in used}
+            ),
             # a shard restarted meanwhile: its old process's CPU is not counted
             "shards_gone": sum(pid not in used for pid in shards),
         },
@@ -784,7 +787,7 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     full = fleets[-1]
     ref_s, ref_what = one_shards_push(reference, full)
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets),
-                      thread_table(fleets)]  # fmt: skip
+                      thread_table(fleets), thread_table(fleets, "daemons")]  # fmt: skip
     report.tables += [fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       growth_table(fleets)]

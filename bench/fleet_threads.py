@@ -1,6 +1,6 @@
-"""Where the shards' CPU in a push goes, by thread: each shard process's threads read from
-/proc/<pid>/task/<tid>/stat before and after the push, summed over the shards by the
-thread's name (its `comm`, digits dropped: tokio names its workers alike).
+"""Where the shards' (and the daemons') CPU in a push goes, by thread: each process's
+threads read from /proc/<pid>/task/<tid>/stat before and after the push, summed over the
+processes by the thread's name (its `comm`, digits dropped: tokio names its workers alike).
 
 A thread that ended inside the push (a flushed engine's runtime shuts its threads down)
 leaves no entry to read afterwards; its CPU stays in the process's own total, so what the
@@ -68,24 +68,25 @@ def by_thread(
     return dict(out)
 
 
-def thread_table(fleets: list[dict[str, Any]], top: int = 8) -> Table:
-    """The shards' CPU in the push by thread, ms a shard, for every fleet size: the
-    thread groups that used the most at the largest size first."""
-    sized = [f for f in fleets if f["push"]["cpu"].get("shards_by_thread")]
+def thread_table(fleets: list[dict[str, Any]], whose: str = "shards", top: int = 8) -> Table:
+    """The shards' (or the daemons') CPU in the push by thread, ms a shard, for every fleet
+    size: the thread groups that used the most at the largest size first."""
+    key = f"{whose}_by_thread"
+    sized = [f for f in fleets if f["push"]["cpu"].get(key)]
     if not sized:
-        return Table("The shards' CPU in the push by thread: not measured", ["-"])
-    last = sized[-1]["push"]["cpu"]["shards_by_thread"]
+        return Table(f"The {whose}' CPU in the push by thread: not measured", ["-"])
+    last = sized[-1]["push"]["cpu"][key]
     names = sorted(last, key=lambda n: -last[n])[:top]
     table = Table(
-        "The shards' CPU in the push by thread, ms a shard (the threads' names as the kernel "
-        "has them, digits dropped; the largest at the last size first)",
+        f"The {whose}' CPU in the push by thread, ms a shard (the threads' names as the "
+        "kernel has them, digits dropped; the largest at the last size first)",
         ["thread", *(f"{f['nodes']} x {f['shards'] // f['nodes']}" for f in sized)],
         digits=1,
     )
     for name in [*names, "all"]:
         row: list[Any] = [name]
         for f in sized:
-            cut = f["push"]["cpu"]["shards_by_thread"]
+            cut = f["push"]["cpu"][key]
             total = sum(cut.values()) if name == "all" else cut.get(name, 0.0)
             row.append(total / f["shards"] * 1000)
         table.rows.append(row)
