@@ -385,7 +385,7 @@ class EtcdClient:
                 if not failure.try_another_endpoint:
                     raise self._error(endpoint, operation, key, failure) from None
                 failures.append((endpoint, failure))
-                if failure.kind is not FailureKind.ELECTION:  # that member itself is fine
+                if failure.kind is not FailureKind.ELECTION:  # an electing member is up: kept
                     self._drop(endpoint)
                 if failure.kind is FailureKind.TIMEOUT and not idempotent:
                     break
