@@ -131,3 +131,29 @@ async def test_closing_ends_the_wait_of_a_request_at_admission(tmp_path: Path) -
     with pytest.raises(EngineShutdown, match="worker is shutting down"):
         await asyncio.wait_for(pending, 2)
     assert await state(w) == (False, False)
+
+
+async def test_a_flush_keeps_an_engine_that_served_nothing_since_it_was_built(
+    tmp_path: Path,
+) -> None:
+    """A push's replay flushes right after the update built a new engine (on the mocker a
+    new Dynamo runtime each): an engine no request entered holds no cached block, so the
+    flush keeps it; one that served is replaced, and a flush right after keeps that."""
+    engine = IdleEngine()
+    w = worker(tmp_path, engine)
+    assert (await w.flush_cache({}))["status"] == "ok"
+    assert engine.generation == 1  # nothing served since the start
+    await collect(w)
+    assert (await w.flush_cache({}))["status"] == "ok"
+    assert engine.generation == 2
+    assert (await w.flush_cache({}))["status"] == "ok"
+    assert engine.generation == 2
+    await collect(w)
+    await w.pause_generation({})
+    save(tmp_path / "next", tensors(1))
+    assert (await w.update_weights_from_disk({"model_path": str(tmp_path / "next")}))[
+        "status"
+    ] == "ok"
+    assert engine.generation == 3  # the update replaces it whatever it served: new weights
+    assert (await w.flush_cache({}))["status"] == "ok"
+    assert engine.generation == 3  # the replay's flush: nothing to clear

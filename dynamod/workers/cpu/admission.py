@@ -84,6 +84,9 @@ class CpuWorker:
         self._swapping = False  # the engine is being replaced; nothing enters it
         self._flights: set[_Flight] = set()
         self._pumping = 0  # requests still inside the engine
+        # whether any request entered the engine since it was started: one that served
+        # nothing holds no cached block, and a flush keeps it
+        self._engine_used = False
 
     # ----------------------------------------------------------------- generation
 
@@ -140,6 +143,7 @@ class CpuWorker:
             flight = _Flight(self.version, self.weights.digest, probe)
             self._flights.add(flight)
             self._pumping += 1
+            self._engine_used = True
             return flight
 
     async def _pump(self, request: dict[str, Any], flight: _Flight) -> None:
@@ -190,9 +194,15 @@ class CpuWorker:
 
     # ------------------------------------------------------------- engine control
 
-    async def _reset_engine(self) -> None:
-        """Replace the engine once no request is inside it; admission waits meanwhile."""
+    async def _reset_engine(self, only_if_used: bool = False) -> bool:
+        """Replace the engine once no request is inside it; admission waits meanwhile.
+        `only_if_used` (a flush): keep an engine no request has entered since it was
+        started, which holds no cached block and whose router view was cleared when it
+        replaced the last one. A push's replay flushes right after the update built a new
+        engine: on the mocker each build is a new Dynamo runtime. Whether it was replaced."""
         async with self._changed:
+            if only_if_used and not self._engine_used:
+                return False
             self._swapping = True
         try:
             async with self._changed:
@@ -200,6 +210,7 @@ class CpuWorker:
                     self._changed.wait_for(lambda: self._pumping == 0), self.drain_timeout
                 )
             await self.engine.restart()
+            self._engine_used = False
         except TimeoutError as exc:
             raise WorkerError(
                 f"cache not flushed: {self._pumping} request(s) still in the engine "
@@ -209,6 +220,7 @@ class CpuWorker:
             async with self._changed:
                 self._swapping = False
                 self._changed.notify_all()
+        return True
 
     async def _abort_in_flight(self) -> None:
         for flight in self._flights:
@@ -305,10 +317,14 @@ class CpuWorker:
             return NOT_AN_OBJECT
         async with self._lock:
             try:
-                await self._reset_engine()
+                replaced = await self._reset_engine(only_if_used=True)
             except WorkerError as exc:
                 return {"status": "error", "message": str(exc)}
-            log.info("[RL] Prefix cache flushed (engine %d)", self.engine.generation)
+            if replaced:
+                log.info("[RL] Prefix cache flushed (engine %d)", self.engine.generation)
+            else:
+                log.info("[RL] Prefix cache empty: engine %d has served nothing since it "
+                         "started", self.engine.generation)  # fmt: skip
             return {"status": "ok", "message": "Cache flushed"}
 
     async def update_weights_from_disk(self, body: Any) -> dict[str, Any]:
