@@ -14,21 +14,10 @@ import re
 from collections import defaultdict
 from typing import Any
 
+from bench.procs import stat_cpu
 from bench.report import Table
 
-TICK = os.sysconf("SC_CLK_TCK")
 ENDED = "(threads that ended in the push)"
-
-
-def _stat(path: str) -> tuple[str, float] | None:
-    """(comm, utime + stime seconds) of one /proc stat file; None if it is gone."""
-    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-        with open(path, "rb") as fh:
-            raw = fh.read()
-        comm = raw[raw.find(b"(") + 1 : raw.rfind(b")")].decode(errors="replace")
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        return comm, (int(fields[11]) + int(fields[12])) / TICK
-    return None
 
 
 def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
@@ -37,9 +26,8 @@ def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
     for pid in pids:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             for tid in os.listdir(f"/proc/{pid}/task"):
-                got = _stat(f"/proc/{pid}/task/{tid}/stat")
-                if got is not None:
-                    out[(pid, int(tid))] = got
+                with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                    out[(pid, int(tid))] = stat_cpu(f"/proc/{pid}/task/{tid}/stat")
     return out
 
 

@@ -186,12 +186,19 @@ def pss_mb(pid: int) -> float:
     return math.nan
 
 
+def stat_cpu(path: str) -> tuple[str, float]:
+    """(comm, utime + stime in seconds) of a /proc stat file: a process's
+    (/proc/<pid>/stat) or one of its threads' (/proc/<pid>/task/<tid>/stat)."""
+    with open(path, "rb") as fh:
+        stat = fh.read()
+    comm = stat[stat.find(b"(") + 1 : stat.rfind(b")")].decode(errors="replace")
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return comm, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of one process, in seconds."""
-    with open(f"/proc/{pid}/stat", "rb") as fh:
-        stat = fh.read()
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return stat_cpu(f"/proc/{pid}/stat")[1]
 
 
 def cpu_of(pids: list[int]) -> dict[int, float]:
