@@ -126,7 +126,7 @@ def test_description_alone_is_no_change(tmp_path: Path) -> None:
 
 def test_kept_and_given_vars(tmp_path: Path) -> None:
     running = load(tmp_path, BASE, workers=3)
-    assert change.overrides_of(running.source.raw) == {"workers": 3}  # type: ignore[union-attr]
+    assert running.source.raw.overrides() == {"workers": 3}  # type: ignore[union-attr]
     assert diff(running, reread(tmp_path, running, BASE)).empty  # --var workers=3 kept
     smaller = diff(running, reread(tmp_path, running, BASE, workers=1))
     assert smaller.removed == ["worker@1", "worker@2"] and smaller.vars == {"workers": (3, 1)}

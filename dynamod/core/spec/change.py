@@ -23,11 +23,6 @@ from dynamod.core.spec.vars import check_overrides, variables
 _ONE_VAR = re.compile(r"^\{vars\.([A-Za-z0-9_-]+)\}$")
 
 
-def overrides_of(raw: RawStack) -> dict[str, Any]:
-    """The `--var` values a stack was resolved with (those that differ from the files')."""
-    return raw.overrides()
-
-
 def pinned_ports(stack: Stack) -> dict[str, dict[str, int]]:
     """Every instance's ports, to keep them when the stack is resolved again."""
     return {name: dict(spec.ports) for name, spec in stack.units.items()}
@@ -48,7 +43,7 @@ def reread(
         raise SpecErrors([exc]) from None
     if running.source is not None:
         known = variables(raw)
-        kept = {k: v for k, v in overrides_of(running.source.raw).items() if k in known}
+        kept = {k: v for k, v in running.source.raw.overrides().items() if k in known}
         raw.vars = {**raw.defaults, **kept, **given}
     return _resolve(raw, running, allocate_port)
 
