@@ -139,11 +139,15 @@ class Client:
         result: dict[str, Any] = self.request("POST", "/apply", body, timeout=timeout + 60)
         return result
 
-    def policy_push(self, step: int, path: str | Path, timeout: float = 900) -> dict[str, Any]:
-        """Load checkpoint `path` as policy version `step` into every admitted shard."""
-        result: dict[str, Any] = self.request(
-            "POST", "/policy/push", {"step": step, "path": str(path)}, timeout=timeout
-        )
+    def policy_push(
+        self, step: int, path: str | Path, timeout: float = 900, serving: int | None = None
+    ) -> dict[str, Any]:
+        """Load checkpoint `path` as policy version `step` into every admitted shard.
+        `serving`: answer once that many of the node's shards serve it (the rest after)."""
+        body: dict[str, Any] = {"step": step, "path": str(path)}
+        if serving is not None:
+            body["serving"] = serving
+        result: dict[str, Any] = self.request("POST", "/policy/push", body, timeout=timeout)
         return result
 
     def policy_publish(

@@ -49,6 +49,7 @@ from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, WatchEvent
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
 from dynamod.rollout.policy_table import PolicySpec
+from dynamod.rollout.push_acks import Acks, collect
 from dynamod.rollout.registrations import DynamoRegistrations
 from dynamod.rollout.shard_driver import ShardAck, ShardPolicy
 from dynamod.rollout.spares import Reason, Role, SparePool
@@ -157,7 +158,8 @@ class PolicyManager(Extension):
 
     Control socket routes:
       GET  /policy           the policy ledger and every shard's applied version
-      POST /policy/push      {"step": N, "path": DIR}: load into every admitted shard
+      POST /policy/push      {"step": N, "path": DIR[, "serving": K]}: load into every
+                             admitted shard (answer once K serve it, the rest after)
       POST /policy/publish   {"step": N, "path": DIR, "acks": {shard: digest}}: the trainer
                              loaded it; verify shards
       POST /policy/spares    {"sleep": true|false}: spares sleep (control/sleep) or wake
@@ -189,6 +191,10 @@ class PolicyManager(Extension):
         # Set by a multi-node layer: after a push committed, wait for the other nodes'
         # shards (step -> what to add to the push's answer).
         self.after_commit: Callable[[int], Awaitable[dict[str, Any]]] | None = None
+        # A push answered early (`serving`): the task finishing it, and its shards' updates
+        self._push_rest: (
+            tuple[asyncio.Task[None], dict[asyncio.Task[ShardAck], str]] | None
+        ) = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -235,6 +241,12 @@ class PolicyManager(Extension):
 
     async def stop(self) -> None:
         await self.spares.stop()
+        if self._push_rest is not None:  # a push answered early: its shards' updates end
+            rest, pending = self._push_rest
+            for task in (rest, *pending):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rest
         for task in list(self._rejoins.values()):
             task.cancel()
         for task in list(self._rejoins.values()):
@@ -326,7 +338,10 @@ class PolicyManager(Extension):
 
         async def push(request: web.Request) -> web.Response:
             running()
-            return web.json_response(await self.push(*await step_and_path(request)))
+            serving = (await request.json()).get("serving")
+            if serving is not None and (type(serving) is not int or serving < 1):
+                raise DynamodError('"serving" must be a whole number of shards, at least 1')
+            return web.json_response(await self.push(*await step_and_path(request), serving))
 
         async def publish(request: web.Request) -> web.Response:
             running()
@@ -747,13 +762,21 @@ class PolicyManager(Extension):
             and self.spares.is_serving(unit)
         ]
 
-    async def push(self, step: int, path: str) -> dict[str, Any]:
+    async def push(self, step: int, path: str, serving: int | None = None) -> dict[str, Any]:
+        """Load `path` as `step` into every admitted shard; the ledger advances once they
+        acknowledged (and, multi-node, the answer waits for the other nodes' shards).
+        `serving = K`: the answer goes once K of this node's shards serve the step and the
+        ledger advanced; the rest update after it (the policy lock held until they are
+        done) and the other nodes replay the step meanwhile. Trainer traffic requires the
+        step's taint, so it reaches only the shards that serve it."""
         started = time.monotonic()
         checkpoint = Path(path).absolute()
         check_checkpoint(checkpoint)
-        async with self.lock:
-            ledger = self.ledger()
-            current = await ledger.current()
+        await self.lock.acquire()
+        rest: asyncio.Task[None] | None = None
+        acks = Acks()
+        try:
+            current = await self.ledger().current()
             if current is not None and step < current.version:
                 raise PolicyError(
                     f"step {step} is older than the current policy version "
@@ -761,46 +784,104 @@ class PolicyManager(Extension):
                 )
             if current is not None and step == current.version:
                 return await self._already_committed(current, str(checkpoint), started)
-            shards = self.admitted_shards()
-            if not shards or len(shards) < self.spec.min_ready_shards:
-                raise PolicyError(
-                    f"only {len(shards)} shard(s) admitted, fewer than min_ready_shards="
-                    f"{self.spec.min_ready_shards}; the push would leave too few serving "
-                    "(held shards: " + ", ".join(self.summary()["held"]) + ")"
-                )
+            shards = self._push_shards(serving)
             target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
-            log.info("policy.push_started", version=step, shards=[u.name for u in shards])
-            results = await asyncio.gather(
-                *(self.apply(u, target) for u in shards), return_exceptions=True
-            )
-            acks: dict[str, Any] = {}
-            good: list[ShardAck] = []
-            bad: dict[str, str] = {}
-            for unit, result in zip(shards, results, strict=True):
-                if isinstance(result, ShardAck):
-                    good.append(result)
-                    acks[unit.name] = result.as_dict()
-                elif isinstance(result, PolicyError):
-                    bad[unit.name] = str(result)
-                    acks[unit.name] = {"ok": False, "error": str(result)}
-                else:
-                    raise result
-            if not good:
+            log.info("policy.push_started", version=step, shards=[u.name for u in shards],
+                     serving=serving)  # fmt: skip
+            loop = asyncio.get_running_loop()
+            tasks = {loop.create_task(self.apply(u, target)): u.name for u in shards}
+            acks = await collect(tasks, len(shards) if serving is None else serving, PolicyError)
+            if not acks.good:
                 await self._resume_after_failed_push(shards)
                 raise PolicyError(
                     f"push of step {step} from {checkpoint} failed on every shard; the ledger "
                     f"stays at {current.version if current else 'its initial version'}: "
-                    + "; ".join(bad.values())
+                    + "; ".join(acks.bad.values())
                 )
-            digests = {a.digest for a in good if a.digest}
-            target = PolicyVersion(
-                step, str(checkpoint), next(iter(digests), None), target.published_at, "push"
+            target = await self._commit_push(target, acks.good)
+            if acks.pending:
+                rest = loop.create_task(self._finish_push(target, acks.pending, started))
+                self._push_rest = (rest, acks.pending)
+        finally:
+            if rest is None:
+                await self._settle_pending(acks.pending)
+                self.lock.release()
+        answered = {a.shard: a.as_dict() for a in acks.good}
+        answered.update({s: {"ok": False, "error": e} for s, e in acks.bad.items()})
+        return await self._committed(
+            "pushed", target, answered, acks.bad, started, updating=sorted(acks.pending.values())
+        )
+
+    def _push_shards(self, serving: int | None) -> list[Unit]:
+        """The shards a push updates: every admitted one, if there are enough of them."""
+        shards = self.admitted_shards()
+        if not shards or len(shards) < self.spec.min_ready_shards:
+            raise PolicyError(
+                f"only {len(shards)} shard(s) admitted, fewer than min_ready_shards="
+                f"{self.spec.min_ready_shards}; the push would leave too few serving "
+                "(held shards: " + ", ".join(self.summary()["held"]) + ")"
             )
-            await ledger.advance(target, self.spec.keep)
-            self.note_current(target)
-            for ack in good:
-                await self.record_ack(self.engine.units[ack.shard], ack)
-        return await self._committed("pushed", target, acks, bad, started)
+        if serving is not None and not 1 <= serving <= len(shards):
+            raise PolicyError(
+                f"serving={serving}: the push can answer once 1 to {len(shards)} shard(s)"
+                f" serve the step, the {len(shards)} admitted on this node"
+            )
+        return shards
+
+    async def _commit_push(self, target: PolicyVersion, good: list[ShardAck]) -> PolicyVersion:
+        """The ledger advances to the step the `good` shards acknowledged (with their
+        digest), and records them."""
+        digests = {a.digest for a in good if a.digest}
+        target = PolicyVersion(
+            target.version, target.path, next(iter(digests), None), target.published_at, "push"
+        )
+        await self.ledger().advance(target, self.spec.keep)
+        self.note_current(target)
+        for ack in good:
+            await self.record_ack(self.engine.units[ack.shard], ack)
+        return target
+
+    async def _settle_pending(self, pending: Mapping[asyncio.Task[ShardAck], str]) -> None:
+        """A push that failed before its answer with shards still updating (the ledger's
+        write failed): they finish as every shard of a push without `serving` would have."""
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _finish_push(
+        self,
+        target: PolicyVersion,
+        pending: dict[asyncio.Task[ShardAck], str],
+        started: float,
+    ) -> None:
+        """The rest of a push answered early (`serving`): each shard still updating is
+        recorded as it acknowledges (a digest other than the committed one is stale), then
+        the policy lock is let go, a failed shard is held and replayed, and the push's
+        whole time is logged (`policy.push_finished`), the other nodes' shards included."""
+        try:
+            acks = await collect(pending, len(pending), PolicyError)
+            for ack in acks.good:
+                if target.digest and ack.digest and ack.digest != target.digest:
+                    acks.bad[ack.shard] = (
+                        f"loaded digest {ack.digest}, the committed step's {target.digest}"
+                    )
+                else:
+                    await self.record_ack(self.engine.units[ack.shard], ack)
+        except Exception as exc:  # a background task's failure is logged, not raised
+            log.error("policy.push_finish_failed", version=target.version, error=repr(exc))
+            return
+        finally:
+            self._push_rest = None
+            self.lock.release()
+        await self._give_up(acks.bad, "pushed", target.version)
+        self.spares.refresh()
+        others = await self.after_commit(target.version) if self.after_commit is not None else {}
+        seconds = round(time.monotonic() - started, 3)
+        updated = sorted(a.shard for a in acks.good if a.shard not in acks.bad)
+        behind = others.get("behind", [])
+        log.info("policy.push_finished", version=target.version, seconds=seconds,
+                 updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
+        self.event("policy.push_finished", None, version=target.version, seconds=seconds,
+                   updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
 
     async def _already_committed(
         self, current: PolicyVersion, path: str, started: float
@@ -906,17 +987,17 @@ class PolicyManager(Extension):
         acks: dict[str, Any],
         stale: dict[str, str],
         started: float,
+        updating: list[str] | None = None,
     ) -> dict[str, Any]:
         """After a push or a publish committed `target`: each shard that did not take it
-        is recorded, given up as a spare candidate and sent to rejoin; the spares are
-        brought along; other nodes are awaited (`after_commit`); then the answer."""
-        for name, error in stale.items():
-            unit = self.engine.units[name]
-            await self._record_failure(unit, error)
-            self.spares.lost(unit, Reason.VERIFICATION, error)
-            self._start_rejoin(unit, f"stale after the {how} step {target.version}: {error}")
+        is given up (`_give_up`); the spares are brought along; other nodes are awaited
+        (`after_commit`), unless shards of this node are still `updating` (a push answered
+        early: the other nodes replay meanwhile); then the answer."""
+        await self._give_up(stale, how, target.version)
         self.spares.refresh()
-        others = await self.after_commit(target.version) if self.after_commit is not None else {}
+        others: dict[str, Any] = {}
+        if self.after_commit is not None and not updating:
+            others = await self.after_commit(target.version)
         answer = {
             "ok": True,
             "version": target.version,
@@ -927,7 +1008,9 @@ class PolicyManager(Extension):
             **others,
             "seconds": round(time.monotonic() - started, 3),
         }
-        away = self._not_reached(target.version, acks, stale)
+        if updating:
+            answer["updating"] = updating
+        away = self._not_reached(target.version, {**acks, **dict.fromkeys(updating or ())}, stale)
         if away:
             answer["not_pushed"] = away
         log.info(
@@ -935,6 +1018,7 @@ class PolicyManager(Extension):
             version=target.version,
             seconds=answer["seconds"],
             acks={k: v.get("total_ms", v.get("error")) for k, v in acks.items()},
+            updating=updating or [],
         )
         self.event(
             f"policy.{how}",
@@ -945,6 +1029,15 @@ class PolicyManager(Extension):
             stale=answer["stale"],
         )
         return answer
+
+    async def _give_up(self, stale: Mapping[str, str], how: str, version: int) -> None:
+        """Each shard that did not take the step is recorded, given up as a spare
+        candidate and sent to rejoin (held, the ledger's version replayed, admitted)."""
+        for name, error in stale.items():
+            unit = self.engine.units[name]
+            await self._record_failure(unit, error)
+            self.spares.lost(unit, Reason.VERIFICATION, error)
+            self._start_rejoin(unit, f"stale after the {how} step {version}: {error}")
 
     async def _verify_published(
         self, unit: Unit, step: int, digest: str | None, acks: Mapping[str, str | None] | None
@@ -1028,6 +1121,11 @@ class PolicyManager(Extension):
             "spares": self.spares.summary(),
             "update_slots": (
                 self.update_slots.as_dict() if self.update_slots.limit is not None else None
+            ),
+            # a push answered early (`serving`): its shards still updating
+            "updating": sorted(
+                n for t, n in (self._push_rest[1] if self._push_rest else {}).items()
+                if not t.done()
             ),
         }
 

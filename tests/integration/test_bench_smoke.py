@@ -135,6 +135,11 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
     assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
     assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]
+    # the second push answered once 1 of the head's 4 shards served it, the fleet after
+    early = fleet["early"]
+    assert early["acked_at_answer"] + early["updating_at_answer"] == 4, early
+    assert early["acked_at_answer"] >= 1 and not early["behind"] and not early["stale"], early
+    assert early["every_shard_s"] >= early["stall_s"] * 0.5, early
     # the control plane's health, read from the daemons' logs: the cut node marked lost
     assert fleet["cut"]["node"] in fleet["health"]["marked_lost"], fleet["health"]
 

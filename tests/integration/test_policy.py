@@ -347,3 +347,57 @@ def test_max_updating_1_updates_the_shards_one_at_a_time(dm: Dynamod, tmp_path: 
     third = push(dm, 3, checkpoint(base, tmp_path / "step-3", 1.03))
     assert all(a["ok"] and a["waited_ms"] < 100 for a in third["acks"].values()), third
     assert shard_versions(dm) == {"worker@0": 3, "worker@1": 3, "worker@2": 3}
+
+
+def test_push_serving_1_answers_after_one_shard_and_the_rest_follow(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    """`policy push --serving 1` on 3 shards updating one at a time: the answer comes after
+    the first shard serves the step, with the ledger already at it and the other two named
+    as still updating; trainer traffic for the step is served at the step at once; the two
+    follow in the background (`policy.push_finished`), and the next push waits for them.
+    Asking for more shards than are admitted is refused, and nothing moves."""
+    status = up(dm, write_stack(tmp_path / "serving.toml", "serving", workers=3, max_updating=1))
+    base = model_dir(status)
+    refused = dm.run("policy", "push", "--step", "1", "--serving", "4", "--path",
+                     str(checkpoint(base, tmp_path / "step-1", 1.01)))  # fmt: skip
+    assert refused.returncode == 1, refused
+    assert "serving=4: the push can answer once 1 to 3 shard(s) serve the step" in refused.stderr
+    assert dm.status()["policy"]["current"] == 0, "a refused push moved the ledger"
+
+    answer = json.loads(dm.run("policy", "push", "--step", "1", "--serving", "1", "--path",
+                               str(tmp_path / "step-1"), "--json", check=True).stdout)  # fmt: skip
+    acked = [name for name, ack in answer["acks"].items() if ack["ok"]]
+    assert len(acked) == 1 and answer["acks"][acked[0]]["version"] == 1, answer
+    assert sorted([*acked, *answer["updating"]]) == ["worker@0", "worker@1", "worker@2"], answer
+    assert "nodes" not in answer and "not_pushed" not in answer, answer
+    assert dm.status()["policy"]["current"] == 1  # committed before the answer
+
+    async def for_step(version: int) -> dict[str, Any]:
+        history = History(frontend(status))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            await history.one(session, version)
+        return history.rows[0]
+
+    served = asyncio.run(for_step(1))
+    assert served["status"] == 200 and served["version"] == 1, served
+
+    deadline = time.monotonic() + 60
+    while shard_versions(dm) != {"worker@0": 1, "worker@1": 1, "worker@2": 1}:
+        assert time.monotonic() < deadline, shard_versions(dm)
+        time.sleep(0.2)
+    finished = [json.loads(line) for line in dm.daemon_log().splitlines()
+                if '"policy.push_finished"' in line]  # fmt: skip
+    assert len(finished) == 1 and finished[0]["version"] == 1, finished
+    assert finished[0]["updated"] == sorted(answer["updating"]) and not finished[0]["stale"]
+    assert dm.status()["policy"]["updating"] == []
+
+    # The next push right after an early answer: in line behind the rest of the first.
+    early = json.loads(dm.run("policy", "push", "--step", "2", "--serving", "1", "--path",
+                              str(checkpoint(base, tmp_path / "step-2", 1.02)), "--json",
+                              check=True).stdout)  # fmt: skip
+    second = push(dm, 3, checkpoint(base, tmp_path / "step-3", 1.03))
+    assert len(early["updating"]) == 2 and all(a["ok"] for a in second["acks"].values())
+    assert "updating" not in second, second
+    assert shard_versions(dm) == {"worker@0": 3, "worker@1": 3, "worker@2": 3}
+    assert asyncio.run(for_step(3))["version"] == 3

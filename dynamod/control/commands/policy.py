@@ -42,6 +42,9 @@ def _report(result: dict[str, Any], as_json: bool) -> None:
             click.echo(f"  {shard:<12} STALE {ack['error']}")
     if result.get("stale"):
         click.echo(f"stale shards are held and will be replayed: {', '.join(result['stale'])}")
+    if result.get("updating"):  # --serving: answered before these acknowledged
+        click.echo(f"still updating (no trainer traffic until they serve it): "
+                   f"{', '.join(result['updating'])}")
     for shard, why in sorted(result.get("not_pushed", {}).items()):
         click.echo(f"  {shard:<12} {why}")
 
@@ -117,11 +120,19 @@ def _path(help_text: str) -> Callable[[FC], FC]:
 @policy_group.command("push")
 @_STEP
 @_path("Checkpoint directory holding the step's *.safetensors.")
+@click.option(
+    "--serving",
+    type=click.IntRange(1, None),
+    default=None,
+    metavar="K",
+    help="Answer once K of this node's shards serve the step; the rest (and other nodes') "
+    "update after the answer, with no trainer traffic until they do. Default: every shard.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def push(ctx: click.Context, step: int, path: Path, as_json: bool) -> None:
+def push(ctx: click.Context, step: int, path: Path, serving: int | None, as_json: bool) -> None:
     """Load a checkpoint into every admitted shard (pause, load, reset KV, verify, resume)."""
-    _send(ctx, "push", lambda c: c.policy_push(step, path.absolute()), as_json)
+    _send(ctx, "push", lambda c: c.policy_push(step, path.absolute(), serving=serving), as_json)
 
 
 @policy_group.command("publish")
