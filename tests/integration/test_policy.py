@@ -401,3 +401,12 @@ def test_push_serving_1_answers_after_one_shard_and_the_rest_follow(
     assert "updating" not in second, second
     assert shard_versions(dm) == {"worker@0": 3, "worker@1": 3, "worker@2": 3}
     assert asyncio.run(for_step(3))["version"] == 3
+
+    # verl's `push_serving` setting (engine_kwargs.dynamod) takes the same path
+    from safetensors.torch import load_file
+
+    from dynamod.integrations.verl.adapter import push_weights
+
+    weights = load_file(str(base / "model.safetensors")).items()
+    verl = asyncio.run(push_weights(dm.state_dir, tmp_path / "verl", weights, 4, serving=1))
+    assert [a["ok"] for a in verl["acks"].values()] == [True] and len(verl["updating"]) == 2

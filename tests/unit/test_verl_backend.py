@@ -56,6 +56,10 @@ def test_settings_keep_request_keys_and_refuse_what_dynamod_owns() -> None:
         parse_settings({"dynamod": {"router_mode": "fastest"}})
     with pytest.raises(RolloutConfigError, match=r"thunderagent\.router_block_size: owned by"):
         parse_settings({"dynamo": {"thunderagent": {"enabled": False, "router_block_size": 16}}})
+    assert parse_settings({}).push_serving is None  # every shard before verl goes on
+    assert parse_settings({"dynamod": {"push_serving": 2}}).push_serving == 2
+    with pytest.raises(RolloutConfigError, match=r"dynamod\.push_serving: "):
+        parse_settings({"dynamod": {"push_serving": 0}})
 
 
 def test_a_router_mode_that_conflicts_with_the_stack_is_refused_with_the_key() -> None:

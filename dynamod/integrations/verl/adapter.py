@@ -17,6 +17,7 @@ is theirs, freed through the replica's sleep.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -110,6 +111,7 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
             self.state_dir, self.checkpoint_dir, weights, version,
             keep=self.settings.checkpoint_keep,
             origin=self._origin(global_steps),
+            serving=self.settings.push_serving,
         )
 
     def _origin(self, global_steps: int | None) -> dict[str, Any]:
@@ -128,17 +130,20 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
 
 async def push_weights(
     state_dir: Path, root: Path, weights: Iterable[tuple[str, Any]], step: int | None,
-    keep: int = 2, origin: dict[str, Any] | None = None,
+    keep: int = 2, origin: dict[str, Any] | None = None, serving: int | None = None,
 ) -> dict[str, Any]:
     """Write `weights` as version `step` (default: the ledger's next) and push it;
-    `origin` (verl's run and step) is recorded with it."""
+    `origin` (verl's run and step) is recorded with it; `serving`: the push answers once
+    that many shards serve it (`policy push --serving`)."""
     from dynamod.client import Client
 
     client = Client(state_dir)
     if step is None:
         step = int((await asyncio.to_thread(client.policy_status))["current"]) + 1
     path = await asyncio.to_thread(checkpoint.write_checkpoint, weights, root, step, origin)
-    answer: dict[str, Any] = await asyncio.to_thread(client.policy_push, step, path)
+    answer: dict[str, Any] = await asyncio.to_thread(
+        functools.partial(client.policy_push, step, path, serving=serving)
+    )
     await asyncio.to_thread(checkpoint.prune, root, keep, step)
     await asyncio.to_thread(updates.log_update, state_dir,
                             updates.push_record(step, origin, answer, path))

@@ -70,7 +70,7 @@ _STRINGS = {"namespace", "served_model_name", "router_mode", "state_dir", "check
             "ipc_dir", "run_name"}
 _CHOICES = {"weight_sync": ("push", "ipc"), "checkpoint_write": ("background", "inline")}
 _POSITIVE = {"request_timeout_s", "retry_window_s"}
-_INTS = {"checkpoint_keep", "ipc_bucket_mb"}
+_INTS = {"checkpoint_keep", "ipc_bucket_mb", "push_serving"}
 KNOWN = _BOOLS | _STRINGS | _POSITIVE | _INTS | set(_CHOICES) | {"thunderagent"}
 
 
@@ -81,6 +81,9 @@ class RolloutSettings:
     state_dir: Path | None = None
     checkpoint_dir: Path | None = None
     checkpoint_keep: int = 2
+    # `policy push --serving K`: verl's update_weights returns once K shards serve the step
+    # (the rest update after; trainer traffic requires the step). None: every shard.
+    push_serving: int | None = None
     # How verl's update_weights reaches the shards: "push" (a checkpoint, `policy push`)
     # or "ipc" (the colocated transfer to the worker extension, then `policy publish`).
     weight_sync: str = "push"
