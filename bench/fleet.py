@@ -51,7 +51,7 @@ from typing import Any
 import structlog
 
 from bench import fleet_history
-from bench.fleet_early import push_early
+from bench.fleet_early import early_table, push_early
 from bench.fleet_growth import (
     ETCD_METRICS,
     INOTIFY_PER_SHARD,
@@ -402,7 +402,7 @@ def run_fleet(
             ("scan", lambda: exposure_scan(rig, rig.names[0])),
             ("push", lambda: push_all(rig, step=1)),
             ("whole", lambda: whole_again(rig, shards)),
-            ("early", lambda: push_early(rig, EARLY_STEP, shards)),
+            ("early", lambda: push_early(rig, EARLY_STEP, shards, LOAD, 1.0 if quick else 3.0)),
             ("whole_early", lambda: whole_again(rig, shards)),
             ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
             ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
@@ -794,7 +794,7 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     ref_s, ref_what = one_shards_push(reference, full)
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets),
                       thread_table(fleets), thread_table(fleets, "daemons")]  # fmt: skip
-    report.tables += [fault_table(fleets), health_table(fleets)]
+    report.tables += [early_table(fleets), fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       growth_table(fleets)]
     report.tables += [shard_table(full)]

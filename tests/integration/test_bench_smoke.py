@@ -140,6 +140,10 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert early["acked_at_answer"] + early["updating_at_answer"] == 4, early
     assert early["acked_at_answer"] >= 1 and not early["behind"] and not early["stale"], early
     assert early["every_shard_s"] >= early["stall_s"] * 0.5, early
+    # under load: the new step's requests from the answer on were served, at that step
+    step = early["load"]["step_all"]
+    assert step["requests"] > 0 and step["failed"] == 0, early["load"]
+    assert early["load"]["step_wrong_version"] == 0, early["load"]
     # the control plane's health, read from the daemons' logs: the cut node marked lost
     assert fleet["cut"]["node"] in fleet["health"]["marked_lost"], fleet["health"]
 
