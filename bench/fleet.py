@@ -44,6 +44,7 @@ import tempfile
 import time
 import tomllib
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -699,11 +700,14 @@ def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
         gen.stop()
     since = killed - gen.origin
     during = [r for r in gen.requests if r.done >= since]
+    failed = [r for r in during if not r.ok]
     return {
         "killed": k,
         "back_s": back_s,
         "requests": len(during),
-        "failed": len([r for r in during if not r.ok]),
+        "failed": len(failed),
+        "failed_trainer": len([r for r in failed if r.required is not None]),
+        "errors": Counter(f"{r.status} {(r.error or '')[:120]}" for r in failed).most_common(3),
     }
 
 

@@ -93,6 +93,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "every_shard_s": float(event["seconds"]),
+        "head_shards_s": float(event.get("here_s", event["seconds"])),
         "behind": event.get("behind", []),
         "stale": event.get("stale", []),
         "load": {
@@ -124,7 +125,8 @@ def early_table(fleets: list[dict[str, Any]]) -> Table:
         f"The second push answered once {SERVING} of the head's shards serve it (`policy push "
         f"--serving {SERVING}`), under load asking for the new step from the answer on",
         ["nodes", "shards", "trainer's stall s", "updating after the answer (head)",
-         "every shard at the step s", "before: p50 / p99 ms", "in the stall: requests, failed",
+         "the head's shards at the step s", "every shard at the step s",
+         "before: p50 / p99 ms", "in the stall: requests, failed",
          "the step's requests until every shard: n", "failed", "p50 ms", "p99 ms",
          "served at another version"],
         digits=2,
@@ -136,7 +138,8 @@ def early_table(fleets: list[dict[str, Any]]) -> Table:
         load = e["load"]
         before, stall, step = load["before"], load["in_push"], load["step_until_whole"]
         table.rows.append(
-            [f["nodes"], f["shards"], e["stall_s"], e["updating_at_answer"], e["every_shard_s"],
+            [f["nodes"], f["shards"], e["stall_s"], e["updating_at_answer"], e["head_shards_s"],
+             e["every_shard_s"],
              f"{before['p50_ms']:.0f} / {before['p99_ms']:.0f}",
              f"{stall['requests']}, {stall['failed']}", step["requests"], step["failed"],
              step["p50_ms"], step["p99_ms"], load["step_wrong_version"]]

@@ -856,9 +856,11 @@ class PolicyManager(Extension):
         """The rest of a push answered early (`serving`): each shard still updating is
         recorded as it acknowledges (a digest other than the committed one is stale), then
         the policy lock is let go, a failed shard is held and replayed, and the push's
-        whole time is logged (`policy.push_finished`), the other nodes' shards included."""
+        whole time is logged (`policy.push_finished`: `seconds`, the other nodes' shards
+        included; `here_s`, this node's)."""
         try:
             acks = await collect(pending, len(pending), PolicyError)
+            here = round(time.monotonic() - started, 3)  # this node's shards, all of them
             for ack in acks.good:
                 if target.digest and ack.digest and ack.digest != target.digest:
                     acks.bad[ack.shard] = (
@@ -879,7 +881,7 @@ class PolicyManager(Extension):
         updated = sorted(a.shard for a in acks.good if a.shard not in acks.bad)
         behind = others.get("behind", [])
         log.info("policy.push_finished", version=target.version, seconds=seconds,
-                 updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
+                 here_s=here, updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
         self.event("policy.push_finished", None, version=target.version, seconds=seconds,
                    updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
 

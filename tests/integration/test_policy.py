@@ -390,6 +390,7 @@ def test_push_serving_1_answers_after_one_shard_and_the_rest_follow(
                 if '"policy.push_finished"' in line]  # fmt: skip
     assert len(finished) == 1 and finished[0]["version"] == 1, finished
     assert finished[0]["updated"] == sorted(answer["updating"]) and not finished[0]["stale"]
+    assert answer["seconds"] <= finished[0]["here_s"] <= finished[0]["seconds"], finished
     assert dm.status()["policy"]["updating"] == []
 
     # The next push right after an early answer: in line behind the rest of the first.
