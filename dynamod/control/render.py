@@ -120,7 +120,8 @@ def identity_lines(identity: Mapping[str, Any]) -> list[str]:
 
 def slot_lines(status: Mapping[str, Any]) -> list[str]:
     """A line for each bounded line that has units waiting: `[stack] max_starting`'s starts,
-    `[policy] max_updating`'s shard updates."""
+    `[policy] max_updating`'s shard updates; and the shards a push answered early left
+    updating."""
     out = []
     for title, slots, setting, doing in (
         ("start slots", status.get("start_slots"), "max_starting", "starting"),
@@ -132,6 +133,12 @@ def slot_lines(status: Mapping[str, Any]) -> list[str]:
                 f"{title}: {len(slots[doing])} of {setting} {slots[setting]} in use "
                 f"({', '.join(slots[doing])}); waiting: {', '.join(slots['waiting'])}"
             )
+    policy = status.get("policy") or {}
+    if policy.get("updating"):  # a push answered early (`policy push --serving K`)
+        out.append(
+            f"policy v{policy.get('current')}: answered early, still updating (no trainer "
+            f"traffic until they serve it): {', '.join(policy['updating'])}"
+        )
     return out
 
 

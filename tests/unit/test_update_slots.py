@@ -212,3 +212,18 @@ def test_status_says_who_updates_and_who_waits_while_any_waits() -> None:
     for quiet in ({**slots, "waiting": []}, None):  # nobody waits, or no limit: no line
         table = render.status_table({**stack, "policy": {"update_slots": quiet}})
         assert "update slots" not in table
+
+
+def test_status_names_the_shards_a_push_answered_early_left_updating() -> None:
+    from dynamod.control import render
+
+    stack = {"stack": "s", "phase": "up", "daemon_pid": 1, "state_dir": "/x", "units": []}
+    table = render.status_table(
+        {**stack, "policy": {"current": 7, "updating": ["worker@1", "worker@2"]}}
+    )
+    assert ("policy v7: answered early, still updating (no trainer traffic until they serve "
+            "it): worker@1, worker@2") in table  # fmt: skip
+    for done in ([], None):
+        assert "still updating" not in render.status_table(
+            {**stack, "policy": {"current": 7, "updating": done}}
+        )
