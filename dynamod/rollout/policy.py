@@ -338,10 +338,11 @@ class PolicyManager(Extension):
 
         async def push(request: web.Request) -> web.Response:
             running()
+            step, path = await step_and_path(request)  # a body that is not a JSON object fails
             serving = (await request.json()).get("serving")
             if serving is not None and (type(serving) is not int or serving < 1):
                 raise DynamodError('"serving" must be a whole number of shards, at least 1')
-            return web.json_response(await self.push(*await step_and_path(request), serving))
+            return web.json_response(await self.push(step, path, serving))
 
         async def publish(request: web.Request) -> web.Response:
             running()

@@ -363,6 +363,13 @@ def test_push_serving_1_answers_after_one_shard_and_the_rest_follow(
                      str(checkpoint(base, tmp_path / "step-1", 1.01)))  # fmt: skip
     assert refused.returncode == 1, refused
     assert "serving=4: the push can answer once 1 to 3 shard(s) serve the step" in refused.stderr
+    from dynamod.client import Client
+    from dynamod.core.errors import DaemonError
+
+    for bad in ("1", 0, True):  # the route's own check, under the CLI's
+        with pytest.raises(DaemonError, match='"serving" must be a whole number of shards'):
+            Client(dm.state_dir).request("POST", "/policy/push", {
+                "step": 1, "path": str(tmp_path / "step-1"), "serving": bad})  # fmt: skip
     assert dm.status()["policy"]["current"] == 0, "a refused push moved the ledger"
 
     answer = json.loads(dm.run("policy", "push", "--step", "1", "--serving", "1", "--path",
