@@ -40,6 +40,8 @@ class LogTail:
         self.offset = path.stat().st_size if path.exists() else 0
 
     def new(self) -> list[dict[str, Any]]:
+        if self.path.stat().st_size < self.offset:  # a new file in its place: from its start
+            self.offset = 0
         with self.path.open("rb") as f:
             f.seek(self.offset)
             chunk = f.read()
