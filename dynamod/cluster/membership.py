@@ -68,6 +68,9 @@ WATCH_RETRY_S = 0.5
 CALL_TIMEOUT_S = 1.0
 PUBLISH_RETRY_S = 0.1  # a failed publish round or keepalive is tried again this soon
 ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over in turn
+# The follower's own look at the ledger while no watch of it is open, or after a look that
+# did not go through; with a watch open it looks at each move and every RESYNC_S (2 reads a
+# second a node were most of an idle 8-node fleet's etcd reads).
 LEDGER_FOLLOW_S = 0.5
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
@@ -132,6 +135,8 @@ class Membership(Extension):
         self._urgent = asyncio.Event()  # ... and it was a delete (or the watch broke)
         self._fresh = asyncio.Event()  # a read ended (a push waits on the other nodes' entries)
         self._ledger_moved = asyncio.Event()  # the watch saw the ledger's current version move
+        self._ledger_watched = False  # a ledger watch is open (the follower waits longer)
+        self._ledger_resync = asyncio.Event()  # this daemon's own calls failed: watch anew
         self._tasks: list[asyncio.Task[None]] = []
         self._restarting: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
@@ -498,8 +503,9 @@ class Membership(Extension):
             if task is not None and task.cancelling():
                 raise exc
         self.trouble_at = time.monotonic()
-        if what in ("keepalive", "publish"):  # out of contact: the watch may be silent too
+        if what in ("keepalive", "publish"):  # out of contact: the watches may be silent too
             self._resync.set()
+            self._ledger_resync.set()
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         if text != self.error:
             unexpected = not isinstance(exc, _FAILURES)
@@ -732,32 +738,75 @@ class Membership(Extension):
 
     async def _ledger_watch_loop(self) -> None:
         """Wake the follower below when a push (another node's) moves the ledger's current
-        version: this node's shards start their replay at once, not at the next poll (which
-        stays, every LEDGER_FOLLOW_S, for a watch being re-opened)."""
+        version: this node's shards start their replay at once. The watch starts from the
+        revision of a read, and the follower looks once at that moment, so no move falls
+        between the two. While it is open the follower looks only at a move and when the
+        watch is opened again: every RESYNC_S, and after this daemon's own calls failed (a
+        watch on a cut link can go silent); while it is not, every LEDGER_FOLLOW_S."""
         assert self.policy is not None
         while not self._stopping:
-            changes = self.policy.ledger_changes()
+            self._ledger_resync.clear()
+            broke = False
             try:
-                if changes is not None:
-                    async for _ in changes:
-                        self._ledger_moved.set()
+                await self._watch_ledger()
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("ledger watch", exc)
-            self._ledger_moved.set()  # the stream ended: look now, a change may have been missed
-            await asyncio.sleep(WATCH_RETRY_S)
+                broke = True
+            self._ledger_watched = False
+            self._ledger_moved.set()  # look now: a move may have been missed
+            if broke:
+                await asyncio.sleep(WATCH_RETRY_S)
+
+    async def _watch_ledger(self) -> None:
+        """One watch of the ledger's current version, for up to RESYNC_S."""
+        assert self.policy is not None
+        async with asyncio.timeout(ROUND_TIMEOUT_S):
+            revision = await self.policy.ledger_revision()
+        changes = None if revision is None else self.policy.ledger_changes(revision + 1)
+        if changes is None:  # a file ledger: no other node's push to follow
+            await asyncio.sleep(RESYNC_S)
+            return
+        self._ledger_watched = True
+        self._ledger_moved.set()  # a look from now on sees what the watch will not carry
+
+        async def follow() -> None:
+            async for _ in changes:
+                self._ledger_moved.set()
+
+        following = asyncio.ensure_future(follow())
+        resync = asyncio.ensure_future(self._ledger_resync.wait())
+        try:
+            done, _ = await asyncio.wait({following, resync}, timeout=RESYNC_S,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        finally:
+            for task in (following, resync):
+                task.cancel()
+            await asyncio.gather(following, resync, return_exceptions=True)
+        if following in done:
+            following.result()  # its error, else the stream was closed (a new client)
 
     async def _follow_loop(self) -> None:
+        """Bring this node's shards to the ledger when it moves (`_ledger_watch_loop` says
+        when). A look that did not go through (a push or an admission here held the policy
+        lock, the daemon was not running, etcd failed) is tried again after
+        LEDGER_FOLLOW_S, as is every look while no watch is open."""
         assert self.policy is not None
+        looked = False
         while not self._stopping:
+            # with a watch open, its re-opening every RESYNC_S brings a look; this wait is
+            # only in case that loop stopped
+            wait = 2 * RESYNC_S if self._ledger_watched and looked else LEDGER_FOLLOW_S
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(LEDGER_FOLLOW_S):
+                async with asyncio.timeout(wait):
                     await self._ledger_moved.wait()
             self._ledger_moved.clear()
-            if not self._running():
-                continue
+            looked = False
+            if not self._running() or self.policy.lock.locked():
+                continue  # a push or an admission here reads the ledger itself
             with contextlib.suppress(*_FAILURES):
                 if await self.policy.follow_ledger() is not None:
                     self._dirty.set()
+                looked = True
 
     async def await_other_nodes(self, step: int) -> dict[str, Any]:
         """After a push committed here: wait until every shard of the other nodes that are

@@ -95,9 +95,15 @@ class EtcdLedger:
         raw = await self.etcd.get(self.prefix + "policy/current")
         return _version_from(json.loads(raw)) if raw else None
 
-    def changes(self) -> AsyncIterator[WatchEvent]:
-        """Every write of the current version from now on (an etcd watch)."""
-        return self.etcd.watch_prefix(self.prefix + "policy/current")
+    def changes(self, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
+        """Every write of the current version from now on, or from the store's
+        `start_revision` (an etcd watch)."""
+        return self.etcd.watch_prefix(self.prefix + "policy/current", start_revision=start_revision)
+
+    async def revision(self) -> int:
+        """The store's revision as of a read of the current version: a watch from the one
+        after it misses no write that this read did not see."""
+        return (await self.etcd.get_prefix_at(self.prefix + "policy/current"))[1]
 
     async def history(self) -> list[PolicyVersion]:
         kvs = await self.etcd.get_prefix(self.prefix + "policy/history/")

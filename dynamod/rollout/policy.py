@@ -377,12 +377,21 @@ class PolicyManager(Extension):
         assert self._file is not None
         return self._file
 
-    def ledger_changes(self) -> AsyncIterator[WatchEvent] | None:
-        """The ledger's current version as pushes move it (a watch), where the ledger is in
-        etcd; None for a file ledger (one node: no other node's push to follow)."""
+    def ledger_changes(self, start_revision: int | None = None
+                       ) -> AsyncIterator[WatchEvent] | None:
+        """The ledger's current version as pushes move it (a watch; from the store's
+        `start_revision`), where the ledger is in etcd; None for a file ledger (one node:
+        no other node's push to follow)."""
         if self._etcd is None:
             return None
-        return EtcdLedger(self._etcd, self.engine.stack.identity).changes()
+        return EtcdLedger(self._etcd, self.engine.stack.identity).changes(start_revision)
+
+    async def ledger_revision(self) -> int | None:
+        """The store's revision as of a read of the ledger's current version (None: a file
+        ledger): a watch from the revision after it misses no move."""
+        if self._etcd is None:
+            return None
+        return await EtcdLedger(self._etcd, self.engine.stack.identity).revision()
 
     # ------------------------------------------------------------------ hooks
 

@@ -21,6 +21,7 @@ from dynamod.cluster import membership
 from dynamod.cluster.membership import Membership
 from dynamod.core.phase import Phase
 from dynamod.core.placement import ClusterSpec
+from dynamod.rollout.etcd import EtcdError
 from dynamod.rollout.etcd.records import KeyValue, WatchEvent
 
 SPEC = ClusterSpec(nodes={"head": "10.1.0.1"}, head="head", node="head",
@@ -207,20 +208,30 @@ def test_a_read_finds_the_keys_lost_or_overwritten_some_other_way() -> None:
 
 
 class _Ledger:
-    """Stands in for the policy manager: the ledger's watch yields one change after
-    `after` s; follow_ledger records when it was called."""
+    """Stands in for the policy manager: the ledger's watch yields one change after each of
+    `moves` s (then stays open; `broken`: it fails at once instead); follow_ledger records
+    when it was called, and whether the policy lock was held then."""
 
-    def __init__(self, after: float) -> None:
-        self.after = after
+    def __init__(self, moves: tuple[float, ...] = (), broken: bool = False) -> None:
+        self.moves, self.broken = moves, broken
         self.follows: list[float] = []
+        self.watched_from: list[int | None] = []
         self.spec = SimpleNamespace(store="etcd")
+        self.lock = asyncio.Lock()
+
+    async def ledger_revision(self) -> int:
+        return 41
 
     async def _changes(self) -> Any:
-        await asyncio.sleep(self.after)
-        yield object()
+        if self.broken:
+            raise EtcdError("http://127.0.0.1:1", "watch_prefix", "policy/current", "refused")
+        for after in self.moves:
+            await asyncio.sleep(after)
+            yield object()
         await asyncio.sleep(3600)
 
-    def ledger_changes(self) -> Any:
+    def ledger_changes(self, start_revision: int | None = None) -> Any:
+        self.watched_from.append(start_revision)
         return self._changes()
 
     async def follow_ledger(self) -> int:
@@ -228,28 +239,71 @@ class _Ledger:
         return 1
 
 
-async def test_another_nodes_push_is_followed_when_the_ledger_moves_not_at_the_next_poll(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(membership, "LEDGER_FOLLOW_S", 30.0)  # the poll alone: 30 s
-    ledger = _Ledger(after=0.2)
+async def _following(ledger: _Ledger, seconds: float) -> float:
+    """The watch and follow loops of a member whose policy is `ledger`, for `seconds`;
+    returns when they started (monotonic)."""
     member = Membership(SPEC, registrations=Any, policy=ledger)  # type: ignore[arg-type]
     member.host = SimpleNamespace(phase=Phase.UP)  # type: ignore[assignment]
     started = time.monotonic()
     tasks = [asyncio.create_task(member._ledger_watch_loop()),
              asyncio.create_task(member._follow_loop())]  # fmt: skip
     try:
-        for _ in range(200):
-            if ledger.follows:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.sleep(seconds)
     finally:
         member._stopping = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    assert ledger.follows, "the follower never looked at the ledger"
-    assert 0.2 <= ledger.follows[0] - started < 1.0
+    return started
+
+
+async def test_another_nodes_push_is_followed_when_the_ledger_moves_not_at_the_next_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(membership, "LEDGER_FOLLOW_S", 30.0)  # the poll alone: 30 s
+    ledger = _Ledger(moves=(0.2,))
+    started = await _following(ledger, 0.6)
+    assert ledger.watched_from == [42], "the watch starts after the revision read"
+    # one look as the watch opens (what it will not carry), one at the move
+    assert len(ledger.follows) == 2, ledger.follows
+    assert ledger.follows[0] - started < 0.1
+    assert 0.2 <= ledger.follows[1] - started < 0.5
+
+
+async def test_with_the_watch_open_the_follower_does_not_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(membership, "LEDGER_FOLLOW_S", 0.05)
+    monkeypatch.setattr(membership, "RESYNC_S", 0.6)  # the watch opened again, and a look
+    ledger = _Ledger()
+    await _following(ledger, 1.0)
+    assert len(ledger.follows) == 2, ledger.follows  # at 0 and at 0.6 s, not every 0.05 s
+    assert ledger.watched_from == [42, 42]
+
+
+async def test_without_a_watch_the_follower_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(membership, "LEDGER_FOLLOW_S", 0.05)
+    monkeypatch.setattr(membership, "WATCH_RETRY_S", 10.0)
+    ledger = _Ledger(broken=True)
+    await _following(ledger, 0.5)
+    assert len(ledger.follows) >= 6, ledger.follows
+
+
+async def test_a_look_while_a_push_here_holds_the_lock_is_tried_again_soon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(membership, "LEDGER_FOLLOW_S", 0.05)
+    ledger = _Ledger(moves=(0.1,))
+
+    async def push_here() -> None:  # holds the lock over the move, then lets go
+        async with ledger.lock:
+            await asyncio.sleep(0.3)
+
+    pushing = asyncio.create_task(push_here())
+    started = await _following(ledger, 0.6)
+    await pushing
+    assert ledger.follows, "the follower never looked after the lock was let go"
+    assert 0.3 <= ledger.follows[0] - started < 0.45, ledger.follows
 
 
 def test_a_failed_publish_round_is_tried_again_soon_then_backs_off_to_the_period() -> None:
