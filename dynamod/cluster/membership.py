@@ -549,17 +549,7 @@ class Membership(Extension):
                     self._urgent.set()
                 self._changed.set()
 
-        following = asyncio.ensure_future(follow(self.etcd))
-        resync = asyncio.ensure_future(self._resync.wait())
-        try:
-            done, _ = await asyncio.wait({following, resync}, timeout=RESYNC_S,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        finally:
-            for task in (following, resync):
-                task.cancel()
-            await asyncio.gather(following, resync, return_exceptions=True)
-        if following in done:
-            following.result()  # its error, else the stream was closed (a new client)
+        await watch_until(follow(self.etcd), self._resync)
 
     async def _read_loop(self) -> None:
         while not self._stopping:
@@ -773,17 +763,7 @@ class Membership(Extension):
             async for _ in changes:
                 self._ledger_moved.set()
 
-        following = asyncio.ensure_future(follow())
-        resync = asyncio.ensure_future(self._ledger_resync.wait())
-        try:
-            done, _ = await asyncio.wait({following, resync}, timeout=RESYNC_S,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        finally:
-            for task in (following, resync):
-                task.cancel()
-            await asyncio.gather(following, resync, return_exceptions=True)
-        if following in done:
-            following.result()  # its error, else the stream was closed (a new client)
+        await watch_until(follow(), self._ledger_resync)
 
     async def _follow_loop(self) -> None:
         """Bring this node's shards to the ledger when it moves (`_ledger_watch_loop` says
@@ -843,6 +823,22 @@ class Membership(Extension):
         entry expires at once and comes back as its node gets through again. A push waits
         for them (or names them) instead of answering as if they did not exist."""
         return sorted(self.seen - set(self.entries) - set(self.lost) - {self.cluster.node})
+
+
+async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Event) -> None:
+    """Run a watch (`following`) until its stream ends, `resync` is set or RESYNC_S passed,
+    then stop it. Its error is raised; a stream that was closed (a new client) just ends."""
+    task = asyncio.ensure_future(following)
+    wake = asyncio.ensure_future(resync.wait())
+    try:
+        done, _ = await asyncio.wait({task, wake}, timeout=RESYNC_S,
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    finally:
+        for pending in (task, wake):
+            pending.cancel()
+        await asyncio.gather(task, wake, return_exceptions=True)
+    if task in done:
+        task.result()
 
 
 def publish_wait(failed: int, period: float) -> float:
