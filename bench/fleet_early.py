@@ -14,6 +14,7 @@ shard)."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -92,6 +93,9 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     return {
         "serving": SERVING,
         "stall_s": answered - started,
+        "daemon_s": float(answer["seconds"]),  # the rest of the stall: the CLI's call
+        "commit_ms": answer.get("commit_ms"),
+        "first_ack_ms": min(float(a["total_ms"]) for a in answer["acks"].values() if a["ok"]),
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "every_shard_s": float(event["seconds"]),
@@ -126,7 +130,8 @@ def early_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
         f"The second push answered once {SERVING} of the head's shards serve it (`policy push "
         f"--serving {SERVING}`), under load asking for the new step from the answer on",
-        ["nodes", "shards", "trainer's stall s", "updating after the answer (head)",
+        ["nodes", "shards", "trainer's stall s", "of it: first shard's update / commit ms",
+         "updating after the answer (head)",
          "the head's shards at the step s", "every shard at the step s",
          "before: p50 / p99 ms", "in the stall: requests, failed",
          "the step's requests until every shard: n", "failed", "p50 ms", "p99 ms",
@@ -140,7 +145,9 @@ def early_table(fleets: list[dict[str, Any]]) -> Table:
         load = e["load"]
         before, stall, step = load["before"], load["in_push"], load["step_until_whole"]
         table.rows.append(
-            [f["nodes"], f["shards"], e["stall_s"], e["updating_at_answer"], e["head_shards_s"],
+            [f["nodes"], f["shards"], e["stall_s"],
+             f"{e.get('first_ack_ms', math.nan):.0f} / {e.get('commit_ms') or math.nan:.0f}",
+             e["updating_at_answer"], e["head_shards_s"],
              e["every_shard_s"],
              f"{before['p50_ms']:.0f} / {before['p99_ms']:.0f}",
              f"{stall['requests']}, {stall['failed']}", step["requests"], step["failed"],

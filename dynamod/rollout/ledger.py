@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dynamod.core.atomicfile import write_atomic
-from dynamod.rollout.etcd import EtcdClient, WatchEvent
+from dynamod.rollout.etcd import EtcdClient, TxnDelete, TxnPut, WatchEvent
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,25 @@ class EtcdLedger:
         return sorted((_version_from(json.loads(kv.value)) for kv in kvs), key=lambda v: v.version)
 
     async def advance(self, version: PolicyVersion, keep: int) -> None:
+        """The version into the history and current, and the history beyond the newest
+        `keep` out: one transaction after one read (a push answers after it, and each write
+        is a round of etcd's consensus; as three writes the history could also hold a
+        version the current never was)."""
         data = json.dumps(asdict(version))
-        await self.etcd.put(f"{self.prefix}policy/history/{version.version:012d}", data)
-        await self.etcd.put(self.prefix + "policy/current", data)
-        kept = await self.history()
-        for old in kept[:-keep]:
-            await self.etcd.delete(f"{self.prefix}policy/history/{old.version:012d}")
+        before = [v.version for v in await self.history() if v.version != version.version]
+        beyond = sorted([*before, version.version])[:-keep] if keep > 0 else before
+        dropped = [v for v in beyond if v != version.version]
+        await self.etcd.txn(
+            [],
+            [
+                TxnPut(self._history_key(version.version), data),
+                TxnPut(self.prefix + "policy/current", data),
+                *(TxnDelete(self._history_key(v)) for v in dropped),
+            ],
+        )
+
+    def _history_key(self, version: int) -> str:
+        return f"{self.prefix}policy/history/{version:012d}"
 
     async def shards(self) -> dict[str, ShardRecord]:
         kvs = await self.etcd.get_prefix(self.prefix + "shards/")

@@ -808,7 +808,9 @@ class PolicyManager(Extension):
                     f"stays at {current.version if current else 'its initial version'}: "
                     + "; ".join(acks.bad.values())
                 )
+            committing = time.monotonic()
             target = await self._commit_push(target, acks.good)
+            commit_ms = round((time.monotonic() - committing) * 1000, 1)
             if acks.pending:
                 rest = loop.create_task(self._finish_push(target, acks.pending, started))
                 self._push_rest = (rest, acks.pending)
@@ -818,9 +820,11 @@ class PolicyManager(Extension):
                 self.lock.release()
         answered = {a.shard: a.as_dict() for a in acks.good}
         answered.update({s: {"ok": False, "error": e} for s, e in acks.bad.items()})
-        return await self._committed(
+        answer = await self._committed(
             "pushed", target, answered, acks.bad, started, updating=sorted(acks.pending.values())
         )
+        answer["commit_ms"] = commit_ms  # the ledger's advance and the acks' records
+        return answer
 
     def _push_shards(self, serving: int | None) -> list[Unit]:
         """The shards a push updates: every admitted one, if there are enough of them."""
