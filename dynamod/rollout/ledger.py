@@ -125,6 +125,7 @@ class EtcdLedger:
                 TxnPut(self.prefix + "policy/current", data),
                 *(TxnDelete(self._history_key(v)) for v in dropped),
             ],
+            idempotent=True,  # sent twice, it leaves the same keys (an election's retry)
         )
 
     def _history_key(self, version: int) -> str:

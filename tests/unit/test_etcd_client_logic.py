@@ -233,3 +233,26 @@ def test_a_call_during_an_election_goes_round_the_members_again_until_one_leads(
     # bounded: a cluster that never elects one fails, naming the election
     got, _ = _electing_call(monkeypatch, refusals=10_000, idempotent=True)
     assert isinstance(got, EtcdError) and "electing a leader" in str(got)
+
+
+def test_only_a_transaction_said_idempotent_and_without_a_compare_is_sent_again() -> None:
+    """The ledger's advance (puts and deletes of fixed keys) may go round an election as a
+    put does; a compare-and-swap never, whatever its caller says."""
+    from dynamod.rollout.etcd import Compare, TxnPut
+
+    asked: list[bool] = []
+
+    async def call(*_: object, idempotent: bool = True, **__: object) -> object:
+        asked.append(idempotent)
+        return SimpleNamespace(succeeded=True, header=SimpleNamespace(revision=7))
+
+    async def run() -> None:
+        client = EtcdClient(["http://127.0.0.1:1"])
+        client._call = call  # type: ignore[method-assign, assignment]
+        put = [TxnPut("k", "v")]
+        await client.txn([], put, idempotent=True)
+        await client.txn([Compare("k", "mod", "==", 0)], put, idempotent=True)
+        await client.txn([], put)
+
+    asyncio.run(run())
+    assert asked == [True, False, False]

@@ -167,20 +167,26 @@ class EtcdClient:
         compare: Sequence[Compare],
         success: Sequence[TxnOp],
         failure: Sequence[TxnOp] = (),
+        *,
+        idempotent: bool = False,
     ) -> bool:
-        """If every `compare` holds apply `success`, else `failure` (atomically); True if held."""
-        return (await self.txn_at(compare, success, failure))[0]
+        """If every `compare` holds apply `success`, else `failure` (atomically); True if held.
+        `idempotent`: applying it twice leaves what once does (no compare; puts and deletes
+        of fixed keys), so it may be sent again as a put is (see _call)."""
+        return (await self.txn_at(compare, success, failure, idempotent=idempotent))[0]
 
     async def txn_at(
         self,
         compare: Sequence[Compare],
         success: Sequence[TxnOp],
         failure: Sequence[TxnOp] = (),
+        *,
+        idempotent: bool = False,
     ) -> tuple[bool, int]:
         """As txn, and the store's revision after it: a read or watch at that revision or
         later sees what it wrote."""
         key = compare[0].key if compare else (success[0].key if success else None)
-        return await self._txn("txn", key, compare, success, failure)
+        return await self._txn("txn", key, compare, success, failure, idempotent)
 
     async def _txn(
         self,
@@ -189,6 +195,7 @@ class EtcdClient:
         compare: Sequence[Compare],
         success: Sequence[TxnOp],
         failure: Sequence[TxnOp],
+        idempotent: bool = False,
     ) -> tuple[bool, int]:
         request = rpc.TxnRequest(
             compare=[_compare(c) for c in compare],
@@ -201,8 +208,9 @@ class EtcdClient:
             return await conn.kvstub.Txn(request, timeout=self.timeout_s, metadata=conn.metadata)
 
         # A timed-out transaction may have applied; sending it to another member could apply it
-        # twice, or report a compare that failed only because the first attempt succeeded.
-        reply = await self._call(operation, key, send, idempotent=False)
+        # twice, or report a compare that failed only because the first attempt succeeded
+        # (unless the caller says applying it twice does no harm).
+        reply = await self._call(operation, key, send, idempotent=idempotent and not compare)
         return bool(reply.succeeded), int(reply.header.revision)
 
     # -- watches --------------------------------------------------------------------------------
