@@ -389,15 +389,19 @@ def test_push_serving_1_answers_after_one_shard_and_the_rest_follow(
     served = asyncio.run(for_step(1))
     assert served["status"] == 200 and served["version"] == 1, served
 
+    def finished() -> list[dict[str, Any]]:
+        return [json.loads(line) for line in dm.daemon_log().splitlines()
+                if '"policy.push_finished"' in line]  # fmt: skip
+
     deadline = time.monotonic() + 60
-    while shard_versions(dm) != {"worker@0": 1, "worker@1": 1, "worker@2": 1}:
+    while not finished():  # logged once the last of them acknowledged and was recorded
         assert time.monotonic() < deadline, shard_versions(dm)
         time.sleep(0.2)
-    finished = [json.loads(line) for line in dm.daemon_log().splitlines()
-                if '"policy.push_finished"' in line]  # fmt: skip
-    assert len(finished) == 1 and finished[0]["version"] == 1, finished
-    assert finished[0]["updated"] == sorted(answer["updating"]) and not finished[0]["stale"]
-    assert answer["seconds"] <= finished[0]["here_s"] <= finished[0]["seconds"], finished
+    assert shard_versions(dm) == {"worker@0": 1, "worker@1": 1, "worker@2": 1}
+    assert len(finished()) == 1 and finished()[0]["version"] == 1, finished()
+    done = finished()[0]
+    assert done["updated"] == sorted(answer["updating"]) and not done["stale"], done
+    assert answer["seconds"] <= done["here_s"] <= done["seconds"], done
     assert dm.status()["policy"]["updating"] == []
 
     # The next push right after an early answer: in line behind the rest of the first.
