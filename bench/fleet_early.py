@@ -4,7 +4,7 @@
 serves the step and the ledger is at it; the rest of its shards, and every other node's
 (which replay the step from the ledger meanwhile), update after the answer. Measured beside
 the full push in the same fleet: the trainer's stall, and until every shard of the fleet
-holds the step (the head's `policy.push_finished`, logged once its own shards are done and
+holds the step (the head's `policy.push_finished` event, once its own shards are done and
 the registry shows every other node's at the step). Under load from inside the head (the
 fleet's, half of it trainer-style), which asks for the new step from the answer on: the
 requests for it until the push finished, how many failed, and their latency beside the
@@ -13,11 +13,9 @@ shard)."""
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.report import Table
@@ -26,30 +24,13 @@ from dynamod.chaos.history import Request
 from dynamod.chaos.model import Load
 from dynamod.chaos.node_loss import make_checkpoint
 from dynamod.client import Client
+from dynamod.core import events
 
 SERVING = 1  # the head's shards serving the step before the trainer goes on
+TAIL = 200  # the head's last events looked at for push_finished (each look reads the end)
 # Load after every shard holds the step: at the fleet's 6 req/s, ~12 requests, of which the
 # load's seeded draws make at least one trainer-style (no 8 plain ones in a row)
 AFTER_S = 2.0
-
-
-class LogTail:
-    """A daemon log's JSON records of one event, read from where the last read ended."""
-
-    def __init__(self, path: Path, event: str) -> None:
-        self.path, self.quoted = path, f'"{event}"'
-        self.offset = path.stat().st_size if path.exists() else 0
-
-    def new(self) -> list[dict[str, Any]]:
-        if self.path.stat().st_size < self.offset:  # a new file in its place: from its start
-            self.offset = 0
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            chunk = f.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits
-        self.offset += len(complete)
-        return [json.loads(line) for line in complete.decode(errors="replace").splitlines()
-                if self.quoted in line]  # fmt: skip
 
 
 def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: float
@@ -58,7 +39,6 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     stall, the shards the answer left updating on the head, until every shard of the fleet
     held the step, and the step's requests meanwhile."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
-    tail = LogTail(rig.state_dir(rig.names[0]) / "daemon.log", "policy.push_finished")
     asked = [step - 1]  # the step trainer-style requests require: the new one from the answer
     gen = rig.load(load, "tiny-cpu", lambda: asked[0])
     gen.start()
@@ -75,8 +55,9 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
             raise ClusterError(f"push of step {step} (serving {SERVING}) failed on {bad}")
         finished: list[dict[str, Any]] = []
 
-        def done() -> bool:
-            finished.extend(r for r in tail.new() if r.get("version") == step)
+        def done() -> bool:  # the head's event for this step (the events file's last ones)
+            finished[:] = [e for e in events.tail(rig.state_dir(rig.names[0]), TAIL)
+                           if e["kind"] == "policy.push_finished" and e.get("version") == step]
             return bool(finished) or not answer.get("updating")
 
         rig.wait(f"every shard at step {step} after the early answer", done,

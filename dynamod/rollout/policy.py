@@ -897,7 +897,7 @@ class PolicyManager(Extension):
         log.info("policy.push_finished", version=target.version, seconds=seconds,
                  here_s=here, updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
         self.event("policy.push_finished", None, version=target.version, seconds=seconds,
-                   updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
+                   here_s=here, updated=updated, stale=sorted(acks.bad), behind=behind)  # fmt: skip
 
     async def _already_committed(
         self, current: PolicyVersion, path: str, started: float

@@ -240,20 +240,3 @@ def test_threads_of_reads_this_process_s_threads() -> None:
     assert (os.getpid(), os.getpid()) in got
     assert all(secs >= 0 for _, secs in got.values())
 
-
-def test_log_tail_reads_new_complete_records_of_its_event_only(tmp_path: Path) -> None:
-    from bench.fleet_early import LogTail
-
-    log = tmp_path / "daemon.log"
-    log.write_text('{"event": "policy.push_finished", "version": 1}\n')
-    tail = LogTail(log, "policy.push_finished")  # from the end: version 1 is old
-    assert tail.new() == []
-    with log.open("a") as f:
-        f.write('{"event": "unit.state"}\n{"event": "policy.push_finished", "version": 2}\n'
-                '{"event": "policy.push_finished", "vers')  # a line still being written
-    assert tail.new() == [{"event": "policy.push_finished", "version": 2}]
-    with log.open("a") as f:
-        f.write('ion": 3}\n')
-    assert tail.new() == [{"event": "policy.push_finished", "version": 3}]
-    log.write_text('{"event": "policy.push_finished", "version": 4}\n')  # a new, shorter file
-    assert tail.new() == [{"event": "policy.push_finished", "version": 4}]
