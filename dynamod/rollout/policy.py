@@ -31,6 +31,7 @@ import struct
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -932,13 +933,13 @@ class PolicyManager(Extension):
         log.info("policy.push_already_committed", version=current.version, path=path)
         return answer
 
-    def _not_reached(self, version: int, acks: dict[str, Any], stale: dict[str, str]
-                     ) -> dict[str, str]:
+    def _not_reached(self, version: int, reached: AbstractSet[str]) -> dict[str, str]:
         """Every shard the step did not reach (restarting, stopped, a spare), with what
-        happens to it: a push's answer names every shard of the stack."""
+        happens to it: a push's answer names every shard of the stack (`reached`: acked,
+        stale, or still updating)."""
         out: dict[str, str] = {}
         for name in policy_table.shards(self.engine.stack):
-            if name in acks or name in stale:
+            if name in reached:
                 continue
             unit = self.engine.units[name]
             if self.spares.role(unit) is Role.SPARE:
@@ -1026,7 +1027,7 @@ class PolicyManager(Extension):
         }
         if updating:
             answer["updating"] = updating
-        away = self._not_reached(target.version, {**acks, **dict.fromkeys(updating or ())}, stale)
+        away = self._not_reached(target.version, {*acks, *stale, *(updating or ())})
         if away:
             answer["not_pushed"] = away
         log.info(
