@@ -45,6 +45,7 @@ from dynamod.rollout.worker_table import worker_of
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine, Unit
     from dynamod.core.extensions import ExtensionHost
+    from dynamod.rollout.ledger import PolicyVersion
     from dynamod.rollout.policy import PolicyManager
     from dynamod.rollout.registrations import DynamoRegistrations
 
@@ -137,6 +138,8 @@ class Membership(Extension):
         self._ledger_moved = asyncio.Event()  # the watch saw the ledger's current version move
         self._ledger_watched = False  # a ledger watch is open (the follower waits longer)
         self._ledger_resync = asyncio.Event()  # this daemon's own calls failed: watch anew
+        # what the read that opened the ledger's watch found: the follower's next look
+        self._ledger_read: tuple[PolicyVersion | None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._restarting: set[str] = set()
         self._closing: set[asyncio.Task[None]] = set()
@@ -729,10 +732,11 @@ class Membership(Extension):
     async def _ledger_watch_loop(self) -> None:
         """Wake the follower below when a push (another node's) moves the ledger's current
         version: this node's shards start their replay at once. The watch starts from the
-        revision of a read, and the follower looks once at that moment, so no move falls
-        between the two. While it is open the follower looks only at a move and when the
-        watch is opened again: every RESYNC_S, and after this daemon's own calls failed (a
-        watch on a cut link can go silent); while it is not, every LEDGER_FOLLOW_S."""
+        revision of a read of the current version, and the follower looks at what that
+        read found (no second read), so no move falls between the two. While it is open
+        the follower looks only at a move and when the watch is opened again: every
+        RESYNC_S, and after this daemon's own calls failed (a watch on a cut link can go
+        silent); while it is not, every LEDGER_FOLLOW_S."""
         assert self.policy is not None
         while not self._stopping:
             self._ledger_resync.clear()
@@ -751,13 +755,15 @@ class Membership(Extension):
         """One watch of the ledger's current version, for up to RESYNC_S."""
         assert self.policy is not None
         async with asyncio.timeout(ROUND_TIMEOUT_S):
-            revision = await self.policy.ledger_revision()
-        changes = None if revision is None else self.policy.ledger_changes(revision + 1)
-        if changes is None:  # a file ledger: no other node's push to follow
+            read = await self.policy.ledger_read()
+        changes = None if read is None else self.policy.ledger_changes(read[1] + 1)
+        if read is None or changes is None:  # a file ledger: no other node's push to follow
             await asyncio.sleep(RESYNC_S)
             return
         self._ledger_watched = True
-        self._ledger_moved.set()  # a look from now on sees what the watch will not carry
+        # the follower looks at what this read found: the watch carries every move after it
+        self._ledger_read = (read[0],)
+        self._ledger_moved.set()
 
         async def follow() -> None:
             async for _ in changes:
@@ -781,10 +787,11 @@ class Membership(Extension):
                     await self._ledger_moved.wait()
             self._ledger_moved.clear()
             looked = False
+            read, self._ledger_read = self._ledger_read, None  # a look later reads anew
             if not self._running() or self.policy.lock.locked():
                 continue  # a push or an admission here reads the ledger itself
             with contextlib.suppress(*_FAILURES):
-                if await self.policy.follow_ledger() is not None:
+                if await self.policy.follow_ledger(read) is not None:
                     self._dirty.set()
                 looked = True
 

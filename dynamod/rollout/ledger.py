@@ -100,10 +100,12 @@ class EtcdLedger:
         `start_revision` (an etcd watch)."""
         return self.etcd.watch_prefix(self.prefix + "policy/current", start_revision=start_revision)
 
-    async def revision(self) -> int:
-        """The store's revision as of a read of the current version: a watch from the one
-        after it misses no write that this read did not see."""
-        return (await self.etcd.get_prefix_at(self.prefix + "policy/current"))[1]
+    async def current_at(self) -> tuple[PolicyVersion | None, int]:
+        """The current version and the store's revision as of that read: a watch from the
+        revision after it misses no write that this read did not see."""
+        kvs, revision = await self.etcd.get_prefix_at(self.prefix + "policy/current")
+        raw = next((kv.value for kv in kvs if kv.key == self.prefix + "policy/current"), None)
+        return (_version_from(json.loads(raw)) if raw else None), revision
 
     async def history(self) -> list[PolicyVersion]:
         kvs = await self.etcd.get_prefix(self.prefix + "policy/history/")

@@ -387,12 +387,12 @@ class PolicyManager(Extension):
             return None
         return EtcdLedger(self._etcd, self.engine.stack.identity).changes(start_revision)
 
-    async def ledger_revision(self) -> int | None:
-        """The store's revision as of a read of the ledger's current version (None: a file
-        ledger): a watch from the revision after it misses no move."""
+    async def ledger_read(self) -> tuple[PolicyVersion | None, int] | None:
+        """The ledger's current version and the store's revision as of that read (None: a
+        file ledger): a watch from the revision after it misses no move."""
         if self._etcd is None:
             return None
-        return await EtcdLedger(self._etcd, self.engine.stack.identity).revision()
+        return await EtcdLedger(self._etcd, self.engine.stack.identity).current_at()
 
     # ------------------------------------------------------------------ hooks
 
@@ -1154,13 +1154,15 @@ class PolicyManager(Extension):
         cluster = self.engine.stack.cluster
         return f"{cluster.node}/{unit}" if cluster is not None else unit
 
-    async def follow_ledger(self) -> int | None:
+    async def follow_ledger(self, read: tuple[PolicyVersion | None] | None = None) -> int | None:
         """Bring this node's admitted shards to the ledger's current version when another
         node's push moved it on: each is held and replays it (pause, load, flush, verify,
-        taint, resume), then admitted again. Returns the ledger's version (None: never set)."""
+        taint, resume), then admitted again. `read`: the current version as a read just
+        now found it (`ledger_read`), else the ledger is read. Returns the ledger's version
+        (None: never set)."""
         if self.lock.locked():  # a push or an admission here: it reads the ledger itself
             return self.current_version
-        current = await self.ledger().current()
+        current = read[0] if read is not None else await self.ledger().current()
         version = current.version if current else None
         if version is None or version == self.current_version:
             return version

@@ -306,19 +306,22 @@ async def test_a_read_at_its_revision_and_a_watch_after_it_keep_a_mirror_of_the_
 async def test_the_ledger_advances_in_one_write_and_keeps_the_newest(etcd: EtcdClient) -> None:
     """Each advance of the policy ledger is one transaction: the store's revision moves by
     one (the version, the current and the pruned history together); the history keeps the
-    newest `keep`; a watch of the current from the revision after a read sees the move."""
+    newest `keep`; the read a watch starts from gives the current version as `current()`
+    does; a watch of the current from the revision after that read sees the move."""
     from dynamod.rollout.ledger import EtcdLedger, PolicyVersion
 
     ledger = EtcdLedger(etcd, f"ledgertest{uuid.uuid4().hex[:8]}")
+    assert await ledger.current_at() == (None, (await etcd.get_prefix_at("nothing/"))[1])
     for step in (1, 2, 5, 9, 9, 12):
-        before = await ledger.revision()
+        _, before = await ledger.current_at()
         await ledger.advance(PolicyVersion(step, f"/ckpt/{step}", None, 0.0, "push"), keep=3)
-        assert await ledger.revision() == before + 1, step
-        current = await ledger.current()
+        current, after = await ledger.current_at()
+        assert after == before + 1, step
         assert current is not None and current.version == step
+        assert current == await ledger.current()
     assert [v.version for v in await ledger.history()] == [5, 9, 12]
 
-    read = await ledger.revision()
+    read = (await ledger.current_at())[1]
     await ledger.advance(PolicyVersion(13, "/ckpt/13", "d13", 0.0, "push"), keep=3)
     async with asyncio.timeout(5):
         async for event in ledger.changes(read + 1):

@@ -215,12 +215,13 @@ class _Ledger:
     def __init__(self, moves: tuple[float, ...] = (), broken: bool = False) -> None:
         self.moves, self.broken = moves, broken
         self.follows: list[float] = []
+        self.given: list[bool] = []  # per look: whether it was handed the watch's read
         self.watched_from: list[int | None] = []
         self.spec = SimpleNamespace(store="etcd")
         self.lock = asyncio.Lock()
 
-    async def ledger_revision(self) -> int:
-        return 41
+    async def ledger_read(self) -> tuple[None, int]:
+        return None, 41
 
     async def _changes(self) -> Any:
         if self.broken:
@@ -234,8 +235,9 @@ class _Ledger:
         self.watched_from.append(start_revision)
         return self._changes()
 
-    async def follow_ledger(self) -> int:
+    async def follow_ledger(self, read: tuple[None] | None = None) -> int:
         self.follows.append(time.monotonic())
+        self.given.append(read is not None)
         return 1
 
 
@@ -268,6 +270,9 @@ async def test_another_nodes_push_is_followed_when_the_ledger_moves_not_at_the_n
     assert len(ledger.follows) == 2, ledger.follows
     assert ledger.follows[0] - started < 0.1
     assert 0.2 <= ledger.follows[1] - started < 0.5
+    # the look as it opens is handed the read the watch started from (no second read);
+    # the look at the move reads the ledger anew
+    assert ledger.given == [True, False]
 
 
 async def test_with_the_watch_open_the_follower_does_not_poll(
@@ -279,6 +284,7 @@ async def test_with_the_watch_open_the_follower_does_not_poll(
     await _following(ledger, 1.0)
     assert len(ledger.follows) == 2, ledger.follows  # at 0 and at 0.6 s, not every 0.05 s
     assert ledger.watched_from == [42, 42]
+    assert ledger.given == [True, True]  # each on the read its watch started from
 
 
 async def test_without_a_watch_the_follower_polls(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -304,6 +310,7 @@ async def test_a_look_while_a_push_here_holds_the_lock_is_tried_again_soon(
     await pushing
     assert ledger.follows, "the follower never looked after the lock was let go"
     assert 0.3 <= ledger.follows[0] - started < 0.45, ledger.follows
+    assert ledger.given[0] is False, "a look put off by the lock used a read from before it"
 
 
 def test_a_failed_publish_round_is_tried_again_soon_then_backs_off_to_the_period() -> None:
