@@ -70,6 +70,7 @@ from bench.fleet_scan import exposure_scan
 from bench.fleet_stack import (
     members,
     replicated,
+    with_heartbeat,
     with_lease,
     with_max_starting,
     with_max_updating,
@@ -118,6 +119,13 @@ def main() -> None:
         default=None,
         help="the registry lease, whole s (default: the stack's; 1 also shortens etcd's "
         "election timeout, which etcd needs to grant it)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help="the leader's heartbeat timeout, s (cluster.heartbeat_timeout; default: the "
+        "stack's, 1.2; 0 turns the heartbeats off, leaving a cut node to its lease)",
     )
     parser.add_argument(
         "--shard-cpu-weight",
@@ -192,6 +200,9 @@ def main() -> None:
         parser.error(str(exc))
     if args.lease is not None and args.lease < 1:
         parser.error(f"--lease: whole seconds of at least 1, got {args.lease}")
+    beat = args.heartbeat_timeout
+    if beat is not None and not (beat == 0 or 0.6 <= beat <= 60):
+        parser.error(f"--heartbeat-timeout: 0 (off) or seconds from 0.6 to 60, got {beat:g}")
     weight = args.shard_cpu_weight
     if weight is not None and not 1 <= weight <= 10000:
         parser.error(f"--shard-cpu-weight: 1 to 10000, got {weight}")
@@ -222,7 +233,7 @@ def main() -> None:
             if args.quick
             else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
                            live_timeout=live_timeout, max_starting=args.max_starting,
-                           max_updating=args.max_updating)
+                           max_updating=args.max_updating, heartbeat_timeout=beat)
         )
         fleets = []
         for n in nodes:
@@ -232,7 +243,7 @@ def main() -> None:
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                     max_starting=args.max_starting, max_updating=args.max_updating,
-                    idle_s=args.idle,
+                    idle_s=args.idle, heartbeat_timeout=beat,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -356,6 +367,7 @@ def run_fleet(
     max_starting: int | None = None,
     max_updating: int | None = None,
     idle_s: float = IDLE_S,
+    heartbeat_timeout: float | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -368,12 +380,15 @@ def run_fleet(
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
     text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
     text = with_max_updating(with_max_starting(text, max_starting), max_updating)
+    text = with_heartbeat(text, heartbeat_timeout)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
-    lease_s = tomllib.loads(text)["cluster"]["lease_ttl"]
+    cluster_table = tomllib.loads(text)["cluster"]
+    lease_s = cluster_table["lease_ttl"]
     result: dict[str, Any] = {"nodes": n_nodes, "shards": n_nodes * per_node,
                               "registry_lease_s": lease_s,
+                              "heartbeat_timeout_s": cluster_table.get("heartbeat_timeout"),
                               "shard_limits": limits or {},
                               "shard_live_timeout_s": live_timeout,
                               "max_starting": max_starting,
@@ -725,7 +740,7 @@ def cut_one(rig: ClusterRig, node: str, phase_s: float) -> dict[str, Any]:
         cut = time.monotonic()
         r.cut_at = cut - gen.origin
         rig.cut(node)
-        lost, rerouted = lost_and_rerouted(rig, node, ids, cut, 30)
+        lost, rerouted, r.lost_why = lost_and_rerouted(rig, node, ids, cut, 30)
         r.lost_s, r.rerouted_s, r.rerouted_at = lost - cut, rerouted - cut, rerouted - gen.origin
         time.sleep(phase_s)  # load on the other nodes' shards alone
     finally:
@@ -738,6 +753,7 @@ def cut_one(rig: ClusterRig, node: str, phase_s: float) -> dict[str, Any]:
         "shards": len(ids),
         "lost_s": r.lost_s,
         "rerouted_s": r.rerouted_s,
+        "why": r.lost_why,  # the lease's expiry, or the leader's heartbeats
         "requests": len(r.requests),
         "failed_before_reroute": len(r.failed_during_cut()),
         "failed_after_reroute": len(r.failed_after_reroute()),
@@ -876,7 +892,7 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
         "Faults under load (3 clients, 6 req/s from the head): one node's link cut, "
         "kill -9 of 10 % of the shards at once",
-        ["nodes", "shards", "cut: lost s", "out of routing s", "requests",
+        ["nodes", "shards", "cut: lost s", "by", "out of routing s", "requests",
          "failed before re-route", "lost after re-route", "falsely lost",
          "killed", "serving again s", "requests", "failed"],
         digits=2,
@@ -884,13 +900,22 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
     for f in fleets:
         c, k = "cut", "kill"
         table.rows.append(
-            [f["nodes"], f["shards"], pick(f, c, "lost_s"), pick(f, c, "rerouted_s"),
+            [f["nodes"], f["shards"], pick(f, c, "lost_s"), lost_by(f),
+             pick(f, c, "rerouted_s"),
              pick(f, c, "requests"), pick(f, c, "failed_before_reroute"),
              pick(f, c, "failed_after_reroute"), pick(f, c, "falsely_lost_n"),
              pick(f, k, "killed"), pick(f, k, "back_s"), pick(f, k, "requests"),
              pick(f, k, "failed")]
         )  # fmt: skip
     return table
+
+
+def lost_by(fleet: dict[str, Any]) -> str:
+    """What marked the cut node lost: the leader's heartbeats, or its lease's expiry."""
+    why = (fleet.get("cut") or {}).get("why")
+    if not why:
+        return "-"
+    return "heartbeat" if "heartbeat" in why else "lease"
 
 
 def shard_settings(fleet: dict[str, Any]) -> str:
@@ -1017,8 +1042,11 @@ def shard_table(full: dict[str, Any]) -> Table:
 
 
 def notes(fleets: list[dict[str, Any]]) -> list[str]:
+    beat = fleets[-1].get("heartbeat_timeout_s")
     out = [
-        f"registry lease {fleets[-1]['registry_lease_s']} s (cluster.lease_ttl)",
+        f"registry lease {fleets[-1]['registry_lease_s']} s (cluster.lease_ttl); the "
+        f"leader's heartbeat timeout {f'{beat:g} s' if beat else 'off'} "
+        "(cluster.heartbeat_timeout: a cut node is lost at whichever comes first)",
         "shards in 24 GiB: the machine's memory over one shard's PSS plus its daemon's "
         "share, nothing else running (etcd, NATS, the frontend and the page cache need "
         "their part). Before memory, the kernel's inotify instances bound the fleet: each "

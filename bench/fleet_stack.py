@@ -69,6 +69,15 @@ def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
     return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")
 
 
+def with_heartbeat(text: str, timeout: float | None) -> str:
+    """`text` (cluster.toml) with the leader's heartbeat timeout at `timeout` s (0: off;
+    cluster/heartbeat.py); unchanged for None."""
+    if timeout is None:
+        return text
+    return _one(r"^(heartbeat_timeout\s*=\s*)[0-9.]+", text, f"\\g<1>{timeout:g}",
+                "cluster.heartbeat_timeout")  # fmt: skip
+
+
 def with_shard_live_timeout(text: str, timeout: float | None) -> str:
     """`text` (cluster.toml) with the shards' liveness probe given `timeout` s to answer
     (the stack's is 2 s); unchanged for None."""

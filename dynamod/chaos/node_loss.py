@@ -34,6 +34,7 @@ class NodeLossRound:
     push_done_at: float | None = None
     step: int | None = None
     marked_lost: list[str] = field(default_factory=list)  # nodes the leader marked lost meanwhile
+    lost_why: str = ""  # why the head's view gave for the cut node's loss
 
     def _at_outgoing_version(self, r: Request) -> bool:
         """Required the version a push was replacing while that push was under way: the
@@ -127,7 +128,7 @@ def run_round(
         cut = time.monotonic()
         result.cut_at = cut - gen.origin
         rig.cut(node)
-        lost, rerouted = lost_and_rerouted(rig, node, ids, cut, detect_timeout)
+        lost, rerouted, result.lost_why = lost_and_rerouted(rig, node, ids, cut, detect_timeout)
         result.lost_s, result.rerouted_s = lost - cut, rerouted - cut
         result.rerouted_at = rerouted - gen.origin
         time.sleep(1.0)  # load on the head's shards alone before the push
@@ -156,25 +157,30 @@ def run_round(
 
 def lost_and_rerouted(
     rig: ClusterRig, node: str, ids: set[int], cut: float, timeout: float
-) -> tuple[float, float]:
+) -> tuple[float, float, str]:
     """When the head's registry marked the cut node lost, and when its router stopped
-    listing the node's shards (monotonic times)."""
+    listing the node's shards (monotonic times); and why it was lost (its lease's expiry,
+    or the leader's heartbeats: cluster/heartbeat.py)."""
     deadline = cut + timeout
     lost = rerouted = None
-    while (lost is None or rerouted is None) and time.monotonic() < deadline:
+    why = ""
+    # a node is `lost` in the view as its entry goes; its lost record (with why) follows
+    while (lost is None or rerouted is None or not why) and time.monotonic() < deadline:
         now = time.monotonic()
         with contextlib.suppress(ClusterError):
             if rerouted is None and not rig.routed() & ids:
                 rerouted = time.monotonic()
-            if lost is None and node_state(rig, rig.names[0], node)["state"] == "lost":
-                lost = now
+            state = node_state(rig, rig.names[0], node)
+            if state["state"] == "lost":
+                lost = now if lost is None else lost
+                why = str((state.get("lost") or {}).get("why", ""))
         time.sleep(0.05)
     if lost is None or rerouted is None:
         raise ClusterError(
             f"{node} cut {timeout:g}s ago: lost={lost is not None}, "
             f"rerouted={rerouted is not None}"
         )
-    return lost, rerouted
+    return lost, rerouted, why
 
 
 def _push(rig: ClusterRig, step: int, checkpoint: Path) -> dict[str, Any]:

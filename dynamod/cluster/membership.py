@@ -27,7 +27,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from dynamod.cluster import join, parking, registry
+from dynamod.cluster import heartbeat, join, parking, registry
 from dynamod.cluster.parking import ParkedKey
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
@@ -73,6 +73,7 @@ ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over
 # did not go through; with a watch open it looks at each move and every RESYNC_S (2 reads a
 # second a node were most of an idle 8-node fleet's etcd reads).
 LEDGER_FOLLOW_S = 0.5
+HEARTBEAT_LOOK_S = 0.1  # the leader looks at what its pinger heard this often
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
 _T = TypeVar("_T")
@@ -146,6 +147,7 @@ class Membership(Extension):
         self._auth: EtcdAuth | None = None
         self._stopping = False
         self._returning = False  # back after our lease expired: registrations to restore
+        self._hearing = heartbeat.Hearing()  # this node's echo; the leader's pinger
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -176,6 +178,9 @@ class Membership(Extension):
             "cluster-watch": self._watch_loop,
             "cluster-read": self._read_loop,
         }
+        if self.cluster.heartbeat_timeout > 0:
+            self._hearing.responder = self._respond()
+            loops["cluster-heartbeat"] = self._heartbeat_loop
         if self.policy is not None:
             loops["cluster-ledger"] = self._follow_loop
             if self.policy.spec.store == "etcd":
@@ -247,6 +252,7 @@ class Membership(Extension):
                 names = sorted(t.get_name() for t in stuck)
                 log.error("cluster.loops_not_stopped", node=self.cluster.node, loops=names,
                           seconds=STOP_GRACE_S)  # fmt: skip
+        self._hearing.close()
         if self.etcd is not None and self.lease is not None:
             with contextlib.suppress(*_FAILURES, TimeoutError):  # else it expires in lease_ttl
                 async with asyncio.timeout(STOP_GRACE_S):
@@ -318,6 +324,7 @@ class Membership(Extension):
             head=self.cluster.is_head,
             units=units,
             policy_current=self.policy.current_version if self.policy else None,
+            heartbeat_port=responder.port if (responder := self._hearing.responder) else None,
         )
 
     async def _publish_loop(self) -> None:
@@ -672,6 +679,7 @@ class Membership(Extension):
         started = time.monotonic()
         shards = [registry.shard_id(name, u.name) for u in entry.shards()]
         since = time.time()
+        why = self._hearing.why_lost.pop(name, registry.LEASE_EXPIRED)
 
         def record(parked: list[ParkedKey]) -> LostRecord:
             return LostRecord(
@@ -681,6 +689,7 @@ class Membership(Extension):
                 shards=shards,
                 revoked=sorted({f"{key.instance_id:x}" for key in parked}),
                 parked=[key.as_dict() for key in parked],
+                why=why,
             )
 
         parked = await parking.withdraw(
@@ -726,6 +735,70 @@ class Membership(Extension):
         asyncio.get_running_loop().create_task(
             carry_out(self, self.engine, self._down_here, request)
         )
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def _respond(self) -> heartbeat.Responder | None:
+        """This node's echo of the leader's heartbeats, on its cluster address; without one
+        (the address cannot be bound) the registry lease alone decides this node's loss."""
+        try:
+            return heartbeat.Responder(self.cluster.address)
+        except OSError as exc:
+            log.warning("cluster.heartbeat_unavailable", node=self.cluster.node,
+                        address=self.cluster.address, error=str(exc),
+                        action="its loss is judged by its registry lease alone")  # fmt: skip
+            return None
+
+    async def _heartbeat_loop(self) -> None:
+        """As the leader: ping every other node that gives a heartbeat port in its entry,
+        and revoke the registry lease of one that answered before and has been silent for
+        `heartbeat_timeout` (heartbeat.silent), once this daemon may judge (its own
+        registry calls went through for a whole lease, as for an expiry)."""
+        timeout, hearing = self.cluster.heartbeat_timeout, self._hearing
+        while not self._stopping:
+            await asyncio.sleep(HEARTBEAT_LOOK_S)
+            if self.leader != self.cluster.node or not self._running():
+                hearing.stop_pinging()
+                continue
+            if hearing.pinger is None:
+                hearing.pinger = heartbeat.Pinger(self.stack)
+            hearing.pinger.aim({
+                name: (entry.address, entry.heartbeat_port)
+                for name, entry in self.entries.items()
+                if name != self.cluster.node and entry.heartbeat_port
+            })  # fmt: skip
+            heard = hearing.pinger.heard()
+            for name, when in list(hearing.silenced.items()):  # it answered again: armed
+                if heard.answered.get(name, -1.0) > when:
+                    del hearing.silenced[name]
+            armed = {n for n in heard.answered if n not in hearing.silenced}
+            if not registry.may_judge(self.trouble_at, time.monotonic(), self.cluster.lease_ttl):
+                continue
+            for name in heartbeat.silent(heard, armed, timeout):
+                # judged once: a failed revocation leaves it to its lease
+                hearing.silenced[name] = heard.now
+                with contextlib.suppress(*_FAILURES):
+                    await self._revoke_silent(name, heard.now - heard.answered[name])
+
+    async def _revoke_silent(self, name: str, silent_s: float) -> None:
+        """Revoke the registry lease of `name`'s entry: etcd deletes the entry, and the
+        leader marks the node lost at once, as at the lease's expiry."""
+        assert self.etcd is not None
+        record = await self.etcd.get_kv(registry.node_key(self.stack, name))
+        if record is None or not record.lease:
+            return  # gone already (its lease expired, or it stopped)
+        why = f"silent for {silent_s:.1f}s (heartbeat)"
+        log.warning("cluster.node_silent", node=name, silent_s=round(silent_s, 2),
+                    timeout_s=self.cluster.heartbeat_timeout,
+                    action="lease revoked: marked lost now, not at its expiry")  # fmt: skip
+        self._hearing.why_lost[name] = why  # before the call: the watch may bring the delete
+        try:
+            await self.etcd.lease_revoke(record.lease)
+        except BaseException:
+            self._hearing.why_lost.pop(name, None)
+            raise
+        self._urgent.set()
+        self._changed.set()
 
     # ------------------------------------------------------------------ policy across nodes
 

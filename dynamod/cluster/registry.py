@@ -29,6 +29,7 @@ from dynamod.rollout.etcd.records import KeyValue, TxnDelete, TxnOp, TxnPut
 _DETAIL_MAX = 200
 # operations in one transaction: etcd refuses more than --max-txn-ops (128 by default)
 TXN_OPS = 100
+LEASE_EXPIRED = "its registry lease expired"  # why a node is lost, unless the leader says
 
 
 def prefix(stack: str) -> str:
@@ -115,6 +116,7 @@ class NodeEntry:
     head: bool
     units: list[UnitEntry]
     policy_current: int | None = None
+    heartbeat_port: int | None = None  # where its daemon echoes heartbeats (None: it does not)
 
     def records(self, stack: str) -> dict[str, str]:
         """The keys this entry is written as, with their values: its header at
@@ -285,6 +287,9 @@ class LostRecord:
     # the withdrawn `v1/instances` keys (cluster/parking.py ParkedKey), for the node to put
     # back on return; a record written before they were kept has none
     parked: list[dict[str, Any]] = field(default_factory=list)
+    # why its entry went: its lease's expiry, or the leader's revocation of a silent node
+    # (cluster/heartbeat.py); a record written before this was kept has the first
+    why: str = LEASE_EXPIRED
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -178,7 +178,8 @@ def cluster_tree(cluster: Mapping[str, Any]) -> list[str]:
         if node.get("lost"):
             lost = node["lost"]
             detail += (
-                f"  lease expired; shards {', '.join(lost['shards']) or '-'} marked lost by "
+                f"  {lost.get('why') or 'its registry lease expired'}; shards "
+                f"{', '.join(lost['shards']) or '-'} marked lost by "
                 f"{lost['by']}, registrations revoked: {', '.join(lost['revoked']) or 'none'}"
             )
         rows.append(

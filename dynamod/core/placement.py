@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from dynamod.core import graph, limits
 from dynamod.core.errors import SpecError
 
-_CLUSTER_KEYS = {"nodes", "head", "lease_ttl", "secrets", "registry"}
+_CLUSTER_KEYS = {"nodes", "head", "lease_ttl", "heartbeat_timeout", "secrets", "registry"}
+# s: the leader marks lost a node its heartbeats have not heard from this long (0: off)
+DEFAULT_HEARTBEAT_TIMEOUT = 1.2
+MIN_HEARTBEAT_TIMEOUT = 0.6  # three of the leader's pings (cluster/heartbeat.py PING_S)
 DEFAULT_REGISTRY = "http://{cluster.head_address}:{vars.etcd_client_port}"
 MAX_NODES = 64
 
@@ -30,6 +33,7 @@ class ClusterSpec(BaseModel):
     head: str
     node: str = Field(description="the node this daemon runs")
     lease_ttl: float = Field(3.0, gt=0, le=60, allow_inf_nan=False)
+    heartbeat_timeout: float = Field(DEFAULT_HEARTBEAT_TIMEOUT, ge=0, le=60, allow_inf_nan=False)
     secrets: str | None = None
     registry: list[str] = Field(min_length=1, description="store endpoints of the registry")
     placement: dict[str, list[str]] = Field(
@@ -78,7 +82,8 @@ class ClusterSpec(BaseModel):
 
 def parse(table: Mapping[str, Any], *, path: Path, node: str | None) -> dict[str, Any]:
     """Check the raw `[cluster]` table; returns the fields of ClusterSpec that need no
-    rendering (nodes, head, node, lease_ttl, secrets) plus the raw `registry`."""
+    rendering (nodes, head, node, lease_ttl, heartbeat_timeout, secrets) plus the raw
+    `registry`."""
     for key in table:
         if key not in _CLUSTER_KEYS:
             known = ", ".join(sorted(_CLUSTER_KEYS))
@@ -103,6 +108,9 @@ def parse(table: Mapping[str, Any], *, path: Path, node: str | None) -> dict[str
         "node": node or head,
         "secrets": _secrets(table.get("secrets"), path),
         "lease_ttl": _lease_ttl(table.get("lease_ttl", 3.0), path),
+        "heartbeat_timeout": _heartbeat_timeout(
+            table.get("heartbeat_timeout", DEFAULT_HEARTBEAT_TIMEOUT), path
+        ),
         "registry": _registry(table.get("registry", DEFAULT_REGISTRY), path),
     }
 
@@ -159,6 +167,21 @@ def _lease_ttl(lease_ttl: Any, path: Path) -> float:
             field="cluster.lease_ttl",
         )
     return float(lease_ttl)
+
+
+def _heartbeat_timeout(timeout: Any, path: Path) -> float:
+    """`cluster.heartbeat_timeout`: 0 (off), or seconds from MIN_HEARTBEAT_TIMEOUT to 60."""
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (timeout == 0 or MIN_HEARTBEAT_TIMEOUT <= timeout <= 60)
+    ):
+        raise SpecError(
+            f"must be 0 (off) or seconds from {MIN_HEARTBEAT_TIMEOUT:g} to 60, got {timeout!r}",
+            file=path,
+            field="cluster.heartbeat_timeout",
+        )
+    return float(timeout)
 
 
 def _registry(registry: Any, path: Path) -> list[str]:

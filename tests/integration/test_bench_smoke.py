@@ -146,6 +146,8 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert early["load"]["step_wrong_version"] == 0, early["load"]
     # the control plane's health, read from the daemons' logs: the cut node marked lost
     assert fleet["cut"]["node"] in fleet["health"]["marked_lost"], fleet["health"]
+    # lost by the leader's heartbeats, or (the race's other side) its lease's expiry
+    assert "heartbeat" in fleet["cut"]["why"] or "lease expired" in fleet["cut"]["why"], fleet
 
 
 CHECKS = {

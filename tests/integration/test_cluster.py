@@ -227,13 +227,16 @@ def test_a_cut_node_is_marked_lost_and_routed_around_and_serving_continues(
     loss_round: NodeLossRound, rig: ClusterRig
 ) -> None:
     r = loss_round
-    print(f"n2 cut: lost after {r.lost_s:.2f}s, router dropped it after {r.rerouted_s:.2f}s; "
+    print(f"n2 cut: lost after {r.lost_s:.2f}s ({r.lost_why}), router dropped it after "
+          f"{r.rerouted_s:.2f}s; "
           f"push {r.push_s:.2f}s; healed: admitted at v1 after {r.admitted_s:.2f}s; "
           f"{len(r.requests)} requests, {len(r.failed_during_cut())} failed before re-routing, "
           f"{len(r.refused_at_outgoing_version())} refused at the outgoing version")
     assert r.rerouted_s is not None and r.rerouted_s < 10  # the target (3 s) is bench/cluster.py's
     assert r.marked_lost == ["n2"], f"only the cut node is marked lost, once: {r.marked_lost}"
     assert r.lost_s is not None and r.lost_s < 10
+    # the leader's heartbeats, or its lease's expiry where that came first
+    assert "heartbeat" in r.lost_why or "lease expired" in r.lost_why, r.lost_why
     after = [q for q in r.requests if r.rerouted_at is not None and q.sent >= r.rerouted_at]
     assert len(after) >= 10 and sum(q.ok for q in after) >= 10, "serving must go on"
     failed = r.failed_after_reroute()

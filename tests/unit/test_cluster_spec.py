@@ -55,6 +55,11 @@ def one_error(tmp_path: Path, text: str, node: str | None = None) -> str:
 def test_the_head_runs_its_units_and_each_node_gets_its_context_and_env(tmp_path: Path) -> None:
     head = load(tmp_path, STACK)
     assert head.cluster is not None and head.cluster.node == "head" and head.cluster.lease_ttl == 2
+    assert head.cluster.heartbeat_timeout == 1.2  # the default
+    for given, meant in (("0", 0.0), ("0.6", 0.6), ("2", 2.0)):
+        text = STACK.replace("lease_ttl = 2", f"lease_ttl = 2\nheartbeat_timeout = {given}")
+        beating = load(tmp_path, text).cluster
+        assert beating is not None and beating.heartbeat_timeout == meant
     assert list(head.units) == ["etcd", "worker@0", "frontend", "trainer"]
     assert all(u.remote is None for u in head.units.values())
     worker = head.units["worker@0"]
@@ -94,6 +99,9 @@ def test_bad_cluster_tables_and_nodes_are_named(tmp_path: Path) -> None:
     assert "field 'cluster.head'" in one_error(tmp_path, bad_head)
     bad_ttl = STACK.replace("lease_ttl = 2", "lease_ttl = 0")
     assert "field 'cluster.lease_ttl'" in one_error(tmp_path, bad_ttl)
+    for bad in ("0.3", "-1", "61", "true", '"1.2"'):
+        beat = STACK.replace("lease_ttl = 2", f"lease_ttl = 2\nheartbeat_timeout = {bad}")
+        assert "field 'cluster.heartbeat_timeout'" in one_error(tmp_path, beat), bad
     extra = STACK.replace("lease_ttl = 2", "lease_ttl = 2\nreplicas = 3")
     assert "field 'cluster.replicas'" in one_error(tmp_path, extra)
     own_remote = STACK.replace('command = ["fe"]', 'command = ["fe"]\nremote = "n1"')

@@ -1,0 +1,152 @@
+"""The leader's heartbeats against a real etcd, over real UDP on loopback: a node that fell
+silent has its registry lease revoked (its entry deleted, as at an expiry) well before
+that lease would run out, with why; a node that answers keeps it; when most of the
+cluster falls silent at once, the leases decide. The whole path through a cut network
+namespace is tests/integration/test_cluster.py's loss round and bench/fleet.py's cut."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dynamod.cluster import heartbeat, membership, registry
+from dynamod.cluster.heartbeat import Responder
+from dynamod.cluster.membership import Membership
+from dynamod.cluster.registry import NodeEntry
+from dynamod.core.phase import Phase
+from dynamod.core.placement import ClusterSpec
+from dynamod.rollout.etcd import EtcdClient
+
+LEASE_S = 30  # far longer than the test: only a revocation can delete an entry in time
+TIMEOUT_S = 0.6
+
+
+@dataclass
+class Node:
+    name: str
+    lease: int
+    responder: Responder | None
+
+
+def _entry(name: str, port: int | None) -> NodeEntry:
+    return NodeEntry(node=name, address="127.0.0.1", daemon_pid=1, run_id="r", phase="up",
+                     head=False, units=[], heartbeat_port=port)  # fmt: skip
+
+
+@pytest.fixture
+async def leader(etcd: EtcdClient, request: pytest.FixtureRequest) -> AsyncIterator[Membership]:
+    """The leader's membership (no loops but the heartbeat's), its etcd the real one."""
+    stack = f"hb{abs(hash(request.node.name)) % 10**8}"
+    spec = ClusterSpec(nodes={"head": "127.0.0.1"}, head="head", node="head",
+                       registry=["http://127.0.0.1:1"], heartbeat_timeout=TIMEOUT_S)  # fmt: skip
+    member = Membership(spec, registrations=Any, policy=None)  # type: ignore[arg-type]
+    member.host = SimpleNamespace(phase=Phase.UP, stack=SimpleNamespace(name=stack))  # type: ignore[assignment]
+    member.etcd, member.leader = etcd, "head"
+    yield member
+    member._stopping = True
+    if member._hearing.pinger is not None:
+        member._hearing.pinger.close()
+
+
+async def _nodes(member: Membership, etcd: EtcdClient, names: list[str]) -> list[Node]:
+    """Each a registry entry on a lease of its own, and an echo on loopback."""
+    nodes = []
+    for name in names:
+        echo = Responder("127.0.0.1")
+        lease = await etcd.lease_grant(LEASE_S)
+        await etcd.put(registry.node_key(member.stack, name), "{}", lease)
+        member.entries[name] = _entry(name, echo.port)
+        nodes.append(Node(name, lease, echo))
+    return nodes
+
+
+async def _judging(member: Membership, seconds: float) -> None:
+    task = asyncio.create_task(member._heartbeat_loop())
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def _silence(node: Node) -> None:
+    assert node.responder is not None
+    node.responder.close()
+    node.responder = None
+
+
+async def test_a_silent_node_loses_its_lease_and_one_that_answers_keeps_it(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    quiet, talking = await _nodes(leader, etcd, ["n1", "n2"])
+    try:
+        await _judging(leader, 0.5)  # both answer: armed
+        assert leader._hearing.pinger is not None
+        assert set(leader._hearing.pinger.heard().answered) == {"n1", "n2"}
+        _silence(quiet)
+        silenced = time.monotonic()
+        task = asyncio.create_task(_judging(leader, 3.0))
+        while await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None:
+            assert time.monotonic() - silenced < 3.0, "n1's entry outlived its silence"
+            await asyncio.sleep(0.05)
+        gone_s = time.monotonic() - silenced
+        await task
+        # not before the timeout (its last answer came up to one ping before the silence)
+        assert TIMEOUT_S - heartbeat.PING_S - 0.05 <= gone_s < LEASE_S / 2, gone_s
+        assert (await etcd.lease_time_to_live(quiet.lease)) is None, "its lease was revoked"
+        assert "heartbeat" in leader._hearing.why_lost["n1"], leader._hearing.why_lost
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n2")) is not None
+        assert "n1" in leader._hearing.silenced  # not judged again before it answers again
+    finally:
+        for node in (quiet, talking):
+            if node.responder is not None:
+                node.responder.close()
+
+
+async def test_most_of_the_cluster_silent_at_once_keeps_its_leases(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    nodes = await _nodes(leader, etcd, ["n1", "n2", "n3"])
+    try:
+        await _judging(leader, 0.5)
+        for node in nodes[:2]:  # two of three, at once: more likely the leader's own link
+            assert node.responder is not None
+            node.responder._stop.set()  # no answer from either after this
+        _silence(nodes[0])
+        _silence(nodes[1])
+        await _judging(leader, 1.5)
+        for node in nodes:
+            key = registry.node_key(leader.stack, node.name)
+            assert await etcd.get_kv(key) is not None, node.name
+        assert not leader._hearing.why_lost
+    finally:
+        for node in nodes:
+            if node.responder is not None:
+                node.responder.close()
+
+
+async def test_a_node_without_a_heartbeat_port_is_left_to_its_lease(
+    leader: Membership, etcd: EtcdClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(membership, "HEARTBEAT_LOOK_S", 0.05)
+    (node,) = await _nodes(leader, etcd, ["n1"])
+    leader.entries["n1"] = _entry("n1", None)  # an older daemon, or one that could not bind
+    try:
+        await _judging(leader, 1.5)
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None
+        assert leader._hearing.pinger is not None and leader._hearing.pinger.heard().answered == {}
+    finally:
+        if node.responder is not None:
+            node.responder.close()
+
+
+def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
+    from dynamod.core.placement import MIN_HEARTBEAT_TIMEOUT
+
+    assert round(MIN_HEARTBEAT_TIMEOUT / heartbeat.PING_S, 6) >= 3
