@@ -1,6 +1,6 @@
 """Benchmark - cluster: node loss and return on a simulated 3-node cluster.
 
-    python -m bench.cluster [--quick] [--json] [--leases 2,1]
+    python -m bench.cluster [--quick] [--json] [--leases 2] [--heartbeat-timeouts 1.2,0]
 
 Three network namespaces as nodes (root needed), one dynamod each, one CPU shard per node,
 etcd, NATS and the frontend on the head (units/stacks/cluster.toml). Each
@@ -10,8 +10,10 @@ until the head's router lists none of its shards; push a new version during the 
 time until its shard is admitted at that version (ready, acked, routed again). Rounds
 alternate between n1 and n2 (quick: one round). Failed requests are counted before the
 router dropped the node and after (the target: 0 after re-routing among requests that
-require the current version). The full run does it on the stack's registry lease and then,
-side by side, on a 1 s lease (`--leases 2,1`; etcd's election timeout shortened to allow it).
+require the current version). The full run does it on the stack's settings (a 2 s registry
+lease, the leader's heartbeats at 1.2 s) and then, side by side, with the heartbeats off
+(`--heartbeat-timeouts 1.2,0`: the lease alone decides, as before them); `--leases 2,1`
+adds a 1 s lease (etcd's election timeout shortened to allow it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from bench.fleet_stack import ELECTION_TIMEOUT_MS, with_lease
+from bench.fleet_stack import ELECTION_TIMEOUT_MS, with_heartbeat, with_lease
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import ClusterRig
 from dynamod.chaos.model import Load
@@ -40,13 +42,16 @@ STACK = paths.units_dir() / "stacks" / "cluster.toml"
 
 
 def run_rounds(
-    lease_ttl: int, rounds: int, load: Load
+    lease_ttl: int, heartbeat_timeout: float, rounds: int, load: Load
 ) -> tuple[list[NodeLossRound], dict[str, Any]]:
-    """One cluster on a registry lease of `lease_ttl` s: its rounds, and its start/stop."""
-    print(f"# cluster: registry lease {lease_ttl} s", file=sys.stderr, flush=True)
+    """One cluster on a registry lease of `lease_ttl` s and the leader's heartbeats at
+    `heartbeat_timeout` s (0: off): its rounds, and its start/stop."""
+    print(f"# cluster: registry lease {lease_ttl} s, heartbeat timeout {heartbeat_timeout:g} s",
+          file=sys.stderr, flush=True)  # fmt: skip
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
     stack = work_dir / "lease-stack.toml"
-    stack.write_text(with_lease(STACK.read_text(), lease_ttl, paths.units_dir()))
+    text = with_lease(STACK.read_text(), lease_ttl, paths.units_dir())
+    stack.write_text(with_heartbeat(text, heartbeat_timeout))
     results: list[NodeLossRound] = []
     rig = ClusterRig(
         3, stack=stack, variables={"workers": "1", "trainer_steps": "0"}, work_dir=work_dir
@@ -67,7 +72,8 @@ def run_rounds(
         problems = rig.close()
     if not problems:  # a clean run leaves nothing in /tmp; a failed one keeps the logs
         shutil.rmtree(rig.work_dir, ignore_errors=True)
-    return results, {"lease_ttl": lease_ttl, "up_s": up_s, "down_cluster_s": down_s,
+    return results, {"lease_ttl": lease_ttl, "heartbeat_timeout": heartbeat_timeout,
+                     "up_s": up_s, "down_cluster_s": down_s,
                      "down_cluster_rc": down.returncode, "close_problems": problems}  # fmt: skip
 
 
@@ -77,21 +83,34 @@ def main() -> None:
     parser.add_argument(
         "--leases",
         default=None,
-        help="registry leases to run side by side, s (default: the stack's, then 1; quick: "
-        "the stack's alone)",
+        help="registry leases to run side by side, s (default: the stack's)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeouts",
+        default=None,
+        help="the leader's heartbeat timeouts to run side by side on each lease, s, 0: off "
+        "(default: the stack's, then 0; quick: the stack's alone)",
     )
     args = parser.parse_args()
     stack = tomllib.loads(STACK.read_text())
     stock_ttl = int(stack["cluster"]["lease_ttl"])
     # what the router would take without dynamod: Dynamo's own lease (its default 30 s)
     dynamo_lease_s = float(stack["vars"].get("dynamo_lease_ttl", 30))
-    default = str(stock_ttl) if args.quick else f"{stock_ttl},1"
+    stock_beat = float(stack["cluster"].get("heartbeat_timeout", 0))
     try:
-        leases = [int(x) for x in (args.leases or default).split(",")]
+        leases = [int(x) for x in (args.leases or str(stock_ttl)).split(",")]
         if any(x < 1 for x in leases):
             raise ValueError
     except ValueError:
         parser.error(f"--leases: whole seconds of at least 1, e.g. 2,1; got {args.leases!r}")
+    default = f"{stock_beat:g}" if args.quick else f"{stock_beat:g},0"
+    try:
+        beats = [float(x) for x in (args.heartbeat_timeouts or default).split(",")]
+        if any(not (x == 0 or 0.6 <= x <= 60) for x in beats):
+            raise ValueError
+    except ValueError:
+        parser.error("--heartbeat-timeouts: 0 (off) or seconds from 0.6 to 60, e.g. 1.2,0; "
+                     f"got {args.heartbeat_timeouts!r}")  # fmt: skip
     # the harness logs (sandbox up, cut, heal) go to stderr: stdout is the report
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("cluster", "Node loss and return on a 3-node cluster", args.quick)
@@ -103,15 +122,17 @@ def main() -> None:
     rounds = 1 if args.quick else 3
     load_at_start = os.getloadavg()
     load = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
-    runs = [run_rounds(ttl, rounds, load) for ttl in leases]
+    runs = [run_rounds(ttl, beat, rounds, load) for ttl in leases for beat in beats]
     load_at_end = os.getloadavg()
     table = Table(
         "Per round: a worker node's link cut under load, a push during the cut, the link back",
         [
             "registry lease s",
+            "heartbeat timeout s",
             "round",
             "node",
             "lost after s",
+            "lost by",
             "router dropped it after s",
             "push s",
             "admitted at new version after heal s",
@@ -128,9 +149,11 @@ def main() -> None:
             table.rows.append(
                 [
                     info["lease_ttl"],
+                    info["heartbeat_timeout"] or "off",
                     k,
                     r.node,
                     r.lost_s,
+                    "heartbeat" if "heartbeat" in r.lost_why else "lease",
                     r.rerouted_s,
                     r.push_s,
                     r.admitted_s,
@@ -146,6 +169,7 @@ def main() -> None:
         "Side by side",
         [
             "registry lease s",
+            "heartbeat timeout s",
             "router dropped the node, worst round s",
             "/ registry lease",
             f"/ Dynamo's own lease ({dynamo_lease_s:.0f} s)",
@@ -154,19 +178,23 @@ def main() -> None:
     )
     for results, info in runs:
         worst = max(r.rerouted_s for r in results if r.rerouted_s is not None)
-        ttl = info["lease_ttl"]
-        side.rows.append([ttl, worst, worst / ttl, worst / dynamo_lease_s])
-        what = "" if ttl == stock_ttl else f", with a {ttl} s registry lease"
-        report.target(
+        ttl, beat = info["lease_ttl"], info["heartbeat_timeout"]
+        side.rows.append([ttl, beat or "off", worst, worst / ttl, worst / dynamo_lease_s])
+        what = ", ".join(
+            ([] if ttl == stock_ttl else [f"a {ttl} s registry lease"])
+            + ([] if beat == stock_beat else [f"heartbeats {f'at {beat:g} s' if beat else 'off'}"])
+        )
+        what = f", {what}" if what else ""
+        report.target(  # issue 26's (issue 14's were 3 s and 10 s)
             f"cut -> router stops using the node's shards (worst round{what})",
             worst,
-            3.0 if ttl == stock_ttl else 2.0,
+            2.0,
             "s",
         )
         report.target(
             f"link back -> shards admitted at the current version (worst round{what})",
             max(r.admitted_s for r in results if r.admitted_s is not None),
-            10.0 if ttl == stock_ttl else 5.0,
+            5.0,
             "s",
         )
         report.target(
@@ -190,6 +218,7 @@ def main() -> None:
                     {
                         "node": r.node,
                         "lost_s": r.lost_s,
+                        "lost_why": r.lost_why,
                         "rerouted_s": r.rerouted_s,
                         "push_s": r.push_s,
                         "admitted_s": r.admitted_s,
@@ -222,19 +251,22 @@ def main() -> None:
     )
     for _, info in runs:
         report.notes.append(
-            f"lease {info['lease_ttl']} s: cluster up in {info['up_s']:.1f}s; down --cluster "
-            f"in {info['down_cluster_s']:.1f}s (exit {info['down_cluster_rc']}); leftovers: "
-            f"{info['close_problems'] or 'none'}"
+            f"lease {info['lease_ttl']} s, heartbeat timeout "
+            f"{info['heartbeat_timeout'] or 'off'}: cluster up in {info['up_s']:.1f}s; "
+            f"down --cluster in {info['down_cluster_s']:.1f}s (exit "
+            f"{info['down_cluster_rc']}); leftovers: {info['close_problems'] or 'none'}"
         )
     report.notes.append(
-        "Detection is bounded below by the registry lease: a cut node's entry expires "
-        "between 2/3 and 1 lease_ttl after the cut (kept alive every ttl/3), plus up to 0.5 s "
-        "until etcd's lessor revokes it; the leader's registry watch sees the delete at "
+        "Without heartbeats detection is bounded below by the registry lease: a cut node's "
+        "entry expires between 2/3 and 1 lease_ttl after the cut (kept alive every ttl/3), "
+        "plus up to 0.5 s until etcd's lessor revokes it. With them the leader revokes that "
+        "lease once the node has not answered for heartbeat_timeout (pinged every 0.2 s; "
+        "cluster/heartbeat.py). Either way the leader's registry watch sees the delete at "
         "once, withdraws the node's Dynamo instance keys and the router drops them within "
         "milliseconds. Back, the node puts the keys back (its shards paused) and replays. "
-        f"The {stock_ttl} s lease is the stack's; a 1 s lease needs etcd's election timeout "
-        f"at {ELECTION_TIMEOUT_MS[1]} ms (set here), and a daemon that cannot keep its lease "
-        "alive for ~0.7 s is marked lost."
+        f"The {stock_ttl} s lease and {stock_beat:g} s heartbeat timeout are the stack's; a 1 "
+        f"s lease needs etcd's election timeout at {ELECTION_TIMEOUT_MS[1]} ms (set here), "
+        "and a daemon that cannot keep its lease alive for ~0.7 s is marked lost."
     )
     emit(report, args.json)
 

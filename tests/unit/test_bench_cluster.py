@@ -1,6 +1,7 @@
 """bench.cluster's lease variants and bench.fleet's shard settings (bench/fleet_stack.py
-`with_lease`, `with_shard_limits`, `with_shard_live_timeout`): the stock cluster stack
-rewritten for a registry lease, with the etcd election timeout a 1 s lease needs, with
+`with_lease`, `with_heartbeat`, `with_shard_limits`, `with_shard_live_timeout`): the stock
+cluster stack rewritten for a registry lease, with the etcd election timeout a 1 s lease
+needs, for the leader's heartbeat timeout (or none), with
 limits (a CPU weight, a nice) on its shards or a longer liveness timeout; or refused when a
 line it rewrites is not there."""
 
@@ -15,6 +16,7 @@ from bench.cluster import STACK
 from bench.fleet_stack import (
     ELECTION_TIMEOUT_MS,
     StackShapeError,
+    with_heartbeat,
     with_lease,
     with_shard_limits,
     with_shard_live_timeout,
@@ -27,6 +29,17 @@ def test_the_stack_s_own_lease_changes_only_the_includes() -> None:
     text = with_lease(STACK.read_text(), 2, UNITS)
     assert text == STACK.read_text().replace('"../', '"/units/')
     assert tomllib.loads(text)["stack"]["include"] == ["/units/trainer.toml"]
+
+
+def test_the_heartbeat_timeout_is_set_or_turned_off_and_refused_without_its_line() -> None:
+    assert tomllib.loads(STACK.read_text())["cluster"]["heartbeat_timeout"] == 1.2
+    for timeout in (0, 0.8, 2):
+        cluster = tomllib.loads(with_heartbeat(STACK.read_text(), timeout))["cluster"]
+        assert cluster["heartbeat_timeout"] == timeout and cluster["lease_ttl"] == 2
+    assert with_heartbeat(STACK.read_text(), None) == STACK.read_text()
+    without = STACK.read_text().replace("heartbeat_timeout", "# heartbeat")
+    with pytest.raises(StackShapeError, match=r"cluster\.heartbeat_timeout"):
+        with_heartbeat(without, 0)
 
 
 def test_a_1_s_lease_sets_the_lease_and_etcd_s_election_timeout() -> None:
