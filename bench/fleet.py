@@ -463,9 +463,11 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
     event loops' stalls (daemon.loop_stalled, docs/operations.md "Logs"), per phase (`begun`:
     phase -> wall clock at its start), with the daemon's own CPU share of each (near 1: its
     own work; near 0: the machine's CPU withheld); the nodes marked lost (the cut's one is
-    expected), entries the leader waited on (cluster.node_loss_deferred), and the shards'
-    restarts (the kill's are expected)."""
-    logged = rig.logged("daemon.loop_stalled", "cluster.node_lost", "cluster.node_loss_deferred")
+    expected), entries the leader waited on (cluster.node_loss_deferred), the nodes its
+    heartbeats judged silent and the silences they left to the lease, the daemons that
+    became the leader, and the shards' restarts (the kill's are expected)."""
+    logged = rig.logged("daemon.loop_stalled", "cluster.node_lost", "cluster.node_loss_deferred",
+                        "cluster.node_silent", "cluster.heartbeat_withheld", "cluster.leader")
     events = [e for e in logged if e["event"] == "daemon.loop_stalled"]
     stalls = [float(e.get("seconds", 0.0)) for e in events]
     order = sorted(begun.items(), key=lambda item: item[1])
@@ -488,6 +490,15 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
         "loop_stalls_by_phase": per_phase,
         "marked_lost": [str(e.get("node")) for e in logged if e["event"] == "cluster.node_lost"],
         "loss_deferred": sum(e["event"] == "cluster.node_loss_deferred" for e in logged),
+        # the leader's heartbeats: nodes it judged silent, and silences it left to the
+        # lease with why (cluster/heartbeat.py); and each node that became the leader
+        "silent": [str(e.get("node")) for e in logged if e["event"] == "cluster.node_silent"],
+        "heartbeat_withheld": [
+            {"node": e.get("node"), "silent_s": e.get("silent_s"), "why": e.get("why")}
+            for e in logged
+            if e["event"] == "cluster.heartbeat_withheld"
+        ],
+        "leaders": [str(e.get("node")) for e in logged if e["event"] == "cluster.leader"],
         "shard_restarts": restarts,
     }
 

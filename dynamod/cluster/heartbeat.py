@@ -40,10 +40,6 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
-log = structlog.get_logger("dynamod.cluster.heartbeat")
-
 MAGIC = b"dynamod-heartbeat-1"
 PING_S = 0.2  # the leader pings every node this often
 MAX_DATAGRAM = 512
@@ -227,31 +223,50 @@ class Pinger:
             sock.close()
 
 
-def pinged_throughout(rounds: tuple[float, ...], now: float, window: float) -> bool:
-    """Whether the pinger's rounds covered the last `window` s with no gap over
-    STARVED_GAP_S (a starved pinger: its silence says nothing of the nodes)."""
-    gap = STARVED_GAP_S
+def largest_gap(rounds: tuple[float, ...], now: float, window: float) -> float:
+    """The longest time the pinger's rounds left uncovered in the last `window` s (its
+    start counts as a gap where the rounds began inside the window)."""
     start = now - window
-    times = [t for t in rounds if t >= start - gap] + [now]
-    if len(times) < 2 or times[0] > start + gap:
-        return False
-    return all(b - a <= gap for a, b in itertools.pairwise(times))
+    times = [t for t in rounds if t >= start - STARVED_GAP_S] + [now]
+    if times[0] > start:  # none before the window: its start is where the gap begins
+        times.insert(0, start)
+    return max(b - a for a, b in itertools.pairwise(times))
 
 
-def silent(heard: Heard, armed: AbstractSet[str], timeout: float) -> list[str]:
+@dataclass(frozen=True)
+class Judgment:
+    """The nodes to mark lost, and the armed nodes silent for the timeout that are not
+    (`overdue`), with why (`withheld`)."""
+
+    lost: list[str]
+    overdue: list[str]
+    withheld: str = ""
+
+
+def judge(heard: Heard, armed: AbstractSet[str], timeout: float) -> Judgment:
     """The nodes of `armed` to mark lost: each answered once and not for `timeout` s.
-    None while the pinger did not run throughout, or when more than half of three or more
-    armed nodes are silent at once (the leader's own link is the likelier fault)."""
-    if not armed or not pinged_throughout(heard.rounds, heard.now, timeout):
-        return []
-    quiet = sorted(
+    None while the pinger did not run throughout (a gap over STARVED_GAP_S), or when more
+    than half of three or more armed nodes are silent at once (the leader's own link is
+    the likelier fault)."""
+    overdue = sorted(
         name
         for name in armed
         if name in heard.answered and heard.now - heard.answered[name] >= timeout
     )
-    if len(armed) >= 3 and 2 * len(quiet) > len(armed):
-        return []
-    return quiet
+    if not overdue:
+        return Judgment([], [])
+    gap = largest_gap(heard.rounds, heard.now, timeout)
+    if gap > STARVED_GAP_S:
+        return Judgment([], overdue, f"this leader's pings stopped for {gap:.2f}s meanwhile")
+    if len(armed) >= 3 and 2 * len(overdue) > len(armed):
+        at_once = f"{len(overdue)} of {len(armed)} nodes silent at once"
+        return Judgment([], overdue, f"{at_once}: this leader's own link is the likelier fault")
+    return Judgment(overdue, [])
+
+
+def silent(heard: Heard, armed: AbstractSet[str], timeout: float) -> list[str]:
+    """The nodes to mark lost (`judge(...).lost`)."""
+    return judge(heard, armed, timeout).lost
 
 
 @dataclass
@@ -264,6 +279,7 @@ class Hearing:
     pinger: Pinger | None = None
     silenced: dict[str, float] = field(default_factory=dict)
     why_lost: dict[str, str] = field(default_factory=dict)
+    withheld: set[str] = field(default_factory=set)  # silent, not judged: logged once
 
     def stop_pinging(self) -> None:
         if self.pinger is not None:

@@ -3,7 +3,8 @@ the registry on a lease of its own (kept alive three times per `lease_ttl`; the 
 written when they change, or when a read finds one gone or not as written), reads everyone's
 entries for `status` from a copy of the stack's registry prefix kept by a watch (read whole
 again only when the watch breaks, after this daemon's own registry calls failed, and every
-RESYNC_S), and, while it holds the leader key, turns a node whose lease expired into a lost
+RESYNC_S), and, while it holds the leader key, turns a node whose lease expired (or whose
+heartbeats fell silent: cluster/heartbeat.py, the leader then revokes that lease) into a lost
 record the moment etcd deletes its entry and withdraws that node's Dynamo registrations
 (cluster/parking.py) so the router stops using its shards. Back
 in contact after its own lease expired, it puts its shards' registrations back (each paused,
@@ -618,7 +619,7 @@ class Membership(Extension):
         ):
             self.leader = self.cluster.node
             log.info("cluster.leader", node=self.cluster.node)
-        stopping = down is not None and str(down.get("id")) != self._stale_down_id
+        stopping = self._cluster_stopping()
         if self.leader != self.cluster.node or stopping:
             self._unmarked.clear()
             self._deferred.clear()
@@ -666,6 +667,12 @@ class Membership(Extension):
         if name in self._deferred:
             self._deferred.discard(name)
             log.info("cluster.node_back_before_judged", node=name)
+
+    def _cluster_stopping(self) -> bool:
+        """A `down --cluster` is under way (a request newer than this daemon): nodes going
+        away are not lost."""
+        down = self.down_request
+        return down is not None and str(down.get("id")) != self._stale_down_id
 
     def _running(self) -> bool:
         assert self.host is not None
@@ -760,6 +767,8 @@ class Membership(Extension):
             if self.leader != self.cluster.node or not self._running():
                 hearing.stop_pinging()
                 continue
+            if self._cluster_stopping():  # nodes fall silent as they stop: not lost
+                continue
             if hearing.pinger is None:
                 hearing.pinger = heartbeat.Pinger(self.stack)
             hearing.pinger.aim({
@@ -772,13 +781,33 @@ class Membership(Extension):
                 if heard.answered.get(name, -1.0) > when:
                     del hearing.silenced[name]
             armed = {n for n in heard.answered if n not in hearing.silenced}
-            if not registry.may_judge(self.trouble_at, time.monotonic(), self.cluster.lease_ttl):
-                continue
-            for name in heartbeat.silent(heard, armed, timeout):
+            judgment = heartbeat.judge(heard, armed, timeout)
+            lost, overdue, withheld = judgment.lost, judgment.overdue, judgment.withheld
+            if lost and not registry.may_judge(
+                self.trouble_at, time.monotonic(), self.cluster.lease_ttl
+            ):
+                assert self.trouble_at is not None
+                trouble_s = time.monotonic() - self.trouble_at
+                lost, overdue = [], lost
+                withheld = f"this leader's own registry calls failed {trouble_s:.1f}s ago"
+            self._say_withheld(heard, overdue, withheld)
+            for name in lost:
                 # judged once: a failed revocation leaves it to its lease
                 hearing.silenced[name] = heard.now
                 with contextlib.suppress(*_FAILURES):
                     await self._revoke_silent(name, heard.now - heard.answered[name])
+
+    def _say_withheld(self, heard: heartbeat.Heard, overdue: list[str], why: str) -> None:
+        """Log once per silence each node that the heartbeats found silent and did not
+        judge, with why (its lease decides)."""
+        said = self._hearing.withheld
+        said &= set(overdue)  # a node that answered again may be said again later
+        for name in overdue:
+            if name not in said:
+                said.add(name)
+                log.warning("cluster.heartbeat_withheld", node=name,
+                            silent_s=round(heard.now - heard.answered[name], 2), why=why,
+                            action="left to its registry lease")  # fmt: skip
 
     async def _revoke_silent(self, name: str, silent_s: float) -> None:
         """Revoke the registry lease of `name`'s entry: etcd deletes the entry, and the

@@ -125,10 +125,27 @@ async def test_most_of_the_cluster_silent_at_once_keeps_its_leases(
             key = registry.node_key(leader.stack, node.name)
             assert await etcd.get_kv(key) is not None, node.name
         assert not leader._hearing.why_lost
+        assert leader._hearing.withheld == {"n1", "n2"}  # logged, with why, once each
     finally:
         for node in nodes:
             if node.responder is not None:
                 node.responder.close()
+
+
+async def test_nodes_falling_silent_in_a_cluster_down_are_not_lost(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    (node,) = await _nodes(leader, etcd, ["n1"])
+    try:
+        await _judging(leader, 0.5)
+        leader.down_request = {"id": "down-1", "step": "0", "nodes": ["n1"]}  # newer than it
+        _silence(node)  # n1 stopping in its tier
+        await _judging(leader, 1.5)
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None
+        assert not leader._hearing.why_lost
+    finally:
+        if node.responder is not None:
+            node.responder.close()
 
 
 async def test_a_node_without_a_heartbeat_port_is_left_to_its_lease(

@@ -49,6 +49,20 @@ def test_a_starved_pinger_judges_no_one() -> None:
     assert silent(Heard(now, {"n1": now - 1.5}, missed), {"n1"}, 1.2) == ["n1"]
 
 
+def test_a_silence_left_to_the_lease_says_why() -> None:
+    now = 100.0
+    steady = rounds(now - 1.0, span=4.0)
+    starved = heartbeat.judge(Heard(now, {"n1": now - 1.5}, steady), {"n1"}, 1.2)
+    assert starved.lost == [] and starved.overdue == ["n1"]
+    assert "pings stopped for 1.00s" in starved.withheld
+    old = now - 2.0
+    crowd = heartbeat.judge(Heard(now, {"a": old, "b": old, "c": now}, rounds(now)),
+                            {"a", "b", "c"}, 1.2)  # fmt: skip
+    assert crowd.overdue == ["a", "b"] and "2 of 3 nodes silent at once" in crowd.withheld
+    clear = heartbeat.judge(Heard(now, {"a": now - 0.3}, ()), {"a"}, 1.2)
+    assert clear == heartbeat.Judgment([], [])  # none overdue: nothing to say
+
+
 def test_most_of_the_cluster_silent_at_once_is_left_to_the_leases() -> None:
     now = 100.0
     old = now - 2.0
