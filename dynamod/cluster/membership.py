@@ -756,26 +756,41 @@ class Membership(Extension):
                         action="its loss is judged by its registry lease alone")  # fmt: skip
             return None
 
+    def _heard_by_me(self) -> dict[str, tuple[str, int]]:
+        """The nodes this daemon pings, at (address, heartbeat port): as the leader, every
+        other node; as the deputy (the first of the other nodes by name), the leader
+        alone, whom no one else hears; none otherwise."""
+        me, leader = self.cluster.node, self.leader
+        others = {
+            name: (e.address, e.heartbeat_port)
+            for name, e in self.entries.items()
+            if name != me and e.heartbeat_port
+        }
+        if leader == me:
+            return others
+        deputy = min((name for name in self.entries if name != leader), default=None)
+        if leader is not None and deputy == me and leader in others:
+            return {leader: others[leader]}
+        return {}
+
     async def _heartbeat_loop(self) -> None:
-        """As the leader: ping every other node that gives a heartbeat port in its entry,
-        and revoke the registry lease of one that answered before and has been silent for
-        `heartbeat_timeout` (heartbeat.silent), once this daemon may judge (its own
+        """Ping the nodes this daemon hears (`_heard_by_me`: the leader every other node,
+        the deputy the leader) that give a heartbeat port in their entry, and revoke the
+        registry lease of one that answered before and has been silent for
+        `heartbeat_timeout` (heartbeat.judge), once this daemon may judge (its own
         registry calls went through for a whole lease, as for an expiry)."""
         timeout, hearing = self.cluster.heartbeat_timeout, self._hearing
         while not self._stopping:
             await asyncio.sleep(HEARTBEAT_LOOK_S)
-            if self.leader != self.cluster.node or not self._running():
+            targets = self._heard_by_me() if self._running() else {}
+            if not targets:
                 hearing.stop_pinging()
                 continue
             if self._cluster_stopping():  # nodes fall silent as they stop: not lost
                 continue
             if hearing.pinger is None:
                 hearing.pinger = heartbeat.Pinger(self.stack)
-            hearing.pinger.aim({
-                name: (entry.address, entry.heartbeat_port)
-                for name, entry in self.entries.items()
-                if name != self.cluster.node and entry.heartbeat_port
-            })  # fmt: skip
+            hearing.pinger.aim(targets)
             heard = hearing.pinger.heard()
             for name, when in list(hearing.silenced.items()):  # it answered again: armed
                 if heard.answered.get(name, -1.0) > when:

@@ -39,19 +39,25 @@ def _entry(name: str, port: int | None) -> NodeEntry:
                      head=False, units=[], heartbeat_port=port)  # fmt: skip
 
 
-@pytest.fixture
-async def leader(etcd: EtcdClient, request: pytest.FixtureRequest) -> AsyncIterator[Membership]:
-    """The leader's membership (no loops but the heartbeat's), its etcd the real one."""
-    stack = f"hb{abs(hash(request.node.name)) % 10**8}"
-    spec = ClusterSpec(nodes={"head": "127.0.0.1"}, head="head", node="head",
-                       registry=["http://127.0.0.1:1"], heartbeat_timeout=TIMEOUT_S)  # fmt: skip
+def _member(etcd: EtcdClient, stack: str, node: str, leader: str) -> Membership:
+    """`node`'s membership (no loops but the heartbeat's) with `leader` the leader, its
+    etcd the real one."""
+    nodes = {"head": "127.0.0.1", "n1": "127.0.0.1", "n2": "127.0.0.1", "n3": "127.0.0.1"}
+    spec = ClusterSpec(nodes=nodes, head="head", node=node, registry=["http://127.0.0.1:1"],
+                       heartbeat_timeout=TIMEOUT_S)  # fmt: skip
     member = Membership(spec, registrations=Any, policy=None)  # type: ignore[arg-type]
     member.host = SimpleNamespace(phase=Phase.UP, stack=SimpleNamespace(name=stack))  # type: ignore[assignment]
-    member.etcd, member.leader = etcd, "head"
+    member.etcd, member.leader = etcd, leader
+    return member
+
+
+@pytest.fixture
+async def leader(etcd: EtcdClient, request: pytest.FixtureRequest) -> AsyncIterator[Membership]:
+    """The leader's membership."""
+    member = _member(etcd, f"hb{abs(hash(request.node.name)) % 10**8}", "head", "head")
     yield member
     member._stopping = True
-    if member._hearing.pinger is not None:
-        member._hearing.pinger.close()
+    member._hearing.close()
 
 
 async def _nodes(member: Membership, etcd: EtcdClient, names: list[str]) -> list[Node]:
@@ -157,10 +163,41 @@ async def test_a_node_without_a_heartbeat_port_is_left_to_its_lease(
     try:
         await _judging(leader, 1.5)
         assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None
-        assert leader._hearing.pinger is not None and leader._hearing.pinger.heard().answered == {}
+        assert leader._hearing.pinger is None  # no one to ping
     finally:
         if node.responder is not None:
             node.responder.close()
+
+
+async def test_the_deputy_hears_the_leader_and_revokes_its_lease_when_it_falls_silent(
+    etcd: EtcdClient,
+) -> None:
+    """No one else pings the leader: the first other node by name (the deputy) does, and a
+    silent leader loses its lease (its entry, and the leader key on the same lease) as a
+    node does to the leader. The other nodes ping no one."""
+    stack = f"hbdeputy{time.monotonic_ns() % 10**6}"
+    deputy, bystander = _member(etcd, stack, "n1", "head"), _member(etcd, stack, "n2", "head")
+    echo = Responder("127.0.0.1")
+    lease = await etcd.lease_grant(LEASE_S)
+    await etcd.put(registry.node_key(stack, "head"), "{}", lease)
+    await etcd.put(registry.leader_key(stack), "head", lease)
+    for member in (deputy, bystander):
+        member.entries = {"head": _entry("head", echo.port), "n1": _entry("n1", 1),
+                          "n2": _entry("n2", 2)}  # fmt: skip
+    try:
+        assert deputy._heard_by_me() == {"head": ("127.0.0.1", echo.port)}
+        assert bystander._heard_by_me() == {}
+        await asyncio.gather(_judging(deputy, 0.5), _judging(bystander, 0.5))
+        assert deputy._hearing.pinger is not None and bystander._hearing.pinger is None
+        echo.close()
+        await _judging(deputy, 1.5)
+        assert await etcd.get_kv(registry.node_key(stack, "head")) is None
+        assert await etcd.get_kv(registry.leader_key(stack)) is None
+        assert "heartbeat" in deputy._hearing.why_lost["head"]
+    finally:
+        echo.close()
+        for member in (deputy, bystander):
+            member._hearing.close()
 
 
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
