@@ -9,17 +9,19 @@ every PING_S, which that node's daemon echoes from a thread of its own (`Respond
 event loop busy for a second does not silence it). A node that answered before and has
 not answered for `heartbeat_timeout` has its registry lease revoked by the leader
 (cluster/membership.py), which is then the same loss as an expiry: its entry deleted, its
-shards' registrations parked, put back when it is in contact again.
+shards' registrations parked, put back when it is in contact again. The leader itself is
+pinged by the deputy, the first of the other nodes by name, which revokes a silent
+leader's lease the same way (cluster/membership.py `_heard_by_me`).
 
 It can only make a loss earlier: a node whose answers come but whose lease expires is lost
-as before. Where its own evidence is weak, it stays out and the lease decides (`silent`):
+as before. Where its own evidence is weak, it stays out and the lease decides (`judge`):
 - a node is judged only once it has answered (a port a firewall blocks: lease only);
 - a node judged silent is not judged again until it answers again (a node the leader
   cannot hear but etcd can is parked once, not again at each return);
-- the leader's own pinger must have run throughout the window (a starved leader hears
-  nobody);
+- the pinging daemon's own pinger must have run throughout the window (a starved daemon
+  hears nobody);
 - when more than half of three or more nodes are silent at once, none is judged: it is
-  more likely the leader that is cut off.
+  more likely the pinging daemon that is cut off.
 
 A datagram is MAGIC, the stack's name, the node's name and a sequence number, echoed as
 it came (the same size back: nothing to amplify); an answer counts only for the node it
@@ -122,8 +124,9 @@ class Heard:
 
 
 class Pinger:
-    """The leader's side: pings each node it is aimed at every `interval` s and records
-    when each last answered, from a thread of its own."""
+    """The pinging side (the leader; the deputy, for the leader): pings each node it is
+    aimed at every `interval` s and records when each last answered, from a thread of its
+    own."""
 
     def __init__(self, stack: str, interval: float = PING_S) -> None:
         self.stack, self.interval = stack, interval
@@ -186,9 +189,7 @@ class Pinger:
         while True:
             try:
                 data, _ = sock.recvfrom(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # an ICMP error for an earlier datagram, or closed
+            except OSError:  # none left (BlockingIOError), an ICMP error, or closed
                 return
             got = parse(data)
             if got is None:
@@ -246,8 +247,8 @@ class Judgment:
 def judge(heard: Heard, armed: AbstractSet[str], timeout: float) -> Judgment:
     """The nodes of `armed` to mark lost: each answered once and not for `timeout` s.
     None while the pinger did not run throughout (a gap over STARVED_GAP_S), or when more
-    than half of three or more armed nodes are silent at once (the leader's own link is
-    the likelier fault)."""
+    than half of three or more armed nodes are silent at once (the pinging daemon's own
+    link is the likelier fault)."""
     overdue = sorted(
         name
         for name in armed
@@ -257,10 +258,10 @@ def judge(heard: Heard, armed: AbstractSet[str], timeout: float) -> Judgment:
         return Judgment([], [])
     gap = largest_gap(heard.rounds, heard.now, timeout)
     if gap > STARVED_GAP_S:
-        return Judgment([], overdue, f"this leader's pings stopped for {gap:.2f}s meanwhile")
+        return Judgment([], overdue, f"this daemon's pings stopped for {gap:.2f}s meanwhile")
     if len(armed) >= 3 and 2 * len(overdue) > len(armed):
         at_once = f"{len(overdue)} of {len(armed)} nodes silent at once"
-        return Judgment([], overdue, f"{at_once}: this leader's own link is the likelier fault")
+        return Judgment([], overdue, f"{at_once}: this daemon's own link is the likelier fault")
     return Judgment(overdue, [])
 
 

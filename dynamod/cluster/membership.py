@@ -804,7 +804,7 @@ class Membership(Extension):
                 assert self.trouble_at is not None
                 trouble_s = time.monotonic() - self.trouble_at
                 lost, overdue = [], lost
-                withheld = f"this leader's own registry calls failed {trouble_s:.1f}s ago"
+                withheld = f"this daemon's own registry calls failed {trouble_s:.1f}s ago"
             self._say_withheld(heard, overdue, withheld)
             for name in lost:
                 # judged once: a failed revocation leaves it to its lease
