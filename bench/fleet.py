@@ -128,6 +128,12 @@ def main() -> None:
         "stack's, 1.2; 0 turns the heartbeats off, leaving a cut node to its lease)",
     )
     parser.add_argument(
+        "--cut-leader",
+        action="store_true",
+        help="cut the node that holds the cluster's leader key (heard by the deputy alone) "
+        "instead of the last node; the last all the same when the head leads",
+    )
+    parser.add_argument(
         "--shard-cpu-weight",
         type=int,
         default=None,
@@ -243,7 +249,7 @@ def main() -> None:
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                     max_starting=args.max_starting, max_updating=args.max_updating,
-                    idle_s=args.idle, heartbeat_timeout=beat,
+                    idle_s=args.idle, heartbeat_timeout=beat, cut_leader=args.cut_leader,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -368,6 +374,7 @@ def run_fleet(
     max_updating: int | None = None,
     idle_s: float = IDLE_S,
     heartbeat_timeout: float | None = None,
+    cut_leader: bool = False,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -422,7 +429,8 @@ def run_fleet(
             ("whole_early", lambda: whole_again(rig, shards)),
             ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
             ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
-            ("cut", lambda: cut_one(rig, rig.names[-1], 1.0 if quick else 2.0) if faults else None),
+            ("cut", lambda: cut_one(rig, cut_target(rig, cut_leader), 1.0 if quick else 2.0)
+             if faults else None),
         ]:
             began, begun[name] = time.monotonic(), time.time()
             value = measure()
@@ -737,11 +745,23 @@ def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
     }
 
 
+def cut_target(rig: ClusterRig, leader: bool) -> str:
+    """The node the cut phase cuts: the last; with `leader`, the node holding the leader
+    key (pinged by the deputy alone), unless that is the head, whose cut would take etcd's
+    first member, NATS, the frontend and the load with it."""
+    if leader:
+        held = rig.status(rig.names[0])["cluster"].get("leader")
+        if held in rig.names[1:]:
+            return str(held)
+    return rig.names[-1]
+
+
 def cut_one(rig: ClusterRig, node: str, phase_s: float) -> dict[str, Any]:
     """Under load from inside the head, cut the node's link: until the head's registry
     marks it lost and its router lists none of its shards; the requests that failed
     before and after that (bench.cluster's round without its push and rejoin)."""
     ids = rig.instance_ids(node)
+    was_leader = rig.status(rig.names[0])["cluster"].get("leader") == node
     r = NodeLossRound(node=node)
     gen = rig.load(LOAD, "tiny-cpu", lambda: EARLY_STEP)  # the version last pushed
     lost_before = len(rig.logged("cluster.node_lost"))
@@ -761,6 +781,7 @@ def cut_one(rig: ClusterRig, node: str, phase_s: float) -> dict[str, Any]:
     r.marked_lost = [str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]]
     return {
         "node": node,
+        "was_leader": was_leader,
         "shards": len(ids),
         "lost_s": r.lost_s,
         "rerouted_s": r.rerouted_s,
