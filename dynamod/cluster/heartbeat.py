@@ -11,7 +11,8 @@ not answered for `heartbeat_timeout` has its registry lease revoked by the leade
 (cluster/membership.py), which is then the same loss as an expiry: its entry deleted, its
 shards' registrations parked, put back when it is in contact again. The leader itself is
 pinged by the deputy, the first of the other nodes by name, which revokes a silent
-leader's lease the same way (cluster/membership.py `_heard_by_me`).
+leader's lease the same way and takes the leader key (cluster/membership.py
+`_heard_by_me`, `_revoke_silent`).
 
 It can only make a loss earlier: a node whose answers come but whose lease expires is lost
 as before. Where its own evidence is weak, it stays out and the lease decides (`judge`):

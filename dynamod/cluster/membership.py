@@ -826,7 +826,9 @@ class Membership(Extension):
 
     async def _revoke_silent(self, name: str, silent_s: float) -> None:
         """Revoke the registry lease of `name`'s entry: etcd deletes the entry, and the
-        leader marks the node lost at once, as at the lease's expiry."""
+        leader marks the node lost at once, as at the lease's expiry. The deputy that
+        revoked the leader's lease takes the leader key itself, first of all the nodes to
+        know it is free, so the record of the loss it judged says why."""
         assert self.etcd is not None
         record = await self.etcd.get_kv(registry.node_key(self.stack, name))
         if record is None or not record.lease:
@@ -841,6 +843,11 @@ class Membership(Extension):
         except BaseException:
             self._hearing.why_lost.pop(name, None)
             raise
+        if name == self.leader and self.lease is not None and await self.etcd.put_if(
+            registry.leader_key(self.stack), self.cluster.node, 0, self.lease
+        ):
+            self.leader = self.cluster.node
+            log.info("cluster.leader", node=self.cluster.node, after=name)
         self._urgent.set()
         self._changed.set()
 

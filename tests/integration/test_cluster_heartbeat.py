@@ -174,9 +174,11 @@ async def test_the_deputy_hears_the_leader_and_revokes_its_lease_when_it_falls_s
 ) -> None:
     """No one else pings the leader: the first other node by name (the deputy) does, and a
     silent leader loses its lease (its entry, and the leader key on the same lease) as a
-    node does to the leader. The other nodes ping no one."""
+    node does to the leader; the deputy takes the leader key. The other nodes ping no
+    one."""
     stack = f"hbdeputy{time.monotonic_ns() % 10**6}"
     deputy, bystander = _member(etcd, stack, "n1", "head"), _member(etcd, stack, "n2", "head")
+    deputy.lease = await etcd.lease_grant(LEASE_S)  # its own registry lease
     echo = Responder("127.0.0.1")
     lease = await etcd.lease_grant(LEASE_S)
     await etcd.put(registry.node_key(stack, "head"), "{}", lease)
@@ -192,7 +194,10 @@ async def test_the_deputy_hears_the_leader_and_revokes_its_lease_when_it_falls_s
         echo.close()
         await _judging(deputy, 1.5)
         assert await etcd.get_kv(registry.node_key(stack, "head")) is None
-        assert await etcd.get_kv(registry.leader_key(stack)) is None
+        # the deputy took the leader key, so its own read marks the old leader lost, with why
+        taken = await etcd.get_kv(registry.leader_key(stack))
+        assert taken is not None and taken.value == b"n1" and taken.lease == deputy.lease
+        assert deputy.leader == "n1"
         assert "heartbeat" in deputy._hearing.why_lost["head"]
     finally:
         echo.close()
