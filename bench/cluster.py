@@ -35,7 +35,7 @@ from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import ClusterRig
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
-from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
+from dynamod.chaos.node_loss import NodeLossRound, lost_by, make_checkpoint, run_round
 from dynamod.core import paths
 
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
@@ -153,7 +153,7 @@ def main() -> None:
                     k,
                     r.node,
                     r.lost_s,
-                    "heartbeat" if "heartbeat" in r.lost_why else "lease",
+                    lost_by(r.lost_why),
                     r.rerouted_s,
                     r.push_s,
                     r.admitted_s,

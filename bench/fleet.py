@@ -83,7 +83,7 @@ from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
-from dynamod.chaos.node_loss import NodeLossRound, lost_and_rerouted, make_checkpoint
+from dynamod.chaos.node_loss import NodeLossRound, lost_and_rerouted, lost_by, make_checkpoint
 from dynamod.client import Client
 from dynamod.core import paths
 from dynamod.core.errors import DynamodError
@@ -932,7 +932,8 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
     for f in fleets:
         c, k = "cut", "kill"
         table.rows.append(
-            [f["nodes"], f["shards"], pick(f, c, "lost_s"), lost_by(f),
+            [f["nodes"], f["shards"], pick(f, c, "lost_s"),
+             lost_by((f.get("cut") or {}).get("why") or ""),
              pick(f, c, "rerouted_s"),
              pick(f, c, "requests"), pick(f, c, "failed_before_reroute"),
              pick(f, c, "failed_after_reroute"), pick(f, c, "falsely_lost_n"),
@@ -940,14 +941,6 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
              pick(f, k, "failed")]
         )  # fmt: skip
     return table
-
-
-def lost_by(fleet: dict[str, Any]) -> str:
-    """What marked the cut node lost: the leader's heartbeats, or its lease's expiry."""
-    why = (fleet.get("cut") or {}).get("why")
-    if not why:
-        return "-"
-    return "heartbeat" if "heartbeat" in why else "lease"
 
 
 def shard_settings(fleet: dict[str, Any]) -> str:

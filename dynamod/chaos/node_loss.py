@@ -183,6 +183,14 @@ def lost_and_rerouted(
     return lost, rerouted, why
 
 
+def lost_by(why: str) -> str:
+    """What marked a node lost, from its lost record's why: "heartbeat" (the leader's or
+    the deputy's revocation, cluster/heartbeat.py), "lease" (its expiry), "-" (unknown)."""
+    if not why:
+        return "-"
+    return "heartbeat" if "heartbeat" in why else "lease"
+
+
 def _push(rig: ClusterRig, step: int, checkpoint: Path) -> dict[str, Any]:
     pushed = rig.run(
         rig.names[0], "policy", "push", "--step", str(step), "--path", str(checkpoint),

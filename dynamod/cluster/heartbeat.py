@@ -266,11 +266,6 @@ def judge(heard: Heard, armed: AbstractSet[str], timeout: float) -> Judgment:
     return Judgment(overdue, [])
 
 
-def silent(heard: Heard, armed: AbstractSet[str], timeout: float) -> list[str]:
-    """The nodes to mark lost (`judge(...).lost`)."""
-    return judge(heard, armed, timeout).lost
-
-
 @dataclass
 class Hearing:
     """A daemon's side of the heartbeats: its echo; as the leader, its pinger, the nodes it

@@ -84,3 +84,12 @@ def test_a_shard_live_timeout_changes_the_workers_liveness_timeout_alone() -> No
     assert with_shard_live_timeout(STACK.read_text(), None) == STACK.read_text()
     with pytest.raises(StackShapeError, match=r"no units\.worker live line"):
         with_shard_live_timeout('live = { kind = "http", url = "x", timeout = 2 }\n', 10)
+
+
+def test_what_marked_a_node_lost_is_read_from_its_record_s_why() -> None:
+    from dynamod.chaos.node_loss import lost_by
+    from dynamod.cluster.registry import LEASE_EXPIRED
+
+    assert lost_by("silent for 1.3s (heartbeat)") == "heartbeat"
+    assert lost_by(LEASE_EXPIRED) == "lease"
+    assert lost_by("") == "-"

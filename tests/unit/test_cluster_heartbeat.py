@@ -13,7 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dynamod.cluster import heartbeat
-from dynamod.cluster.heartbeat import Heard, Pinger, Responder, silent
+from dynamod.cluster.heartbeat import Heard, Pinger, Responder, judge
+
+
+def silent(heard: Heard, armed: set[str], timeout: float) -> list[str]:
+    """The nodes the judgment marks lost."""
+    return judge(heard, armed, timeout).lost
 
 
 def rounds(now: float, every: float = 0.2, span: float = 5.0) -> tuple[float, ...]:
