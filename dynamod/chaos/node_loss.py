@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,28 +160,45 @@ def lost_and_rerouted(
     rig: ClusterRig, node: str, ids: set[int], cut: float, timeout: float
 ) -> tuple[float, float, str]:
     """When the head's registry marked the cut node lost, and when its router stopped
-    listing the node's shards (monotonic times); and why it was lost (its lease's expiry,
-    or the leader's heartbeats: cluster/heartbeat.py)."""
+    listing the node's shards (monotonic times, each when the answer that showed it came);
+    and why it was lost (its lease's expiry, or the leader's heartbeats:
+    cluster/heartbeat.py). The two are asked from two threads: the frontend's answer can
+    take seconds when its etcd connection went to a member on the cut node, and the
+    registry's view must not wait on it. The router's view counts only when it lists some
+    shard: Dynamo's frontend answers an empty list when its own etcd read failed
+    (health.rs), which is no sign that it stopped routing to the node (the other nodes'
+    shards are routed)."""
     deadline = cut + timeout
-    lost = rerouted = None
+    rerouted: list[float] = []
+
+    def watch_router() -> None:
+        while not rerouted and time.monotonic() < deadline:
+            with contextlib.suppress(ClusterError):
+                view = rig.routed()
+                if view and not view & ids:
+                    rerouted.append(time.monotonic())
+                    return
+            time.sleep(0.05)
+
+    router = threading.Thread(target=watch_router, name="rerouted", daemon=True)
+    router.start()
+    lost = None
     why = ""
     # a node is `lost` in the view as its entry goes; its lost record (with why) follows
-    while (lost is None or rerouted is None or not why) and time.monotonic() < deadline:
-        now = time.monotonic()
+    while (lost is None or not why) and time.monotonic() < deadline:
         with contextlib.suppress(ClusterError):
-            if rerouted is None and not rig.routed() & ids:
-                rerouted = time.monotonic()
             state = node_state(rig, rig.names[0], node)
             if state["state"] == "lost":
-                lost = now if lost is None else lost
+                lost = time.monotonic() if lost is None else lost
                 why = str((state.get("lost") or {}).get("why", ""))
         time.sleep(0.05)
-    if lost is None or rerouted is None:
+    router.join(max(0.0, deadline - time.monotonic()) + 3)
+    if lost is None or not rerouted:
         raise ClusterError(
             f"{node} cut {timeout:g}s ago: lost={lost is not None}, "
-            f"rerouted={rerouted is not None}"
+            f"rerouted={bool(rerouted)}"
         )
-    return lost, rerouted, why
+    return lost, rerouted[0], why
 
 
 def lost_by(why: str) -> str:

@@ -281,6 +281,9 @@ async def frontend_routed_instances(
     revoked lease disappears from it within milliseconds; a SIGKILLed worker stays until its
     lease expires (20-30 s), meanwhile each failed connect only benches it for 5 s, so some
     requests keep failing with 503 unless the frontend runs with `--migration-limit`.
+    The list is read from etcd per call: a frontend whose etcd member is cut off answers
+    late, and one whose read failed answers an empty list (Dynamo 1.6.1), as if it had no
+    instance at all.
     """
     url = f"{frontend_url.rstrip('/')}/health"
     data = await _get_json(session, url, timeout_s)
