@@ -36,12 +36,19 @@ def members(nodes: Sequence[str]) -> list[str]:
 
 def replicated(text: str, nodes: Sequence[str], units_dir: Path) -> str:
     """`text` (cluster.toml) with etcd on `members(nodes)`, its includes made absolute
-    (the result is written outside units/)."""
+    (the result is written outside units/). With several members, Dynamo's processes reach
+    them as the stock replicated stack's do (units/stacks/cluster-ha.toml): through each
+    node's etcd relay on 127.0.0.1, never given the members' list. Given it, Dynamo 1.6.1
+    keeps a share of its calls on a member that is cut off: a cut of a node that held a
+    member kept the head's frontend routing to that node's shards 2-8 s after dynamod had
+    withdrawn them (their registrations' deletes did not reach its watch)."""
     members_ = members(nodes)
     urls = ",".join(f"http://{{cluster.nodes.{m}}}:{{vars.etcd_client_port}}" for m in members_)
     initial = ",".join(f"{m}=http://{{cluster.nodes.{m}}}:{{ports.peer}}" for m in members_)
     text = text.replace('"../', f'"{units_dir}/')
     text = _one(r"^etcd_url = .*$", text, f'etcd_url = "{urls}"', "vars.etcd_url")
+    if len(members_) > 1:
+        text = _through_relay(text, urls, units_dir)
     text = _one(
         r'^(description = "etcd on \{node\.name\}.*)$',
         text,
@@ -56,6 +63,26 @@ def replicated(text: str, nodes: Sequence[str], units_dir: Path) -> str:
         f'"http://{{cluster.nodes.{m}}}:{{vars.etcd_client_port}}"' for m in members_
     )
     return _one(r"^head = .*$", text, f"\\g<0>\nregistry = [{registry}]", "cluster.head")
+
+
+def _through_relay(text: str, urls: str, units_dir: Path) -> str:
+    """Dynamo's processes (the workers' and the frontend's ETCD_ENDPOINTS) on the node's
+    etcd relay (units/cluster/etcd-relay.toml), each started once it is ready; dynamod's
+    own clients keep the members' list (`vars.etcd_url`)."""
+    relay_file = f'"{units_dir}/cluster/etcd-relay.toml"'
+    text = _one(r"^include = \[(.*)\]$", text, f"include = [\\1, {relay_file}]", "stack include")
+    relay = 'dynamo_etcd_url = "http://127.0.0.1:{vars.etcd_relay_port}"'
+    text = _one(r"^etcd_url = .*$", text, f'\\g<0>\netcd_urls = "{urls}"\n{relay}',
+                "vars.etcd_url")  # fmt: skip
+    text, count = re.subn(r'ETCD_ENDPOINTS = "\{vars\.etcd_url\}"',
+                          'ETCD_ENDPOINTS = "{vars.dynamo_etcd_url}"', text)  # fmt: skip
+    if count != 2:
+        raise StackShapeError("units/stacks/cluster.toml: not 2 ETCD_ENDPOINTS (worker, frontend)")
+    for unit, rest in (("worker", 'model = "completed"'), ("frontend", 'worker = "started"')):
+        text = _one(rf'^depends_on = \{{ etcd = "ready", (nats = "ready", {rest} \}})$', text,
+                    'depends_on = { etcd = "ready", etcd-relay = "ready", \\1',
+                    f"units.{unit} depends_on")  # fmt: skip
+    return text
 
 
 def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:

@@ -113,8 +113,17 @@ def test_the_fleet_stack_has_three_etcd_members_from_three_nodes_on() -> None:
     urls = stack["vars"]["etcd_url"].split(",")
     assert len(urls) == 3 and len(stack["cluster"]["registry"]) == 3
     assert stack["policy"]["etcd"] == "{vars.etcd_url}"  # the ledger reaches every member
+    # Dynamo's processes through each node's etcd relay, as in the stock replicated stack
+    assert any(i.endswith("/cluster/etcd-relay.toml") for i in stack["stack"]["include"])
+    assert stack["vars"]["etcd_urls"] == stack["vars"]["etcd_url"]  # the relay's members
+    for unit in ("worker", "frontend"):
+        assert stack["units"][unit]["env"]["ETCD_ENDPOINTS"] == "{vars.dynamo_etcd_url}"
+        assert stack["units"][unit]["depends_on"]["etcd-relay"] == "ready"
+    assert stack["vars"]["dynamo_etcd_url"].startswith("http://127.0.0.1:")
+    assert stack["units"]["worker"]["dynamo"]["etcd"] == "{vars.etcd_url}"  # dynamod's own
     alone = tomllib.loads(replicated(stock, nodes[:2], paths.units_dir()))
     assert alone["units"]["etcd"]["nodes"] == ["head"]
+    assert alone["units"]["worker"]["env"]["ETCD_ENDPOINTS"] == "{vars.etcd_url}"  # no relay
 
 
 def test_a_stock_stack_without_the_expected_line_is_refused() -> None:
@@ -239,4 +248,5 @@ def test_threads_of_reads_this_process_s_threads() -> None:
     got = threads_of([os.getpid()])
     assert (os.getpid(), os.getpid()) in got
     assert all(secs >= 0 for _, secs in got.values())
+
 
