@@ -277,6 +277,7 @@ class Hearing:
     silenced: dict[str, float] = field(default_factory=dict)
     why_lost: dict[str, str] = field(default_factory=dict)
     withheld: set[str] = field(default_factory=set)  # silent, not judged: logged once
+    waiting: set[str] = field(default_factory=set)  # judged, its revocation failed: logged once
 
     def stop_pinging(self) -> None:
         if self.pinger is not None:

@@ -630,16 +630,20 @@ class Membership(Extension):
 
     async def _judge(self, entries: dict[str, NodeEntry]) -> None:
         """As the leader: mark lost each node whose entry vanished and is still gone, once
-        this daemon may judge (registry.may_judge)."""
+        this daemon may judge (registry.may_judge), or at once where it revoked that
+        entry's lease itself (the heartbeats judged it: an election that failed this
+        daemon's calls meanwhile is no outage that expired every entry)."""
         judge = registry.may_judge(self.trouble_at, time.monotonic(), self.cluster.lease_ttl)
+        revoked = self._hearing.why_lost
         # read() also runs from a push (await_other_nodes) beside the read loop: a marking is
         # taken out of _unmarked before it starts, so no other read starts it again
         for name in list(self._unmarked):
             if name in entries:  # it published again: nothing to mark
                 self._unmarked.pop(name, None)
+                revoked.pop(name, None)
                 self._back_before_judged(name)
                 continue
-            if not judge:
+            if not judge and name not in revoked:
                 self._defer(name)
                 continue
             entry = self._unmarked.pop(name, None)
@@ -686,7 +690,7 @@ class Membership(Extension):
         started = time.monotonic()
         shards = [registry.shard_id(name, u.name) for u in entry.shards()]
         since = time.time()
-        why = self._hearing.why_lost.pop(name, registry.LEASE_EXPIRED)
+        why = self._hearing.why_lost.get(name, registry.LEASE_EXPIRED)  # kept for a retry
 
         def record(parked: list[ParkedKey]) -> LostRecord:
             return LostRecord(
@@ -710,6 +714,7 @@ class Membership(Extension):
             else [],
         )
         ms = round((time.monotonic() - started) * 1000, 1)
+        self._hearing.why_lost.pop(name, None)
         if parked is None:
             log.info("cluster.node_back_before_lost", node=name, ms=ms)
             return
@@ -777,8 +782,8 @@ class Membership(Extension):
         """Ping the nodes this daemon hears (`_heard_by_me`: the leader every other node,
         the deputy the leader) that give a heartbeat port in their entry, and revoke the
         registry lease of one that answered before and has been silent for
-        `heartbeat_timeout` (heartbeat.judge), once this daemon may judge (its own
-        registry calls went through for a whole lease, as for an expiry)."""
+        `heartbeat_timeout` (heartbeat.judge), while this daemon is in contact with etcd
+        (`_in_contact`)."""
         timeout, hearing = self.cluster.heartbeat_timeout, self._hearing
         while not self._stopping:
             await asyncio.sleep(HEARTBEAT_LOOK_S)
@@ -795,22 +800,45 @@ class Membership(Extension):
             for name, when in list(hearing.silenced.items()):  # it answered again: armed
                 if heard.answered.get(name, -1.0) > when:
                     del hearing.silenced[name]
+            for name in list(hearing.waiting):
+                last = heard.answered.get(name)
+                if last is None:  # no longer pinged (its entry went): its loss is marked
+                    hearing.waiting.discard(name)
+                elif heard.now - last < timeout:  # it answered again: no loss to say why of
+                    hearing.waiting.discard(name)
+                    hearing.why_lost.pop(name, None)
             armed = {n for n in heard.answered if n not in hearing.silenced}
             judgment = heartbeat.judge(heard, armed, timeout)
             lost, overdue, withheld = judgment.lost, judgment.overdue, judgment.withheld
-            if lost and not registry.may_judge(
-                self.trouble_at, time.monotonic(), self.cluster.lease_ttl
-            ):
-                assert self.trouble_at is not None
-                trouble_s = time.monotonic() - self.trouble_at
+            if lost and not self._in_contact():
                 lost, overdue = [], lost
-                withheld = f"this daemon's own registry calls failed {trouble_s:.1f}s ago"
+                withheld = "this daemon's own last registry call failed"
             self._say_withheld(heard, overdue, withheld)
-            for name in lost:
-                # judged once: a failed revocation leaves it to its lease
-                hearing.silenced[name] = heard.now
-                with contextlib.suppress(*_FAILURES):
-                    await self._revoke_silent(name, heard.now - heard.answered[name])
+            await self._revoke_each(lost, heard)
+
+    def _in_contact(self) -> bool:
+        """Whether this daemon's last registry call went through (no failure since its
+        lease's last renewal). The heartbeats judge only then: a daemon cut off from etcd
+        may be cut off from the nodes too. Not a whole lease, as for an expiry: an etcd
+        electing a leader holds every call for a second or two, and the node cut off may
+        have held etcd's leader (its loss then waits for the election, not a lease more)."""
+        if self.trouble_at is None:
+            return True
+        return self.renewed_at is not None and self.renewed_at > self.trouble_at
+
+    async def _revoke_each(self, lost: list[str], heard: heartbeat.Heard) -> None:
+        """Revoke each judged node's lease; one whose revocation failed (etcd electing a
+        leader, or out of reach) stays judged and is tried again at the next look, while
+        it is silent and this daemon in contact, until its lease expires."""
+        hearing = self._hearing
+        for name in lost:
+            try:
+                await self._revoke_silent(name, heard.now - heard.answered[name])
+            except _FAILURES as exc:
+                self._say_revoke_waits(name, exc)
+                continue
+            hearing.silenced[name] = heard.now  # judged: not again before it answers again
+            hearing.waiting.discard(name)
 
     def _say_withheld(self, heard: heartbeat.Heard, overdue: list[str], why: str) -> None:
         """Log once per silence each node that the heartbeats found silent and did not
@@ -824,32 +852,56 @@ class Membership(Extension):
                             silent_s=round(heard.now - heard.answered[name], 2), why=why,
                             action="left to its registry lease")  # fmt: skip
 
+    def _say_revoke_waits(self, name: str, exc: BaseException) -> None:
+        """Log once per silence that a silent node's revocation failed for now (most often
+        etcd electing a leader: the node cut off may have held it)."""
+        if name not in self._hearing.waiting:
+            self._hearing.waiting.add(name)
+            log.warning("cluster.node_silent_revoke_waits", node=name, error=str(exc),
+                        action="tried again every heartbeat look until etcd takes it "
+                               "or the node's lease expires")  # fmt: skip
+
     async def _revoke_silent(self, name: str, silent_s: float) -> None:
         """Revoke the registry lease of `name`'s entry: etcd deletes the entry, and the
-        leader marks the node lost at once, as at the lease's expiry. The deputy that
-        revoked the leader's lease takes the leader key itself, first of all the nodes to
-        know it is free, so the record of the loss it judged says why."""
+        leader marks the node lost at once, as at the lease's expiry. The deputy judging
+        the leader silent first takes the leader key over from it (the key was on that
+        lease), so the record of the loss it judged says why: taken after the revocation,
+        another node that saw the key go free took it first, and its record waited a lease
+        more (it had not judged the loss, and the election that the cut had started had
+        failed its calls)."""
         assert self.etcd is not None
         record = await self.etcd.get_kv(registry.node_key(self.stack, name))
         if record is None or not record.lease:
             return  # gone already (its lease expired, or it stopped)
+        if name == self.leader:
+            await self._take_leader_key(name)
         why = f"silent for {silent_s:.1f}s (heartbeat)"
+        # before the call: the watch may bring the delete; kept if the call fails (one that
+        # timed out may still apply), until the node answers again
+        self._hearing.why_lost[name] = why
+        await self.etcd.lease_revoke(record.lease)
         log.warning("cluster.node_silent", node=name, silent_s=round(silent_s, 2),
                     timeout_s=self.cluster.heartbeat_timeout,
                     action="lease revoked: marked lost now, not at its expiry")  # fmt: skip
-        self._hearing.why_lost[name] = why  # before the call: the watch may bring the delete
-        try:
-            await self.etcd.lease_revoke(record.lease)
-        except BaseException:
-            self._hearing.why_lost.pop(name, None)
-            raise
-        if name == self.leader and self.lease is not None and await self.etcd.put_if(
-            registry.leader_key(self.stack), self.cluster.node, 0, self.lease
-        ):
-            self.leader = self.cluster.node
-            log.info("cluster.leader", node=self.cluster.node, after=name)
+        # read the registry whole again, not from the watch's copy: after a cut, the watch
+        # may sit on a connection to a member that was on the cut node (one cut that ended
+        # etcd's leader left the delete unseen here for 1.1-1.2 s after the revocation)
+        self._resync.set()
         self._urgent.set()
         self._changed.set()
+
+    async def _take_leader_key(self, silent: str) -> None:
+        """As the deputy: put this node in the leader key, on this node's lease, if the
+        silent leader still holds it (compared by revision: no other node's takeover is
+        overwritten)."""
+        assert self.etcd is not None
+        key = registry.leader_key(self.stack)
+        held = await self.etcd.get_kv(key)
+        if held is None or held.value.decode(errors="replace") != silent or self.lease is None:
+            return
+        if await self.etcd.put_if(key, self.cluster.node, held.mod_revision, self.lease):
+            self.leader = self.cluster.node
+            log.info("cluster.leader", node=self.cluster.node, after=silent)
 
     # ------------------------------------------------------------------ policy across nodes
 

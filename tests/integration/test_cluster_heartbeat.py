@@ -191,18 +191,93 @@ async def test_the_deputy_hears_the_leader_and_revokes_its_lease_when_it_falls_s
         assert bystander._heard_by_me() == {}
         await asyncio.gather(_judging(deputy, 0.5), _judging(bystander, 0.5))
         assert deputy._hearing.pinger is not None and bystander._hearing.pinger is None
+        _, revision = await etcd.get_prefix_at(registry.leader_key(stack))
         echo.close()
         await _judging(deputy, 1.5)
         assert await etcd.get_kv(registry.node_key(stack, "head")) is None
         # the deputy took the leader key, so its own read marks the old leader lost, with why
         taken = await etcd.get_kv(registry.leader_key(stack))
         assert taken is not None and taken.value == b"n1" and taken.lease == deputy.lease
+        # taken over before the revocation: never free for another node to take first
+        changes = []
+        key = registry.leader_key(stack)
+        async for event in etcd.watch_prefix(key, start_revision=revision + 1):
+            changes.append(event.kind)
+            if event.mod_revision >= taken.mod_revision:
+                break
+        assert changes == ["put"], changes
         assert deputy.leader == "n1"
         assert "heartbeat" in deputy._hearing.why_lost["head"]
     finally:
         echo.close()
         for member in (deputy, bystander):
             member._hearing.close()
+
+
+async def test_a_leader_whose_last_registry_call_failed_judges_again_at_its_next_renewal(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    """Withheld while its own last registry call failed (a daemon cut off from etcd may be
+    cut off from the nodes too); judged at the first renewal after it, not a whole lease
+    later: an etcd electing a leader after a cut of the node that held it fails every
+    call for a second or two, and the node's loss then waits for the election alone."""
+    leader.cluster = leader.cluster.model_copy(update={"lease_ttl": 30.0})
+    quiet, talking = await _nodes(leader, etcd, ["n1", "n2"])
+    try:
+        await _judging(leader, 0.5)
+        leader.trouble_at, leader.renewed_at = time.monotonic(), None  # e.g. an election
+        _silence(quiet)
+        await _judging(leader, 1.5)
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None
+        assert leader._hearing.withheld == {"n1"}
+        leader.renewed_at = time.monotonic()  # the next keepalive went through
+        await _judging(leader, 0.5)
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is None
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n2")) is not None
+    finally:
+        for node in (quiet, talking):
+            if node.responder is not None:
+                node.responder.close()
+
+
+async def test_a_revocation_that_failed_is_tried_again_until_etcd_takes_it(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    """A failed revocation (etcd electing a leader, or out of reach for a moment) leaves
+    the silent node judged: tried again at the next look, logged once, and its lost
+    record still says why."""
+    quiet, talking = await _nodes(leader, etcd, ["n1", "n2"])
+    down = EtcdClient("http://127.0.0.1:1", timeout_s=0.2)  # nothing listens there
+    try:
+        await _judging(leader, 0.5)
+        _silence(quiet)
+        leader.etcd = down
+        await _judging(leader, 1.5)
+        assert leader._hearing.waiting == {"n1"} and "n1" not in leader._hearing.silenced
+        leader.etcd = etcd
+        await _judging(leader, 0.5)
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is None
+        assert "heartbeat" in leader._hearing.why_lost["n1"]
+        assert "n1" in leader._hearing.silenced and not leader._hearing.waiting
+    finally:
+        await down.close()
+        for node in (quiet, talking):
+            if node.responder is not None:
+                node.responder.close()
+
+
+async def test_a_node_the_leader_revoked_is_marked_lost_while_its_calls_failed(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    """An entry that vanished while the leader's own calls failed waits a whole lease
+    (an etcd outage expires every entry at once) unless the leader revoked it itself."""
+    leader.trouble_at = time.monotonic()
+    leader._hearing.why_lost["n1"] = "silent for 1.3s (heartbeat)"
+    leader._unmarked = {"n1": _entry("n1", 1), "n2": _entry("n2", 2)}  # both vanished
+    await leader._judge({})
+    assert "heartbeat" in leader.lost["n1"].why
+    assert "n2" not in leader.lost and leader._deferred == {"n2"}
+    assert "n1" not in leader._hearing.why_lost  # said once, in its record
 
 
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
