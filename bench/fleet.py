@@ -52,6 +52,7 @@ from typing import Any
 import structlog
 
 from bench import fleet_history
+from bench.fleet_cut import cut_one, cut_target
 from bench.fleet_early import early_table, push_early
 from bench.fleet_growth import (
     ETCD_METRICS,
@@ -83,7 +84,7 @@ from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
-from dynamod.chaos.node_loss import NodeLossRound, lost_and_rerouted, lost_by, make_checkpoint
+from dynamod.chaos.node_loss import lost_by, make_checkpoint
 from dynamod.client import Client
 from dynamod.core import paths
 from dynamod.core.errors import DynamodError
@@ -129,9 +130,21 @@ def main() -> None:
     )
     parser.add_argument(
         "--cut-leader",
-        action="store_true",
+        action="store_const",
+        dest="cut",
+        const="leader",
+        default="last",
         help="cut the node that holds the cluster's leader key (heard by the deputy alone) "
         "instead of the last node; the last all the same when the head leads",
+    )
+    parser.add_argument(
+        "--cut-etcd-leader",
+        action="store_const",
+        dest="cut",
+        const="etcd-leader",
+        help="cut the node whose etcd member leads etcd's raft (moved off the head first): "
+        "etcd then elects a leader, and no revocation is written before it has (3 nodes or "
+        "more)",
     )
     parser.add_argument(
         "--shard-cpu-weight",
@@ -249,7 +262,7 @@ def main() -> None:
                     n, per_node, quick=args.quick, faults=faults, lease=lease, limits=shard_limits,
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                     max_starting=args.max_starting, max_updating=args.max_updating,
-                    idle_s=args.idle, heartbeat_timeout=beat, cut_leader=args.cut_leader,
+                    idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -374,7 +387,7 @@ def run_fleet(
     max_updating: int | None = None,
     idle_s: float = IDLE_S,
     heartbeat_timeout: float | None = None,
-    cut_leader: bool = False,
+    cut: str = "last",
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -429,8 +442,8 @@ def run_fleet(
             ("whole_early", lambda: whole_again(rig, shards)),
             ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
             ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
-            ("cut", lambda: cut_one(rig, cut_target(rig, cut_leader), 1.0 if quick else 2.0)
-             if faults else None),
+            ("cut", lambda: cut_one(rig, cut_target(rig, cut), 1.0 if quick else 2.0, LOAD,
+                                    EARLY_STEP) if faults else None),
         ]:
             began, begun[name] = time.monotonic(), time.time()
             value = measure()
@@ -745,55 +758,6 @@ def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
     }
 
 
-def cut_target(rig: ClusterRig, leader: bool) -> str:
-    """The node the cut phase cuts: the last; with `leader`, the node holding the leader
-    key (pinged by the deputy alone), unless that is the head, whose cut would take etcd's
-    first member, NATS, the frontend and the load with it."""
-    if leader:
-        held = rig.status(rig.names[0])["cluster"].get("leader")
-        if held in rig.names[1:]:
-            return str(held)
-    return rig.names[-1]
-
-
-def cut_one(rig: ClusterRig, node: str, phase_s: float) -> dict[str, Any]:
-    """Under load from inside the head, cut the node's link: until the head's registry
-    marks it lost and its router lists none of its shards; the requests that failed
-    before and after that (bench.cluster's round without its push and rejoin)."""
-    ids = rig.instance_ids(node)
-    was_leader = rig.status(rig.names[0])["cluster"].get("leader") == node
-    r = NodeLossRound(node=node)
-    gen = rig.load(LOAD, "tiny-cpu", lambda: EARLY_STEP)  # the version last pushed
-    lost_before = len(rig.logged("cluster.node_lost"))
-    gen.start()
-    try:
-        time.sleep(phase_s)  # steady load first
-        cut = time.monotonic()
-        r.cut_at = cut - gen.origin
-        rig.cut(node)
-        lost, rerouted, r.lost_why = lost_and_rerouted(rig, node, ids, cut, 30)
-        r.lost_s, r.rerouted_s, r.rerouted_at = lost - cut, rerouted - cut, rerouted - gen.origin
-        time.sleep(phase_s)  # load on the other nodes' shards alone
-    finally:
-        gen.stop()
-        rig.heal(node)
-    r.requests = list(gen.requests)
-    r.marked_lost = [str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]]
-    return {
-        "node": node,
-        "was_leader": was_leader,
-        "shards": len(ids),
-        "lost_s": r.lost_s,
-        "rerouted_s": r.rerouted_s,
-        "why": r.lost_why,  # the lease's expiry, or the leader's heartbeats
-        "requests": len(r.requests),
-        "failed_before_reroute": len(r.failed_during_cut()),
-        "failed_after_reroute": len(r.failed_after_reroute()),
-        "falsely_lost": r.falsely_lost(),
-        "falsely_lost_n": len(r.falsely_lost()),
-    }
-
-
 # --------------------------------------------------------------------------- the report
 
 
@@ -924,7 +888,7 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
     table = Table(
         "Faults under load (3 clients, 6 req/s from the head): one node's link cut, "
         "kill -9 of 10 % of the shards at once",
-        ["nodes", "shards", "cut: lost s", "by", "out of routing s", "requests",
+        ["nodes", "shards", "cut: node (held)", "lost s", "by", "out of routing s", "requests",
          "failed before re-route", "lost after re-route", "falsely lost",
          "killed", "serving again s", "requests", "failed"],
         digits=2,
@@ -932,7 +896,7 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
     for f in fleets:
         c, k = "cut", "kill"
         table.rows.append(
-            [f["nodes"], f["shards"], pick(f, c, "lost_s"),
+            [f["nodes"], f["shards"], cut_node(f.get("cut")), pick(f, c, "lost_s"),
              lost_by((f.get("cut") or {}).get("why") or ""),
              pick(f, c, "rerouted_s"),
              pick(f, c, "requests"), pick(f, c, "failed_before_reroute"),
@@ -941,6 +905,15 @@ def fault_table(fleets: list[dict[str, Any]]) -> Table:
              pick(f, k, "failed")]
         )  # fmt: skip
     return table
+
+
+def cut_node(cut: dict[str, Any] | None) -> str:
+    """The node cut, and what it held: the cluster's leader key, etcd's raft leader."""
+    if not cut:
+        return "-"
+    held = [what for what, key in (("leader", "was_leader"), ("etcd leader", "held_etcd_leader"))
+            if cut.get(key)]  # fmt: skip
+    return f"{cut['node']} ({', '.join(held)})" if held else str(cut["node"])
 
 
 def shard_settings(fleet: dict[str, Any]) -> str:

@@ -250,3 +250,20 @@ def test_threads_of_reads_this_process_s_threads() -> None:
     assert all(secs >= 0 for _, secs in got.values())
 
 
+
+def test_the_cut_says_what_the_cut_node_held() -> None:
+    from bench.fleet import cut_node
+
+    assert cut_node(None) == "-"
+    assert cut_node({"node": "n7", "was_leader": False, "held_etcd_leader": False}) == "n7"
+    held = {"node": "n1", "was_leader": True, "held_etcd_leader": True}
+    assert cut_node(held) == "n1 (leader, etcd leader)"
+
+
+def test_etcd_s_leader_is_read_from_its_metrics_line_alone() -> None:
+    from bench.fleet_cut import _IS_LEADER
+
+    metrics = "# HELP etcd_server_is_leader ...\n# TYPE etcd_server_is_leader gauge\n"
+    assert _IS_LEADER.search(metrics + "etcd_server_is_leader 1\n")
+    assert not _IS_LEADER.search(metrics + "etcd_server_is_leader 0\n")
+    assert not _IS_LEADER.search("etcd_server_is_learner 1\netcd_server_is_leader 0\n")
