@@ -387,8 +387,13 @@ class Membership(Extension):
             self._dirty.set()
 
     def _reachable(self) -> None:
+        """A renewal went through. After a failure, read the registry whole again and
+        watch it anew: the failure may have moved the watch to a member that is cut off
+        (an election times calls out on live members too), and a watch there is silent
+        (a non-leader's view of a cut node came 1.5 s after the router had dropped it)."""
         if self.error is not None:
             log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error)
+            self._resync.set()
         self.error = None
 
     async def _publish(self) -> None:

@@ -280,6 +280,20 @@ async def test_a_node_the_leader_revoked_is_marked_lost_while_its_calls_failed(
     assert "n1" not in leader._hearing.why_lost  # said once, in its record
 
 
+async def test_a_daemon_back_in_contact_reads_and_watches_the_registry_anew(
+    leader: Membership,
+) -> None:
+    """A renewal after a failure re-reads the registry whole (the failure may have moved
+    the watch to a member that is cut off); one in contact all along leaves the watch."""
+    leader.error = "registry ... keepalive: EtcdError: ... no answer within 0.5 s"
+    leader._resync.clear()
+    leader._reachable()
+    assert leader._resync.is_set() and leader.error is None
+    leader._resync.clear()
+    leader._reachable()
+    assert not leader._resync.is_set()
+
+
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
     from dynamod.core.placement import MIN_HEARTBEAT_TIMEOUT
 
