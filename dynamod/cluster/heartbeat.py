@@ -50,6 +50,8 @@ MAX_DATAGRAM = 512
 # starved: no node is judged on a window that holds one
 STARVED_GAP_S = 2.5 * PING_S
 ANSWER_WINDOW = 25  # rounds (5 s): an answer to an older ping is not counted
+# a ping after this long without one: this node hears the cluster again (its link is back)
+BACK_AFTER_S = 5 * PING_S
 _RECV_TIMEOUT_S = 0.5  # a thread looks at its stop flag at least this often
 _JOIN_S = 1.0
 
@@ -70,7 +72,9 @@ def parse(data: bytes) -> tuple[str, str, int] | None:
 
 
 class Responder:
-    """Echoes heartbeats on (address, a port of its own) from a thread of its own."""
+    """Echoes heartbeats on (address, a port of its own) from a thread of its own. `back_at`:
+    when the first ping came after BACK_AFTER_S without one (monotonic; None before any),
+    which tells a node whose link was cut that it is back."""
 
     def __init__(self, address: str) -> None:
         try:
@@ -86,6 +90,8 @@ class Responder:
         self._sock.settimeout(_RECV_TIMEOUT_S)
         self.port: int = self._sock.getsockname()[1]
         self._stop = threading.Event()
+        self.back_at: float | None = None
+        self._pinged_at: float | None = None
         self._thread = threading.Thread(target=self._serve, name="dynamod-heartbeat",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -101,6 +107,10 @@ class Responder:
             if self._stop.is_set():
                 return  # closing: no answer after it
             if parse(data) is not None:
+                now = time.monotonic()
+                if self._pinged_at is None or now - self._pinged_at >= BACK_AFTER_S:
+                    self.back_at = now
+                self._pinged_at = now
                 with contextlib.suppress(OSError):
                     self._sock.sendto(data, peer)
 

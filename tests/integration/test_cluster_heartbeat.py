@@ -7,6 +7,7 @@ namespace is tests/integration/test_cluster.py's loss round and bench/fleet.py's
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -292,6 +293,32 @@ async def test_a_daemon_back_in_contact_reads_and_watches_the_registry_anew(
     leader._resync.clear()
     leader._reachable()
     assert not leader._resync.is_set()
+
+
+async def test_a_node_that_hears_the_cluster_again_while_its_calls_fail_reconnects(
+    leader: Membership,
+) -> None:
+    """A ping after a silence while this daemon's registry calls fail: its link is back,
+    and every etcd connection of the process is opened afresh, once per return."""
+    from dynamod.rollout.etcd import connection
+
+    echo = Responder("127.0.0.1")
+    leader._hearing.responder = echo
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender.settimeout(2)
+    try:
+        sender.sendto(heartbeat.datagram(leader.stack, "n1", 1), ("127.0.0.1", echo.port))
+        sender.recvfrom(heartbeat.MAX_DATAGRAM)  # echoed: heard
+        before = connection.generation()
+        leader._reconnect_if_back()
+        assert connection.generation() == before  # its calls go through: nothing to do
+        leader.error = "registry ... keepalive: EtcdError: ... no answer within 0.5 s"
+        leader._reconnect_if_back()
+        assert connection.generation() == before + 1
+        leader._reconnect_if_back()
+        assert connection.generation() == before + 1  # once per return
+    finally:
+        sender.close()
 
 
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:

@@ -616,3 +616,22 @@ async def test_a_watch_whose_connection_another_call_closed_resumes_on_another_m
         finally:
             frozen.proc.signal_group(signal.SIGCONT)
     assert [e.key for e in events] == [f"{prefix}w/1", f"{prefix}w/2"]
+
+
+async def test_after_reconnect_all_each_client_opens_its_connections_afresh(
+    etcd: EtcdClient, prefix: str
+) -> None:
+    """A link that has just come back: every client's next call goes on a new connection
+    (a new TCP connection in gRPC's pool), the old one closed behind it."""
+    from dynamod.rollout.etcd import connection, reconnect_all
+
+    await etcd.put(prefix + "a", "1")
+    (old,) = etcd._connections.values()
+    reconnect_all()
+    assert await etcd.get(prefix + "a") == b"1"
+    (new,) = etcd._connections.values()
+    assert new is not old and new.generation == connection.generation() > old.generation
+    await asyncio.sleep(0)
+    assert old._retired  # closed once its calls had their time
+    assert await etcd.get(prefix + "a") == b"1"
+    assert next(iter(etcd._connections.values())) is new  # kept until the next one

@@ -175,3 +175,31 @@ def test_an_answer_for_another_node_or_stack_is_not_counted() -> None:
 def test_a_responder_on_an_address_it_cannot_bind_raises() -> None:
     with pytest.raises(OSError):
         Responder("192.0.2.1")  # TEST-NET-1: on no interface here
+
+
+def test_a_ping_after_a_silence_says_the_link_is_back(
+    responder: Responder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`back_at` moves on the first ping after BACK_AFTER_S without one, not on the pings
+    that follow it closely (real UDP on loopback)."""
+    monkeypatch.setattr(heartbeat, "BACK_AFTER_S", 0.3)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    ping = heartbeat.datagram("stack-a", "n1", 1)
+
+    def ping_and_wait() -> float | None:
+        sender.sendto(ping, ("127.0.0.1", responder.port))
+        sender.settimeout(2)
+        sender.recvfrom(heartbeat.MAX_DATAGRAM)  # its echo: the ping was taken
+        return responder.back_at
+
+    try:
+        assert responder.back_at is None
+        first = ping_and_wait()
+        assert first is not None
+        time.sleep(0.05)
+        assert ping_and_wait() == first  # pinged throughout: not back
+        time.sleep(0.4)
+        later = ping_and_wait()
+        assert later is not None and later > first  # after a silence: back
+    finally:
+        sender.close()

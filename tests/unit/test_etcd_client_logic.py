@@ -11,6 +11,7 @@ import pytest
 
 from dynamod.rollout.etcd import EndpointError, EtcdAuth, EtcdClient, EtcdError, parse_endpoints
 from dynamod.rollout.etcd import client as client_module
+from dynamod.rollout.etcd.connection import generation
 from dynamod.rollout.etcd.endpoints import Rotation
 from dynamod.rollout.etcd.errors import Failure, FailureKind, classify, electing
 
@@ -144,6 +145,7 @@ class _Member:
     def __init__(self, reply: object) -> None:
         self.reply = reply
         self.asked = 0
+        self.generation = generation()  # opened in this generation (connection.py)
 
     async def connect(self) -> None:
         pass

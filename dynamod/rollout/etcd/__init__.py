@@ -6,6 +6,7 @@ and failover order), `errors` (what failed, in one line), `records` (the values)
 
 from dynamod.rollout.etcd import nofork  # noqa: F401  (first: before anything imports grpc)
 from dynamod.rollout.etcd.client import DEFAULT_TIMEOUT_S, EtcdClient
+from dynamod.rollout.etcd.connection import reconnect_all
 from dynamod.rollout.etcd.endpoints import Endpoint, EndpointError, parse_endpoints
 from dynamod.rollout.etcd.errors import EtcdAuthError, EtcdError
 from dynamod.rollout.etcd.records import (
@@ -37,4 +38,5 @@ __all__ = [
     "WatchEvent",
     "parse_endpoints",
     "prefix_range_end",
+    "reconnect_all",
 ]

@@ -17,7 +17,7 @@ import grpc
 from aetcd import exceptions as aetcd_errors
 from aetcd import rpc
 
-from dynamod.rollout.etcd.connection import Connection, Login
+from dynamod.rollout.etcd.connection import Connection, Login, generation
 from dynamod.rollout.etcd.endpoints import Endpoint, Rotation, parse_endpoints
 from dynamod.rollout.etcd.errors import (
     EtcdAuthError,
@@ -436,6 +436,9 @@ class EtcdClient:
 
     def _connection(self, endpoint: Endpoint) -> Connection:
         conn = self._connections.get(endpoint)
+        if conn is not None and conn.generation != generation():  # after reconnect_all
+            self._retire(self._connections.pop(endpoint))
+            conn = None
         if conn is None:
             conn = Connection(endpoint, self.auth, self.timeout_s, self.login)
             self._connections[endpoint] = conn
@@ -449,8 +452,11 @@ class EtcdClient:
         """
         self._rotation.advance(endpoint)
         conn = self._connections.pop(endpoint, None)
-        if conn is None:
-            return
+        if conn is not None:
+            self._retire(conn)
+
+    def _retire(self, conn: Connection) -> None:
+        """Close a connection this client no longer uses once its calls had their time."""
         grace = _CLOSE_GRACE_CALLS * self.timeout_s
         task = asyncio.get_running_loop().create_task(conn.close_gracefully(grace))
         self._closing.add(task)

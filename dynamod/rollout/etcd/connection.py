@@ -31,6 +31,23 @@ CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
 }
+# The connections' generation, in their channel arguments: gRPC's pool keys a connection by
+# its address and arguments, so connections opened after `reconnect_all` are new TCP
+# connections (shared among themselves), not the ones open before it.
+_GENERATION_ARG = "dynamod.etcd_generation"
+_generation = 0
+
+
+def reconnect_all() -> None:
+    """Every etcd client of this process opens its connections afresh at its next call.
+    For a link that has just come back: the connections open across its cut are stuck
+    until TCP's next retransmission, whose interval doubled through the cut (seconds)."""
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    return _generation
 
 
 class Login:
@@ -96,6 +113,7 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
             host=endpoint.host, port=endpoint.port, timeout=timeout_s, options=CHANNEL_OPTIONS
         )
         self.endpoint = endpoint
+        self.generation = _generation
         self._auth = auth
         self._connect_lock = asyncio.Lock()
         self._retired = False  # closed: calls still holding it fail, it never reconnects
@@ -161,6 +179,8 @@ class Connection(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type inf
     def _open_channel(self) -> Any:
         target = self.endpoint.address
         options = list(CHANNEL_OPTIONS.items())
+        if self.generation:
+            options.append((_GENERATION_ARG, self.generation))
         if not self.tls:
             return grpc.aio.insecure_channel(target, options=options)
         auth = self._auth or EtcdAuth()
