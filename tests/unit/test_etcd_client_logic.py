@@ -258,3 +258,46 @@ def test_only_a_transaction_said_idempotent_and_without_a_compare_is_sent_again(
 
     asyncio.run(run())
     assert asked == [True, False, False]
+
+
+def test_a_read_whose_connection_was_reset_goes_once_more_on_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CI, the flaky-worker-network runbook: a push's read through a proxy that resets
+    connections failed outright on its one member. An idempotent call whose connection
+    broke goes round once more at once, on new connections; a transaction does not (it
+    may have applied), and a second reset in a row is the answer."""
+    reset = "recvmsg:Connection reset by peer (104)"
+    assert classify("UNAVAILABLE", reset, user=None, timeout_s=1).broken
+    assert not classify("UNAVAILABLE", "Connection refused", user=None, timeout_s=1).broken
+
+    def run(resets: int, idempotent: bool) -> tuple[object, int]:
+        opened: list[_Member] = []
+
+        def connection(*_: object) -> _Member:
+            opened.append(_Member(None))
+            return opened[-1]
+
+        monkeypatch.setattr(client_module, "Connection", connection)
+        sent = [0]
+
+        async def send(conn: _Member) -> str:
+            sent[0] += 1
+            if sent[0] <= resets:
+                raise _rpc_error(reset)
+            return "answer"
+
+        async def call() -> object:
+            client = EtcdClient("http://127.0.0.1:1")
+            try:
+                return await client._call("get", "k", send, idempotent=idempotent)  # type: ignore[arg-type]
+            except EtcdError as err:
+                return err
+
+        return asyncio.run(call()), len(opened)
+
+    assert run(resets=1, idempotent=True) == ("answer", 2)  # a new connection answered
+    got, _ = run(resets=1, idempotent=False)
+    assert isinstance(got, EtcdError) and "reset" in str(got)
+    got, opened = run(resets=2, idempotent=True)
+    assert isinstance(got, EtcdError) and opened == 2  # once more, not a loop

@@ -369,8 +369,11 @@ class EtcdClient:
     ) -> T:
         """`send` on the member in use; on to the next member when one does not answer.
         When the members that answered all said they are electing a leader, an idempotent
-        call goes round them again every ELECTION_WAIT_S, for up to ELECTION_RETRY_S."""
+        call goes round them again every ELECTION_WAIT_S, for up to ELECTION_RETRY_S; when
+        a connection broke under it (reset), once more at once, on new connections (a
+        single member behind a proxy that resets failed a push's read outright)."""
         electing_until: float | None = None
+        fresh_round = False
         while True:
             failures: list[tuple[Endpoint, Failure]] = []
             for endpoint in self._rotation.attempt_order():
@@ -397,6 +400,9 @@ class EtcdClient:
                     self._drop(endpoint)
                 if failure.kind is FailureKind.TIMEOUT and not idempotent:
                     break
+            if idempotent and not fresh_round and any(f.broken for _, f in failures):
+                fresh_round = True  # the broken connections were dropped: new ones now
+                continue
             now = asyncio.get_running_loop().time()
             if electing_until is None:
                 electing_until = now + ELECTION_RETRY_S

@@ -56,6 +56,9 @@ class FailureKind(enum.Enum):
 class Failure:
     kind: FailureKind
     detail: str
+    # the connection broke under the call (reset, closed): a new one to the same member
+    # may well answer (a flaky link, a proxy that resets)
+    broken: bool = False
 
     @property
     def try_another_endpoint(self) -> bool:
@@ -110,7 +113,7 @@ def classify(
         and any(m in low for m in _GONE_MARKERS)
         and not any(m in low for m in _VERDICT_MARKERS)
     ):
-        return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})")
+        return Failure(FailureKind.UNREACHABLE, f"cannot reach etcd ({_short(text)})", True)
     if code == "UNAVAILABLE" and any(m in low for m in _TLS_MARKERS):
         return Failure(FailureKind.TLS, _tls_detail(low, text, client_cert))
     if code == "UNAVAILABLE" and "timed out" in low:
