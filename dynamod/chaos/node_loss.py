@@ -35,6 +35,9 @@ class NodeLossRound:
     push_done_at: float | None = None
     step: int | None = None
     marked_lost: list[str] = field(default_factory=list)  # nodes the leader marked lost meanwhile
+    # the cut node heard the cluster again while its etcd calls failed: its etcd connections
+    # opened afresh (cluster.link_back) in the round
+    link_back: bool = False
     lost_why: str = ""  # why the head's view gave for the cut node's loss
 
     def _at_outgoing_version(self, r: Request) -> bool:
@@ -123,6 +126,7 @@ def run_round(
         lambda: rig.instance_ids(node), detect_timeout, 0.1,
     )  # fmt: skip
     lost_before = len(rig.logged("cluster.node_lost"))
+    back_before = len(_link_back(rig, node))
     gen.start()
     try:
         time.sleep(2.0)  # the load's steady state first: the round measures against it
@@ -153,7 +157,12 @@ def run_round(
         result.marked_lost = [
             str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]
         ]
+        result.link_back = len(_link_back(rig, node)) > back_before
     return result
+
+
+def _link_back(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
+    return [e for e in rig.logged("cluster.link_back") if e.get("logged_by") == node]
 
 
 def lost_and_rerouted(

@@ -784,16 +784,20 @@ class Membership(Extension):
 
     def _heard_by_me(self) -> dict[str, tuple[str, int]]:
         """The nodes this daemon pings, at (address, heartbeat port): as the leader, every
-        other node; as the deputy (the first of the other nodes by name), the leader
-        alone, whom no one else hears; none otherwise."""
+        other node, and each lost one at the port it last gave (its pings after a heal tell
+        it that its link is back: `_reconnect_if_back`); as the deputy (the first of the
+        other nodes by name), the leader alone, whom no one else hears; none otherwise."""
         me, leader = self.cluster.node, self.leader
         others = {
             name: (e.address, e.heartbeat_port)
             for name, e in self.entries.items()
             if name != me and e.heartbeat_port
         }
+        known = self._hearing.ports
+        known.update(others)
         if leader == me:
-            return others
+            lost = {n: known[n] for n in self.lost if n in known and n not in others and n != me}
+            return {**others, **lost}
         deputy = min((name for name in self.entries if name != leader), default=None)
         if leader is not None and deputy == me and leader in others:
             return {leader: others[leader]}

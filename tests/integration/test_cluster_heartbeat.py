@@ -321,6 +321,22 @@ async def test_a_node_that_hears_the_cluster_again_while_its_calls_fail_reconnec
         sender.close()
 
 
+async def test_the_leader_still_pings_a_lost_node_where_it_last_answered(
+    leader: Membership,
+) -> None:
+    """Its pings after a heal are how a cut node learns that its link is back."""
+    leader.entries = {"head": _entry("head", 4000), "n1": _entry("n1", 4001),
+                      "n2": _entry("n2", 4002)}  # fmt: skip
+    assert leader._heard_by_me() == {"n1": ("127.0.0.1", 4001), "n2": ("127.0.0.1", 4002)}
+    del leader.entries["n1"]  # its entry went
+    assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}  # not lost: stopped
+    leader.lost = {"n1": registry.LostRecord(node="n1", since=0.0, by="head", shards=[],
+                                             revoked=[])}  # fmt: skip
+    assert leader._heard_by_me() == {"n1": ("127.0.0.1", 4001), "n2": ("127.0.0.1", 4002)}
+    leader.leader = "n2"  # no longer the leader: as the deputy, it pings the leader alone
+    assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}
+
+
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
     from dynamod.core.placement import MIN_HEARTBEAT_TIMEOUT
 
