@@ -832,7 +832,9 @@ class Membership(Extension):
                 elif heard.now - last < timeout:  # it answered again: no loss to say why of
                     hearing.waiting.discard(name)
                     hearing.why_lost.pop(name, None)
-            armed = {n for n in heard.answered if n not in hearing.silenced}
+            # a lost node is pinged only to hear that its link is back: never judged
+            gone = set(self.lost) - set(self.entries)
+            armed = {n for n in heard.answered if n not in hearing.silenced and n not in gone}
             judgment = heartbeat.judge(heard, armed, timeout)
             lost, overdue, withheld = judgment.lost, judgment.overdue, judgment.withheld
             if lost and not self._in_contact():

@@ -337,6 +337,31 @@ async def test_the_leader_still_pings_a_lost_node_where_it_last_answered(
     assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}
 
 
+async def test_a_lost_node_still_pinged_is_never_judged_nor_counted(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    """A lost node is pinged only so that it hears its link is back: silent, it neither
+    is judged nor counts toward "most of the cluster silent at once" when another node
+    falls silent."""
+    lost, quiet, talking = await _nodes(leader, etcd, ["n1", "n2", "n3"])
+    try:
+        await _judging(leader, 0.5)
+        del leader.entries["n1"]  # its lease expired: lost, not judged by the heartbeats
+        leader.lost = {"n1": registry.LostRecord(node="n1", since=0.0, by="head", shards=[],
+                                                 revoked=[])}  # fmt: skip
+        _silence(lost)
+        _silence(quiet)
+        await _judging(leader, 1.5)
+        assert "n1" in leader._heard_by_me()  # still pinged
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n2")) is None  # judged
+        assert "n1" not in leader._hearing.why_lost and "n1" not in leader._hearing.silenced
+        assert await etcd.get_kv(registry.node_key(leader.stack, "n3")) is not None
+    finally:
+        for node in (lost, quiet, talking):
+            if node.responder is not None:
+                node.responder.close()
+
+
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
     from dynamod.core.placement import MIN_HEARTBEAT_TIMEOUT
 
