@@ -82,6 +82,13 @@ async def _judging(member: Membership, seconds: float) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
+def _hang_up(*nodes: Node) -> None:
+    """Close the echoes still open (a test's end)."""
+    for node in nodes:
+        if node.responder is not None:
+            _silence(node)
+
+
 def _silence(node: Node) -> None:
     assert node.responder is not None
     node.responder.close()
@@ -111,9 +118,7 @@ async def test_a_silent_node_loses_its_lease_and_one_that_answers_keeps_it(
         assert await etcd.get_kv(registry.node_key(leader.stack, "n2")) is not None
         assert "n1" in leader._hearing.silenced  # not judged again before it answers again
     finally:
-        for node in (quiet, talking):
-            if node.responder is not None:
-                node.responder.close()
+        _hang_up(quiet, talking)
 
 
 async def test_most_of_the_cluster_silent_at_once_keeps_its_leases(
@@ -134,9 +139,7 @@ async def test_most_of_the_cluster_silent_at_once_keeps_its_leases(
         assert not leader._hearing.why_lost
         assert leader._hearing.withheld == {"n1", "n2"}  # logged, with why, once each
     finally:
-        for node in nodes:
-            if node.responder is not None:
-                node.responder.close()
+        _hang_up(*nodes)
 
 
 async def test_nodes_falling_silent_in_a_cluster_down_are_not_lost(
@@ -151,8 +154,7 @@ async def test_nodes_falling_silent_in_a_cluster_down_are_not_lost(
         assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None
         assert not leader._hearing.why_lost
     finally:
-        if node.responder is not None:
-            node.responder.close()
+        _hang_up(node)
 
 
 async def test_a_node_without_a_heartbeat_port_is_left_to_its_lease(
@@ -166,8 +168,7 @@ async def test_a_node_without_a_heartbeat_port_is_left_to_its_lease(
         assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is not None
         assert leader._hearing.pinger is None  # no one to ping
     finally:
-        if node.responder is not None:
-            node.responder.close()
+        _hang_up(node)
 
 
 async def test_the_deputy_hears_the_leader_and_revokes_its_lease_when_it_falls_silent(
@@ -236,9 +237,7 @@ async def test_a_leader_whose_last_registry_call_failed_judges_again_at_its_next
         assert await etcd.get_kv(registry.node_key(leader.stack, "n1")) is None
         assert await etcd.get_kv(registry.node_key(leader.stack, "n2")) is not None
     finally:
-        for node in (quiet, talking):
-            if node.responder is not None:
-                node.responder.close()
+        _hang_up(quiet, talking)
 
 
 async def test_a_revocation_that_failed_is_tried_again_until_etcd_takes_it(
@@ -262,9 +261,7 @@ async def test_a_revocation_that_failed_is_tried_again_until_etcd_takes_it(
         assert "n1" in leader._hearing.silenced and not leader._hearing.waiting
     finally:
         await down.close()
-        for node in (quiet, talking):
-            if node.responder is not None:
-                node.responder.close()
+        _hang_up(quiet, talking)
 
 
 async def test_a_node_the_leader_revoked_is_marked_lost_while_its_calls_failed(
@@ -357,9 +354,7 @@ async def test_a_lost_node_still_pinged_is_never_judged_nor_counted(
         assert "n1" not in leader._hearing.why_lost and "n1" not in leader._hearing.silenced
         assert await etcd.get_kv(registry.node_key(leader.stack, "n3")) is not None
     finally:
-        for node in (lost, quiet, talking):
-            if node.responder is not None:
-                node.responder.close()
+        _hang_up(lost, quiet, talking)
 
 
 def test_the_ping_period_leaves_three_pings_in_the_shortest_timeout() -> None:
