@@ -43,7 +43,6 @@ import sys
 import tempfile
 import time
 import tomllib
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +51,7 @@ from typing import Any
 import structlog
 
 from bench import fleet_history
-from bench.fleet_cut import cut_one, cut_target
+from bench.fleet_cut import cut_one, cut_target, member_metrics
 from bench.fleet_early import early_table, push_early
 from bench.fleet_growth import (
     ETCD_METRICS,
@@ -585,13 +584,7 @@ def writes_by_key(
 def etcd_counters(rig: ClusterRig) -> dict[str, float]:
     """etcd's counters: the store's (keys, revision, writes: every member applies each) from
     the head's member, what each member serves its own clients (watchers, reads) summed."""
-
-    def read() -> str:
-        with urllib.request.urlopen("http://127.0.0.1:2379/metrics", timeout=5) as answer:
-            text: str = answer.read().decode()
-            return text
-
-    each = [prometheus(rig.in_node(m, read), ETCD_METRICS) for m in members(rig.names)]
+    each = [prometheus(member_metrics(rig, m), ETCD_METRICS) for m in members(rig.names)]
     served = ("watchers", "watch_streams", "ranges")
     return {k: sum(e[k] for e in each) if k in served else each[0][k] for k in each[0]}
 

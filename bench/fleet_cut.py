@@ -24,18 +24,24 @@ ETCD_CLIENT_PORT = 2379  # units/stacks/cluster.toml's vars.etcd_client_port
 _IS_LEADER = re.compile(r"^etcd_server_is_leader 1(\.0)?$", re.MULTILINE)
 
 
+def member_metrics(rig: ClusterRig, node: str) -> str:
+    """The /metrics text of the etcd member on `node`, read inside its namespace."""
+
+    def read() -> str:
+        url = f"http://127.0.0.1:{ETCD_CLIENT_PORT}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            text: str = answer.read().decode()
+            return text
+
+    result: str = rig.in_node(node, read)
+    return result
+
+
 def etcd_leader(rig: ClusterRig) -> str | None:
     """The node whose etcd member leads etcd's raft (`etcd_server_is_leader 1` in its
-    /metrics, asked from the head's namespace); None when no member says so (an election)."""
+    /metrics); None when no member says so (an election)."""
     for node in members(rig.names):
-        url = f"http://{rig.address(node)}:{ETCD_CLIENT_PORT}/metrics"
-
-        def read(url: str = url) -> str:
-            with urllib.request.urlopen(url, timeout=5) as answer:
-                text: str = answer.read().decode()
-                return text
-
-        if _IS_LEADER.search(rig.in_node(rig.names[0], read)):
+        if _IS_LEADER.search(member_metrics(rig, node)):
             return node
     return None
 
