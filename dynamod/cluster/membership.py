@@ -722,6 +722,8 @@ class Membership(Extension):
                 revoked=sorted({f"{key.instance_id:x}" for key in parked}),
                 parked=[key.as_dict() for key in parked],
                 why=why,
+                address=entry.address,
+                heartbeat_port=entry.heartbeat_port,
             )
 
         parked = await parking.withdraw(
@@ -784,9 +786,10 @@ class Membership(Extension):
 
     def _heard_by_me(self) -> dict[str, tuple[str, int]]:
         """The nodes this daemon pings, at (address, heartbeat port): as the leader, every
-        other node, and each lost one at the port it last gave (its pings after a heal tell
-        it that its link is back: `_reconnect_if_back`); as the deputy (the first of the
-        other nodes by name), the leader alone, whom no one else hears; none otherwise."""
+        other node, and each lost one at the port it last gave, seen in its entry or kept in
+        its lost record (its pings after a heal tell it that its link is back:
+        `_reconnect_if_back`); as the deputy (the first of the other nodes by name), the
+        leader alone, whom no one else hears; none otherwise."""
         me, leader = self.cluster.node, self.leader
         others = {
             name: (e.address, e.heartbeat_port)
@@ -796,7 +799,12 @@ class Membership(Extension):
         known = self._hearing.ports
         known.update(others)
         if leader == me:
-            lost = {n: known[n] for n in self.lost if n in known and n not in others and n != me}
+            lost = {
+                name: where
+                for name, record in self.lost.items()
+                if name not in others and name != me
+                and (where := known.get(name) or _last_heard_at(record)) is not None
+            }
             return {**others, **lost}
         deputy = min((name for name in self.entries if name != leader), default=None)
         if leader is not None and deputy == me and leader in others:
@@ -1049,6 +1057,13 @@ async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Even
         await asyncio.gather(task, wake, return_exceptions=True)
     if task in done:
         task.result()
+
+
+def _last_heard_at(record: LostRecord) -> tuple[str, int] | None:
+    """Where a lost node's daemon last echoed heartbeats, as its lost record keeps it."""
+    if record.address and record.heartbeat_port:
+        return record.address, record.heartbeat_port
+    return None
 
 
 def publish_wait(failed: int, period: float) -> float:

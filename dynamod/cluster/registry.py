@@ -19,7 +19,7 @@ import functools
 import json
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
@@ -290,13 +290,23 @@ class LostRecord:
     # why its entry went: its lease's expiry, or the leader's revocation of a silent node
     # (cluster/heartbeat.py); a record written before this was kept has the first
     why: str = LEASE_EXPIRED
+    # where its daemon last echoed heartbeats: a leader keeps pinging a lost node there, so
+    # that it hears its link is back, even a leader that never saw its entry (one that
+    # restarted or took over meanwhile); a record written before this was kept has none
+    address: str = ""
+    heartbeat_port: int | None = None
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> LostRecord:
-        return cls(**json.loads(raw))
+        """The record, less any field this version does not know (a newer daemon's)."""
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("a lost record is not a JSON object")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 def node_state(

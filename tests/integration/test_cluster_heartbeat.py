@@ -334,6 +334,39 @@ async def test_the_leader_still_pings_a_lost_node_where_it_last_answered(
     assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}
 
 
+async def test_a_leader_that_never_saw_a_lost_nodes_entry_pings_it_where_its_record_says(
+    leader: Membership,
+) -> None:
+    """A leader that restarted or took over after the loss has only the lost record: the
+    record keeps where the node's daemon echoed, or its return would wait on TCP again."""
+    leader.entries = {"head": _entry("head", 4000), "n2": _entry("n2", 4002)}
+    old = registry.LostRecord(node="n1", since=0.0, by="head", shards=[], revoked=[])
+    leader.lost = {"n1": old}  # written before records kept the port: nowhere to ping
+    assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}
+    leader.lost = {"n1": registry.LostRecord(node="n1", since=0.0, by="head", shards=[],
+                                             revoked=[], address="127.0.0.9",
+                                             heartbeat_port=4001)}  # fmt: skip
+    assert leader._heard_by_me() == {"n1": ("127.0.0.9", 4001), "n2": ("127.0.0.1", 4002)}
+
+
+async def test_the_lost_record_keeps_where_the_node_echoed(
+    leader: Membership, etcd: EtcdClient
+) -> None:
+    """`_mark_lost` writes the node's heartbeat address and port into its lost record, and
+    another daemon reading the registry finds them there."""
+    (node,) = await _nodes(leader, etcd, ["n1"])
+    try:
+        entry = leader.entries["n1"]
+        await etcd.lease_revoke(node.lease)
+        await leader._mark_lost("n1", entry)
+        kv = await etcd.get_kv(registry.lost_key(leader.stack, "n1"))
+        assert kv is not None
+        record = registry.LostRecord.decode(kv.value)
+        assert (record.address, record.heartbeat_port) == ("127.0.0.1", entry.heartbeat_port)
+    finally:
+        _hang_up(node)
+
+
 async def test_a_lost_node_still_pinged_is_never_judged_nor_counted(
     leader: Membership, etcd: EtcdClient
 ) -> None:

@@ -1,7 +1,10 @@
 """The registry's records and the cluster view (pure): encode/decode, which nodes count
 as lost, which shards are behind, and the rendered tree."""
 
+import json
 from types import SimpleNamespace
+
+import pytest
 
 from dynamod.cluster import registry
 from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
@@ -38,6 +41,21 @@ def test_entries_and_lost_records_round_trip() -> None:
     assert LostRecord.decode(lost.encode()) == lost
     assert registry.node_key("s", "n1") == "dynamod/s/cluster/nodes/n1"
     assert registry.shard_id("n1", "worker@0") == "n1/worker@0"
+
+
+def test_a_lost_record_reads_older_and_newer_daemons_records() -> None:
+    """A record without the heartbeat address (an older daemon's) reads with none; one with
+    a field this version does not know (a newer daemon's) reads without it, where it broke
+    the returning node's `_after_return` before; anything but an object is refused."""
+    old = '{"by": "head", "node": "n2", "revoked": [], "shards": [], "since": 1.0}'
+    assert LostRecord.decode(old).heartbeat_port is None
+    record = LostRecord("n2", 1.0, "head", [], [], address="10.0.0.2", heartbeat_port=4001)
+    newer = json.dumps({**json.loads(record.encode()), "lost_for": "a later field"})
+    assert LostRecord.decode(newer) == record
+    with pytest.raises(ValueError, match="not a JSON object"):
+        LostRecord.decode("[]")
+    with pytest.raises(TypeError):
+        LostRecord.decode('{"node": "n2"}')  # a record's own fields are still required
 
 
 def test_a_units_change_rewrites_its_own_key_not_the_whole_entry() -> None:
