@@ -283,7 +283,7 @@ async def frontend_routed_instances(
     requests keep failing with 503 unless the frontend runs with `--migration-limit`.
     The list is read from etcd per call: a frontend whose etcd member is cut off answers
     late, and one whose read failed answers an empty list (Dynamo 1.6.1), as if it had no
-    instance at all.
+    instance at all; `frontend_routed_checked` tells the two apart.
     """
     url = f"{frontend_url.rstrip('/')}/health"
     data = await _get_json(session, url, timeout_s)
@@ -298,6 +298,34 @@ async def frontend_routed_instances(
         and i.get("endpoint") == endpoint
         and "instance_id" in i
     }
+
+
+async def frontend_routed_checked(
+    session: aiohttp.ClientSession,
+    frontend_url: str,
+    namespace: str,
+    etcd: EtcdClient,
+    timeout_s: float = DEFAULT_HTTP_TIMEOUT_S,
+) -> set[int]:
+    """`frontend_routed_instances`, an empty answer checked against etcd
+    (`confirm_unrouted`). A list that names any instance is taken as it is."""
+    routed = await frontend_routed_instances(session, frontend_url, namespace, timeout_s=timeout_s)
+    if not routed:
+        await confirm_unrouted(frontend_url, namespace, etcd)
+    return routed
+
+
+async def confirm_unrouted(frontend_url: str, namespace: str, etcd: EtcdClient) -> None:
+    """A frontend whose own etcd read failed answers an empty list: an empty list while
+    etcd holds `generate` instances in `namespace` raises DynamoHTTPError (no answer)
+    instead of saying that the frontend routes nothing."""
+    held = await list_instances(etcd, namespace, GENERATE_ENDPOINT)
+    if held:
+        raise DynamoHTTPError(
+            f"{frontend_url.rstrip('/')}/health",
+            f"it listed no instance in {namespace!r} while etcd holds {len(held)} "
+            "(its own etcd read failed, or has not seen them yet)",
+        )
 
 
 async def frontend_readiness(

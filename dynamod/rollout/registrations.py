@@ -303,7 +303,7 @@ class DynamoRegistrations(Extension):
                 spec.etcd, session=self.host.engine.session, auth=self.etcd_auth
             ) as etcd:
                 keys = await dynamo.withdraw_instance(etcd, spec.namespace, ids)
-            seen = await self._until_unrouted(spec.namespace, ids)
+                seen = await self._until_unrouted(spec.namespace, ids, etcd)
         except (TimeoutError, EtcdError) as exc:
             keys, seen = [], f"not withdrawn ({exc})"
         registration.routed = False if keys else registration.routed
@@ -312,9 +312,10 @@ class DynamoRegistrations(Extension):
         self.host.events.emit("dynamo.withdrawn", unit.name, why=why, keys=len(keys),
                               frontends=seen, ms=took)  # fmt: skip
 
-    async def _until_unrouted(self, namespace: str, ids: set[int]) -> str:
+    async def _until_unrouted(self, namespace: str, ids: set[int], etcd: EtcdClient) -> str:
         """Until no ready frontend of the stack in `namespace` lists any of `ids` (its
-        router picks from that list); what was seen, in words."""
+        router picks from that list); what was seen, in words. An empty list while etcd
+        holds other instances is a frontend whose etcd read failed: asked again."""
         assert self.host is not None and self.host.engine is not None
         engine = self.host.engine
         urls = [
@@ -328,8 +329,10 @@ class DynamoRegistrations(Extension):
         left = set(urls)
         while left and time.monotonic() < deadline:
             for url in sorted(left):
-                with contextlib.suppress(dynamo.DynamoHTTPError, asyncio.TimeoutError):
-                    view = await dynamo.frontend_routed_instances(engine.session, url, namespace)
+                with contextlib.suppress(dynamo.DynamoHTTPError, asyncio.TimeoutError, EtcdError):
+                    view = await dynamo.frontend_routed_checked(
+                        engine.session, url, namespace, etcd
+                    )
                     if not ids & view:
                         left.discard(url)
             if left:
@@ -404,22 +407,43 @@ class DynamoRegistrations(Extension):
     # ------------------------------------------------------------------ routed view
 
     async def _refresh_routed(self) -> None:
-        assert self.host is not None and self.host.engine is not None
-        engine = self.host.engine
         while True:
             await asyncio.sleep(_ROUTED_REFRESH_S)
-            views: dict[str, set[int]] = {}
-            for unit in engine.units.values():
-                probe = unit.spec.ready
-                if isinstance(probe, DynamoFrontendProbe) and unit.state is UnitState.READY:
-                    with contextlib.suppress(dynamo.DynamoHTTPError, asyncio.TimeoutError):
-                        views.setdefault(probe.namespace, set()).update(
-                            await dynamo.frontend_routed_instances(
-                                engine.session, probe.url, probe.namespace
-                            )
-                        )
+            views = await self._routed_views()
             for registration in self.registered.values():
                 view = views.get(registration.namespace)
                 registration.routed = (
                     None if view is None else any(i in view for i in registration.instance_ids)
                 )
+
+    async def _routed_views(self) -> dict[str, set[int]]:
+        """The instances each namespace's ready frontends list; a namespace none of them
+        answered for is left out (its shards' `routed` unknown, not false)."""
+        assert self.host is not None and self.host.engine is not None
+        views: dict[str, set[int]] = {}
+        for unit in self.host.engine.units.values():
+            probe = unit.spec.ready
+            if isinstance(probe, DynamoFrontendProbe) and unit.state is UnitState.READY:
+                with contextlib.suppress(dynamo.DynamoHTTPError, asyncio.TimeoutError, EtcdError):
+                    view = await self._routed_view(probe.url, probe.namespace)
+                    views.setdefault(probe.namespace, set()).update(view)
+        return views
+
+    async def _routed_view(self, url: str, namespace: str) -> set[int]:
+        """What the frontend at `url` lists in `namespace`; an empty list checked against
+        etcd (dynamo.confirm_unrouted), read through the namespace's workers' etcd."""
+        assert self.host is not None and self.host.engine is not None
+        session = self.host.engine.session
+        routed = await dynamo.frontend_routed_instances(session, url, namespace)
+        endpoint = next(
+            (
+                w.etcd
+                for u in self.host.engine.units.values()
+                if (w := worker_of(u.spec)) is not None and w.namespace == namespace
+            ),
+            None,
+        )
+        if not routed and endpoint is not None:
+            async with EtcdClient(endpoint, session=session, auth=self.etcd_auth) as etcd:
+                await dynamo.confirm_unrouted(url, namespace, etcd)
+        return routed

@@ -12,15 +12,20 @@ import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TypeVar
 
 import aiohttp
 import pytest
 
 from dynamod.core.ports import PortAllocator
+from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo
+from dynamod.rollout import registrations as registrations_module
 from dynamod.rollout.etcd import EtcdClient
-from tests.integration.rawstack import RawStack, Worker, raw_stack
+from dynamod.rollout.registrations import DynamoRegistrations
+from dynamod.rollout.worker_table import DynamoFrontendProbe, DynamoWorkerSpec
+from tests.integration.rawstack import RawStack, Worker, http_json, raw_stack
 
 # Below 32768: Dynamo refuses a larger DYN_SYSTEM_PORT.
 free_port = free_system_port = PortAllocator()
@@ -363,3 +368,84 @@ async def test_engine_call_against_dynamo_system_server(
     finally:
         proc.stop()
         stack.raw.procs.remove(proc)
+
+
+@pytest.mark.slow
+async def test_an_empty_health_list_is_checked_against_etcd(
+    stack: Stack,
+    session: aiohttp.ClientSession,
+    etcd: EtcdClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frontend whose own etcd read fails answers `/health` with an empty instance list
+    (Dynamo 1.6.1), as if it routed nothing: `frontend_routed_checked` takes that for no
+    answer while etcd holds instances, and for "none" where etcd holds none either. The
+    frontend reads etcd through the fault proxy, which the test takes down."""
+    stack.worker("a")
+    held = {i.instance_id for i in await dynamo.list_instances(etcd, NAMESPACE, "generate")}
+    assert held
+    listen, control, http = free_port(), free_port(), free_port()
+    upstream = f"127.0.0.1:{stack.raw.etcd_port}"
+    proxy = stack.raw.spawn("etcd-proxy", [sys.executable, "-m", "dynamod.chaos.proxy",
+                                           "--listen", str(listen), "--control", str(control),
+                                           "--upstream", upstream])  # fmt: skip
+    faults = f"http://127.0.0.1:{control}/faults"
+    proxy.wait_until("the proxy's control port", lambda: http_json("GET", faults)[0] == 200, 30)
+    env = {**stack.raw.dynamo_env(), "ETCD_ENDPOINTS": f"http://127.0.0.1:{listen}",
+           "ETCD_LEASE_TTL": "300"}  # fmt: skip
+    argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+            "--http-port", str(http), "--discovery-backend", "etcd"]  # fmt: skip
+    frontend = stack.raw.spawn("frontend-proxied", argv, env)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        await until("the proxied frontend lists the workers",
+                    lambda: _routed_or_none(session, url), lambda ids: ids == held)  # fmt: skip
+        assert await dynamo.frontend_routed_checked(session, url, NAMESPACE, etcd) == held
+        assert http_json("POST", faults, {"down": True})[0] == 200
+        await until("its etcd read fails: an empty list",
+                    lambda: _routed_or_none(session, url), lambda ids: ids == set())  # fmt: skip
+        with pytest.raises(dynamo.DynamoHTTPError, match=f"while etcd holds {len(held)}"):
+            await dynamo.frontend_routed_checked(session, url, NAMESPACE, etcd)
+        # dynamod's own readers: `routed` unknown, not false; a withdraw not "dropped"
+        registrations = _registrations(stack, session, url)
+        assert await registrations._routed_views() == {}
+        monkeypatch.setattr(registrations_module, "_WITHDRAW_WAIT_S", 1.0)
+        seen = await registrations._until_unrouted(NAMESPACE, set(held), etcd)
+        assert seen.startswith(f"still listed by {url}"), seen
+        # where etcd holds none either, the empty list is the answer
+        assert await dynamo.frontend_routed_checked(session, url, "nothing-here", etcd) == set()
+        assert http_json("POST", faults, {"down": False})[0] == 200
+        await until("it lists the workers again",
+                    lambda: _routed_or_none(session, url), lambda ids: ids == held)  # fmt: skip
+        assert await registrations._routed_views() == {NAMESPACE: held}
+        assert frontend.alive()  # it lived through its etcd's outage
+    finally:
+        for proc in (frontend, proxy):
+            proc.stop()
+            stack.raw.procs.remove(proc)
+
+
+async def _routed_or_none(session: aiohttp.ClientSession, url: str) -> set[int] | None:
+    try:
+        return await dynamo.frontend_routed_instances(session, url, NAMESPACE, timeout_s=5)
+    except (TimeoutError, dynamo.DynamoHTTPError, aiohttp.ClientError):
+        return None
+
+
+def _registrations(stack: Stack, session: aiohttp.ClientSession, url: str) -> DynamoRegistrations:
+    """dynamod's registrations extension over a host with two units: a ready frontend at
+    `url` and a worker of NAMESPACE on the stack's etcd."""
+    probe = DynamoFrontendProbe(kind="dynamo_frontend", url=url, namespace=NAMESPACE,
+                                model=MODEL)  # fmt: skip
+    table = DynamoWorkerSpec(etcd=stack.etcd_url, namespace=NAMESPACE,
+                             system_url="http://127.0.0.1:1")  # fmt: skip
+    ready = UnitState.READY
+    units = {
+        "frontend": SimpleNamespace(spec=SimpleNamespace(ready=probe, tables={}), state=ready),
+        "worker": SimpleNamespace(
+            spec=SimpleNamespace(ready=None, tables={"dynamo": table}), state=ready
+        ),
+    }
+    registrations = DynamoRegistrations()
+    registrations.host = SimpleNamespace(engine=SimpleNamespace(session=session, units=units))  # type: ignore[assignment]
+    return registrations
