@@ -77,13 +77,6 @@ def run_rounds(
                      "down_cluster_rc": down.returncode, "close_problems": problems}  # fmt: skip
 
 
-def reopened(r: NodeLossRound) -> str:
-    """How the cut node's etcd connections were opened afresh in the round: at the
-    leader's first ping after the heal, each second while its calls failed, both, or not."""
-    ways = [w for w, done in (("at the ping", r.link_back), ("each second", r.reopening)) if done]
-    return ", ".join(ways) or "no"
-
-
 @entry
 def main() -> None:
     parser = options(__doc__.splitlines()[0])
@@ -165,7 +158,7 @@ def main() -> None:
                     r.rerouted_s,
                     r.push_s,
                     r.admitted_s,
-                    reopened(r),
+                    "yes" if r.link_back else "no",
                     len(r.requests),
                     len(r.failed_during_cut()),
                     len(r.failed_after_reroute()),
@@ -232,7 +225,6 @@ def main() -> None:
                         "push_s": r.push_s,
                         "admitted_s": r.admitted_s,
                         "link_back": r.link_back,
-                        "reopening": r.reopening,
                         "requests": len(r.requests),
                         "failed_before_reroute": len(r.failed_during_cut()),
                         "marked_lost": r.marked_lost,

@@ -38,8 +38,6 @@ class NodeLossRound:
     # the cut node heard the cluster again while its etcd calls failed: its etcd connections
     # opened afresh (cluster.link_back) in the round
     link_back: bool = False
-    # it reopened them each second while its calls failed (cluster.etcd_reopening)
-    reopening: bool = False
     lost_why: str = ""  # why the head's view gave for the cut node's loss
 
     def _at_outgoing_version(self, r: Request) -> bool:
@@ -128,8 +126,7 @@ def run_round(
         lambda: rig.instance_ids(node), detect_timeout, 0.1,
     )  # fmt: skip
     lost_before = len(rig.logged("cluster.node_lost"))
-    back_before = len(_logged_by(rig, "cluster.link_back", node))
-    reopening_before = len(_logged_by(rig, "cluster.etcd_reopening", node))
+    back_before = len(_link_back(rig, node))
     gen.start()
     try:
         time.sleep(2.0)  # the load's steady state first: the round measures against it
@@ -160,14 +157,12 @@ def run_round(
         result.marked_lost = [
             str(e.get("node")) for e in rig.logged("cluster.node_lost")[lost_before:]
         ]
-        result.link_back = len(_logged_by(rig, "cluster.link_back", node)) > back_before
-        reopened = len(_logged_by(rig, "cluster.etcd_reopening", node))
-        result.reopening = reopened > reopening_before
+        result.link_back = len(_link_back(rig, node)) > back_before
     return result
 
 
-def _logged_by(rig: ClusterRig, event: str, node: str) -> list[dict[str, Any]]:
-    return [e for e in rig.logged(event) if e.get("logged_by") == node]
+def _link_back(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
+    return [e for e in rig.logged("cluster.link_back") if e.get("logged_by") == node]
 
 
 def lost_and_rerouted(

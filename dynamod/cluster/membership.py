@@ -75,9 +75,6 @@ ROUND_TIMEOUT_S = 8.0  # a publish or read round: a few calls, each failing over
 # second a node were most of an idle 8-node fleet's etcd reads).
 LEDGER_FOLLOW_S = 0.5
 HEARTBEAT_LOOK_S = 0.1  # the leader looks at what its pinger heard this often
-# Out of contact with etcd this long, and again each time this long after: every etcd
-# connection of the process opened afresh (`_reconnect_while_out`).
-RECONNECT_EVERY_S = 1.0
 LOOP_RESTART_S = 1.0  # a loop that ended anyway (a bug) starts again this much later
 STOP_GRACE_S = 3.0  # stop(): the loops' cancel, then the lease's revocation, each this long
 _T = TypeVar("_T")
@@ -120,8 +117,6 @@ class Membership(Extension):
         self._deferred: set[str] = set()  # of those, the ones whose marking waits (logged once)
         self.trouble_at: float | None = None  # monotonic: the last failed registry round
         self._reconnected_at = 0.0  # monotonic: the last `back_at` that reopened etcd's
-        self._fresh_at = 0.0  # monotonic: the last reopening while out of contact
-        self._reopening = False  # reopening while out of contact (logged once per outage)
         self.seen: set[str] = set()
         self.leader: str | None = None
         self.down_request: dict[str, Any] | None = None
@@ -361,7 +356,6 @@ class Membership(Extension):
         while not self._stopping:
             lease = self.lease
             self._reconnect_if_back()
-            self._reconnect_while_out()
             if lease is not None:
                 try:
                     await self._renew(lease)
@@ -384,29 +378,6 @@ class Membership(Extension):
         reconnect_all()
         log.info("cluster.link_back", node=self.cluster.node, after=self.error,
                  action="etcd connections opened afresh")  # fmt: skip
-
-    def _reconnect_while_out(self) -> None:
-        """While this daemon's registry calls have failed for RECONNECT_EVERY_S, its etcd
-        connections are opened afresh every RECONNECT_EVERY_S, so that the first call after
-        a heal goes out on a new connection at once. One left open across a cut waits for
-        TCP's next retransmission, whose interval doubles through the cut: seconds after a
-        cut of a few, up to two minutes after a long one. The leader's ping says sooner
-        that the link is back (`_reconnect_if_back`), but only where heartbeats are on and
-        a leader pings this node."""
-        if self._in_contact():
-            self._reopening = False
-            return
-        now = time.monotonic()
-        out_since = max(self.renewed_at or 0.0, self._fresh_at, self._reconnected_at)
-        if now - out_since < RECONNECT_EVERY_S:
-            return
-        self._fresh_at = now
-        reconnect_all()
-        if not self._reopening:
-            self._reopening = True
-            log.info("cluster.etcd_reopening", node=self.cluster.node, after=self.error,
-                     every_s=RECONNECT_EVERY_S, action="etcd connections opened afresh "
-                     "until a call goes through")  # fmt: skip
 
     async def _renew(self, lease: int) -> None:
         assert self.etcd is not None

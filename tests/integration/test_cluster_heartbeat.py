@@ -318,38 +318,6 @@ async def test_a_node_that_hears_the_cluster_again_while_its_calls_fail_reconnec
         sender.close()
 
 
-async def test_a_node_out_of_contact_reopens_its_connections_every_second(
-    leader: Membership, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With no ping to say the link is back (heartbeats off, or no leader pinging), a
-    daemon whose calls have failed for a second opens etcd's connections afresh each
-    second until one goes through; never while its calls go through."""
-    from dynamod.rollout.etcd import connection
-
-    clock = [1000.0]
-    monkeypatch.setattr(membership.time, "monotonic", lambda: clock[0])
-    before = connection.generation()
-    leader.renewed_at = leader.trouble_at = None
-    leader._reconnect_while_out()
-    assert connection.generation() == before  # never failed
-    leader.renewed_at, leader.trouble_at = 999.5, 999.9  # failing since a renewal 0.5 s ago
-    leader._reconnect_while_out()
-    assert connection.generation() == before  # not for a second yet
-    clock[0] = 1000.6
-    leader._reconnect_while_out()
-    assert connection.generation() == before + 1
-    clock[0] = 1001.4
-    leader._reconnect_while_out()
-    assert connection.generation() == before + 1  # once a second
-    clock[0] = 1001.7
-    leader._reconnect_while_out()
-    assert connection.generation() == before + 2
-    leader.renewed_at = 1001.8  # a renewal went through: in contact
-    clock[0] = 1005.0
-    leader._reconnect_while_out()
-    assert connection.generation() == before + 2
-
-
 async def test_the_leader_still_pings_a_lost_node_where_it_last_answered(
     leader: Membership,
 ) -> None:
