@@ -1,6 +1,7 @@
 """Benchmark - cluster: node loss and return on a simulated 3-node cluster.
 
     python -m bench.cluster [--quick] [--json] [--leases 2] [--heartbeat-timeouts 1.2,0]
+                            [--hold 2]
 
 Three network namespaces as nodes (root needed), one dynamod each, one CPU shard per node,
 etcd, NATS and the frontend on the head (units/stacks/cluster.toml). Each
@@ -42,10 +43,11 @@ STACK = paths.units_dir() / "stacks" / "cluster.toml"
 
 
 def run_rounds(
-    lease_ttl: int, heartbeat_timeout: float, rounds: int, load: Load
+    lease_ttl: int, heartbeat_timeout: float, rounds: int, load: Load, hold_s: float
 ) -> tuple[list[NodeLossRound], dict[str, Any]]:
     """One cluster on a registry lease of `lease_ttl` s and the leader's heartbeats at
-    `heartbeat_timeout` s (0: off): its rounds, and its start/stop."""
+    `heartbeat_timeout` s (0: off), each cut held `hold_s` s after the push: its rounds,
+    and its start/stop."""
     print(f"# cluster: registry lease {lease_ttl} s, heartbeat timeout {heartbeat_timeout:g} s",
           file=sys.stderr, flush=True)  # fmt: skip
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
@@ -64,7 +66,9 @@ def run_rounds(
         for k in range(rounds):
             node = ("n2", "n1")[k % 2]
             ckpt = make_checkpoint(rig, rig.work_dir / f"step-{k + 1}", 1.0 + 0.01 * (k + 1))
-            results.append(run_round(rig, node, step=k + 1, checkpoint=ckpt, load=load))
+            results.append(
+                run_round(rig, node, step=k + 1, checkpoint=ckpt, load=load, hold_s=hold_s)
+            )
         down_started = time.monotonic()
         down = rig.run("head", "down", "--cluster", timeout=300)
         down_s = time.monotonic() - down_started
@@ -73,6 +77,7 @@ def run_rounds(
     if not problems:  # a clean run leaves nothing in /tmp; a failed one keeps the logs
         shutil.rmtree(rig.work_dir, ignore_errors=True)
     return results, {"lease_ttl": lease_ttl, "heartbeat_timeout": heartbeat_timeout,
+                     "hold_s": hold_s,
                      "up_s": up_s, "down_cluster_s": down_s,
                      "down_cluster_rc": down.returncode, "close_problems": problems}  # fmt: skip
 
@@ -91,7 +96,16 @@ def main() -> None:
         help="the leader's heartbeat timeouts to run side by side on each lease, s, 0: off "
         "(default: the stack's, then 0; quick: the stack's alone)",
     )
+    parser.add_argument(
+        "--hold",
+        type=float,
+        default=2.0,
+        help="seconds each cut node stays cut after the push (default 2; a longer cut "
+        "shows what a return waits on connections left open across it)",
+    )
     args = parser.parse_args()
+    if not 0 <= args.hold <= 240:
+        parser.error(f"--hold: seconds from 0 to 240 (Dynamo's lease is 300 s); got {args.hold:g}")
     stack = tomllib.loads(STACK.read_text())
     stock_ttl = int(stack["cluster"]["lease_ttl"])
     # what the router would take without dynamod: Dynamo's own lease (its default 30 s)
@@ -122,7 +136,7 @@ def main() -> None:
     rounds = 1 if args.quick else 3
     load_at_start = os.getloadavg()
     load = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
-    runs = [run_rounds(ttl, beat, rounds, load) for ttl in leases for beat in beats]
+    runs = [run_rounds(ttl, beat, rounds, load, args.hold) for ttl in leases for beat in beats]
     load_at_end = os.getloadavg()
     table = Table(
         "Per round: a worker node's link cut under load, a push during the cut, the link back",
@@ -255,7 +269,8 @@ def main() -> None:
     for _, info in runs:
         report.notes.append(
             f"lease {info['lease_ttl']} s, heartbeat timeout "
-            f"{info['heartbeat_timeout'] or 'off'}: cluster up in {info['up_s']:.1f}s; "
+            f"{info['heartbeat_timeout'] or 'off'}, each cut held {info['hold_s']:g} s after "
+            f"the push: cluster up in {info['up_s']:.1f}s; "
             f"down --cluster in {info['down_cluster_s']:.1f}s (exit "
             f"{info['down_cluster_rc']}); leftovers: {info['close_problems'] or 'none'}"
         )

@@ -114,6 +114,7 @@ def run_round(
     model: str = "tiny-cpu",
     detect_timeout: float = 30,
     rejoin_timeout: float = 60,
+    hold_s: float = 2.0,
 ) -> NodeLossRound:
     head = rig.names[0]
     result = NodeLossRound(node=node, step=step)
@@ -143,7 +144,7 @@ def run_round(
         result.push_s = time.monotonic() - started
         current[0] = step
         result.push_done_at = time.monotonic() - gen.origin
-        time.sleep(2.0)  # load at the new version while the node is still cut off
+        time.sleep(hold_s)  # load at the new version while the node is still cut off
         healed = time.monotonic()
         rig.heal(node)
         rig.wait(f"{node}'s shards admitted at version {step}",
