@@ -276,14 +276,14 @@ async def frontend_routed_instances(
 ) -> set[int]:
     """Instance ids the frontend currently knows for `endpoint` in `namespace`.
 
-    The frontend's `GET /health` lists the instances in its discovery view (the same JSON as
-    the etcd values), which is the set its router picks from. It follows etcd's watch: a
-    revoked lease disappears from it within milliseconds; a SIGKILLed worker stays until its
-    lease expires (20-30 s), meanwhile each failed connect only benches it for 5 s, so some
-    requests keep failing with 503 unless the frontend runs with `--migration-limit`.
-    The list is read from etcd per call: a frontend whose etcd member is cut off answers
-    late, and one whose read failed answers an empty list (Dynamo 1.6.1), as if it had no
-    instance at all; `frontend_routed_checked` tells the two apart.
+    The frontend's `GET /health` lists the instances registered in etcd (the same JSON as
+    the etcd values), the keys its router's discovery watch follows for the set it picks
+    from: a revoked lease disappears from both within milliseconds; a SIGKILLed worker stays
+    until its lease expires (20-30 s), meanwhile each failed connect only benches it for 5
+    s, so some requests keep failing with 503 unless the frontend runs with
+    `--migration-limit`. Dynamo 1.6.1 reads the list from etcd per call: a frontend whose
+    etcd member is cut off answers late, and one whose read failed answers an empty list,
+    as if it had no instance at all; `frontend_routed_checked` tells the two apart.
     """
     url = f"{frontend_url.rstrip('/')}/health"
     data = await _get_json(session, url, timeout_s)
