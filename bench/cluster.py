@@ -1,7 +1,7 @@
 """Benchmark - cluster: node loss and return on a simulated 3-node cluster.
 
     python -m bench.cluster [--quick] [--json] [--leases 2] [--heartbeat-timeouts 1.2,0]
-                            [--hold 2]
+                            [--hold 2] [--keep]
 
 Three network namespaces as nodes (root needed), one dynamod each, one CPU shard per node,
 etcd, NATS and the frontend on the head (units/stacks/cluster.toml). Each
@@ -43,11 +43,16 @@ STACK = paths.units_dir() / "stacks" / "cluster.toml"
 
 
 def run_rounds(
-    lease_ttl: int, heartbeat_timeout: float, rounds: int, load: Load, hold_s: float
+    lease_ttl: int,
+    heartbeat_timeout: float,
+    rounds: int,
+    load: Load,
+    hold_s: float,
+    keep: bool = False,
 ) -> tuple[list[NodeLossRound], dict[str, Any]]:
     """One cluster on a registry lease of `lease_ttl` s and the leader's heartbeats at
     `heartbeat_timeout` s (0: off), each cut held `hold_s` s after the push: its rounds,
-    and its start/stop."""
+    and its start/stop. Its work dir (the logs) goes after a clean run unless `keep`."""
     print(f"# cluster: registry lease {lease_ttl} s, heartbeat timeout {heartbeat_timeout:g} s",
           file=sys.stderr, flush=True)  # fmt: skip
     work_dir = Path(tempfile.mkdtemp(prefix="dmc", dir="/tmp"))
@@ -74,8 +79,10 @@ def run_rounds(
         down_s = time.monotonic() - down_started
     finally:
         problems = rig.close()
-    if not problems:  # a clean run leaves nothing in /tmp; a failed one keeps the logs
-        shutil.rmtree(rig.work_dir, ignore_errors=True)
+    if not problems and not keep:  # a clean run leaves nothing in /tmp; a failed one keeps
+        shutil.rmtree(rig.work_dir, ignore_errors=True)  # the logs
+    else:
+        print(f"# cluster: logs kept in {rig.work_dir}", file=sys.stderr, flush=True)
     return results, {"lease_ttl": lease_ttl, "heartbeat_timeout": heartbeat_timeout,
                      "hold_s": hold_s,
                      "up_s": up_s, "down_cluster_s": down_s,
@@ -102,6 +109,12 @@ def main() -> None:
         default=2.0,
         help="seconds each cut node stays cut after the push (default 2; a longer cut "
         "shows what a return waits on connections left open across it)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep each cluster's work dir (the daemons' and units' logs) after a clean run "
+        "(its path goes to stderr)",
     )
     args = parser.parse_args()
     if not 0 <= args.hold <= 240:
@@ -136,7 +149,11 @@ def main() -> None:
     rounds = 1 if args.quick else 3
     load_at_start = os.getloadavg()
     load = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
-    runs = [run_rounds(ttl, beat, rounds, load, args.hold) for ttl in leases for beat in beats]
+    runs = [
+        run_rounds(ttl, beat, rounds, load, args.hold, args.keep)
+        for ttl in leases
+        for beat in beats
+    ]
     load_at_end = os.getloadavg()
     table = Table(
         "Per round: a worker node's link cut under load, a push during the cut, the link back",
