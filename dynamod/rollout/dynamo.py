@@ -358,6 +358,8 @@ async def frontend_readiness(
             instance_part += " (of the stack's live workers"
             others = len(routed - current)
             instance_part += f"; {others} other(s) not counted)" if others else ")"
+        if not routed:  # Dynamo answers an empty list when its own etcd read fails
+            instance_part += " (it listed none: no worker registered, or its own etcd read failed)"
     except DynamoHTTPError as err:
         count = -1
         instance_part = f"cannot read the frontend's instances: {err}"

@@ -174,7 +174,8 @@ async def test_frontend_readiness_waits_for_instances_and_model(
     before = await readiness(1)
     assert before == (
         False,
-        f"0/1 generate instances in namespace {NAMESPACE} in the frontend's view; "
+        f"0/1 generate instances in namespace {NAMESPACE} in the frontend's view (it listed "
+        "none: no worker registered, or its own etcd read failed); "
         f"model 'tiny' not in {url}/v1/models (saw [])",
     )
 
