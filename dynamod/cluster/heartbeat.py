@@ -288,8 +288,6 @@ class Hearing:
     why_lost: dict[str, str] = field(default_factory=dict)
     withheld: set[str] = field(default_factory=set)  # silent, not judged: logged once
     waiting: set[str] = field(default_factory=set)  # judged, its revocation failed: logged once
-    # every node's last (address, heartbeat port): a lost node is still pinged there
-    ports: dict[str, tuple[str, int]] = field(default_factory=dict)
 
     def stop_pinging(self) -> None:
         if self.pinger is not None:

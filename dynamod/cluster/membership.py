@@ -786,24 +786,21 @@ class Membership(Extension):
 
     def _heard_by_me(self) -> dict[str, tuple[str, int]]:
         """The nodes this daemon pings, at (address, heartbeat port): as the leader, every
-        other node, and each lost one at the port it last gave, seen in its entry or kept in
-        its lost record (its pings after a heal tell it that its link is back:
-        `_reconnect_if_back`); as the deputy (the first of the other nodes by name), the
-        leader alone, whom no one else hears; none otherwise."""
+        other node, and each lost one where its lost record says it last echoed (its pings
+        after a heal tell it that its link is back: `_reconnect_if_back`); as the deputy
+        (the first of the other nodes by name), the leader alone, whom no one else hears;
+        none otherwise."""
         me, leader = self.cluster.node, self.leader
         others = {
             name: (e.address, e.heartbeat_port)
             for name, e in self.entries.items()
             if name != me and e.heartbeat_port
         }
-        known = self._hearing.ports
-        known.update(others)
         if leader == me:
             lost = {
                 name: where
                 for name, record in self.lost.items()
-                if name not in others and name != me
-                and (where := known.get(name) or _last_heard_at(record)) is not None
+                if name not in others and name != me and (where := record.heard_at) is not None
             }
             return {**others, **lost}
         deputy = min((name for name in self.entries if name != leader), default=None)
@@ -1057,13 +1054,6 @@ async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Even
         await asyncio.gather(task, wake, return_exceptions=True)
     if task in done:
         task.result()
-
-
-def _last_heard_at(record: LostRecord) -> tuple[str, int] | None:
-    """Where a lost node's daemon last echoed heartbeats, as its lost record keeps it."""
-    if record.address and record.heartbeat_port:
-        return record.address, record.heartbeat_port
-    return None
 
 
 def publish_wait(failed: int, period: float) -> float:

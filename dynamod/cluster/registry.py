@@ -290,11 +290,18 @@ class LostRecord:
     # why its entry went: its lease's expiry, or the leader's revocation of a silent node
     # (cluster/heartbeat.py); a record written before this was kept has the first
     why: str = LEASE_EXPIRED
-    # where its daemon last echoed heartbeats: a leader keeps pinging a lost node there, so
-    # that it hears its link is back, even a leader that never saw its entry (one that
-    # restarted or took over meanwhile); a record written before this was kept has none
+    # where its daemon last echoed heartbeats: the leader keeps pinging a lost node there,
+    # so that it hears its link is back, whether or not that leader saw its entry (one that
+    # restarted meanwhile did not); a record written before this was kept has none
     address: str = ""
     heartbeat_port: int | None = None
+
+    @property
+    def heard_at(self) -> tuple[str, int] | None:
+        """(address, heartbeat port) where its daemon last echoed; None if not kept."""
+        if self.address and self.heartbeat_port:
+            return self.address, self.heartbeat_port
+        return None
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -435,6 +435,8 @@ class DynamoRegistrations(Extension):
         assert self.host is not None and self.host.engine is not None
         session = self.host.engine.session
         routed = await dynamo.frontend_routed_instances(session, url, namespace)
+        if routed:
+            return routed
         endpoint = next(
             (
                 w.etcd
@@ -443,7 +445,7 @@ class DynamoRegistrations(Extension):
             ),
             None,
         )
-        if not routed and endpoint is not None:
+        if endpoint is not None:
             async with EtcdClient(endpoint, session=session, auth=self.etcd_auth) as etcd:
                 await dynamo.confirm_unrouted(url, namespace, etcd)
         return routed

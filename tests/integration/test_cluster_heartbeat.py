@@ -328,7 +328,8 @@ async def test_the_leader_still_pings_a_lost_node_where_it_last_answered(
     del leader.entries["n1"]  # its entry went
     assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}  # not lost: stopped
     leader.lost = {"n1": registry.LostRecord(node="n1", since=0.0, by="head", shards=[],
-                                             revoked=[])}  # fmt: skip
+                                             revoked=[], address="127.0.0.1",
+                                             heartbeat_port=4001)}  # fmt: skip
     assert leader._heard_by_me() == {"n1": ("127.0.0.1", 4001), "n2": ("127.0.0.1", 4002)}
     leader.leader = "n2"  # no longer the leader: as the deputy, it pings the leader alone
     assert leader._heard_by_me() == {"n2": ("127.0.0.1", 4002)}
@@ -377,8 +378,10 @@ async def test_a_lost_node_still_pinged_is_never_judged_nor_counted(
     try:
         await _judging(leader, 0.5)
         del leader.entries["n1"]  # its lease expired: lost, not judged by the heartbeats
+        assert lost.responder is not None
         leader.lost = {"n1": registry.LostRecord(node="n1", since=0.0, by="head", shards=[],
-                                                 revoked=[])}  # fmt: skip
+                                                 revoked=[], address="127.0.0.1",
+                                                 heartbeat_port=lost.responder.port)}  # fmt: skip
         _silence(lost)
         _silence(quiet)
         await _judging(leader, 1.5)
