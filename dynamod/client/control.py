@@ -105,6 +105,11 @@ class Client:
         )
         return result
 
+    def forget_node(self, node: str) -> dict[str, Any]:
+        """A cluster node gone for good (`dynamod cluster forget`): what went with it."""
+        result: dict[str, Any] = self.request("POST", "/cluster/forget", {"node": node}, timeout=60)
+        return result
+
     def restart(self, unit: str) -> dict[str, Any]:
         result: dict[str, Any] = self.request("POST", f"/restart/{unit}", timeout=120)
         return result

@@ -29,8 +29,9 @@ import structlog
 from aiohttp import web
 
 from dynamod.cluster import heartbeat, join, parking, registry
+from dynamod.cluster.forget import ForgetRefused, forget_node
 from dynamod.cluster.parking import ParkedKey
-from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
+from dynamod.cluster.registry import ForgottenRecord, LostRecord, NodeEntry, UnitEntry
 from dynamod.cluster.secrets import load_etcd_auth
 from dynamod.cluster.shutdown import ClusterShutdown, carry_out
 from dynamod.core.errors import DynamodError
@@ -91,6 +92,7 @@ class Membership(Extension):
     """Control socket routes:
     GET  /cluster        the cluster view (also the `cluster` key of `status`)
     POST /cluster/down   stop every node in reverse dependency order (cluster/shutdown.py)
+    POST /cluster/forget a node gone for good: {"node"} (cluster/forget.py)
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class Membership(Extension):
         self._resync = asyncio.Event()  # this daemon's own calls failed: read it whole again
         self._decoded = registry.EntryCache()
         self.lost: dict[str, LostRecord] = {}
+        self.forgotten: dict[str, ForgottenRecord] = {}  # `dynamod cluster forget`
         # Nodes whose entry vanished and that the leader has not marked lost yet: a marking
         # that failed (etcd) is tried again at the next read while the entry is still gone.
         self._unmarked: dict[str, NodeEntry] = {}
@@ -277,7 +280,37 @@ class Membership(Extension):
             report["this_node_down"] = await self._down_here()
             return web.json_response(report)
 
-        return [web.get("/cluster", view), web.post("/cluster/down", down)]
+        async def forget(request: web.Request) -> web.Response:
+            body: dict[str, Any] = {}
+            with contextlib.suppress(ValueError):
+                body = await request.json()
+            return web.json_response(await self.forget(str(body.get("node", ""))))
+
+        return [
+            web.get("/cluster", view),
+            web.post("/cluster/down", down),
+            web.post("/cluster/forget", forget),
+        ]
+
+    async def forget(self, node: str) -> dict[str, Any]:
+        """`dynamod cluster forget NODE` (cluster/forget.py): what went, and its state."""
+        if node not in self.cluster.nodes:
+            raise ForgetRefused(
+                f"no node {node!r} in stack {self.stack}'s [cluster] nodes "
+                f"({', '.join(self.cluster.nodes)})"
+            )
+        assert self.etcd is not None and self.host is not None
+        done = await forget_node(self.etcd, self.stack, node, self.cluster.node)
+        self.host.events.emit("cluster.node_forgotten", node=node, by=self.cluster.node,
+                              was_lost=done.was_lost, revoked=done.revoked)  # fmt: skip
+        # this daemon's view at once (the watch's copy of the registry may lag the write)
+        self.forgotten[node] = done.record
+        self.lost.pop(node, None)
+        self.seen.discard(node)
+        return {**done.as_dict(), "state": self._state_of(node)}
+
+    def _state_of(self, node: str) -> str:
+        return str(registry.node_state(node, self.entries, self.lost, self.seen, self.forgotten))
 
     def status(self) -> dict[str, Any]:
         return {"cluster": self.view()}
@@ -292,6 +325,7 @@ class Membership(Extension):
             self.seen,
             self.leader,
             self.error,
+            self.forgotten,
         )
 
     # ------------------------------------------------------------------ our entry
@@ -434,6 +468,7 @@ class Membership(Extension):
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
+            await self._unforget()
             if self.cluster.is_head:  # what `up --join` on another node reads
                 await self.etcd.put(join.spec_key(self.stack), self._bundle().encode())
         now = time.monotonic()
@@ -493,7 +528,16 @@ class Membership(Extension):
                 self.policy.rejoin(unit, "its node was lost; back, replaying the current policy")
         if record is not None:  # a newer record (lost again meanwhile) is the next return's
             await parking.clear_record(self.etcd, record)
+        await self._unforget()
         self._returning = False
+
+    async def _unforget(self) -> None:
+        """This node publishes its entry: a forgotten record of it (`cluster forget`, while
+        it was cut off or stopped) no longer holds."""
+        assert self.etcd is not None
+        if await self.etcd.delete(registry.forgotten_key(self.stack, self.cluster.node)):
+            log.warning("cluster.back_after_forgotten", node=self.cluster.node,
+                        why="an operator said this node was gone for good; it is back")  # fmt: skip
 
     async def _put_back(self, unit: Unit, parked: list[ParkedKey]) -> Unit | None:
         """The shard's parked keys back on its lease, it paused first; the unit if done."""
@@ -623,9 +667,15 @@ class Membership(Extension):
             log.warning("cluster.bad_record", key=key, error=error)
         entries, leader, down = found.entries, found.leader, found.down
         before = self.entries
-        self.entries, self.lost, self.leader = entries, found.lost, leader
+        # a forgotten node is neither lost (pinged, its record shown) nor unseen (waited
+        # for), whatever record a marking that raced the forget left; its entry, if it comes
+        # back, decides
+        forgotten = {n: r for n, r in found.forgotten.items() if n not in entries}
+        lost = {n: r for n, r in found.lost.items() if n not in forgotten}
+        self.entries, self.lost, self.leader = entries, lost, leader
+        self.forgotten = found.forgotten
         self.down_request, self.down_acks = down, found.acks
-        self.seen |= set(entries)
+        self.seen = (self.seen | set(entries)) - set(forgotten)
         if not self._read_once:  # a request older than this daemon is not for it
             self._read_once = True
             self._stale_down_id = str(down.get("id")) if down else None
@@ -659,6 +709,10 @@ class Membership(Extension):
         # read() also runs from a push (await_other_nodes) beside the read loop: a marking is
         # taken out of _unmarked before it starts, so no other read starts it again
         for name in list(self._unmarked):
+            if name in self.forgotten and name not in entries:  # gone for good, it was said
+                self._unmarked.pop(name, None)
+                self._deferred.discard(name)
+                continue
             if name in entries:  # it published again: nothing to mark
                 self._unmarked.pop(name, None)
                 revoked.pop(name, None)

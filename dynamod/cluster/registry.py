@@ -8,6 +8,8 @@ as up, lost or behind. Keys, under `dynamod/<stack>/cluster/`:
                       unit's change rewrites its own ~300 bytes, not the node's whole entry
                       (~10 KB at 32 shards, rewritten ~30 times a push at 8 x 32)
     lost/<node>       LostRecord: the node's lease expired; its shards and what was revoked
+    forgotten/<node>  ForgottenRecord: an operator said the node is gone for good
+                      (`dynamod cluster forget`); deleted by the node itself if it returns
     leader            the node that handles losses, on its own lease
     down              a cluster-wide stop request: {"id", "step", "units", "by"}
     down-acks/<node>  {"id", "step", "stopped": [...]} per node
@@ -46,6 +48,10 @@ def unit_key(stack: str, node: str, unit: str) -> str:
 
 def lost_key(stack: str, node: str) -> str:
     return f"{prefix(stack)}lost/{node}"
+
+
+def forgotten_key(stack: str, node: str) -> str:
+    return f"{prefix(stack)}forgotten/{node}"
 
 
 def leader_key(stack: str) -> str:
@@ -91,6 +97,7 @@ class NodeState(StrEnum):
     UP = "up"  # its entry is there, on a live lease
     LOST = "lost"  # its lease expired (or a lost record says so and no entry came back)
     UNKNOWN = "unknown"  # configured, never seen in this daemon's life
+    FORGOTTEN = "forgotten"  # gone for good, an operator said (`dynamod cluster forget`)
 
 
 @dataclass(frozen=True)
@@ -223,6 +230,7 @@ class Snapshot:
 
     entries: dict[str, NodeEntry] = field(default_factory=dict)
     lost: dict[str, LostRecord] = field(default_factory=dict)
+    forgotten: dict[str, ForgottenRecord] = field(default_factory=dict)
     leader: str | None = None
     down: dict[str, Any] | None = None
     acks: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -246,6 +254,8 @@ def parse(stack: str, kvs: Iterable[KeyValue], cache: EntryCache) -> Snapshot:
                 units.setdefault(node, {})[unit] = kv.value
             elif kind == "lost":
                 out.lost[name] = LostRecord.decode(kv.value)
+            elif kind == "forgotten":
+                out.forgotten[name] = ForgottenRecord.decode(kv.value)
             elif kind == "leader":
                 out.leader = kv.value.decode()
             elif kind == "down":
@@ -316,14 +326,38 @@ class LostRecord:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+@dataclass(frozen=True)
+class ForgottenRecord:
+    """`dynamod cluster forget NODE`: who said the node is gone for good, and when."""
+
+    node: str
+    by: str  # the node whose daemon was asked
+    at: float  # wall clock, for people
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> ForgottenRecord:
+        data = json.loads(raw)
+        if not isinstance(data, dict):
+            raise ValueError("a forgotten record is not a JSON object")
+        return cls(node=str(data["node"]), by=str(data["by"]), at=float(data["at"]))
+
+
 def node_state(
     name: str,
     entries: Mapping[str, NodeEntry],
     lost: Mapping[str, LostRecord],
     seen: AbstractSet[str],
+    forgotten: Mapping[str, ForgottenRecord] | None = None,
 ) -> NodeState:
+    """Its entry decides first (a forgotten node that came back is up), then a forgotten
+    record, then a lost record or this daemon's memory of it."""
     if name in entries:
         return NodeState.UP
+    if forgotten and name in forgotten:
+        return NodeState.FORGOTTEN
     if name in lost or name in seen:
         return NodeState.LOST
     return NodeState.UNKNOWN
@@ -370,6 +404,7 @@ def view(
     seen: set[str],
     leader: str | None,
     error: str | None,
+    forgotten: dict[str, ForgottenRecord] | None = None,
 ) -> dict[str, Any]:
     """The `cluster` key of `status --json`: every configured node with its state and units."""
     current = max(
@@ -378,9 +413,10 @@ def view(
     late = behind(entries, current)
     rows = []
     for name, address in nodes.items():
-        state = node_state(name, entries, lost, seen)
+        state = node_state(name, entries, lost, seen, forgotten)
         entry = entries.get(name)
         record = lost.get(name)
+        gone = (forgotten or {}).get(name)
         rows.append(
             {
                 "name": name,
@@ -392,6 +428,7 @@ def view(
                 "units": list(entry.unit_rows) if entry else [],
                 "behind": late.get(name, []),
                 "lost": asdict(record) if record and state is NodeState.LOST else None,
+                "forgotten": asdict(gone) if gone and state is NodeState.FORGOTTEN else None,
             }
         )
     return {

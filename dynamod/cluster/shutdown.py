@@ -95,6 +95,7 @@ class ClusterShutdown:
         with contextlib.suppress(Exception):  # a clean stop leaves no lost record behind
             assert self.view.etcd is not None
             await self.view.etcd.delete_prefix(registry.prefix(self.view.stack) + "lost/")
+            await self.view.etcd.delete_prefix(registry.prefix(self.view.stack) + "forgotten/")
         me = cluster.node
         first = [n for n in live if n not in {cluster.head, me}]
         await self._step(EXIT, [], first)

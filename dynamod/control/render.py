@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -182,6 +183,10 @@ def cluster_tree(cluster: Mapping[str, Any]) -> list[str]:
                 f"{', '.join(lost['shards']) or '-'} marked lost by "
                 f"{lost['by']}, registrations revoked: {', '.join(lost['revoked']) or 'none'}"
             )
+        if node.get("forgotten"):
+            gone = node["forgotten"]
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(gone["at"]))
+            detail += f"  gone for good, said on {gone['by']} at {when} (`dynamod cluster forget`)"
         rows.append(
             [
                 f"{'└─' if last_node else '├─'} {node['name']}{role}",

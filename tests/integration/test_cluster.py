@@ -5,7 +5,9 @@ a second stack on the cluster's etcd and NATS kept apart from it (stack identity
 copies claiming the cluster's identity refused; a worker node cut under load (detection,
 re-routing, serving continues, a push commits meanwhile, only that node is marked lost);
 the link healed (its shard gets its registration back and replays the pushed version, no
-restart); one node's dynamod restarted without disturbing the others; a node started
+restart); the same node cut again and forgotten (`cluster forget`: not waited for by a
+push; healed, it rejoins with its shard started again); one node's dynamod restarted
+without disturbing the others; a node started
 again by `up --join ADDR` alone; `down --cluster` leaves no process, cgroup or namespace.
 Skipped, with the reason, only where network namespaces cannot be made."""
 
@@ -262,6 +264,61 @@ def test_the_healed_node_rejoins_at_the_pushed_version(
     policy = json.loads(rig.run("n2", "policy", "status", "--json").stdout)
     assert policy["current"] == 1
     assert [s["policy_version"] for s in policy["shards"]] == [1]
+
+
+def test_a_lost_node_forgotten_is_not_waited_for_and_rejoins_if_it_comes_back(
+    rig: ClusterRig, loss_round: NodeLossRound, tmp_path: Path
+) -> None:
+    """`dynamod cluster forget`: a name the cluster lacks is bad input, a node that is up is
+    refused; n2 cut, lost, then forgotten from n1: every node shows it forgotten, and a push
+    neither names it lost nor waits for it. Healed after all, n2 is up again: its forgotten
+    record gone, its shard (whose Dynamo lease the forget revoked) started again, routed and
+    at the version pushed meanwhile."""
+    unknown = rig.run("n1", "cluster", "forget", "n9")
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown.stderr
+    assert "no node 'n9' in the cluster (head, n1, n2)" in unknown.stderr
+    up = rig.run("head", "cluster", "forget", "n1")
+    assert up.returncode == 1 and "node n1 is up" in up.stderr, up.stderr
+    old = rig.instance_ids("n2")
+    ckpt = make_checkpoint(rig, tmp_path / "step-2", 1.02)
+    rig.cut("n2")
+    try:
+        rig.wait("n2 lost in n1's view",
+                 lambda: _cluster(rig.status("n1"))["n2"]["state"] == "lost", 30)  # fmt: skip
+        done = rig.run("n1", "cluster", "forget", "n2", "--json")
+        assert done.returncode == 0, done.stderr[-2000:]
+        result = json.loads(done.stdout)
+        assert result["was_lost"] and result["shards"] == ["n2/worker@0"], result
+        assert result["state"] == "forgotten" and result["lease_records"] == ["worker@0"]
+        assert result["ledger_records"] == ["worker@0"] and result["revoked"], result
+        rig.wait("n2 forgotten in the head's view",
+                 lambda: _cluster(rig.status("head"))["n2"]["state"] == "forgotten",
+                 10)  # fmt: skip
+        assert "gone for good, said on n1" in rig.run("head", "status").stdout
+        started = time.monotonic()
+        pushed = push_from(rig, 2, ckpt)
+        took = time.monotonic() - started
+        assert pushed["ok"] and pushed["lost_nodes"] == [] and pushed["unseen_nodes"] == []
+        assert "n2" not in pushed["nodes"], pushed["nodes"]
+        assert took < 60, f"the push waited {took:.1f}s: it must not wait for a forgotten node"
+    finally:
+        rig.heal("n2")
+    rig.wait("n2 back: up, at v2, its shard started again and routed",
+             lambda: _cluster(rig.status("head"))["n2"]["state"] == "up"
+             and [u["policy_version"] for u in _cluster(rig.status("head"))["n2"]["units"]
+                  if u["shard"]] == [2]
+             and bool((new := rig.instance_ids("n2")) and not new & old and new & rig.routed()),
+             120)  # fmt: skip
+    assert [e["logged_by"] for e in rig.logged("cluster.back_after_forgotten")] == ["n2"]
+    assert _cluster(rig.status("n1"))["n2"]["forgotten"] is None
+
+
+def push_from(rig: ClusterRig, step: int, checkpoint: Path) -> dict[str, Any]:
+    pushed = rig.run("head", "policy", "push", "--step", str(step), "--path", str(checkpoint),
+                     "--json", timeout=300)  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr[-2000:]
+    answer: dict[str, Any] = json.loads(pushed.stdout)
+    return answer
 
 
 def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(

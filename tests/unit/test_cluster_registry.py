@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from dynamod.cluster import registry
-from dynamod.cluster.registry import LostRecord, NodeEntry, UnitEntry
+from dynamod.cluster.registry import ForgottenRecord, LostRecord, NodeEntry, UnitEntry
 from dynamod.control.render import cluster_tree
 
 NODES = {"head": "10.1.0.1", "n1": "10.1.0.2", "n2": "10.1.0.3"}
@@ -149,6 +149,37 @@ def test_the_view_marks_lost_nodes_and_names_shards_behind() -> None:
     assert "behind the current policy version: n1" in text
     assert "└─ n2" in text and "lost" in text and "marked lost by head" in text
     assert "├─ head (head)" in text and "v2" in text
+
+
+def test_a_forgotten_node_shows_forgotten_until_its_entry_comes_back() -> None:
+    """`cluster forget`: the forgotten record outranks a lost record and this daemon's
+    memory of the node; an entry (the node came back after all) outranks both."""
+    base = registry.prefix("s")
+    gone = ForgottenRecord("n2", "n1", 1700000000.0)
+    assert ForgottenRecord.decode(gone.encode()) == gone
+    with pytest.raises(ValueError, match="not a JSON object"):
+        ForgottenRecord.decode("[]")
+    rows = [SimpleNamespace(key=registry.forgotten_key("s", "n2"), value=gone.encode().encode()),
+            SimpleNamespace(key=f"{base}forgotten/n1", value=b"{}")]  # fmt: skip
+    found = registry.parse("s", rows, registry.EntryCache())
+    assert found.forgotten == {"n2": gone}
+    assert [key for key, _ in found.bad] == [f"{base}forgotten/n1"]
+    entries = {"head": entry("head", 3), "n1": entry("n1", 3)}
+    lost = {"n2": LostRecord("n2", 1.0, "head", ["n2/worker@0"], ["ab"])}
+    forgotten = {"n2": gone}
+    state = registry.node_state
+    assert state("n2", entries, lost, set(NODES), forgotten) is registry.NodeState.FORGOTTEN
+    assert state("n2", entries, {}, set(), forgotten) is registry.NodeState.FORGOTTEN
+    assert state("n2", {**entries, "n2": entry("n2", 3)}, lost, set(NODES),
+                 forgotten) is registry.NodeState.UP  # fmt: skip
+    assert state("n2", entries, lost, set(NODES)) is registry.NodeState.LOST
+    view = registry.view(NODES, "head", "n1", entries, lost, set(NODES), "head", None, forgotten)
+    n2 = {n["name"]: n for n in view["nodes"]}["n2"]
+    assert n2["state"] == "forgotten" and n2["lost"] is None
+    assert n2["forgotten"] == {"node": "n2", "by": "n1", "at": 1700000000.0}
+    text = "\n".join(cluster_tree(view))
+    assert "forgotten" in text and "gone for good, said on n1" in text
+    assert "marked lost" not in text
 
 
 def test_each_node_reaches_the_registry_through_its_own_member_first() -> None:

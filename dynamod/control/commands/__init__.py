@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "policy": ("policy", "policy_group"),
     "chaos": ("chaos", "chaos_group"),
     "secrets": ("secrets", "secrets_group"),
+    "cluster": ("cluster", "cluster_group"),
 }
 
 
