@@ -212,6 +212,19 @@ def good_rate(records: list[Record], start: float, end: float) -> float:
     return sum(1 for r in records if r.good and start <= r.end < end) / (end - start)
 
 
+def good_series(
+    records: list[Record], start: float, end: float, window: float, step: float = 1.0
+) -> list[float]:
+    """Goodput (good req/s) in windows of `window` s starting every `step` s from `start`
+    while a whole window fits before `end`: the windows recovery_s judges, for a picture."""
+    out = []
+    s = start
+    while s + window <= end + 1e-9:
+        out.append(good_rate(records, s, s + window))
+        s += step
+    return out
+
+
 def recovery_s(
     records: list[Record],
     fault: float,

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import aiperf_run
+from bench import aiperf_run, goodput_plot
 from bench.aiperf_run import Load, Record
 from bench.load_kill import DynamodVariant, PlainVariant, SupervisordVariant, Variant
 from bench.procs import bench_mark, kill_group, state_dir, sweep, wait_until
@@ -75,6 +75,7 @@ CONCURRENCY = (4, 16)
 TTFT_SLO_MS, ITL_SLO_MS = 1500.0, 50.0
 WORKERS = 2
 WARMUP_S = 1.0  # the first requests of a run, left out of its pre-fault goodput
+WINDOW_STEP_S = 0.5  # the goodput picture's windows start this far apart
 MIGRATION_LIMIT = 3  # the stock frontend's
 
 
@@ -304,6 +305,15 @@ def recovery(result: dict[str, Any], records: list[Record], quick: bool) -> None
     )
 
 
+def windows(records: list[Record], result: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """The run's goodput in the windows `recovery` judges (every WINDOW_STEP_S from the
+    run's start), for its picture (bench.goodput_plot)."""
+    window = 2.0 if quick else 3.0
+    rps = aiperf_run.good_series(records, result["start"], result["run_end"], window,
+                                 WINDOW_STEP_S)  # fmt: skip
+    return {"window_s": window, "step_s": WINDOW_STEP_S, "rps": rps}
+
+
 # --------------------------------------------------------------------------- the runs
 
 
@@ -357,6 +367,11 @@ def parse_args() -> Any:
         "--faults", type=_faults, default=list(FAULTS),
         help=f"comma-separated, of: {', '.join(FAULTS)}; or none, for the fault-free runs "
         "alone (full profile; default all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--png", type=Path, default=None, metavar="DIR",
+        help="also draw each fault's goodput over time, the supervisors side by side, into "
+        "DIR/goodput-FAULT.png (bench.goodput_plot; it redraws them from a --json output)",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=_rounds, default=1,
@@ -432,6 +447,7 @@ def one_supervisor(
         load = load_for(run, concurrency, seconds)
         records, summary, _ = drive(run, load, None, 0, work)
         reference = {**measured(run.name, load, records, summary, None), "fault": "none"}
+        reference["goodput_windows"] = windows(records, reference, quick)
         out.append(reference)
     for fault in faults:
         if fault == "push" and cls is not DynamodRun:
@@ -446,6 +462,7 @@ def one_supervisor(
         else:
             result["reference"] = {k: reference[k] for k in REFERENCE_KEYS}
         recovery(result, records, quick)
+        result["goodput_windows"] = windows(records, result, quick)
         result["served_after"] = serving(run, 90)
         out.append(result)
     return out
@@ -578,6 +595,9 @@ def main() -> None:
     tables(report, results, args.quick)
     notes(report, results, args.quick)
     report.data = {"runs": results, "slo_ms": {"ttft": TTFT_SLO_MS, "itl": ITL_SLO_MS}}
+    if args.png is not None:
+        drawn = goodput_plot.draw(results, args.png, FAULTS)
+        report.notes.append("pictures: " + ", ".join(str(p) for p in drawn))
     emit(report, args.json)
 
 

@@ -125,6 +125,10 @@ def check_goodput(result: dict[str, Any]) -> None:
     assert not run["fault_error"] and 2 < run["fault_at_s"] < QUICK_RUN_S - 2, run
     assert run["reference"]["goodput_rps"] > 0 and run["served_after"], run
     assert run["recovery_s"] is None or 0 <= run["recovery_s"] < 8, run
+    # the windows its picture draws (bench.goodput_plot): the whole run, good requests in them
+    windows = run["goodput_windows"]
+    assert len(windows["rps"]) == int((QUICK_RUN_S - windows["window_s"]) / windows["step_s"]) + 1
+    assert max(windows["rps"]) > 0, windows
 
 
 def check_fleet(result: dict[str, Any]) -> None:

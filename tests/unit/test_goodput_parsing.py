@@ -269,3 +269,52 @@ def test_failures_split_around_the_fault() -> None:
     assert got["failed"] == 3 and got["failed_before"] == 1 and got["failed_in_flight"] == 1
     assert got["failing_until_s"] == pytest.approx(1.4)
     assert got["fault_at_s"] == pytest.approx(8.0)
+
+
+def test_the_pictures_windows_are_the_ones_recovery_judges() -> None:
+    """The goodput series drawn is recovery_s's windows: a gap in good requests from 8 to
+    12 s shows as windows below the line until the one that starts at 12 s."""
+    from bench import goodput
+
+    records = steady(30, 10, gap=(8, 12))
+    result = {"start": T0, "run_end": T0 + 30}
+    got = goodput.windows(records, result, quick=False)
+    rps, step = got["rps"], got["step_s"]
+    assert got["window_s"] == 3.0 and step == 0.5 and len(rps) == int((30 - 3) / 0.5) + 1
+    assert rps[0] == pytest.approx(10.0) and rps[int(8 / step)] == 0.0
+    first_back = next(i for i in range(int(8 / step), len(rps)) if rps[i] >= 9.5)
+    assert first_back * step - 8 == recovery_s(records, T0 + 8, T0 + 30, 10.0) == 4.0
+
+
+def test_a_picture_is_drawn_per_fault_with_a_panel_per_concurrency(tmp_path: Path) -> None:
+    """Runs without their windows (an older JSON) are left out; a fault with none left is
+    not drawn; the redraw from a --json output refuses one with no windows at all."""
+    import subprocess
+    import sys
+
+    from bench import goodput, goodput_plot
+
+    def run(who: str, fault: str, level: int, windows: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"supervisor": who, "fault": fault, "concurrency": level,
+                               "fault_at_s": 8.0, "recovery_s": 4.0,
+                               "pre_fault_goodput_rps": 10.0}  # fmt: skip
+        if windows:
+            rps = [10.0] * 10 + [0.0] * 8 + [10.0] * 37
+            out["goodput_windows"] = {"window_s": 3.0, "step_s": 0.5, "rps": rps}
+        return out
+
+    runs = [run("dynamod", "worker_stop", 4), run("no supervisor", "worker_stop", 4),
+            run("dynamod", "worker_stop", 16), run("dynamod", "etcd_kill", 4, windows=False),
+            run("dynamod", "none", 4)]  # fmt: skip
+    drawn = goodput_plot.draw(runs, tmp_path / "png", goodput.FAULTS)
+    assert drawn == [tmp_path / "png" / "goodput-worker_stop.png"]
+    assert drawn[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = tmp_path / "old.json"
+    saved.write_text(json.dumps({"data": {"runs": [runs[3]]}}))
+    proc = subprocess.run([sys.executable, "-m", "bench.goodput_plot", str(saved),
+                           str(tmp_path / "again")], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 1 and "no run with its goodput windows" in proc.stderr
+    saved.write_text(json.dumps({"data": {"runs": runs}}))
+    proc = subprocess.run([sys.executable, "-m", "bench.goodput_plot", str(saved),
+                           str(tmp_path / "again")], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("goodput-worker_stop.png")
