@@ -177,6 +177,7 @@ COMMANDS = [
     ["restart", "etcd"],
     ["policy", "status"],
     ["export", "supervisord", "local"],
+    ["cluster", "forget", "n2"],
 ]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from dynamod.client import Client
-from dynamod.control.cliutil import BAD_INPUT, fail, state_dir_of
+from dynamod.control.cliutil import BAD_INPUT, check_node_name, fail, state_dir_of
 from dynamod.core.errors import DaemonError
 
 
@@ -19,7 +19,7 @@ def cluster_group() -> None:
 
 
 @cluster_group.command("forget")
-@click.argument("node")
+@click.argument("node", callback=check_node_name)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
 def forget(ctx: click.Context, node: str, as_json: bool) -> None:
