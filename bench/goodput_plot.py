@@ -4,19 +4,21 @@
 
 One PNG per fault (`DIR/goodput-FAULT.png`), one panel per concurrency: each supervisor's
 goodput (good requests completed per second) in the windows `bench.aiperf_run.recovery_s`
-judges (3 s, 2 s quick; one every 0.5 s, at the window's start), against seconds from the
-fault; a thin dashed line in the same colour at 95 % of that run's goodput before the fault
-(where "s to 95 % goodput" is read); the fault at 0, a SIGSTOP's 10 s shaded. Only the
-first round's runs are drawn when the plan ran several. A run without its windows (a JSON
+judges (3 s, 2 s quick; one every 0.5 s, drawn at its middle, so a dip shows where it
+happened, where the table's "s to 95 %" counts to the start of the first window back),
+against seconds from the fault; a thin dashed line in the same colour at 95 % of that
+run's goodput before the fault; the fault at 0, a SIGSTOP's 10 s shaded. Only the first
+round's runs are drawn when the plan ran several. A run without its windows (a JSON
 written before they were kept) is left out, and a fault with none is not drawn.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench.report import program, redraw_args
 
 COLOURS = {"dynamod": "#1f77b4", "supervisord": "#ff7f0e"}
 OTHER_COLOUR = "#2ca02c"  # no supervisor
@@ -58,7 +60,8 @@ def _panel(ax: Any, runs: list[dict[str, Any]], fault: str) -> None:
     for r in runs:
         win = r["goodput_windows"]
         at = r.get("fault_at_s", 0.0)
-        xs = [i * win["step_s"] - at for i in range(len(win["rps"]))]
+        middle = win["window_s"] / 2  # each window drawn at its middle
+        xs = [i * win["step_s"] - at + middle for i in range(len(win["rps"]))]
         colour = COLOURS.get(r["supervisor"], OTHER_COLOUR)
         back = r.get("recovery_s")
         said = "never back" if back is None else f"back at 95 % in {back:.1f} s"
@@ -71,8 +74,8 @@ def _panel(ax: Any, runs: list[dict[str, Any]], fault: str) -> None:
     if fault in SHADED:
         name, seconds = SHADED[fault]
         ax.axvspan(0.0, seconds, color="grey", alpha=0.15, label=name)
-    ax.set_xlabel(f"s from the fault (window start; {runs[0]['goodput_windows']['window_s']:g} s "
-                  "windows)")  # fmt: skip
+    ax.set_xlabel(f"s from the fault ({runs[0]['goodput_windows']['window_s']:g} s windows, "
+                  "each at its middle)")  # fmt: skip
     ax.set_ylabel("goodput, good req/s")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, loc="lower left")
@@ -80,22 +83,13 @@ def _panel(ax: Any, runs: list[dict[str, Any]], fault: str) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 3:
-        print("usage: python -m bench.goodput_plot RESULTS.json DIR", file=sys.stderr)
-        sys.exit(2)
-    source, out = Path(sys.argv[1]), Path(sys.argv[2])
-    try:
-        runs = json.loads(source.read_text())["data"]["runs"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"python -m bench.goodput_plot: {source}: not a bench.goodput --json output "
-              f"({exc})", file=sys.stderr)  # fmt: skip
-        sys.exit(2)
+    runs, out = redraw_args("RESULTS.json DIR", "goodput", "runs")
     from bench.goodput import FAULTS
 
     drawn = draw(runs, out, FAULTS)
     if not drawn:
-        print(f"python -m bench.goodput_plot: {source}: no run with its goodput windows "
-              "(written before they were kept)", file=sys.stderr)  # fmt: skip
+        print(f"{program()}: {sys.argv[1]}: no run with its goodput windows (written "
+              "before they were kept)", file=sys.stderr)  # fmt: skip
         sys.exit(1)
     for path in drawn:
         print(path)

@@ -44,6 +44,25 @@ def options(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def redraw_args(usage: str, benchmark: str, key: str) -> tuple[list[Any], Path]:
+    """A picture tool's two arguments (`python -m bench.X_plot RESULTS.json OUT`): the
+    `data[key]` list of a `python -m bench.BENCHMARK --json` output, and OUT. Anything else
+    ends in one line on stderr and exit status 2."""
+    prog = program()
+    if len(sys.argv) != 3:
+        print(f"usage: {prog} {usage}", file=sys.stderr)
+        sys.exit(2)
+    source, out = Path(sys.argv[1]), Path(sys.argv[2])
+    try:
+        found = json.loads(source.read_text())["data"][key]
+        if not isinstance(found, list):
+            raise TypeError(f"data.{key} is not a list")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"{prog}: {source}: not a bench.{benchmark} --json output ({exc})", file=sys.stderr)
+        sys.exit(2)
+    return found, out
+
+
 def one_line(exc: BaseException) -> str:
     """An exception as one line: its type and message, whitespace folded, at most 600
     characters (a failed subprocess's output can be long)."""
