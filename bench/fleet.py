@@ -2,7 +2,7 @@
 
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
                           [--raise-inotify] [--no-faults] [--max-starting N]
-                          [--max-updating N]
+                          [--max-updating N] [--png PATH]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from bench import fleet_history
+from bench import fleet_history, fleet_plot
 from bench.fleet_cut import cut_one, cut_target, member_metrics
 from bench.fleet_early import early_table, push_early
 from bench.fleet_growth import (
@@ -205,6 +205,14 @@ def main() -> None:
         "history grows (an idle fleet writes nothing: a longer window shows a regression)",
     )
     parser.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also draw the growth with the node count (log-log, slope = exponent) into "
+        "PATH (bench.fleet_plot, which also redraws it from a --json output)",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep each fleet's work dir (the daemons' and units' logs) after a clean run "
@@ -268,6 +276,10 @@ def main() -> None:
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
     report.data["inotify"] = inotify
+    if args.png is not None:
+        drawn = fleet_plot.draw(fleets, args.png)
+        report.notes.append(f"picture: {drawn}" if drawn else "picture: one node count, no "
+                            "growth to draw")  # fmt: skip
     raised = (
         f"; raised to {inotify['raised_to']} for the run, {inotify['limit']} put back"
         if inotify["raised_to"]

@@ -9,6 +9,7 @@ import math
 import os
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -267,3 +268,40 @@ def test_etcd_s_leader_is_read_from_its_metrics_line_alone() -> None:
     assert _IS_LEADER.search(metrics + "etcd_server_is_leader 1\n")
     assert not _IS_LEADER.search(metrics + "etcd_server_is_leader 0\n")
     assert not _IS_LEADER.search("etcd_server_is_learner 1\netcd_server_is_leader 0\n")
+
+
+def test_the_growth_picture_puts_each_value_on_the_linear_line_at_its_first_size(
+    tmp_path: Path,
+) -> None:
+    """Scaled so a line's slope is its exponent: a value that doubles with the nodes stays
+    on y = nodes, one measured from 2 nodes on starts at y = 2, one measured once is left
+    out; a single node count draws nothing, and the redraw from a --json output says so."""
+    import json
+    import subprocess
+    import sys
+
+    from bench import fleet_plot
+
+    def one(n: int, stall: float, cut: float | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"nodes": n, "shards": 32 * n, "push": {"stall_s": stall}}
+        if cut is not None:
+            out["cut"] = {"rerouted_s": cut}
+        return out
+
+    fleets = [one(1, 0.5, None), one(2, 1.0, 1.5), one(4, 4.0, 1.5), one(8, 16.0, 1.5)]
+    xs, ys, b = fleet_plot.series(fleets, ("push", "stall_s")) or ([], [], 0.0)
+    assert xs == [1, 2, 4, 8] and ys == [1, 2, 8, 32] and b == pytest.approx(1.7)  # least squares
+    xs, ys, b = fleet_plot.series(fleets, ("cut", "rerouted_s")) or ([], [], 1.0)
+    assert xs == [2, 4, 8] and ys == [2, 2, 2] and b == pytest.approx(0.0)
+    assert fleet_plot.series(fleets[:2], ("cut", "rerouted_s")) is None
+    assert fleet_plot.draw(fleets[:1], tmp_path / "one.png") is None
+    drawn = fleet_plot.draw(fleets, tmp_path / "growth.png")
+    assert drawn is not None and drawn.read_bytes()[:4] == b"\x89PNG"
+    saved = tmp_path / "fleet.json"
+    saved.write_text(json.dumps({"data": {"fleets": fleets[:1]}}))
+    cmd = [sys.executable, "-m", "bench.fleet_plot", str(saved), str(tmp_path / "again.png")]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 1 and "fewer than two node counts" in proc.stderr, proc.stderr
+    saved.write_text(json.dumps({"data": {"fleets": fleets}}))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0 and (tmp_path / "again.png").is_file(), proc.stderr
