@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import structlog
 
 from dynamod.cluster import registry
-from dynamod.cluster.registry import LostRecord, NodeEntry
+from dynamod.cluster.registry import ForgottenRecord, LostRecord, NodeEntry
 
 if TYPE_CHECKING:
     from dynamod.core.engine import Engine
@@ -56,6 +56,9 @@ class RegistryView(Protocol):
 
     @property
     def seen(self) -> set[str]: ...
+
+    @property
+    def forgotten(self) -> Mapping[str, ForgottenRecord]: ...
 
     @property
     def down_request(self) -> dict[str, Any] | None: ...
@@ -112,7 +115,8 @@ class ClusterShutdown:
         }
 
     def _state(self, name: str) -> str:
-        return str(registry.node_state(name, self.view.entries, self.view.lost, self.view.seen))
+        view = self.view
+        return str(registry.node_state(name, view.entries, view.lost, view.seen, view.forgotten))
 
     async def _step(self, step: str, units: list[str], nodes: list[str]) -> None:
         asked = [n for n in nodes if self.report[n]["answered"]]

@@ -20,6 +20,7 @@ from dynamod.cluster.forget import ForgetRefused
 from dynamod.cluster.heartbeat import Responder
 from dynamod.cluster.membership import Membership
 from dynamod.cluster.registry import NodeEntry
+from dynamod.cluster.shutdown import ClusterShutdown
 from dynamod.core.phase import Phase
 from dynamod.core.placement import ClusterSpec
 from dynamod.rollout.etcd import EtcdClient
@@ -123,6 +124,8 @@ async def test_a_lost_node_forgotten_leaves_nothing_and_is_no_longer_pinged_nor_
         assert "n2" not in leader._heard_by_me()
         rows = {n["name"]: n for n in leader.view()["nodes"]}
         assert rows["n2"]["state"] == "forgotten" and rows["n2"]["forgotten"]["by"] == "n1"
+        # `down --cluster` names it as forgotten where it says why a node was not asked
+        assert ClusterShutdown(leader, wait_s=1)._state("n2") == "forgotten"
         # forgotten twice: nothing left to remove, and said so
         again = await leader.forget("n2")
         assert not again["was_lost"] and again["lease_records"] == [] and again["revoked"] == {}
