@@ -200,3 +200,21 @@ def test_a_registry_call_waits_on_one_silent_member_for_at_most_a_quarter_of_the
     # the keepalive period (a third), one call given up, one that answers: within the lease
     for ttl in (1.0, 2.0, 3.0, 6.0):
         assert ttl / 3 + registry.call_timeout(ttl, 1.0) < ttl * 0.6 + 1e-9
+
+
+def test_cluster_forget_says_what_went_in_one_line() -> None:
+    from dynamod.control.commands.cluster import _said
+
+    done = {"node": "n2", "was_lost": True, "state": "forgotten", "shards": ["n2/worker@0"],
+            "lease_records": ["worker@0"], "ledger_records": ["worker@0"],
+            "revoked": {"694d": 5}, "revoke_error": None}  # fmt: skip
+    assert _said(done) == (
+        "n2 forgotten (it was lost; now forgotten): shards n2/worker@0; lease records of "
+        "worker@0; ledger acks of worker@0; revoked leases 694d (5 keys)"
+    )
+    bare = {**done, "was_lost": False, "shards": [], "lease_records": [], "ledger_records": [],
+            "revoked": {}, "revoke_error": "revoking lease 694d: etcd unavailable"}  # fmt: skip
+    said = _said(bare)
+    assert said.startswith("n2 forgotten (it was not marked lost; now forgotten): nothing else")
+    assert said.endswith("not revoked: revoking lease 694d: etcd unavailable (its lease expires "
+                         "on its own)")  # fmt: skip

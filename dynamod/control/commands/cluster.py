@@ -47,7 +47,7 @@ def forget(ctx: click.Context, node: str, as_json: bool) -> None:
 
 def _said(result: dict[str, Any]) -> str:
     node = result["node"]
-    was = "lost" if result["was_lost"] else "not marked lost (unseen)"
+    was = "lost" if result["was_lost"] else "not marked lost"
     parts = [
         f"shards {', '.join(result['shards'])}" if result["shards"] else "",
         f"lease records of {', '.join(result['lease_records'])}" if result["lease_records"] else "",
