@@ -275,7 +275,7 @@ def parse(stack: str, kvs: Iterable[KeyValue], cache: EntryCache) -> Snapshot:
     return out
 
 
-def _json(raw: bytes) -> dict[str, Any]:
+def _json(raw: bytes | str) -> dict[str, Any]:
     data = json.loads(raw)
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
@@ -319,9 +319,7 @@ class LostRecord:
     @classmethod
     def decode(cls, raw: bytes | str) -> LostRecord:
         """The record, less any field this version does not know (a newer daemon's)."""
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError("a lost record is not a JSON object")
+        data = _json(raw)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -339,9 +337,7 @@ class ForgottenRecord:
 
     @classmethod
     def decode(cls, raw: bytes | str) -> ForgottenRecord:
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise ValueError("a forgotten record is not a JSON object")
+        data = _json(raw)
         return cls(node=str(data["node"]), by=str(data["by"]), at=float(data["at"]))
 
 
