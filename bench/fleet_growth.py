@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 # etcd's own counters: keys in the store, live watchers, the store's revision (one per
 # write transaction), the reads (ranges) and the keys written (put or deleted) since it started
@@ -106,3 +107,39 @@ INOTIFY_RESERVE = 16  # for everything else of this user meanwhile
 def shards_that_fit(limit: int, in_use: int) -> int:
     """How many mocker-engine shards the inotify instances left to this user hold."""
     return max(0, (limit - in_use - INOTIFY_RESERVE) // INOTIFY_PER_SHARD)
+
+
+def pick(fleet: dict[str, Any], *path: str) -> Any:
+    """fleet[a][b]... or NaN where a phase did not run (a 1-node fleet has no cut)."""
+    value: Any = fleet
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            return math.nan
+        value = value[key]
+    return value
+
+
+GROWTH = {  # label -> path in a fleet's result
+    "start until every shard routed, s": ("up_s",),
+    "push: trainer's stall, s": ("push", "stall_s"),
+    "push: daemon's total, s": ("push", "daemon_s"),
+    "push: the head's slowest shard's own time, ms": ("push", "shard_max_ms"),
+    "push: the daemons' CPU, s": ("push", "cpu", "daemons_s"),
+    "push: the shards' CPU, s": ("push", "cpu", "shards_s"),
+    "push --serving 1: trainer's stall, s": ("early", "stall_s"),
+    "push --serving 1: every shard at the step, s": ("early", "every_shard_s"),
+    "status --json, slowest node, s": ("status", "max_s"),
+    "status: daemon's answer, slowest node, ms": ("status", "answer_max_ms"),
+    "status --json size, KB": ("status", "json_kb"),
+    "etcd keys": ("push", "etcd_after", "keys"),
+    "etcd watchers": ("push", "etcd_after", "watchers"),
+    "etcd keys written per push": ("push", "etcd_writes"),
+    "etcd reads / s, idle": ("idle", "etcd_reads_per_s"),
+    "etcd keys written / s, idle": ("idle", "etcd_writes_per_s"),
+    "etcd history KB per push": ("push", "etcd_history_kb"),
+    "cut: out of routing, s": ("cut", "rerouted_s"),
+    "kill 10 %: serving again, s": ("kill", "back_s"),
+    "daemon CPU % per shard (idle)": ("idle", "daemon_cpu_pct_per_shard"),
+    "daemon RSS MB per shard": ("idle", "daemon_rss_mb_per_shard"),
+    "shard PSS MB": ("idle", "shard_pss_mb"),
+}

@@ -17,45 +17,36 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.fleet_growth import exponent
+from bench.fleet_growth import GROWTH, exponent, pick
 from bench.report import program, redraw_args
 
-# label -> path in a fleet's result (bench.fleet GROWTH's, the ones worth a line)
-TIMES = {
-    "push: trainer's stall": ("push", "stall_s"),
-    "push: the daemons' CPU": ("push", "cpu", "daemons_s"),
-    "push: the shards' CPU": ("push", "cpu", "shards_s"),
-    "push --serving 1: trainer's stall": ("early", "stall_s"),
-    "start until every shard routed": ("up_s",),
-    "status --json, slowest node": ("status", "max_s"),
-    "cut: out of routing": ("cut", "rerouted_s"),
-    "kill 10 %: serving again": ("kill", "back_s"),
-}
-ETCD = {
-    "etcd keys": ("push", "etcd_after", "keys"),
-    "etcd keys written per push": ("push", "etcd_writes"),
-    "etcd history KB per push": ("push", "etcd_history_kb"),
-    "etcd reads / s, idle": ("idle", "etcd_reads_per_s"),
-    "etcd watchers": ("push", "etcd_after", "watchers"),
-}
-
-
-def _pick(fleet: dict[str, Any], path: tuple[str, ...]) -> float | None:
-    value: Any = fleet
-    for key in path:
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        return None
-    return float(value)
+# the growth table's values (bench.fleet_growth.GROWTH) worth a line, by panel
+TIMES = [
+    "push: trainer's stall, s",
+    "push: the daemons' CPU, s",
+    "push: the shards' CPU, s",
+    "push --serving 1: trainer's stall, s",
+    "start until every shard routed, s",
+    "status --json, slowest node, s",
+    "cut: out of routing, s",
+    "kill 10 %: serving again, s",
+]
+ETCD = [
+    "etcd keys",
+    "etcd keys written per push",
+    "etcd history KB per push",
+    "etcd reads / s, idle",
+    "etcd watchers",
+]
 
 
 def series(
     fleets: list[dict[str, Any]], path: tuple[str, ...]
 ) -> tuple[list[float], list[float], float] | None:
     """(nodes, scaled values, exponent) of one value, or None if measured at < 2 sizes."""
-    points = [(float(f["nodes"]), v) for f in fleets if (v := _pick(f, path)) is not None]
+    found = [(float(f["nodes"]), pick(f, *path)) for f in fleets]
+    points = [(n, float(v)) for n, v in found
+              if isinstance(v, int | float) and math.isfinite(v) and v > 0]  # fmt: skip
     if len(points) < 2:
         return None
     n0, v0 = points[0]
@@ -81,8 +72,8 @@ def draw(fleets: list[dict[str, Any]], path: Path) -> Path | None:
         ax.plot(sizes, sizes, color="black", linestyle="--", linewidth=0.8, label="linear")
         ax.plot(sizes, [n * n / sizes[0] for n in sizes], color="grey", linestyle=":",
                 linewidth=0.8, label="quadratic")  # fmt: skip
-        for label, where in values.items():
-            got = series(fleets, where)
+        for label in values:
+            got = series(fleets, GROWTH[label])
             if got is not None:
                 xs, ys, b = got
                 ax.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({b:.2f})")
