@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from bench import fleet_history, fleet_plot
+from bench import fleet_history, fleet_plot, host
 from bench.fleet_cut import cut_one, cut_target, member_metrics
 from bench.fleet_early import early_table, push_early
 from bench.fleet_growth import (
@@ -430,7 +430,7 @@ def run_fleet(
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
         started = time.monotonic()
-        begun["up"], busy_at_start = time.time(), machine_busy_s()
+        begun["up"], host_at_start = time.time(), host.counters()
         # a shard's start is ~1 s of CPU on this machine's 2 cores: the big fleets need longer
         shards = result["shards"]
         if staggered:
@@ -441,8 +441,10 @@ def run_fleet(
             "every shard routed", lambda: len(rig.routed()) >= shards, max(300, 2 * shards), 0.5
         )
         result["up_s"] = time.monotonic() - started
+        up_host = host.window(host_at_start)
         result["up_cpu"] = {  # the daemons started with the fleet: all their CPU so far
-            "machine_busy_s": machine_busy_s() - busy_at_start,
+            "machine_busy_s": up_host["busy_s"],
+            "host": up_host,
             "daemons_s": sum(cpu_of([daemon_pid(rig, node) for node in rig.names]).values()),
         }
         phases = result["phase_s"] = {"up": result["up_s"]}
@@ -613,11 +615,12 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
     cpu_before = cpu_of([*shards, *daemons])
     threads_before = threads_of([*shards, *daemons])
-    busy_before = machine_busy_s()
+    host_before = host.counters()
     started = time.monotonic()
     answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
     stall = time.monotonic() - started
-    busy = machine_busy_s() - busy_before
+    machine = host.window(host_before)
+    busy = machine["busy_s"]
     used = cpu_since(cpu_before)
     threads_after = threads_of([*shards, *daemons])
     restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
@@ -661,18 +664,13 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
             ),
             # a shard restarted meanwhile: its old process's CPU is not counted
             "shards_gone": sum(pid not in used for pid in shards),
+            # the host's part: steal, kdamond, pages read back in (bench/host.py)
+            "host": machine,
         },
     }
 
 
 CORES = os.cpu_count() or 1
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (not idle, not waiting on I/O), all
-    cores together, from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def status_all(rig: ClusterRig, nodes: list[str], quick: bool) -> dict[str, Any]:
@@ -780,7 +778,8 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     full = fleets[-1]
     ref_s, ref_what = one_shards_push(reference, full)
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets),
-                      thread_table(fleets), thread_table(fleets, "daemons")]  # fmt: skip
+                      host_table(fleets), thread_table(fleets),
+                      thread_table(fleets, "daemons")]  # fmt: skip
     report.tables += [early_table(fleets), fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       growth_table(fleets)]
@@ -852,6 +851,30 @@ def push_cpu_table(fleets: list[dict[str, Any]]) -> Table:
              c["daemons_s"] / c["busy_s"] * 100 if c["busy_s"] else math.nan,
              c["daemons_s"] / f["shards"] * 1000, c.get("shards_gone", 0)]
         )  # fmt: skip
+    return table
+
+
+def host_table(fleets: list[dict[str, Any]]) -> Table:
+    """The host's own part in the start and in the push (bench/host.py): the CPU its
+    hypervisor took (steal), DAMON's kernel thread, the pages read back in. Two runs of the
+    same code whose stalls differ while these do not were not slowed by the host."""
+    table = Table(
+        "The host in the start and in the push: steal, kdamond's CPU, pages read back in",
+        ["nodes", "shards", "phase", "s", "busy CPU s", "stolen CPU s", "iowait s",
+         "kdamond CPU s", "major faults", "read in MB"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        for phase, seconds, h in [
+            ("start", f.get("up_s"), pick(f, "up_cpu", "host")),
+            ("push", pick(f, "push", "stall_s"), pick(f, "push", "cpu", "host")),
+        ]:
+            if not isinstance(h, dict):
+                continue  # a run from before the host was read
+            table.rows.append(
+                [f["nodes"], f["shards"], phase, seconds, h["busy_s"], h["steal_s"],
+                 h["iowait_s"], h["kdamond_s"], h["major_faults"], h["paged_in_kb"] / 1024]
+            )  # fmt: skip
     return table
 
 
