@@ -41,7 +41,7 @@ from dynamod.core.state import UnitState
 from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, reconnect_all
 from dynamod.rollout.etcd.mirror import PrefixMirror
-from dynamod.rollout.etcd.records import KeyValue
+from dynamod.rollout.etcd.records import Compare, KeyValue, TxnDelete
 from dynamod.rollout.worker_table import worker_of
 
 if TYPE_CHECKING:
@@ -467,8 +467,7 @@ class Membership(Extension):
             self._not_as_written = (self._not_as_written - puts.keys()) & records.keys()
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
-            await self.etcd.delete(registry.lost_key(self.stack, self.cluster.node))
-            await self._unforget()
+            await self._unforget(with_lost_record=True)
             if self.cluster.is_head:  # what `up --join` on another node reads
                 await self.etcd.put(join.spec_key(self.stack), self._bundle().encode())
         now = time.monotonic()
@@ -531,11 +530,18 @@ class Membership(Extension):
         await self._unforget()
         self._returning = False
 
-    async def _unforget(self) -> None:
+    async def _unforget(self, *, with_lost_record: bool = False) -> None:
         """This node publishes its entry: a forgotten record of it (`cluster forget`, while
-        it was cut off or stopped) no longer holds."""
+        it was cut off or stopped) no longer holds; at this run's first publish neither does
+        a lost record of an earlier run. One transaction either way, whose compare says
+        whether the node had been forgotten."""
         assert self.etcd is not None
-        if await self.etcd.delete(registry.forgotten_key(self.stack, self.cluster.node)):
+        forgotten = registry.forgotten_key(self.stack, self.cluster.node)
+        lost = [TxnDelete(registry.lost_key(self.stack, self.cluster.node))]
+        also = lost if with_lost_record else []
+        if await self.etcd.txn(
+            [Compare(forgotten, "version", ">", 0)], [TxnDelete(forgotten), *also], also
+        ):
             log.warning("cluster.back_after_forgotten", node=self.cluster.node,
                         why="an operator said this node was gone for good; it is back")  # fmt: skip
 

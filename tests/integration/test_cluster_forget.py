@@ -2,9 +2,9 @@
 record, lease record or ledger ack behind, its Dynamo lease is revoked (its keys go), and
 the daemons stop pinging it, waiting for it and showing it lost; a node that is up, this
 node and a name the cluster does not have are refused with nothing changed; a marking that
-waited does not bring a forgotten node back as lost; a node that publishes again clears its
-forgotten record. The whole path through a cut network namespace and the CLI is
-tests/integration/test_cluster.py's forget round."""
+waited does not bring a forgotten node back as lost; a new run's first publish under a
+lost or forgotten name clears its records. The whole path through a cut network namespace
+and the CLI is tests/integration/test_cluster.py's forget round."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from dynamod.cluster import registry
 from dynamod.cluster.forget import ForgetRefused
 from dynamod.cluster.heartbeat import Responder
 from dynamod.cluster.membership import Membership
-from dynamod.cluster.registry import NodeEntry
+from dynamod.cluster.registry import LostRecord, NodeEntry
 from dynamod.cluster.shutdown import ClusterShutdown
 from dynamod.core.phase import Phase
 from dynamod.core.placement import ClusterSpec
@@ -170,14 +171,45 @@ async def test_a_marking_that_waited_does_not_bring_a_forgotten_node_back_as_los
     assert leader._state_of("n2") == "forgotten"
 
 
-async def test_a_forgotten_node_that_publishes_again_clears_its_record(
-    etcd: EtcdClient, stack: str
+def _new_run(etcd: EtcdClient, stack: str, node: str) -> Membership:
+    """`node`'s daemon as `dynamod up` on a new machine under its name starts it: no unit
+    yet, never published."""
+    member = _member(etcd, stack, node)
+    member.host = SimpleNamespace(  # type: ignore[assignment]
+        phase=Phase.UP, stack=SimpleNamespace(name=stack, tables={}), events=Events(),
+        engine=SimpleNamespace(units={}), run_id="new-machine",
+    )  # fmt: skip
+    return member
+
+
+@pytest.mark.parametrize("forgotten", [True, False], ids=["forgotten", "only-lost"])
+async def test_a_new_run_s_first_publish_clears_the_lost_and_forgotten_records(
+    etcd: EtcdClient, stack: str, forgotten: bool
 ) -> None:
-    leader, n2 = _member(etcd, stack, "head"), _member(etcd, stack, "n2")
-    await leader.forget("n2")
-    assert leader._state_of("n2") == "forgotten"
-    await n2._unforget()  # what its first publish, or its return, does
-    await _up(etcd, stack, "n2")
+    """A machine replaced under a lost name (forgotten by an operator, or not): its
+    daemon's first publish, one transaction, deletes the earlier run's lost record and the
+    forgotten one; the node is up to every daemon, and only a forgotten node's return is
+    logged as such."""
+    leader = _member(etcd, stack, "head")
+    await etcd.put(registry.lost_key(stack, "n2"), LostRecord("n2", 1.0, "head", [], []).encode())
     await leader.read()
-    assert await etcd.get_kv(registry.forgotten_key(stack, "n2")) is None
-    assert leader._state_of("n2") == "up" and "n2" in leader.seen
+    if forgotten:
+        await leader.forget("n2")
+        assert leader._state_of("n2") == "forgotten"
+    else:
+        assert leader._state_of("n2") == "lost"
+    n2 = _new_run(etcd, stack, "n2")
+    try:
+        with capture_logs() as logs:
+            await n2._publish()
+        await leader.read()
+        assert await etcd.get_kv(registry.lost_key(stack, "n2")) is None
+        assert await etcd.get_kv(registry.forgotten_key(stack, "n2")) is None
+        assert leader._state_of("n2") == "up" and "n2" in leader.seen
+        back = [e for e in logs if e["event"] == "cluster.back_after_forgotten"]
+        assert len(back) == forgotten
+        header = await etcd.get_kv(registry.node_key(stack, "n2"))
+        assert header is not None and header.lease == n2.lease
+    finally:
+        if n2.lease is not None:
+            await etcd.lease_revoke(n2.lease)
