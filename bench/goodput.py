@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import aiperf_run, goodput_plot
+from bench import aiperf_run, goodput_plot, host
 from bench.aiperf_run import Load, Record
 from bench.load_kill import DynamodVariant, PlainVariant, SupervisordVariant, Variant
 from bench.procs import bench_mark, kill_group, state_dir, sweep, wait_until
@@ -221,22 +221,23 @@ def drive(run: Variant, load: Load, fault: str | None, fault_at: float, work: Pa
     clock = {"spawned": time.monotonic()}
     try:
         wait_profiling(proc, artifacts)
-        clock["sending"] = time.monotonic()
+        clock["sending"], machine = time.monotonic(), host.counters()
         if fault is not None:
             until = time.time() + load.seconds
             injector = Injector(run, fault, fault_at, until)
             injector.start()
         proc.wait(load.seconds + load.grace_s + 180)
-        clock["exited"] = time.monotonic()
+        clock["exited"], machine_used = time.monotonic(), host.window(machine)
         if injector is not None:
             injector.join(STOP_S + 30)
     finally:
         kill_group(proc.pid)
         proc.wait(10)
     records = aiperf_run.read_records(artifacts / aiperf_run.RECORDS)
-    summary = aiperf_run.read_summary(artifacts / aiperf_run.SUMMARY)
+    summary: dict[str, Any] = dict(aiperf_run.read_summary(artifacts / aiperf_run.SUMMARY))
     summary["aiperf_start_s"] = clock["sending"] - clock["spawned"]
     summary["aiperf_wall_s"] = clock["exited"] - clock["spawned"]
+    summary["host"] = machine_used  # while it sent: steal, kdamond, pages read back in
     return records, summary, injector
 
 
@@ -523,6 +524,26 @@ def tables(report: Report, results: list[dict[str, Any]], quick: bool) -> None:
         if rows:
             title = f"{label}, {fault_at:g} s into {seconds:g} s of AIPerf load"
             report.tables.append(Table(title, HEADERS, rows, digits=1))
+    report.tables.append(host_table(results))
+
+
+def host_table(results: list[dict[str, Any]]) -> Table:
+    """The host while each run sent (bench/host.py): a run slower than its neighbours with
+    more CPU stolen or more pages read back in was slowed by the machine, not the fault."""
+    table = Table(
+        "The host while each run sent: busy, stolen and kdamond's CPU, pages read back in",
+        ["supervisor", "fault", "concurrency", "busy CPU s", "stolen CPU s", "kdamond CPU s",
+         "major faults", "read in MB"],
+        digits=2,
+    )  # fmt: skip
+    for r in results:
+        h = r.get("host")
+        if isinstance(h, dict):
+            table.rows.append(
+                [r["supervisor"], r["fault"], r["concurrency"], h["busy_s"], h["steal_s"],
+                 h["kdamond_s"], h["major_faults"], h["paged_in_kb"] / 1024]
+            )  # fmt: skip
+    return table
 
 
 def rounds_table(base: list[dict[str, Any]]) -> Table:

@@ -129,6 +129,8 @@ def check_goodput(result: dict[str, Any]) -> None:
     windows = run["goodput_windows"]
     assert len(windows["rps"]) == int((QUICK_RUN_S - windows["window_s"]) / windows["step_s"]) + 1
     assert max(windows["rps"]) > 0, windows
+    # the host while it sent (bench.host): the machine was busy serving it
+    assert run["host"]["busy_s"] > 0 and run["host"]["steal_s"] >= 0, run["host"]
 
 
 def check_fleet(result: dict[str, Any]) -> None:
@@ -136,6 +138,7 @@ def check_fleet(result: dict[str, Any]) -> None:
     # cut ran under load and its node's shards left the router
     (fleet,) = result["data"]["fleets"]
     assert fleet["nodes"] == 2 and fleet["push"]["acked"] == 8, fleet["push"]
+    assert fleet["up_cpu"]["host"]["busy_s"] > 0, fleet["up_cpu"]  # 8 shards started
     assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
     assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
     assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]

@@ -318,3 +318,17 @@ def test_a_picture_is_drawn_per_fault_with_a_panel_per_concurrency(tmp_path: Pat
     proc = subprocess.run([sys.executable, "-m", "bench.goodput_plot", str(saved),
                            str(tmp_path / "again")], capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip().endswith("goodput-worker_stop.png")
+
+
+def test_the_host_table_has_a_row_per_run_that_read_the_host() -> None:
+    from bench import goodput
+
+    machine = {"busy_s": 40.0, "steal_s": 1.5, "iowait_s": 0.0, "kdamond_s": 0.2,
+               "major_faults": 7, "paged_in_kb": 512}  # fmt: skip
+    runs = [
+        {"supervisor": "dynamod", "fault": "etcd_kill", "concurrency": 16, "host": machine},
+        {"supervisor": "dynamod", "fault": "none", "concurrency": 16},  # an older JSON's run
+    ]
+    assert goodput.host_table(runs).rows == [
+        ["dynamod", "etcd_kill", 16, 40.0, 1.5, 0.2, 7, 0.5]
+    ]
