@@ -50,7 +50,7 @@ from typing import Any
 
 import structlog
 
-from bench import fleet_history, fleet_plot, host
+from bench import fleet_history, fleet_plot, fleet_profile, host
 from bench.fleet_cut import cut_one, cut_target, member_metrics
 from bench.fleet_early import early_table, push_early
 from bench.fleet_growth import (
@@ -215,6 +215,14 @@ def main() -> None:
         "PATH (bench.fleet_plot, which also redraws it from a --json output)",
     )
     parser.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        default=None,
+        help="sample the head's daemon and the last node's with py-spy through the push; "
+        "a table of their CPU by task, the samples kept in DIR",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep each fleet's work dir (the daemons' and units' logs) after a clean run "
@@ -245,6 +253,8 @@ def main() -> None:
         parser.error(f"--max-updating: 1 to 256, got {args.max_updating}")
     if not 1 <= args.idle <= 3600:
         parser.error(f"--idle: seconds from 1 to 3600, got {args.idle:g}")
+    if args.profile is not None and (why := fleet_profile.missing()) is not None:
+        parser.error(why)
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -272,6 +282,7 @@ def main() -> None:
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                     max_starting=args.max_starting, max_updating=args.max_updating,
                     idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
+                    profile=args.profile,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -401,6 +412,7 @@ def run_fleet(
     idle_s: float = IDLE_S,
     heartbeat_timeout: float | None = None,
     cut: str = "last",
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -451,7 +463,7 @@ def run_fleet(
         for name, measure in [
             ("idle", lambda: idle_cost(rig, window=1.0 if quick else idle_s)),
             ("scan", lambda: exposure_scan(rig, rig.names[0])),
-            ("push", lambda: push_all(rig, step=1)),
+            ("push", lambda: push_all(rig, step=1, profile=profile)),
             ("whole", lambda: whole_again(rig, shards)),
             ("early", lambda: push_early(rig, EARLY_STEP, shards, LOAD, 1.0 if quick else 3.0)),
             ("whole_early", lambda: whole_again(rig, shards)),
@@ -605,20 +617,27 @@ def etcd_counters(rig: ClusterRig) -> dict[str, float]:
     return {k: sum(e[k] for e in each) if k in served else each[0][k] for k in each[0]}
 
 
-def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
+def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[str, Any]:
     """One update pushed to every shard: the trainer's stall (its blocking call), the
-    daemon's own total, the head's shards' own times, etcd's counters around it."""
+    daemon's own total, the head's shards' own times, etcd's counters around it; with
+    `profile`, the head's and the last node's daemons sampled through it (py-spy)."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     before = etcd_counters(rig)
     shards = [pid for node in rig.names for pid in shard_pids(rig, node).values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
+    sampled = {n: daemon_pid(rig, n) for n in dict.fromkeys([rig.names[0], rig.names[-1]])}
+    label = f"{len(rig.names)}x{len(shards) // len(rig.names)}"
+    profilers = fleet_profile.start(sampled, profile, label) if profile is not None else []
     cpu_before = cpu_of([*shards, *daemons])
     threads_before = threads_of([*shards, *daemons])
     host_before = host.counters()
     started = time.monotonic()
-    answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
-    stall = time.monotonic() - started
+    try:
+        answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
+        stall = time.monotonic() - started
+    finally:
+        profiled = fleet_profile.stop(profilers) if profilers else None
     machine = host.window(host_before)
     busy = machine["busy_s"]
     used = cpu_since(cpu_before)
@@ -667,6 +686,7 @@ def push_all(rig: ClusterRig, step: int) -> dict[str, Any]:
             # the host's part: steal, kdamond, pages read back in (bench/host.py)
             "host": machine,
         },
+        "profile": profiled,
     }
 
 
@@ -780,6 +800,8 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets),
                       host_table(fleets), thread_table(fleets),
                       thread_table(fleets, "daemons")]  # fmt: skip
+    if any(isinstance(pick(f, "push", "profile"), dict) for f in fleets):
+        report.tables.append(fleet_profile.profile_table(fleets))
     report.tables += [early_table(fleets), fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       growth_table(fleets)]

@@ -43,12 +43,12 @@ def run_bench(*args: str, env: dict[str, str] | None = None, timeout: float = 60
     )
 
 
-def check_shape(result: dict[str, Any], name: str) -> None:
+def check_shape(result: dict[str, Any], name: str, extra: tuple[str, ...] = ()) -> None:
     assert result["benchmark"] == name
     assert result["quick"] is True
     assert isinstance(result["title"], str) and result["title"]
     assert result["machine"]["cores"] >= 1
-    assert result["command"].endswith(f"bench.{name} --quick --json")
+    assert result["command"].endswith(" ".join([f"bench.{name} --quick --json", *extra]))
     assert result["tables"], "a benchmark prints at least one table"
     for table in result["tables"]:
         assert table["title"] and table["headers"]
@@ -142,6 +142,11 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
     assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
     assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]
+    # --profile: both nodes' daemons sampled through the push, their samples kept
+    profile = fleet["push"]["profile"]
+    assert sorted(profile) == ["head", "n1"], profile
+    assert all(Path(p["file"]).exists() and p["rate"] > 0 for p in profile.values()), profile
+    assert sum(p["samples"] for p in profile.values()) > 0, profile
     # the second push answered once 1 of the head's 4 shards served it, the fleet after
     early = fleet["early"]
     assert early["acked_at_answer"] + early["updating_at_answer"] == 4, early
@@ -175,14 +180,16 @@ CHECKS = {
         if n not in NOT_IN_CI
     ],
 )
-def test_quick_json(name: str) -> None:
+def test_quick_json(name: str, tmp_path: Path) -> None:
     if name == "goodput":  # AIPerf's venv: `make test` builds it beside the suite
         extra_venv(".venv-aiperf", "aiperf")
-    proc = run_bench(f"bench.{name}", "--quick", "--json")
+    # the fleet's daemons sampled through its push (py-spy): the profile's whole path
+    extra = ("--profile", str(tmp_path / "profile")) if name == "fleet" else ()
+    proc = run_bench(f"bench.{name}", "--quick", "--json", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    check_shape(result, name)
+    check_shape(result, name, extra)
     if name in CHECKS:
         CHECKS[name](result)
 
