@@ -636,11 +636,13 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
     try:
         answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(step, checkpoint)
         stall = time.monotonic() - started
+        machine = host.window(host_before)  # py-spy's own CPU is the machine's, not ours
+        used = cpu_since(cpu_before)
     finally:
         profiled = fleet_profile.stop(profilers) if profilers else None
-    machine = host.window(host_before)
     busy = machine["busy_s"]
-    used = cpu_since(cpu_before)
+    for node, sampled_profile in (profiled or {}).items():  # the share's whole (fleet_profile)
+        sampled_profile["cpu_s"] = used.get(sampled[node])
     threads_after = threads_of([*shards, *daemons])
     restarted = shard_restarts(rig) - restarts_before  # killed inside the push (liveness)
     after = etcd_counters(rig)

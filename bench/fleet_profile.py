@@ -10,6 +10,7 @@ any other cut of them can be made later."""
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 import subprocess
@@ -24,12 +25,13 @@ from bench.report import Table
 from dynamod.core.errors import DynamodError
 
 PY_SPY = BIN / "py-spy"
-RATE = 100  # samples a second: 2 py-spy processes at 100 Hz cost the push little
+RATE = 100  # samples a second: two py-spy processes at 100 Hz cost the push little
 ATTACH_S = 1.0  # py-spy's attach; the push starts after it
 LOOP_RUN = "Handle._run (asyncio/events.py"
 # a sample in one of these is the thread waiting, not running (py-spy's own idle check
 # misses a loop in select with the GIL released now and then)
 WAITING = re.compile(r"^(\S+\.)?(select|poll|wait|_wait_for_tstate_lock|accept|sleep) \(")
+ROOTS = ("Thread._bootstrap", "_run_module_as_main", "<module>")  # a whole stack starts so
 FRAME = re.compile(r"^(?P<fn>\S+) \((?P<file>[^:)]+)(?::\d+)?\)$")
 
 
@@ -101,17 +103,26 @@ def short(frame: str) -> str:
 
 
 def task_of(frames: list[str]) -> str:
-    """What the loop was running in this sample: the frame below its last `Handle._run`;
-    outside the loop, the thread's outermost frame past threading's own."""
+    """What the daemon ran in this sample: in the event loop, the frame below its last
+    `Handle._run` (the task or callback), or "the event loop itself" (its own bookkeeping);
+    in the default executor, the function handed to it; in another thread, the thread's
+    target. A stack that starts at no thread's root (py-spy reads it without pausing the
+    process, and now and then catches it mid-change) is counted under its outermost frame."""
     runs = [i for i, f in enumerate(frames) if f.startswith(LOOP_RUN)]
-    if runs and runs[-1] + 1 < len(frames):
-        return short(frames[runs[-1] + 1])
     if runs:
+        below = frames[runs[-1] + 1 : runs[-1] + 2]
+        return short(below[0]) if below else "the event loop itself"
+    if any(f.startswith("BaseEventLoop._run_once") for f in frames):
         return "the event loop itself"
-    rest = [f for f in frames if not f.startswith(("Thread.", "<module>", "_run_module"))]
-    if rest and rest[0].startswith("BaseEventLoop."):
-        return "the event loop itself"
-    return "thread: " + short(rest[0]) if rest else "thread: (threading)"
+    if not frames[0].startswith(ROOTS):
+        return short(frames[0])
+    work = [i for i, f in enumerate(frames) if f.startswith("_WorkItem.run")]
+    if work and work[-1] + 1 < len(frames):
+        return "executor: " + short(frames[work[-1] + 1])
+    if frames[0].startswith("Thread."):
+        target = [f for f in frames if not f.startswith("Thread.")]
+        return "thread: " + (short(target[0]) if target else "a native target (Thread.run)")
+    return "main thread: " + short(frames[-1])
 
 
 def by_task(raw: str) -> tuple[int, Counter[str]]:
@@ -129,22 +140,26 @@ def by_task(raw: str) -> tuple[int, Counter[str]]:
 
 
 def profile_table(fleets: list[dict[str, Any]], top: int = 8) -> Table:
-    """Each profiled daemon's CPU in the push by task, its largest first, ms of CPU and
-    ms a shard of its node (the shards it supervises)."""
+    """Each profiled daemon's CPU in the push by task, its largest first: the task's share
+    of the daemon's busy samples, and that share of the daemon's CPU in the push as
+    /proc counted it (`cpu_s`). A sample says what ran or was ready to run; on a machine
+    busier than its cores the share holds while samples over the rate would not."""
     table = Table(
-        "The daemons' CPU in the push by what their event loop ran (py-spy, --profile): "
-        f"the {top} largest of each",
-        ["nodes", "shards", "daemon", "task", "CPU ms", "ms a shard of its node", "share %"],
+        "The daemons' CPU in the push by what they ran (py-spy, --profile): the "
+        f"{top} largest of each; CPU ms = its share of the samples x the daemon's CPU",
+        ["nodes", "shards", "daemon", "task", "busy samples", "share %", "CPU ms",
+         "CPU ms a shard of its node"],
         digits=1,
     )  # fmt: skip
     for f in fleets:
         per_node = f["shards"] / f["nodes"]
         for node, p in (f.get("push", {}).get("profile") or {}).items():
-            tick_ms = 1000 / p["rate"]
+            cpu_ms = 1000 * p["cpu_s"] if p.get("cpu_s") is not None else math.nan
             ranked = sorted(p["by_task"].items(), key=lambda kv: -kv[1])
             for task, n in [("all", p["samples"]), *ranked[:top]]:
+                share = n / p["samples"] if p["samples"] else math.nan
                 table.rows.append(
-                    [f["nodes"], f["shards"], node, task, n * tick_ms, n * tick_ms / per_node,
-                     100 * n / p["samples"] if p["samples"] else 0.0]
+                    [f["nodes"], f["shards"], node, task, n, 100 * share, share * cpu_ms,
+                     share * cpu_ms / per_node]
                 )  # fmt: skip
     return table

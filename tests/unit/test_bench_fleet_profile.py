@@ -4,6 +4,8 @@ loop, waiting samples left out; and its table."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench import fleet_profile
@@ -64,12 +66,44 @@ def test_waiting_samples_are_left_out_and_the_rest_summed() -> None:
                      "Membership._publish (cluster/membership.py)": 4}  # fmt: skip
 
 
-def test_the_table_gives_each_daemon_s_total_then_its_largest_tasks() -> None:
-    profile = {"head": {"rate": 100, "samples": 40, "by_task": {"a": 30, "b": 6, "c": 4}}}
+def test_the_table_gives_each_daemon_s_share_of_its_cpu_by_task() -> None:
+    """The samples give each task's share; the CPU is the daemon's own from /proc (a
+    sample on a machine busier than its cores may be a thread ready to run, not running)."""
+    profile = {"head": {"rate": 100, "samples": 40, "cpu_s": 2.0,
+                        "by_task": {"a": 30, "b": 6, "c": 4}}}  # fmt: skip
     fleets = [{"nodes": 8, "shards": 256, "push": {"profile": profile}},
               {"nodes": 1, "shards": 1, "push": {"profile": None}}]  # fmt: skip
     rows = fleet_profile.profile_table(fleets, top=2).rows
     assert [r[3] for r in rows] == ["all", "a", "b"]
-    assert rows[0][4] == pytest.approx(400.0)  # 40 samples at 100 Hz: 400 ms
-    assert rows[1][5] == pytest.approx(300.0 / 32)  # a shard of its node's 32
-    assert rows[1][6] == pytest.approx(75.0)
+    assert rows[0][4:7] == [40, 100.0, 2000.0]  # all of its 2 s
+    assert rows[1][5] == pytest.approx(75.0) and rows[1][6] == pytest.approx(1500.0)
+    assert rows[1][7] == pytest.approx(1500.0 / 32)  # a shard of its node's 32
+    profile["head"]["cpu_s"] = None  # its pid's CPU was not read: no CPU, the share stays
+    rows = fleet_profile.profile_table(fleets, top=1).rows
+    assert rows[1][5] == pytest.approx(75.0) and math.isnan(rows[1][6])
+
+
+def test_a_partial_stack_counts_under_its_outermost_frame() -> None:
+    """py-spy reads without pausing: a stack caught mid-change may start mid-task."""
+    assert task_of([PROBE, "timed (dynamod/core/probes.py:60)"]) == (
+        "HttpProber.check (core/probes.py)"
+    )
+
+
+def test_the_executor_s_work_is_counted_under_the_function_handed_to_it() -> None:
+    frames = ["Thread._bootstrap (threading.py:1002)", "Thread.run (threading.py:982)",
+              "_worker (concurrent/futures/thread.py:83)",
+              "_WorkItem.run (concurrent/futures/thread.py:58)",
+              "_scan (dynamod/cluster/exposure.py:440)",
+              "Path.read_text (pathlib.py:1059)"]  # fmt: skip
+    assert task_of(frames) == "executor: _scan (cluster/exposure.py)"
+    native = ["Thread._bootstrap (threading.py:1002)", "Thread.run (threading.py:982)"]
+    assert task_of(native) == "thread: a native target (Thread.run)"
+
+
+def test_the_main_thread_outside_a_callback_is_the_loop_s_own_or_its_leaf() -> None:
+    assert task_of([*LOOP[:3], "_BaseSelectorImpl._key_from_fd (selectors.py:2)"]) == (
+        "the event loop itself"
+    )
+    starting = ["<module> (dynamod/__main__.py:3)", "main (dynamod/control/cli.py:9)"]
+    assert task_of(starting) == "main thread: main (control/cli.py)"
