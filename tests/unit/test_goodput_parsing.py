@@ -332,3 +332,30 @@ def test_the_host_table_has_a_row_per_run_that_read_the_host() -> None:
     assert goodput.host_table(runs).rows == [
         ["dynamod", "etcd_kill", 16, 40.0, 1.5, 0.2, 7, 0.5]
     ]
+
+
+def test_the_fault_free_run_s_own_figure_is_its_noise() -> None:
+    """A dip of the machine's own 18 s after the (unfaulted) fault time reads as ~19 s
+    there: the figure a fault that cost nothing may get, beside each fault's."""
+    from bench import goodput
+
+    steady_run = steady(30, 10)
+    reference = {"start": T0, "run_end": T0 + 30}
+    assert goodput.noise_floor(steady_run, reference) == 0.0
+    late_dip = steady(30, 10, gap=(26, 27))  # 1 s with nothing good, 18 s after 8 s
+    assert goodput.noise_floor(late_dip, reference) == pytest.approx(19.0)
+    assert goodput.noise_floor([], reference) is None  # nothing good before: no baseline
+
+
+def test_each_fault_s_row_carries_the_fault_free_run_s_noise() -> None:
+    from bench import goodput
+
+    run = {"supervisor": "dynamod", "concurrency": 16, "records": 10, "failed": 0,
+           "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "itl_p50_ms": 1.0, "itl_p99_ms": 2.0,
+           "goodput_rps": 5.0, "fault_at_s": 8.0, "recovery_s": 18.25,
+           "reference": {"goodput_rps": 5.0, "ttft_p99_ms": 2.0}}  # fmt: skip
+    noise_at = goodput.HEADERS.index("s to 95 % in the fault-free run (its noise)")
+    assert goodput.row(run)[noise_at] == "-"  # quick: no fault-free run
+    assert goodput.row({**run, "no_fault_recovery_s": 11.5})[noise_at] == 11.5
+    assert goodput.row({**run, "no_fault_recovery_s": None})[noise_at] == "never"
+    assert len(goodput.row(run)) == len(goodput.HEADERS)
