@@ -10,6 +10,7 @@ any other cut of them can be made later."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import signal
@@ -20,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import host
 from bench.procs import BIN
 from bench.report import Table
 from dynamod.core.errors import DynamodError
 
 PY_SPY = BIN / "py-spy"
-RATE = 100  # samples a second: two py-spy processes at 100 Hz cost the push little
+RATE = 100  # samples a second; what py-spy cost is read back (py_spy_cpu_s)
 ATTACH_S = 1.0  # py-spy's attach; the push starts after it
 LOOP_RUN = "Handle._run (asyncio/events.py"
 # a sample in one of these is the thread waiting, not running (py-spy's own idle check
@@ -51,31 +53,43 @@ class Profiler:
     node: str
     pid: int
     out: Path
+    log: Path
     proc: subprocess.Popen[bytes]
+
+    def cpu_s(self) -> float:
+        """py-spy's own CPU so far: what the profile cost the machine."""
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            return host.thread_cpu_s(Path(f"/proc/{self.proc.pid}/stat").read_text())
+        return math.nan
 
 
 def start(daemons: dict[str, int], out_dir: Path, label: str) -> list[Profiler]:
-    """py-spy on each of `daemons` (node -> pid), its samples to OUT_DIR/LABEL-NODE.txt."""
+    """py-spy on each of `daemons` (node -> pid), its samples to OUT_DIR/LABEL-NODE.txt,
+    what it says to LABEL-NODE.log. None left running if one fails to attach."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    profilers = []
+    profilers: list[Profiler] = []
     for node, pid in daemons.items():
-        out = out_dir / f"{label}-{node}.txt"
+        out, log = out_dir / f"{label}-{node}.txt", out_dir / f"{label}-{node}.log"
         command = [str(PY_SPY), "record", "--pid", str(pid), "--rate", str(RATE),
                    "--format", "raw", "--nonblocking", "--output", str(out)]  # fmt: skip
-        proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=(out_dir / f"{label}-{node}.log").open("wb"),
-        )  # fmt: skip
-        profilers.append(Profiler(node, pid, out, proc))
+        with log.open("wb") as said:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=said)  # fmt: skip
+        profilers.append(Profiler(node, pid, out, log, proc))
     time.sleep(ATTACH_S)
     for p in profilers:
         if p.proc.poll() is not None:
-            raise ProfileError(f"py-spy on {p.node}'s daemon (pid {p.pid}) exited: see {p.out}.log")
+            for q in profilers:  # ours, by pid
+                if q.proc.poll() is None:
+                    q.proc.kill()
+                    q.proc.wait(10)
+            raise ProfileError(f"py-spy on {p.node}'s daemon (pid {p.pid}) exited: see {p.log}")
     return profilers
 
 
 def stop(profilers: list[Profiler]) -> dict[str, dict[str, Any]]:
     """Stop each py-spy (SIGINT: it writes its samples), then count them by task."""
+    cost = {p.node: p.cpu_s() for p in profilers}
     for p in profilers:
         p.proc.send_signal(signal.SIGINT)
     found: dict[str, dict[str, Any]] = {}
@@ -86,9 +100,10 @@ def stop(profilers: list[Profiler]) -> dict[str, dict[str, Any]]:
             p.proc.kill()
             p.proc.wait(10)
         if not p.out.exists():
-            raise ProfileError(f"py-spy on {p.node}'s daemon wrote no samples: see {p.out}.log")
+            raise ProfileError(f"py-spy on {p.node}'s daemon wrote no samples: see {p.log}")
         busy, tasks = by_task(p.out.read_text())
-        found[p.node] = {"rate": RATE, "samples": busy, "by_task": dict(tasks), "file": str(p.out)}
+        found[p.node] = {"rate": RATE, "samples": busy, "by_task": dict(tasks),
+                         "file": str(p.out), "py_spy_cpu_s": cost[p.node]}  # fmt: skip
     return found
 
 
@@ -148,7 +163,7 @@ def profile_table(fleets: list[dict[str, Any]], top: int = 8) -> Table:
         "The daemons' CPU in the push by what they ran (py-spy, --profile): the "
         f"{top} largest of each; CPU ms = its share of the samples x the daemon's CPU",
         ["nodes", "shards", "daemon", "task", "busy samples", "share %", "CPU ms",
-         "CPU ms a shard of its node"],
+         "CPU ms a shard of its node", "py-spy's own CPU ms"],
         digits=1,
     )  # fmt: skip
     for f in fleets:
@@ -158,8 +173,9 @@ def profile_table(fleets: list[dict[str, Any]], top: int = 8) -> Table:
             ranked = sorted(p["by_task"].items(), key=lambda kv: -kv[1])
             for task, n in [("all", p["samples"]), *ranked[:top]]:
                 share = n / p["samples"] if p["samples"] else math.nan
+                cost = 1000 * p.get("py_spy_cpu_s", math.nan) if task == "all" else "-"
                 table.rows.append(
                     [f["nodes"], f["shards"], node, task, n, 100 * share, share * cpu_ms,
-                     share * cpu_ms / per_node]
+                     share * cpu_ms / per_node, cost]
                 )  # fmt: skip
     return table

@@ -69,13 +69,14 @@ def test_waiting_samples_are_left_out_and_the_rest_summed() -> None:
 def test_the_table_gives_each_daemon_s_share_of_its_cpu_by_task() -> None:
     """The samples give each task's share; the CPU is the daemon's own from /proc (a
     sample on a machine busier than its cores may be a thread ready to run, not running)."""
-    profile = {"head": {"rate": 100, "samples": 40, "cpu_s": 2.0,
+    profile = {"head": {"rate": 100, "samples": 40, "cpu_s": 2.0, "py_spy_cpu_s": 0.25,
                         "by_task": {"a": 30, "b": 6, "c": 4}}}  # fmt: skip
     fleets = [{"nodes": 8, "shards": 256, "push": {"profile": profile}},
               {"nodes": 1, "shards": 1, "push": {"profile": None}}]  # fmt: skip
     rows = fleet_profile.profile_table(fleets, top=2).rows
     assert [r[3] for r in rows] == ["all", "a", "b"]
     assert rows[0][4:7] == [40, 100.0, 2000.0]  # all of its 2 s
+    assert rows[0][8] == 250.0 and rows[1][8] == "-"  # what sampling it cost, once
     assert rows[1][5] == pytest.approx(75.0) and rows[1][6] == pytest.approx(1500.0)
     assert rows[1][7] == pytest.approx(1500.0 / 32)  # a shard of its node's 32
     profile["head"]["cpu_s"] = None  # its pid's CPU was not read: no CPU, the share stays
