@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import host
+from bench import procs
 from bench.procs import BIN
 from bench.report import Table
 from dynamod.core.errors import DynamodError
@@ -58,8 +58,8 @@ class Profiler:
 
     def cpu_s(self) -> float:
         """py-spy's own CPU so far: what the profile cost the machine."""
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            return host.thread_cpu_s(Path(f"/proc/{self.proc.pid}/stat").read_text())
+        with contextlib.suppress(OSError):
+            return procs.cpu_seconds(self.proc.pid)
         return math.nan
 
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import procs
+
 PROC = Path("/proc")
 DAMON = Path("/sys/kernel/mm/damon/admin/kdamonds")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -62,14 +64,6 @@ def vmstat(text: str, *names: str) -> dict[str, int]:
     return found
 
 
-def thread_cpu_s(stat_text: str) -> float:
-    """utime + stime of one /proc/PID/stat line, in seconds. The command field is
-    parenthesised and may hold spaces, so the fields are counted after its last ')'."""
-    rest = stat_text.rsplit(")", 1)[1].split()
-    # rest[0] is field 3 (state): utime and stime are fields 14 and 15
-    return (int(rest[11]) + int(rest[12])) / TICK
-
-
 def kdamond_pids(damon: Path = DAMON) -> list[int]:
     """The pids of the running DAMON kernel threads (none where DAMON is off or absent)."""
     pids: list[int] = []
@@ -88,7 +82,7 @@ def counters(proc: Path = PROC, damon: Path = DAMON) -> HostCounters:
     kdamond = 0.0
     for pid in kdamond_pids(damon):
         with contextlib.suppress(OSError):
-            kdamond += thread_cpu_s((proc / str(pid) / "stat").read_text())
+            kdamond += procs.stat_cpu(str(proc / str(pid) / "stat"))[1]
     return HostCounters(
         busy_s=cpu["busy_s"],
         steal_s=cpu["steal_s"],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import fleet, host
+from bench import fleet, host, procs
 
 STAT = (
     "cpu  1000 200 300 5000 40 5 6 70 0 0\n"
@@ -45,10 +45,13 @@ def test_vmstat_reads_named_counters_and_zero_for_a_missing_one() -> None:
     }  # fmt: skip
 
 
-def test_a_thread_s_cpu_is_counted_after_a_command_holding_spaces_and_parens() -> None:
+def test_a_thread_s_cpu_is_counted_after_a_command_holding_spaces_and_parens(
+    tmp_path: Path,
+) -> None:
+    """kdamond's CPU is read by bench.procs.stat_cpu, the benchmarks' one stat parser."""
     fields = ["S", *["0"] * 10, "300", "45", *["0"] * 30]  # utime, stime: fields 14, 15
-    line = "83 (kdamond.0 (x) y) " + " ".join(fields)
-    assert host.thread_cpu_s(line) == pytest.approx(seconds(345))
+    (tmp_path / "stat").write_text("83 (kdamond.0 (x) y) " + " ".join(fields))
+    assert procs.stat_cpu(str(tmp_path / "stat"))[1] == pytest.approx(seconds(345))
 
 
 def fake_proc(root: Path, *, busy: int, steal: int, kdamond: int, majfault: int) -> None:
