@@ -626,9 +626,12 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
     shards = [pid for node in rig.names for pid in shard_pids(rig, node).values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
-    sampled = {n: daemon_pid(rig, n) for n in dict.fromkeys([rig.names[0], rig.names[-1]])}
-    label = f"{len(rig.names)}x{len(shards) // len(rig.names)}"
-    profilers = fleet_profile.start(sampled, profile, label) if profile is not None else []
+    pids = dict(zip(rig.names, daemons, strict=True))
+    sampled = {n: pids[n] for n in dict.fromkeys([rig.names[0], rig.names[-1]])}
+    profilers = []
+    if profile is not None:
+        label = f"{len(rig.names)}x{len(shards) // len(rig.names)}"
+        profilers = fleet_profile.start(sampled, profile, label)
     cpu_before = cpu_of([*shards, *daemons])
     threads_before = threads_of([*shards, *daemons])
     host_before = host.counters()

@@ -311,11 +311,9 @@ def noise_floor(records: list[Record], reference: dict[str, Any]) -> float | Non
     the figure reads with no fault at all. The judgment takes the first window below 95 %
     anywhere after the fault, so a dip of the machine's own 18 s after a fault that cost
     nothing reads as 18 s; this puts that noise beside each fault's figure."""
-    start = reference["start"]
-    baseline = aiperf_run.good_rate(records, start + WARMUP_S, start + FAULT_AT_S)
-    if not baseline > 0:
-        return None
-    return aiperf_run.recovery_s(records, start + FAULT_AT_S, reference["run_end"], baseline)
+    judged = {**reference, "fault_at_s": FAULT_AT_S}  # a copy: the run keeps no fault
+    recovery(judged, records, quick=False)
+    return judged["recovery_s"]  # type: ignore[no-any-return]
 
 
 def windows(records: list[Record], result: dict[str, Any], quick: bool) -> dict[str, Any]:
