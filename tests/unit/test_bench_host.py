@@ -5,6 +5,7 @@ where the counters only grow."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -88,10 +89,13 @@ def test_no_damon_means_no_kdamond_cpu(tmp_path: Path) -> None:
 
 def test_this_machine_s_counters_only_grow() -> None:
     before = host.counters()
-    sum(i * i for i in range(200_000))  # some CPU of our own
+    spent = time.process_time() + 0.2
+    while time.process_time() < spent:  # 0.2 s of CPU of our own: 20 ticks, not 1 or 0
+        sum(i * i for i in range(10_000))
     got = host.window(before)
     assert got["busy_s"] >= 0 and got["steal_s"] >= 0 and got["major_faults"] >= 0
     assert got["busy_s"] + got["steal_s"] + got["iowait_s"] > 0
+    assert got["busy_s"] >= 0.1, got  # our own 0.2 s, give or take the ticks' edges
 
 
 def test_the_host_table_has_a_row_per_phase_and_skips_runs_without_it() -> None:
