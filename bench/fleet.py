@@ -887,8 +887,7 @@ def host_table(fleets: list[dict[str, Any]]) -> Table:
     same code whose stalls differ while these do not were not slowed by the host."""
     table = Table(
         "The host in the start and in the push: steal, kdamond's CPU, pages read back in",
-        ["nodes", "shards", "phase", "s", "busy CPU s", "stolen CPU s", "iowait s",
-         "kdamond CPU s", "major faults", "read in MB"],
+        ["nodes", "shards", "phase", "s", *host.COLUMNS],
         digits=2,
     )  # fmt: skip
     for f in fleets:
@@ -898,10 +897,7 @@ def host_table(fleets: list[dict[str, Any]]) -> Table:
         ]:
             if not isinstance(h, dict):
                 continue  # a run from before the host was read
-            table.rows.append(
-                [f["nodes"], f["shards"], phase, seconds, h["busy_s"], h["steal_s"],
-                 h["iowait_s"], h["kdamond_s"], h["major_faults"], h["paged_in_kb"] / 1024]
-            )  # fmt: skip
+            table.rows.append([f["nodes"], f["shards"], phase, seconds, *host.cells(h)])
     return table
 
 

@@ -552,17 +552,13 @@ def host_table(results: list[dict[str, Any]]) -> Table:
     more CPU stolen or more pages read back in was slowed by the machine, not the fault."""
     table = Table(
         "The host while each run sent: busy, stolen and kdamond's CPU, pages read back in",
-        ["supervisor", "fault", "concurrency", "busy CPU s", "stolen CPU s", "kdamond CPU s",
-         "major faults", "read in MB"],
+        ["supervisor", "fault", "concurrency", *host.COLUMNS],
         digits=2,
     )  # fmt: skip
     for r in results:
         h = r.get("host")
         if isinstance(h, dict):
-            table.rows.append(
-                [r["supervisor"], r["fault"], r["concurrency"], h["busy_s"], h["steal_s"],
-                 h["kdamond_s"], h["major_faults"], h["paged_in_kb"] / 1024]
-            )  # fmt: skip
+            table.rows.append([r["supervisor"], r["fault"], r["concurrency"], *host.cells(h)])
     return table
 
 

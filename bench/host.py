@@ -96,3 +96,14 @@ def counters(proc: Path = PROC, damon: Path = DAMON) -> HostCounters:
 def window(before: HostCounters) -> dict[str, Any]:
     """The machine's counters from `before` to now."""
     return counters().since(before)
+
+
+# a window's columns in a benchmark's table, and its cells
+COLUMNS = ["busy CPU s", "stolen CPU s", "iowait s", "kdamond CPU s", "major faults",
+           "read in MB"]  # fmt: skip
+
+
+def cells(window: dict[str, Any]) -> list[Any]:
+    """One window (`since`, `window`) as the COLUMNS' cells."""
+    return [window["busy_s"], window["steal_s"], window["iowait_s"], window["kdamond_s"],
+            window["major_faults"], window["paged_in_kb"] / 1024]  # fmt: skip

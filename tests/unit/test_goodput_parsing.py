@@ -330,7 +330,7 @@ def test_the_host_table_has_a_row_per_run_that_read_the_host() -> None:
         {"supervisor": "dynamod", "fault": "none", "concurrency": 16},  # an older JSON's run
     ]
     assert goodput.host_table(runs).rows == [
-        ["dynamod", "etcd_kill", 16, 40.0, 1.5, 0.2, 7, 0.5]
+        ["dynamod", "etcd_kill", 16, 40.0, 1.5, 0.0, 0.2, 7, 0.5]  # iowait 0.0
     ]
 
 
