@@ -76,6 +76,7 @@ from bench.fleet_stack import (
     with_lease,
     with_max_starting,
     with_max_updating,
+    with_modeled_reset,
     with_shard_limits,
     with_shard_live_timeout,
 )
@@ -89,6 +90,7 @@ from dynamod.chaos.node_loss import lost_by, make_checkpoint
 from dynamod.client import Client
 from dynamod.core import paths
 from dynamod.core.errors import DynamodError
+from dynamod.workers.cpu.args import MODELED_RESET_MAX_S
 
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
 MACHINE_GIB = 24  # what the issue's fleet has to fit in
@@ -191,6 +193,16 @@ def main() -> None:
         "their liveness probes inside the push (docs/benchmarks.md 16)",
     )
     parser.add_argument(
+        "--modeled-reset",
+        type=float,
+        default=None,
+        metavar="S",
+        help="every shard's engine reset (its update, a flush) keeps its engine and waits S "
+        "s off the CPU, as an accelerator's in-place copy would, instead of building a new "
+        "engine on two shared cores (the CPU worker's --modeled-reset-s); the 1 x 1 "
+        "reference too. Everything else a push does is real (docs/benchmarks.md 16)",
+    )
+    parser.add_argument(
         "--staggered",
         action="store_true",
         help="start the nodes that hold etcd's members together, then every other node on "
@@ -251,6 +263,9 @@ def main() -> None:
         parser.error(f"--max-starting: 1 to 256, got {args.max_starting}")
     if args.max_updating is not None and not 1 <= args.max_updating <= 256:
         parser.error(f"--max-updating: 1 to 256, got {args.max_updating}")
+    modeled = args.modeled_reset
+    if modeled is not None and not 0 <= modeled <= MODELED_RESET_MAX_S:
+        parser.error(f"--modeled-reset: seconds from 0 to {MODELED_RESET_MAX_S:g}, got {modeled:g}")
     if not 1 <= args.idle <= 3600:
         parser.error(f"--idle: seconds from 1 to 3600, got {args.idle:g}")
     if args.profile is not None and (why := fleet_profile.missing()) is not None:
@@ -271,7 +286,8 @@ def main() -> None:
             if args.quick
             else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
                            live_timeout=live_timeout, max_starting=args.max_starting,
-                           max_updating=args.max_updating, heartbeat_timeout=beat)
+                           max_updating=args.max_updating, heartbeat_timeout=beat,
+                           modeled_reset=modeled)
         )
         fleets = []
         for n in nodes:
@@ -282,13 +298,19 @@ def main() -> None:
                     keep=args.keep, staggered=args.staggered, live_timeout=live_timeout,
                     max_starting=args.max_starting, max_updating=args.max_updating,
                     idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
-                    profile=args.profile,
+                    profile=args.profile, modeled_reset=modeled,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
     report.data["inotify"] = inotify
+    if modeled is not None:
+        report.notes.append(
+            f"every shard's engine reset (its update, a flush) was modeled: its engine kept, "
+            f"{modeled:g} s waited off the CPU (--modeled-reset), the 1 x 1 reference's too; "
+            "the push's other work (the daemons', the routes', the router's) is real"
+        )
     if args.png is not None:
         drawn = fleet_plot.draw(fleets, args.png)
         report.notes.append(f"picture: {drawn}" if drawn else "picture: one node count, no "
@@ -413,6 +435,7 @@ def run_fleet(
     heartbeat_timeout: float | None = None,
     cut: str = "last",
     profile: Path | None = None,
+    modeled_reset: float | None = None,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -425,7 +448,7 @@ def run_fleet(
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
     text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
     text = with_max_updating(with_max_starting(text, max_starting), max_updating)
-    text = with_heartbeat(text, heartbeat_timeout)
+    text = with_modeled_reset(with_heartbeat(text, heartbeat_timeout), modeled_reset)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
@@ -437,7 +460,8 @@ def run_fleet(
                               "shard_limits": limits or {},
                               "shard_live_timeout_s": live_timeout,
                               "max_starting": max_starting,
-                              "max_updating": max_updating}  # fmt: skip
+                              "max_updating": max_updating,
+                              "modeled_reset_s": modeled_reset}  # fmt: skip
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
@@ -941,6 +965,8 @@ def shard_settings(fleet: dict[str, Any]) -> str:
     for key in ("max_starting", "max_updating"):
         if fleet.get(key) is not None:
             settings.append(f"{key} {fleet[key]}")
+    if fleet.get("modeled_reset_s") is not None:
+        settings.append(f"engine reset modeled {fleet['modeled_reset_s']:g} s off the CPU")
     return ", ".join(settings) or "-"
 
 

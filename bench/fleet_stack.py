@@ -145,3 +145,14 @@ def with_max_updating(text: str, max_updating: int | None) -> str:
     if max_updating is None:
         return text
     return _one(r"^\[policy\]$", text, f"\\g<0>\nmax_updating = {max_updating}", "[policy]")
+
+
+def with_modeled_reset(text: str, seconds: float | None) -> str:
+    """`text` (cluster.toml) with every shard's engine reset modeled as `seconds` off the
+    CPU (the CPU worker's `--modeled-reset-s`, mocker only); unchanged for None."""
+    if seconds is None:
+        return text
+    return _one(
+        r'^(    "--engine", "\{vars\.worker_engine\}",)$', text,
+        f'\\g<1>\n    "--modeled-reset-s", "{seconds:g}",', "units.worker --engine",
+    )  # fmt: skip

@@ -372,6 +372,52 @@ def test_mocker_flushes_keep_one_port_claim_and_relay_the_new_engine_s_events(
         worker.proc.stop()
 
 
+def test_a_modeled_reset_keeps_the_mocker_and_tells_the_router_its_blocks_are_gone(
+    stack: RawStack, model_dir: Path, tmp_path: Path
+) -> None:
+    """`--modeled-reset-s` (bench.fleet --modeled-reset): a flush and an update wait the
+    modeled time and keep the engine (its own prefix cache survives: the model's stated
+    limit), the router applies a cleared event as after a real reset, and the update's
+    version and digest are the checkpoint's."""
+    worker = stack.start_worker(
+        "modeled", model_dir, "tiny-modeled",
+        extra=["--engine", "mocker", "--block-size", "16", "--modeled-reset-s", "0.3"],
+    )  # fmt: skip
+    try:
+        stack.wait_model("tiny-modeled")
+        prompt = f"modeled {PROMPT}"
+        complete(stack, prompt, model="tiny-modeled")
+        warm = cached_tokens(complete(stack, prompt, model="tiny-modeled"))
+        assert warm > 0
+        before = worker.engine("liveness_probe")[1]
+        assert before["modeled_reset_s"] == 0.3
+        clears = router_counter(stack, EVENTS_APPLIED, event_type="cleared", status="ok")
+        begun = time.monotonic()
+        assert worker.engine("flush_cache")[1]["status"] == "ok"
+        assert time.monotonic() - begun >= 0.3
+        after = worker.engine("liveness_probe")[1]
+        assert after["engine_generation"] == before["engine_generation"] + 1
+        deadline = time.monotonic() + 10
+        while router_counter(stack, EVENTS_APPLIED, event_type="cleared", status="ok") == clears:
+            assert time.monotonic() < deadline, "the router never applied the cleared event"
+            time.sleep(0.05)
+        assert cached_tokens(complete(stack, prompt, model="tiny-modeled")) > 0, (
+            "the engine was rebuilt: its cache is gone"
+        )
+        digest = write_checkpoint(tmp_path / "modeled-1", model_dir, scale=1.0)
+        assert worker.engine("pause_generation")[1]["status"] == "ok"
+        begun = time.monotonic()
+        body = {"model_path": str(tmp_path / "modeled-1"), "weight_version": 1}
+        reply = worker.engine("update_weights_from_disk", body)[1]
+        assert reply["status"] == "ok" and reply["digest"] == digest, reply
+        assert time.monotonic() - begun >= 0.3
+        assert worker.engine("resume_generation")[1]["status"] == "ok"
+        data = complete(stack, prompt, model="tiny-modeled")["nvext"]["engine_data"]
+        assert (data["weight_version"], data["weight_digest"]) == (1, digest)
+    finally:
+        worker.proc.stop()
+
+
 def test_weight_update_resets_the_prefix_cache(
     stack: RawStack, resumed: Worker, model_dir: Path, tmp_path: Path
 ) -> None:

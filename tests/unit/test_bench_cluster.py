@@ -1,8 +1,10 @@
 """bench.cluster's lease variants and bench.fleet's shard settings (bench/fleet_stack.py
-`with_lease`, `with_heartbeat`, `with_shard_limits`, `with_shard_live_timeout`): the stock
+`with_lease`, `with_heartbeat`, `with_shard_limits`, `with_shard_live_timeout`,
+`with_modeled_reset`): the stock
 cluster stack rewritten for a registry lease, with the etcd election timeout a 1 s lease
 needs, for the leader's heartbeat timeout (or none), with
-limits (a CPU weight, a nice) on its shards or a longer liveness timeout; or refused when a
+limits (a CPU weight, a nice) on its shards, a longer liveness timeout or a modeled engine
+reset; or refused when a
 line it rewrites is not there."""
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from bench.fleet_stack import (
     StackShapeError,
     with_heartbeat,
     with_lease,
+    with_modeled_reset,
     with_shard_limits,
     with_shard_live_timeout,
 )
@@ -84,6 +87,19 @@ def test_a_shard_live_timeout_changes_the_workers_liveness_timeout_alone() -> No
     assert with_shard_live_timeout(STACK.read_text(), None) == STACK.read_text()
     with pytest.raises(StackShapeError, match=r"no units\.worker live line"):
         with_shard_live_timeout('live = { kind = "http", url = "x", timeout = 2 }\n', 10)
+
+
+def test_a_modeled_reset_is_one_more_flag_of_the_workers_alone() -> None:
+    stock = tomllib.loads(STACK.read_text())
+    stack = tomllib.loads(with_modeled_reset(STACK.read_text(), 0.05))
+    command = stack["units"]["worker"]["command"]
+    assert command == [*stock["units"]["worker"]["command"], "--modeled-reset-s", "0.05"]
+    for name, unit in stack["units"].items():
+        if name != "worker":
+            assert unit == stock["units"][name], name
+    assert with_modeled_reset(STACK.read_text(), None) == STACK.read_text()
+    with pytest.raises(StackShapeError, match=r"no units\.worker --engine line"):
+        with_modeled_reset('command = ["x", "--engine", "mocker"]\n', 0.05)
 
 
 def test_what_marked_a_node_lost_is_read_from_its_record_s_why() -> None:

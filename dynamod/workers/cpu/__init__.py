@@ -3,6 +3,7 @@
     python -m dynamod.workers.cpu --model-path DIR [--model-name NAME] [dynamo.mocker flags]
                                   [--engine numpy|mocker] [--threads N] [--cache-blocks N]
                                   [--initial-version V] [--drain-timeout S] [--start-paused]
+                                  [--modeled-reset-s S (mocker, benchmarks only)]
 
 The default engine (`numpy_engine`) generates with the model directory's Llama in numpy at
 the weights the worker holds; the worker's process never imports torch (a start cost 2.8

@@ -16,6 +16,10 @@ from dynamod.workers.cpu.errors import WorkerError
 # too (neither layer may import the other; a unit test holds them equal).
 START_PAUSED_ENV = "DYNAMOD_WORKER_START_PAUSED"
 
+# The longest engine reset `--modeled-reset-s` models: a full copy of a large model's
+# weights to an accelerator takes seconds, not minutes.
+MODELED_RESET_MAX_S = 60.0
+
 # What OpenBLAS (numpy's wheels), OpenMP and MKL read once, when numpy loads.
 BLAS_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -44,6 +48,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]
     ours, rest = own.parse_known_args(argv)
     if ours.threads < 1 or ours.cache_blocks < 1:
         raise WorkerError("--threads and --cache-blocks must be at least 1")
+    if ours.modeled_reset_s is not None:
+        if ours.engine != "mocker":
+            raise WorkerError("--modeled-reset-s models the mocker's reset: add --engine mocker")
+        if not 0 <= ours.modeled_reset_s <= MODELED_RESET_MAX_S:
+            raise WorkerError(
+                f"--modeled-reset-s: seconds from 0 to {MODELED_RESET_MAX_S:g}, "
+                f"got {ours.modeled_reset_s:g}"
+            )
 
     from dynamo.mocker.args import parse_args as parse_mocker_args
 
@@ -86,6 +98,20 @@ def _add_engine_options(own: argparse.ArgumentParser) -> None:
         type=int,
         default=4096,
         help="prefix cache capacity of the numpy engine, in blocks (default 4096)",
+    )
+    own.add_argument(
+        "--modeled-reset-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help=(
+            "mocker only, for benchmarks of the control plane at a size one machine's cores "
+            "cannot build engines for (bench.fleet --modeled-reset): an engine reset (new "
+            "weights, a flush, a sleep) keeps the engine and waits S seconds off the CPU, "
+            "as an accelerator's in-place copy would, instead of building a new engine on "
+            "a new Dynamo runtime. The router is told the worker's blocks are gone as after "
+            "a real reset; the mocker's own prefix cache is kept"
+        ),
     )
     own.add_argument(
         "--drain-timeout",

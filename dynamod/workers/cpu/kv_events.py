@@ -67,13 +67,17 @@ class KvEventBridge:
 
     async def detach_and_clear(self) -> None:
         """Stop forwarding (the engine is gone) and clear the router's view of this worker."""
-        import msgspec
-
         if self._forwarding is not None:
             self._forwarding.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._forwarding
             self._forwarding = None
+        await self.clear()
+
+    async def clear(self) -> None:
+        """Tell the router that none of this worker's blocks are cached any more."""
+        import msgspec
+
         batch = [time.time(), [{"type": "AllBlocksCleared"}], 0]
         await self._send(b"", msgspec.msgpack.encode(batch))
 

@@ -60,6 +60,10 @@ class MockerEngine:
     acts as a client keeps a listener open after shutdown, so a client per engine
     would leak one per flush). Both use file discovery in a private directory, which
     neither etcd nor the frontend ever see.
+
+    `modeled_reset_s` (the worker's `--modeled-reset-s`, for benchmarks of the control
+    plane): a reset keeps the engine and waits that long off the CPU instead, as an
+    accelerator's in-place copy would; the router is still told the blocks are gone.
     """
 
     def __init__(
@@ -68,8 +72,10 @@ class MockerEngine:
         model_name: str | None,
         engine_args: dict[str, Any],
         on_death: Callable[[BaseException | None], None],
+        modeled_reset_s: float | None = None,
     ) -> None:
         self._model_path = model_path
+        self._modeled_reset_s = modeled_reset_s
         self._model_name = model_name
         self._engine_args = engine_args
         self._on_death = on_death
@@ -94,6 +100,7 @@ class MockerEngine:
         from dynamo._core import EngineType, EntrypointArgs, make_engine, run_input
         from dynamo.mocker.config import apply_worker_engine_args_overrides, build_runtime_config
 
+        begun = time.monotonic()
         if self._client is None:
             self._client_runtime = self._new_runtime()
             self._client = await self._client_runtime.endpoint(ENGINE_ENDPOINT).client()
@@ -125,7 +132,8 @@ class MockerEngine:
             self.kv_events.attach(events_port)
         serving.add_done_callback(self._served)
         self.generation += 1
-        log.info("mocker engine %d serving as %x", self.generation, self._instance_id)
+        log.info("mocker engine %d serving as %x (built in %.0f ms)", self.generation,
+                 self._instance_id, 1000 * (time.monotonic() - begun))  # fmt: skip
 
     async def _new_instance(self) -> int:
         previous = self._instance_id
@@ -178,7 +186,9 @@ class MockerEngine:
         """The mocker's tokens do not depend on the weights: nothing to load."""
 
     def stats(self) -> dict[str, Any]:
-        return {"engine": "mocker"}
+        if self._modeled_reset_s is None:
+            return {"engine": "mocker"}
+        return {"engine": "mocker", "modeled_reset_s": self._modeled_reset_s}
 
     async def stop(self) -> None:
         serving, runtime = self._serving, self._runtime
@@ -202,12 +212,27 @@ class MockerEngine:
             self._client_runtime = self._client = None
 
     async def restart(self) -> None:
+        if self._modeled_reset_s is not None:
+            await self._modeled_reset(self._modeled_reset_s)
+            return
         await self.stop()
         try:
             await self.start()
         except Exception as exc:
             self._on_death(exc)  # no engine any more: the worker must go down
             raise
+
+    async def _modeled_reset(self, seconds: float) -> None:
+        """The engine kept; the wait an accelerator's reset would take, off the CPU; the
+        router told that the worker's blocks are gone, as after a new engine."""
+        if not self.alive:
+            raise WorkerError("mocker engine is not running")
+        await asyncio.sleep(seconds)
+        if self.kv_events is not None:
+            await self.kv_events.clear()
+        self.generation += 1
+        log.info("mocker engine %d: a modeled reset (%.3f s off the CPU, engine kept)",
+                 self.generation, seconds)  # fmt: skip
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[Any]:
         if self._client is None or self._instance_id is None or not self.alive:

@@ -126,7 +126,9 @@ async def _start_engine(
     engine: Engine
     if ours.engine == "mocker":
         model = str(Path(mocker.model_path))
-        engine = MockerEngine(model, mocker.model_name, engine_args, on_death)
+        engine = MockerEngine(
+            model, mocker.model_name, engine_args, on_death, modeled_reset_s=ours.modeled_reset_s
+        )
     else:
         from dynamod.workers.cpu.numpy_engine import NumpyEngine  # numpy after --threads
 
