@@ -1,9 +1,12 @@
-"""Where a daemon's CPU goes during the push (`bench.fleet --profile DIR`): py-spy samples
-the head's daemon and the last node's through the trainer's stall, and each sample is
-counted under what the daemon's event loop was running (the task or callback below the
-loop's `Handle._run`: a shard's probe, the registry's publish, the policy's apply), or the
-thread it ran in outside the loop. The daemons' CPU in the push grows faster than linear
-with the node count (bench.fleet's growth table); these tables say which of its parts do.
+"""Where a daemon's and a shard's CPU go during the push (`bench.fleet --profile DIR`):
+py-spy samples the head's daemon and the last node's, and the head's first shard and the
+last node's last, through the trainer's stall, and each sample is counted under what the
+process's event loop was running (the task or callback below asyncio's `Handle._run`: a
+shard's probe, the registry's publish, the policy's apply; under uvloop, the shards' loop,
+the task's outermost frame below `Runner.run`, past the routes' thin wrappers), or the
+thread it ran in outside the loop. The daemons' and the shards' CPU in the push grow faster
+than linear with the node count (bench.fleet's growth table); these tables say which of
+their parts do.
 
 The samples' files (py-spy's raw format, one stack a line, then its count) stay in DIR, so
 any other cut of them can be made later."""
@@ -30,6 +33,15 @@ PY_SPY = BIN / "py-spy"
 RATE = 100  # samples a second; what py-spy cost is read back (py_spy_cpu_s)
 ATTACH_S = 1.0  # py-spy's attach; the push starts after it
 LOOP_RUN = "Handle._run (asyncio/events.py"
+# uvloop (the shards' loop) runs a task's step from C: its outermost frame is right below
+# the runner's
+RUNNER = "Runner.run (asyncio/runners.py"
+# a shard's engine routes reach their handler through these (workers/cpu/routes.py
+# `catching`, admission.py `serialised`): the handler below them is the task
+WRAPPERS = (
+    "catching.<locals>.answer (workers/cpu/routes.py)",
+    "CpuWorker.serialised.<locals>.locked (workers/cpu/admission.py)",
+)
 # a sample in one of these is the thread waiting, not running (py-spy's own idle check
 # misses a loop in select with the GIL released now and then)
 WAITING = re.compile(r"^(\S+\.)?(select|poll|wait|_wait_for_tstate_lock|accept|sleep) \(")
@@ -38,7 +50,7 @@ FRAME = re.compile(r"^(?P<fn>\S+) \((?P<file>[^:)]+)(?::\d+)?\)$")
 
 
 class ProfileError(DynamodError):
-    """py-spy could not sample a daemon: the push is not measured with a profile."""
+    """py-spy could not sample a process: the push is not measured with a profile."""
 
 
 def missing() -> str | None:
@@ -63,13 +75,15 @@ class Profiler:
         return math.nan
 
 
-def start(daemons: dict[str, int], out_dir: Path, label: str) -> list[Profiler]:
-    """py-spy on each of `daemons` (node -> pid), its samples to OUT_DIR/LABEL-NODE.txt,
-    what it says to LABEL-NODE.log. None left running if one fails to attach."""
+def start(targets: dict[str, int], out_dir: Path, label: str) -> list[Profiler]:
+    """py-spy on each of `targets` (a daemon's node, or NODE/SHARD for a shard -> pid), its
+    samples to OUT_DIR/LABEL-NAME.txt, what it says to LABEL-NAME.log (NAME: the target's,
+    its / and @ as -). None left running if one fails to attach."""
     out_dir.mkdir(parents=True, exist_ok=True)
     profilers: list[Profiler] = []
-    for node, pid in daemons.items():
-        out, log = out_dir / f"{label}-{node}.txt", out_dir / f"{label}-{node}.log"
+    for node, pid in targets.items():
+        name = re.sub(r"[/@]", "-", node)
+        out, log = out_dir / f"{label}-{name}.txt", out_dir / f"{label}-{name}.log"
         command = [str(PY_SPY), "record", "--pid", str(pid), "--rate", str(RATE),
                    "--format", "raw", "--nonblocking", "--output", str(out)]  # fmt: skip
         with log.open("wb") as said:
@@ -83,7 +97,7 @@ def start(daemons: dict[str, int], out_dir: Path, label: str) -> list[Profiler]:
                 if q.proc.poll() is None:
                     q.proc.kill()
                     q.proc.wait(10)
-            raise ProfileError(f"py-spy on {p.node}'s daemon (pid {p.pid}) exited: see {p.log}")
+            raise ProfileError(f"py-spy on {what(p.node)} (pid {p.pid}) exited: see {p.log}")
     return profilers
 
 
@@ -100,11 +114,17 @@ def stop(profilers: list[Profiler]) -> dict[str, dict[str, Any]]:
             p.proc.kill()
             p.proc.wait(10)
         if not p.out.exists():
-            raise ProfileError(f"py-spy on {p.node}'s daemon wrote no samples: see {p.log}")
+            raise ProfileError(f"py-spy on {what(p.node)} wrote no samples: see {p.log}")
         busy, tasks = by_task(p.out.read_text())
         found[p.node] = {"rate": RATE, "samples": busy, "by_task": dict(tasks),
                          "file": str(p.out), "py_spy_cpu_s": cost[p.node]}  # fmt: skip
     return found
+
+
+def what(target: str) -> str:
+    """`n1` -> "n1's daemon"; `n1/worker@0` -> "n1's shard worker@0"."""
+    node, _, shard = target.partition("/")
+    return f"{node}'s shard {shard}" if shard else f"{node}'s daemon"
 
 
 def short(frame: str) -> str:
@@ -129,6 +149,12 @@ def task_of(frames: list[str]) -> str:
         return short(below[0]) if below else "the event loop itself"
     if any(f.startswith("BaseEventLoop._run_once") for f in frames):
         return "the event loop itself"
+    runner = [i for i, f in enumerate(frames) if f.startswith(RUNNER)]
+    if runner:  # uvloop: the task's frames right below the runner's
+        below = [short(f) for f in frames[runner[-1] + 1 :]]
+        while len(below) > 1 and below[0] in WRAPPERS:
+            below = below[1:]
+        return below[0] if below else "the event loop itself"
     if not frames[0].startswith(ROOTS):
         return short(frames[0])
     work = [i for i, f in enumerate(frames) if f.startswith("_WorkItem.run")]
@@ -155,27 +181,29 @@ def by_task(raw: str) -> tuple[int, Counter[str]]:
 
 
 def profile_table(fleets: list[dict[str, Any]], top: int = 8) -> Table:
-    """Each profiled daemon's CPU in the push by task, its largest first: the task's share
-    of the daemon's busy samples, and that share of the daemon's CPU in the push as
-    /proc counted it (`cpu_s`). A sample says what ran or was ready to run; on a machine
-    busier than its cores the share holds while samples over the rate would not."""
+    """Each profiled process's CPU in the push by task, its largest first: the task's share
+    of the process's busy samples, and that share of its CPU in the push as /proc counted
+    it (`cpu_s`); a daemon's also a shard of its node's, a shard's is its own. A sample
+    says what ran or was ready to run; on a machine busier than its cores the share holds
+    while samples over the rate would not."""
     table = Table(
-        "The daemons' CPU in the push by what they ran (py-spy, --profile): the "
-        f"{top} largest of each; CPU ms = its share of the samples x the daemon's CPU",
-        ["nodes", "shards", "daemon", "task", "busy samples", "share %", "CPU ms",
-         "CPU ms a shard of its node", "py-spy's own CPU ms"],
+        "The daemons' and two shards' CPU in the push by what they ran (py-spy, --profile): "
+        f"the {top} largest of each; CPU ms = its share of the samples x the process's CPU",
+        ["nodes", "shards", "process", "task", "busy samples", "share %", "CPU ms",
+         "CPU ms a shard (a daemon's: of its node's)", "py-spy's own CPU ms"],
         digits=1,
     )  # fmt: skip
     for f in fleets:
         per_node = f["shards"] / f["nodes"]
         for node, p in (f.get("push", {}).get("profile") or {}).items():
             cpu_ms = 1000 * p["cpu_s"] if p.get("cpu_s") is not None else math.nan
+            per = 1 if "/" in node else per_node
             ranked = sorted(p["by_task"].items(), key=lambda kv: -kv[1])
             for task, n in [("all", p["samples"]), *ranked[:top]]:
                 share = n / p["samples"] if p["samples"] else math.nan
                 cost = 1000 * p.get("py_spy_cpu_s", math.nan) if task == "all" else "-"
                 table.rows.append(
-                    [f["nodes"], f["shards"], node, task, n, 100 * share, share * cpu_ms,
-                     share * cpu_ms / per_node, cost]
+                    [f["nodes"], f["shards"], what(node), task, n, 100 * share,
+                     share * cpu_ms, share * cpu_ms / per, cost]
                 )  # fmt: skip
     return table

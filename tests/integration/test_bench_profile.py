@@ -66,16 +66,18 @@ def test_a_live_loop_s_samples_are_counted_under_its_task(
     assert all(p.proc.poll() is not None for p in profilers) and py_spies_of_ours() == []
 
 
-def test_a_daemon_that_is_not_there_is_refused_and_no_py_spy_is_left(tmp_path: Path) -> None:
+def test_a_process_that_is_not_there_is_refused_and_no_py_spy_is_left(tmp_path: Path) -> None:
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait(10)  # a pid that was ours and is no more
     live = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
-        with pytest.raises(fleet_profile.ProfileError, match=r"py-spy on n1's daemon .* see "):
-            fleet_profile.start({"head": live.pid, "n1": gone.pid}, tmp_path, "2x1")
+        with pytest.raises(fleet_profile.ProfileError, match=r"py-spy on n1's shard worker@3 "
+                           r"\(pid \d+\) exited: see .*2x1-n1-worker-3\.log"):  # fmt: skip
+            fleet_profile.start({"head": live.pid, "n1/worker@3": gone.pid}, tmp_path, "2x1")
         # the head's py-spy, which had attached, was stopped with the refusal
         assert py_spies_of_ours() == []
-        assert (tmp_path / "2x1-n1.log").read_text().strip(), "py-spy's own words are kept"
+        said = (tmp_path / "2x1-n1-worker-3.log").read_text()
+        assert said.strip(), "py-spy's own words are kept"
     finally:
         live.kill()
         live.wait(10)

@@ -1,6 +1,8 @@
 """bench.fleet_profile's cut of py-spy's raw samples: each busy sample under what the
-daemon's event loop ran (the frame below its last Handle._run), a thread's outside the
-loop, waiting samples left out; and its table."""
+process's event loop ran (a daemon's: the frame below its last Handle._run; a shard's, on
+uvloop: the frame below the runner's, past the routes' wrappers), a thread's outside the
+loop, waiting samples left out; and its table, a daemon's CPU also a shard of its node's,
+a shard's its own."""
 
 from __future__ import annotations
 
@@ -44,6 +46,39 @@ def test_a_sample_is_counted_under_the_task_the_loop_ran() -> None:
     assert task_of(LOOP[:3]) == "the event loop itself"
 
 
+UVLOOP = [
+    "_run_module_as_main (<frozen runpy>:198)",
+    "<module> (dynamod/workers/cpu/__main__.py:5)",
+    "main (dynamod/workers/cpu/serve.py:230)",
+    "run (uvloop/__init__.py:92)",
+    "Runner.run (asyncio/runners.py:118)",
+]
+UPDATE = "CpuWorker.update_weights_from_disk (dynamod/workers/cpu/admission.py:340)"
+
+
+def test_a_shard_s_sample_is_counted_under_the_route_below_its_wrappers() -> None:
+    """uvloop runs a task's step from C: the task is the frame below the runner's, and a
+    route's handler is the frame below `catching`'s and `serialised`'s wrappers."""
+    wrapped = [*UVLOOP, "catching.<locals>.answer (dynamod/workers/cpu/routes.py:35)",
+               "CpuWorker.serialised.<locals>.locked (dynamod/workers/cpu/admission.py:240)",
+               UPDATE,
+               "load_checkpoint (dynamod/workers/weights.py:112)"]  # fmt: skip
+    assert task_of(wrapped) == "CpuWorker.update_weights_from_disk (workers/cpu/admission.py)"
+    assert task_of([*UVLOOP, "serve (dynamod/workers/cpu/serve.py:90)"]) == (
+        "serve (workers/cpu/serve.py)"
+    )
+    # a wrapper with nothing below it yet is its own task; the loop's C work is the loop's
+    assert task_of([*UVLOOP, "catching.<locals>.answer (dynamod/workers/cpu/routes.py:35)"]) == (
+        "catching.<locals>.answer (workers/cpu/routes.py)"
+    )
+    assert task_of(UVLOOP) == "the event loop itself"
+
+
+def test_a_target_is_named_as_a_daemon_or_a_node_s_shard() -> None:
+    assert fleet_profile.what("n1") == "n1's daemon"
+    assert fleet_profile.what("n1/worker@31") == "n1's shard worker@31"
+
+
 def test_outside_the_loop_a_sample_is_its_thread_s() -> None:
     thread = ["Thread._bootstrap (threading.py:1002)", "Thread.run (threading.py:982)",
               "Responder._serve (dynamod/cluster/heartbeat.py:102)"]  # fmt: skip
@@ -79,6 +114,12 @@ def test_the_table_gives_each_daemon_s_share_of_its_cpu_by_task() -> None:
     assert rows[0][8] == 250.0 and rows[1][8] == "-"  # what sampling it cost, once
     assert rows[1][5] == pytest.approx(75.0) and rows[1][6] == pytest.approx(1500.0)
     assert rows[1][7] == pytest.approx(1500.0 / 32)  # a shard of its node's 32
+    # a shard's CPU is its own, not a share of its node's
+    profile["head/worker@0"] = {"rate": 100, "samples": 10, "cpu_s": 0.5, "by_task": {"u": 10}}
+    rows = fleet_profile.profile_table(fleets, top=1).rows
+    assert [r[2] for r in rows] == ["head's daemon"] * 2 + ["head's shard worker@0"] * 2
+    assert rows[3][6] == pytest.approx(500.0) and rows[3][7] == pytest.approx(500.0)
+    del profile["head/worker@0"]
     profile["head"]["cpu_s"] = None  # its pid's CPU was not read: no CPU, the share stays
     rows = fleet_profile.profile_table(fleets, top=1).rows
     assert rows[1][5] == pytest.approx(75.0) and math.isnan(rows[1][6])
