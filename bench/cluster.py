@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from bench.fleet_stack import ELECTION_TIMEOUT_MS, with_heartbeat, with_lease
+from bench.procs import exit_on_signals
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import ClusterRig
 from dynamod.chaos.model import Load
@@ -138,6 +139,7 @@ def main() -> None:
     except ValueError:
         parser.error("--heartbeat-timeouts: 0 (off) or seconds from 0.6 to 60, e.g. 1.2,0; "
                      f"got {args.heartbeat_timeouts!r}")  # fmt: skip
+    exit_on_signals()  # a stopped run stops its cluster and removes its namespaces
     # the harness logs (sandbox up, cut, heal) go to stderr: stdout is the report
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("cluster", "Node loss and return on a 3-node cluster", args.quick)

@@ -2,7 +2,7 @@
 
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
                           [--raise-inotify] [--no-faults] [--max-starting N]
-                          [--max-updating N] [--png PATH]
+                          [--max-updating N] [--modeled-reset S] [--profile DIR] [--png PATH]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -24,7 +24,10 @@ growth exponent over the node counts (1: linear), those above 1.25 named. A flee
 than the kernel's inotify instances hold (2 per shard) is refused up front, with the numbers;
 `--raise-inotify` (root) raises fs.inotify.max_user_instances to what the fleet needs for the
 run and puts the old value back at its end (the issue's 8 x 32 needs 528 against a default 128).
-Quick (CI): 2 nodes x 4 shards, one push, one status, one node cut with 1 s of load either
+`--modeled-reset S` keeps every shard's engine through its reset and waits S s off the
+CPU instead, as an accelerator's in-place copy would: the push's other work stays real, so
+the run splits the full push between the shards' engine builds on the shared cores and the
+rest. Quick (CI): 2 nodes x 4 shards, one push, one status, one node cut with 1 s of load either
 side (the reference: the head's median shard's own time in the same push).
 """
 
@@ -81,7 +84,7 @@ from bench.fleet_stack import (
     with_shard_live_timeout,
 )
 from bench.fleet_threads import by_thread, thread_table, threads_of
-from bench.procs import cpu_of, cpu_since, iso_epoch, pss_mb, rss_mb
+from bench.procs import cpu_of, cpu_since, exit_on_signals, iso_epoch, pss_mb, rss_mb
 from bench.report import Report, Table, emit, entry, options
 from dynamod.chaos.cluster import NODE_NAMES, ClusterError, ClusterRig
 from dynamod.chaos.model import Load
@@ -231,8 +234,8 @@ def main() -> None:
         type=Path,
         metavar="DIR",
         default=None,
-        help="sample the head's daemon and the last node's with py-spy through the push; "
-        "a table of their CPU by task, the samples kept in DIR",
+        help="sample the head's daemon and the last node's, and a shard of each, with py-spy "
+        "through the push; a table of their CPU by task, the samples kept in DIR",
     )
     parser.add_argument(
         "--keep",
@@ -272,6 +275,7 @@ def main() -> None:
         parser.error(why)
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
+    exit_on_signals()  # a stopped run stops its fleet and puts the inotify limit back
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     report = Report("fleet", "The fleet, simulated: control-plane cost by node count", args.quick)
     reason = can_create_namespaces()
@@ -508,6 +512,9 @@ def run_fleet(
         failed = False
     finally:
         problems = rig.close()
+        if failed:  # an error or a stop signal on its way out: the logs stay, named here
+            print(f"# fleet: {n_nodes} nodes did not finish; logs in {rig.work_dir}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     if problems or failed:
         detail = f": {problems}" if problems else ""
         raise ClusterError(f"fleet of {n_nodes} nodes failed; logs in {rig.work_dir}{detail}")
@@ -644,16 +651,22 @@ def etcd_counters(rig: ClusterRig) -> dict[str, float]:
 def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[str, Any]:
     """One update pushed to every shard: the trainer's stall (its blocking call), the
     daemon's own total, the head's shards' own times, etcd's counters around it; with
-    `profile`, the head's and the last node's daemons sampled through it (py-spy)."""
+    `profile`, the head's and the last node's daemons sampled through it, and a shard of
+    each (py-spy)."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     before = etcd_counters(rig)
-    shards = [pid for node in rig.names for pid in shard_pids(rig, node).values()]
+    of_node = {node: shard_pids(rig, node) for node in rig.names}
+    shards = [pid for theirs in of_node.values() for pid in theirs.values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
     pids = dict(zip(rig.names, daemons, strict=True))
     sampled = {n: pids[n] for n in dict.fromkeys([rig.names[0], rig.names[-1]])}
     profilers = []
-    if profile is not None:
+    if profile is not None:  # and a shard of each: the head's first, the last node's last
+        for node, pick_shard in ((rig.names[0], min), (rig.names[-1], max)):
+            if of_node[node]:
+                name = pick_shard(of_node[node], key=lambda unit: int(unit.rpartition("@")[2]))
+                sampled[f"{node}/{name}"] = of_node[node][name]
         label = f"{len(rig.names)}x{len(shards) // len(rig.names)}"
         profilers = fleet_profile.start(sampled, profile, label)
     cpu_before = cpu_of([*shards, *daemons])

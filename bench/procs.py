@@ -45,9 +45,16 @@ def bench_mark() -> str:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         atexit.register(_at_exit)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _exit_on_signal)
+        exit_on_signals()
     return mark
+
+
+def exit_on_signals() -> None:
+    """SIGTERM and SIGHUP end the benchmark as an exception (exit status 128 + the signal),
+    so its `finally` clauses run: a fleet's daemons are stopped and its namespaces and
+    kernel limits put back, where the default action left them all behind."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
 
 
 _PR_SET_CHILD_SUBREAPER = 36

@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +146,10 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
     assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
     assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]
-    # --profile: both nodes' daemons sampled through the push, their samples kept
+    # --profile: both nodes' daemons and a shard of each sampled through the push, their
+    # samples kept
     profile = fleet["push"]["profile"]
-    assert sorted(profile) == ["head", "n1"], profile
+    assert sorted(profile) == ["head", "head/worker@0", "n1", "n1/worker@3"], profile
     assert all(Path(p["file"]).exists() and p["rate"] > 0 for p in profile.values()), profile
     assert sum(p["samples"] for p in profile.values()) > 0, profile
     # the second push answered once 1 of the head's 4 shards served it, the fleet after
@@ -220,3 +225,78 @@ def test_a_failed_benchmark_says_so_in_one_line(tmp_path: Path) -> None:
     assert line.startswith("python -m bench.run_all: failed: 1 of 1 benchmarks: policy_push"), line
     assert "python -m bench.policy_push: failed: " in line, line
 
+
+
+def _fleet_processes() -> tuple[set[int], set[int]]:
+    """(the simulated fleet's dynamod processes and everything they started, its shards):
+    a fleet's dynamod keeps its state in a /tmp/dmc* work dir (ClusterRig's); the netns
+    group runs one fleet at a time."""
+    ours: set[int] = set()
+    shards: set[int] = set()
+    parents: dict[int, int] = {}
+    argvs: dict[int, list[bytes]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        pid = int(entry.name)
+        parents[pid], argvs[pid] = int(stat.rsplit(")", 1)[1].split()[1]), argv
+        state = argv[argv.index(b"--state-dir") + 1] if b"--state-dir" in argv[:-1] else b""
+        if b"dynamod" in argv and state.startswith(b"/tmp/dmc"):
+            ours.add(pid)
+    grew = True
+    while grew:  # and their descendants
+        more = {pid for pid, ppid in parents.items() if ppid in ours} - ours
+        ours |= more
+        grew = bool(more)
+    shards = {pid for pid in ours if b"dynamod.workers.cpu" in argvs[pid]}
+    return ours, shards
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.xdist_group("netns")
+def test_a_fleet_stopped_by_sigterm_stops_its_daemons_and_namespaces() -> None:
+    """SIGTERM to bench.fleet mid-run (an operator's `kill`, a CI timeout): its fleet's
+    daemons and units end and its namespaces go, as at a normal end. Before, the signal's
+    default action left the fleet running, its namespaces and a raised inotify limit."""
+    from dynamod.chaos.netns import can_create_namespaces
+
+    if (reason := can_create_namespaces()) is not None:
+        pytest.skip(reason)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.fleet", "--quick", "--json"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        ours: set[int] = set()
+        shards: set[int] = set()
+        while len(shards) < 8:  # both nodes' shards started: the fleet is up
+            assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, (ours, shards)
+            time.sleep(0.2)
+            ours, shards = _fleet_processes()
+        proc.send_signal(signal.SIGTERM)
+        _, said = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 128 + signal.SIGTERM, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+    assert [pid for pid in ours if _alive(pid)] == [], said[-3000:]
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"dmc{proc.pid}x" not in names, names
+    # the stopped fleet's logs are kept and named, as a failed one's: removed here
+    kept = re.search(r"# fleet: 2 nodes did not finish; logs in (/tmp/dmc\S+)", said)
+    assert kept is not None, said[-3000:]
+    assert (Path(kept[1]) / "head" / "daemon.log").exists(), kept[1]
+    shutil.rmtree(kept[1])
