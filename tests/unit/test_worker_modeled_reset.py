@@ -35,6 +35,16 @@ def test_a_reset_outside_its_range_is_refused(tmp_path: Path, seconds: str) -> N
         parse_args(argv)
 
 
+class Discovery:
+    """The engine's client: which instances its private discovery lists."""
+
+    def __init__(self, *ids: int) -> None:
+        self.ids = list(ids)
+
+    def instance_ids(self) -> list[int]:
+        return self.ids
+
+
 class Bridge:
     """Records what the engine told the router."""
 
@@ -53,6 +63,7 @@ async def test_a_modeled_reset_keeps_the_engine_and_clears_the_router_s_view() -
     mocker = engine(0.05)
     serving: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     mocker._serving, mocker._instance_id = serving, 7  # as `start` leaves them
+    mocker._client = Discovery(7)
     bridge = Bridge()
     mocker.kv_events = bridge  # type: ignore[assignment]
     begun = time.monotonic()
@@ -62,6 +73,29 @@ async def test_a_modeled_reset_keeps_the_engine_and_clears_the_router_s_view() -
     assert bridge.cleared == 1 and mocker.generation == 1
     assert mocker.stats() == {"engine": "mocker", "modeled_reset_s": 0.05}
     serving.cancel()
+
+
+async def test_an_engine_whose_instance_expired_is_built_again_not_modeled() -> None:
+    """A starved worker's engine instance expires from its discovery and is never listed
+    again: a modeled reset would keep an engine nothing can reach (a fleet's push hung
+    on every shard's canary), so the reset builds a new one."""
+    mocker = engine(0.05)
+    mocker._serving, mocker._instance_id = asyncio.get_running_loop().create_future(), 7
+    mocker._client = Discovery()  # 7 is gone
+    calls: list[str] = []
+
+    async def stop() -> None:
+        calls.append("stop")
+
+    async def start(timeout: float = 60.0) -> None:
+        calls.append("start")
+
+    mocker.stop, mocker.start = stop, start  # type: ignore[method-assign]
+    await mocker.restart()
+    assert calls == ["stop", "start"]
+    mocker._client = Discovery(7)
+    await mocker.restart()
+    assert calls == ["stop", "start"] and mocker.generation == 1  # modeled this time
 
 
 async def test_a_dead_engine_is_not_reset_by_a_model() -> None:

@@ -213,8 +213,14 @@ class MockerEngine:
 
     async def restart(self) -> None:
         if self._modeled_reset_s is not None:
-            await self._modeled_reset(self._modeled_reset_s)
-            return
+            if not self.alive:
+                raise WorkerError("mocker engine is not running")
+            if self._registered():
+                await self._modeled_reset(self._modeled_reset_s)
+                return
+            log.warning("mocker engine %d: its instance left the engine's discovery (expired "
+                        "while the process was starved?): a new engine, not a modeled reset",
+                        self.generation)  # fmt: skip
         await self.stop()
         try:
             await self.start()
@@ -222,11 +228,16 @@ class MockerEngine:
             self._on_death(exc)  # no engine any more: the worker must go down
             raise
 
+    def _registered(self) -> bool:
+        """Whether the engine's instance is still in its private discovery. The file store
+        drops an instance whose keep-alive came late (a worker starved for seconds on a
+        crowded machine: bench.fleet's 32 shards a node on two cores), and nothing puts it
+        back: only a new engine is reachable again."""
+        return self._client is not None and self._instance_id in self._client.instance_ids()
+
     async def _modeled_reset(self, seconds: float) -> None:
         """The engine kept; the wait an accelerator's reset would take, off the CPU; the
         router told that the worker's blocks are gone, as after a new engine."""
-        if not self.alive:
-            raise WorkerError("mocker engine is not running")
         await asyncio.sleep(seconds)
         if self.kv_events is not None:
             await self.kv_events.clear()
