@@ -418,13 +418,14 @@ def test_a_modeled_reset_keeps_the_mocker_and_tells_the_router_its_blocks_are_go
         worker.proc.stop()
 
 
-def test_a_modeled_reset_builds_a_new_engine_once_the_old_one_s_instance_is_gone(
+def test_a_mocker_engine_whose_instance_is_gone_is_built_again(
     stack: RawStack, model_dir: Path, tmp_path: Path
 ) -> None:
     """A worker starved past its private discovery's keep-alive has its engine's instance
     dropped (bench.fleet: 32 shards a node on two cores), and nothing lists it again: the
-    requests the engine gets fail. A modeled reset then builds a new engine, which serves
-    (its cache empty), where keeping the unreachable one hung a push on every canary."""
+    requests the engine gets fail. The worker builds a new engine on its own (here with
+    `--modeled-reset-s`, whose reset would otherwise keep the old one), and the frontend
+    serves from it again, its cache empty."""
     private = tmp_path / "tmp"
     private.mkdir()
     worker = stack.start_worker(
@@ -437,17 +438,15 @@ def test_a_modeled_reset_builds_a_new_engine_once_the_old_one_s_instance_is_gone
         prompt = f"expired {PROMPT}"
         complete(stack, prompt, model="tiny-expired")
         assert cached_tokens(complete(stack, prompt, model="tiny-expired")) > 0
+        generation = worker.engine("liveness_probe")[1]["engine_generation"]
         instances = "dynamod-cpu-worker-*/v1/instances/dynamod%2Dengine%2Fmocker%2Fgenerate%2F*"
         (engine,) = private.glob(instances)
         engine.unlink()  # what the file store does to an instance whose keep-alive is late
-        body = {"model": "tiny-expired", "prompt": prompt, "max_tokens": 4}
         deadline = time.monotonic() + 15
-        while http_json("POST", f"{stack.frontend_url}/v1/completions", body, timeout=60)[0] == 200:
-            assert time.monotonic() < deadline, "the engine still served with its instance gone"
+        while worker.engine("liveness_probe")[1]["engine_generation"] == generation:
+            assert time.monotonic() < deadline, "no new engine for an unreachable one"
             time.sleep(0.2)
-        generation = worker.engine("liveness_probe")[1]["engine_generation"]
-        assert worker.engine("flush_cache")[1]["status"] == "ok"
-        assert worker.engine("liveness_probe")[1]["engine_generation"] == generation + 1
+        body = {"model": "tiny-expired", "prompt": prompt, "max_tokens": 4}
         # the frontend stopped routing to the worker on its engine's failures; it takes it back
         began = time.monotonic()
         while (served := http_json("POST", f"{stack.frontend_url}/v1/completions", body,
@@ -455,6 +454,7 @@ def test_a_modeled_reset_builds_a_new_engine_once_the_old_one_s_instance_is_gone
             assert time.monotonic() < began + 60, served
             time.sleep(0.5)
         assert cached_tokens(served[1]) == 0  # a new engine: nothing cached
+        assert worker.engine("liveness_probe")[1]["engine_generation"] == generation + 1
         assert worker.proc.popen.poll() is None
     finally:
         worker.proc.stop()

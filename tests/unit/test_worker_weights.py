@@ -144,7 +144,11 @@ class IdleEngine:
     def __init__(self) -> None:
         self.generation = 1
         self.alive = True
+        self.lost = False  # its instance gone from its discovery (the mocker's)
         self.weights: WeightSet | None = None
+
+    def reachable(self) -> bool:
+        return self.alive and not self.lost
 
     def use_weights(self, weights: WeightSet) -> None:
         self.weights = weights
@@ -154,6 +158,7 @@ class IdleEngine:
 
     async def restart(self) -> None:
         self.generation += 1
+        self.lost = False
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[Any]:
         yield {"token_ids": [1], "index": 0, "finish_reason": "length"}
@@ -245,3 +250,25 @@ async def test_requests_wait_while_paused(tmp_path: Path) -> None:
 def test_initial_version_is_an_int_when_it_looks_like_one() -> None:
     assert parse_version("12") == 12
     assert parse_version("step-12") == "step-12"
+
+
+async def test_an_engine_that_cannot_be_reached_is_built_again(tmp_path: Path) -> None:
+    """The mocker's instance dropped from its discovery (a starved worker): after two looks
+    the worker builds a new engine, once; a reachable or a dead engine is left alone."""
+    worker, engine = worker_with(tmp_path)
+    watching = asyncio.ensure_future(worker.keep_reachable(every=0.01))
+    try:
+        await asyncio.sleep(0.1)
+        assert engine.generation == 1  # reachable: nothing done
+        engine.lost = True
+        for _ in range(200):
+            if engine.generation > 1:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert engine.generation == 2 and engine.reachable()  # one new engine, then calm
+        engine.alive, engine.lost = False, True  # dead: the engine's death path, not this
+        await asyncio.sleep(0.1)
+        assert engine.generation == 2
+    finally:
+        watching.cancel()

@@ -25,6 +25,8 @@ PAUSE_REQUIRED = (
 NOT_AN_OBJECT = {"status": "error", "message": "request body must be a JSON object"}
 SLEEP_LEVELS = (1, 2)
 ASLEEP = "Engine is sleeping; call control/wake_up before updating weights"
+# how often the worker looks whether its running engine can still be reached
+REACHABLE_CHECK_S = 1.0
 
 RouteHandler = Callable[[Any], Awaitable[dict[str, Any]]]
 
@@ -221,6 +223,31 @@ class CpuWorker:
                 self._swapping = False
                 self._changed.notify_all()
         return True
+
+    async def keep_reachable(self, every: float = REACHABLE_CHECK_S) -> None:
+        """Build a new engine when the running one can no longer be reached: Dynamo's file
+        store drops the mocker engine's instance from its private discovery when the
+        worker was starved past the instance's keep-alive (32 shards a node on two cores),
+        and never lists it again, so every request the engine gets fails until a reset.
+        Two looks `every` s apart, the second under the admin lock (no reset of the
+        routes' is then half done). Runs until cancelled."""
+        missed = 0
+        while True:
+            await asyncio.sleep(every)
+            lost = self.engine.alive and not self.engine.reachable()
+            missed = missed + 1 if lost else 0
+            if missed < 2:
+                continue
+            missed = 0
+            async with self._lock:
+                if not self.engine.alive or self.engine.reachable():
+                    continue
+                log.warning("[RL] engine %d cannot be reached (its instance left its "
+                            "discovery): a new engine", self.engine.generation)  # fmt: skip
+                try:
+                    await self._reset_engine()
+                except WorkerError as exc:
+                    log.error("[RL] no new engine: %s", exc)
 
     async def _abort_in_flight(self) -> None:
         for flight in self._flights:

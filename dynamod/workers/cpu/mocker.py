@@ -228,6 +228,9 @@ class MockerEngine:
             self._on_death(exc)  # no engine any more: the worker must go down
             raise
 
+    def reachable(self) -> bool:
+        return self.alive and self._registered()
+
     def _registered(self) -> bool:
         """Whether the engine's instance is still in its private discovery. The file store
         drops an instance whose keep-alive came late (a worker starved for seconds on a

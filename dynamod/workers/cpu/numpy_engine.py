@@ -123,6 +123,10 @@ class NumpyEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def reachable(self) -> bool:
+        """In this process, found by no discovery: reachable while it runs."""
+        return self.alive
+
     def stats(self) -> dict[str, Any]:
         """The prefix cache's state and counts since the worker started (kept over flushes)."""
         stats = self.cache.stats

@@ -91,19 +91,17 @@ async def serve(ours: argparse.Namespace, mocker: argparse.Namespace) -> int:
     await _register(endpoint, mocker, block_size, runtime_config)
     closing = _stop_on_signals(loop, worker, engine, runtime)  # keeps the close task referenced
 
-    log.info(
-        "serving %s as instance %s (etcd lease %x), version %s%s",
-        mocker.endpoint,
-        worker.instance_id,
-        worker.instance_id or 0,
-        worker.version if worker.version_declared else "undeclared",
-        ", paused until resume_generation admits it" if ours.start_paused else "",
-    )
+    log.info("serving %s as instance %s (etcd lease %x), version %s%s", mocker.endpoint,
+             worker.instance_id, worker.instance_id or 0,
+             worker.version if worker.version_declared else "undeclared",
+             ", paused until resume_generation admits it" if ours.start_paused else "")  # fmt: skip
+    watching = asyncio.ensure_future(worker.keep_reachable())
     try:
         await endpoint.serve_endpoint(
             worker.generate, health_check_payload=health_check_payload(model_dir)
         )
     finally:
+        watching.cancel()
         if extension is not None:
             await asyncio.to_thread(extension.dynamod_close)
         await engine.close()
