@@ -515,9 +515,8 @@ def run_fleet(
         if failed:  # an error or a stop signal on its way out: the logs stay, named here
             print(f"# fleet: {n_nodes} nodes did not finish; logs in {rig.work_dir}",
                   file=sys.stderr, flush=True)  # fmt: skip
-    if problems or failed:
-        detail = f": {problems}" if problems else ""
-        raise ClusterError(f"fleet of {n_nodes} nodes failed; logs in {rig.work_dir}{detail}")
+    if problems:  # a failure's own exception has left through the `finally` above
+        raise ClusterError(f"fleet of {n_nodes} nodes failed; logs in {rig.work_dir}: {problems}")
     if keep:
         print(f"# fleet: logs kept in {rig.work_dir}", file=sys.stderr, flush=True)
     else:

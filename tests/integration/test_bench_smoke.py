@@ -6,6 +6,7 @@ non-zero exit status, never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bench import procs
 from bench.goodput import QUICK_RUN_S
 from bench.run_all import BENCHMARKS
 from tests.conftest import ROOT, extra_venv
@@ -228,38 +230,21 @@ def test_a_failed_benchmark_says_so_in_one_line(tmp_path: Path) -> None:
 
 
 def _fleet_processes() -> tuple[set[int], set[int]]:
-    """(the simulated fleet's dynamod processes and everything they started, its shards):
-    a fleet's dynamod keeps its state in a /tmp/dmc* work dir (ClusterRig's); the netns
+    """(the simulated fleet's dynamod processes and everything below them, its shards): a
+    fleet's dynamod keeps its state in a /tmp/dmc* work dir (ClusterRig's); the netns
     group runs one fleet at a time."""
-    ours: set[int] = set()
-    shards: set[int] = set()
-    parents: dict[int, int] = {}
     argvs: dict[int, list[bytes]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        pid = int(entry.name)
-        parents[pid], argvs[pid] = int(stat.rsplit(")", 1)[1].split()[1]), argv
-        state = argv[argv.index(b"--state-dir") + 1] if b"--state-dir" in argv[:-1] else b""
-        if b"dynamod" in argv and state.startswith(b"/tmp/dmc"):
-            ours.add(pid)
-    grew = True
-    while grew:  # and their descendants
-        more = {pid for pid, ppid in parents.items() if ppid in ours} - ours
-        ours |= more
-        grew = bool(more)
-    shards = {pid for pid in ours if b"dynamod.workers.cpu" in argvs[pid]}
+        with contextlib.suppress(OSError):
+            argvs[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")
+    roots = {
+        pid for pid, argv in argvs.items()
+        if b"dynamod" in argv and b"--state-dir" in argv[:-1]
+        and argv[argv.index(b"--state-dir") + 1].startswith(b"/tmp/dmc")
+    }  # fmt: skip
+    ours = roots | {pid for root in roots for pid in procs.descendants(root)}
+    shards = {pid for pid in ours if b"dynamod.workers.cpu" in argvs.get(pid, [])}
     return ours, shards
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.xdist_group("netns")
@@ -292,7 +277,7 @@ def test_a_fleet_stopped_by_sigterm_stops_its_daemons_and_namespaces() -> None:
             proc.wait(30)
     assert proc.returncode == 128 + signal.SIGTERM, said[-3000:]
     assert "Traceback" not in said, said[-3000:]
-    assert [pid for pid in ours if _alive(pid)] == [], said[-3000:]
+    assert [pid for pid in ours if procs.alive(pid)] == [], said[-3000:]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"dmc{proc.pid}x" not in names, names
     # the stopped fleet's logs are kept and named, as a failed one's: removed here
