@@ -4,6 +4,7 @@ is not there refused in one line naming py-spy's own words, with no py-spy left 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import fleet_profile
+from bench import fleet_profile, procs
 
 BUSY = """
 import asyncio, time
@@ -31,14 +32,10 @@ asyncio.run(spin())
 def py_spies_of_ours() -> list[int]:
     """py-spy processes this test process started and that still run (zombies reaped)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        comm, rest = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
-        if comm == "py-spy" and int(rest[1]) == os.getpid() and rest[0] != "Z":
-            found.append(int(stat.parent.name))
+    for pid in procs.descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "py-spy" and procs.alive(pid):
+                found.append(pid)
     return found
 
 
