@@ -326,19 +326,22 @@ def test_flush_cache_leaves_no_cached_prefix_blocks(stack: RawStack, resumed: Wo
     assert cached_tokens(complete(stack, prompt)) == warm  # the cache works again
 
 
-def test_mocker_flushes_keep_one_port_claim_and_relay_the_new_engine_s_events(
+def test_mocker_flushes_keep_one_port_claim_serve_at_once_and_relay_the_new_engine_s_events(
     stack: RawStack, model_dir: Path, tmp_path: Path
 ) -> None:
     """A flush replaces the mocker engine, and the next engine publishes its KV events on
     the last one's port: the worker holds one claim in the machine's port registry
     however many flushes (a new port per flush was a new claim held for the worker's
     life, and every allocation reads every claim: bench.fleet's pushes slowed as the
-    fleet grew), and each new engine serves and its KV events reach the router."""
+    fleet grew), and each new engine serves and its KV events reach the router. Each
+    engine starts at its first look for its component (the worker's presence instance),
+    not 100 ms later as a lone engine does (its first request held that long: most of a
+    push's route step); the mocker's debug log says which."""
     registry = tmp_path / "ports"
     worker = stack.start_worker(
         "mocker", model_dir, "tiny-mocker",
         extra=["--engine", "mocker", "--block-size", "16"],
-        env={"DYNAMOD_PORT_REGISTRY": str(registry)},
+        env={"DYNAMOD_PORT_REGISTRY": str(registry), "DYN_LOG": "info,dynamo_llm::mocker=debug"},
     )  # fmt: skip
     try:
         stack.wait_model("tiny-mocker")
@@ -358,6 +361,9 @@ def test_mocker_flushes_keep_one_port_claim_and_relay_the_new_engine_s_events(
             assert worker.engine("liveness_probe")[1]["engine_generation"] == generation + 1
             assert cached_tokens(complete(stack, prompt, model="tiny-mocker")) == 0
         assert claimed() == first, "a flush claimed another port"
+        log = worker.proc.log.read_text(errors="replace")
+        assert log.count("Component service is now available") == 4, worker.proc.tail()
+        assert "Component service not available yet" not in log, "an engine waited 100 ms"
         # the relay's subscription to the new engine connects a moment after the flush
         # answers, and blocks stored before that are never announced again: each attempt
         # is a prompt no earlier request shared a block with (as router_sees_cached_prefix)

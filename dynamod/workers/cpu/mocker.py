@@ -22,6 +22,13 @@ log = logging.getLogger("dynamod.workers.cpu")
 # Where the engine runtime serves the mocker. Its discovery is a private directory, so
 # the name never reaches etcd or the frontend.
 ENGINE_ENDPOINT = "dynamod-engine.mocker.generate"
+# Served by the long-lived client runtime for the worker's life, in the engine's component.
+# A new mocker engine starts serving only once its component lists an instance, and it
+# looks before its own endpoint is registered, then every 100 ms (Dynamo 1.6.1,
+# lib/llm/src/mocker.rs): every engine built after a flush held its first request ~100 ms,
+# most of a push's route step (bench.fleet, 1 x 1: 105 of 142 ms). With this instance there
+# the first look finds one. Should it expire (a starved process), the engine waits as before.
+PRESENCE_ENDPOINT = "dynamod-engine.mocker.present"
 # A flushed engine's KV-event port is taken again by the next engine once its publisher
 # has closed it; past this wait the next engine gets a fresh port instead.
 PORT_FREE_S = 2.0
@@ -58,7 +65,8 @@ class MockerEngine:
     Each engine runs on its own runtime so that shutting that runtime down stops it;
     the client that reaches it lives on a separate, long-lived runtime (a runtime that
     acts as a client keeps a listener open after shutdown, so a client per engine
-    would leak one per flush). Both use file discovery in a private directory, which
+    would leak one per flush), which also serves PRESENCE_ENDPOINT so that a new engine
+    serves at once. Both use file discovery in a private directory, which
     neither etcd nor the frontend ever see.
 
     `modeled_reset_s` (the worker's `--modeled-reset-s`, for benchmarks of the control
@@ -81,6 +89,7 @@ class MockerEngine:
         self._on_death = on_death
         self._client: Any = None
         self._client_runtime: Any = None
+        self._presence: asyncio.Future[Any] | None = None
         self._runtime: Any = None
         self._serving: asyncio.Future[Any] | None = None
         self._instance_id: int | None = None
@@ -104,6 +113,7 @@ class MockerEngine:
         if self._client is None:
             self._client_runtime = self._new_runtime()
             self._client = await self._client_runtime.endpoint(ENGINE_ENDPOINT).client()
+            await asyncio.wait_for(self._present(), timeout)
         runtime = self._new_runtime()
         events_port = await self._events_port()
         engine_args = apply_worker_engine_args_overrides(
@@ -135,6 +145,25 @@ class MockerEngine:
         log.info("mocker engine %d serving as %x (built in %.0f ms)", self.generation,
                  self._instance_id, 1000 * (time.monotonic() - begun))  # fmt: skip
 
+    async def _present(self) -> None:
+        """Serve PRESENCE_ENDPOINT on the client runtime, and wait until it is listed."""
+
+        async def refuse(_request: Any) -> AsyncIterator[Any]:
+            raise WorkerError(f"{PRESENCE_ENDPOINT} serves nothing")
+            yield  # an async generator, as Dynamo's handlers are
+
+        endpoint = self._client_runtime.endpoint(PRESENCE_ENDPOINT)
+        with _without_system_server():
+            self._presence = asyncio.ensure_future(
+                endpoint.serve_endpoint(refuse, graceful_shutdown=False)
+            )
+        listed = await endpoint.client()
+        while not listed.instance_ids():
+            if self._presence.done():
+                self._presence.result()  # its error, if it failed
+                raise WorkerError(f"{PRESENCE_ENDPOINT} stopped before it was listed")
+            await asyncio.sleep(0.005)
+
     async def _new_instance(self) -> int:
         previous = self._instance_id
         while True:
@@ -156,7 +185,7 @@ class MockerEngine:
         if port:
             deadline = time.monotonic() + PORT_FREE_S
             while in_use(port) and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(0.005)  # released within ms of the stop; a bind test is µs
             if not in_use(port):
                 return port
             log.warning("mocker engine's KV-event port %d still held after %.1f s: a new one",
@@ -209,7 +238,10 @@ class MockerEngine:
             await self.kv_events.close()
         if self._client_runtime is not None:
             self._client_runtime.shutdown()
-            self._client_runtime = self._client = None
+            if self._presence is not None:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await asyncio.wait_for(self._presence, 5)
+            self._client_runtime = self._client = self._presence = None
 
     async def restart(self) -> None:
         if self._modeled_reset_s is not None:
