@@ -701,6 +701,8 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
         "behind": answer.get("behind", []),
         "shard_median_ms": statistics.median(totals),
         "shard_max_ms": max(totals),
+        # where a shard's own time goes: each step's median over the head's shards
+        "shard_steps_ms": steps_median([a.get("ms", {}) for a in acks.values()]),
         # in line for an update slot (`[policy] max_updating`), the head's shards
         "shard_waited_max_ms": max(float(a.get("waited_ms", 0.0)) for a in acks.values()),
         "shards_restarted": restarted,
@@ -732,6 +734,13 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
 
 
 CORES = os.cpu_count() or 1
+
+
+def steps_median(timings: list[dict[str, float]]) -> dict[str, float]:
+    """Each step's median ms over the shards that took it (pause, load, flush, verify...),
+    in the order the first shard took them."""
+    names = list(dict.fromkeys(name for one in timings for name in one))
+    return {n: statistics.median(t[n] for t in timings if n in t) for n in names}
 
 
 def status_all(rig: ClusterRig, nodes: list[str], quick: bool) -> dict[str, Any]:
@@ -846,7 +855,7 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     report.tables += [early_table(fleets), fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       growth_table(fleets)]
-    report.tables += [shard_table(full)]
+    report.tables += [step_table(reference, fleets), shard_table(full)]
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
     report.target(
         f"push to every shard: trainer's stall / one shard's ({ref_what}, {ref_s:.2f} s), {at}",
@@ -891,6 +900,25 @@ def size_table(
              pick(f, "early", "every_shard_s"), st["max_s"],
              pick(st, "cli_start_s"), st["answer_max_ms"], st["json_kb"], f["down_s"]]
         )  # fmt: skip
+    return table
+
+
+def step_table(reference: dict[str, Any] | None, fleets: list[dict[str, Any]]) -> Table:
+    """A shard's own push by step: the head's shards' median ms of each (the daemon's
+    admin calls and the router's verify), so a change of one step shows by name."""
+    rows = [reference, *fleets] if reference is not None else fleets
+
+    def steps_of(fleet: dict[str, Any]) -> dict[str, float]:
+        steps = pick(fleet, "push", "shard_steps_ms")  # NaN in a report from before it
+        return steps if isinstance(steps, dict) else {}
+
+    names = list(dict.fromkeys(n for f in rows for n in steps_of(f)))
+    table = Table("A shard's push by step: the head's shards' median ms",
+                  ["nodes", "shards", *names, "total (median)"], digits=1)  # fmt: skip
+    for f in rows:
+        steps = steps_of(f)
+        table.rows.append([f["nodes"], f["shards"], *(steps.get(n, math.nan) for n in names),
+                           f["push"]["shard_median_ms"]])  # fmt: skip
     return table
 
 

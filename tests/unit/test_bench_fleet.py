@@ -305,3 +305,32 @@ def test_the_growth_picture_puts_each_value_on_the_linear_line_at_its_first_size
     saved.write_text(json.dumps({"data": {"fleets": fleets}}))
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0 and (tmp_path / "again.png").is_file(), proc.stderr
+
+
+def test_a_shard_s_push_by_step_is_each_step_s_median_over_the_shards_that_took_it() -> None:
+    acks = [{"pause": 1.0, "load": 30.0, "route": 100.0},
+            {"pause": 3.0, "load": 10.0, "route": 20.0},
+            {"pause": 2.0, "load": 20.0}]  # fmt: skip  (a shard whose route was not waited)
+    assert fleet.steps_median(acks) == {"pause": 2.0, "load": 20.0, "route": 60.0}
+    assert list(fleet.steps_median(acks)) == ["pause", "load", "route"]
+    assert fleet.steps_median([]) == {}
+
+
+def test_the_step_table_has_a_column_per_step_and_a_dash_for_a_report_without_them() -> None:
+    def one(nodes: int, steps: dict[str, float] | None) -> dict[str, Any]:
+        push: dict[str, Any] = {"shard_median_ms": 50.0}
+        if steps is not None:
+            push["shard_steps_ms"] = steps
+        return {"nodes": nodes, "shards": nodes * 32, "push": push}
+
+    table = fleet.step_table(one(1, {"load": 10.0, "route": 30.0}),
+                             [one(2, {"load": 12.0, "verify": 1.0}), one(8, None)])  # fmt: skip
+    assert table.headers == ["nodes", "shards", "load", "route", "verify", "total (median)"]
+
+    def cells(row: list[Any]) -> list[Any]:
+        return ["-" if isinstance(v, float) and math.isnan(v) else v for v in row]
+
+    assert cells(table.rows[0]) == [1, 32, 10.0, 30.0, "-", 50.0]
+    assert cells(table.rows[1]) == [2, 64, 12.0, "-", 1.0, 50.0]
+    assert cells(table.rows[2]) == [8, 256, "-", "-", "-", 50.0]
+    assert "| 10.0 " in table.render()
