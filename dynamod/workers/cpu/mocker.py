@@ -113,7 +113,7 @@ class MockerEngine:
         if self._client is None:
             self._client_runtime = self._new_runtime()
             self._client = await self._client_runtime.endpoint(ENGINE_ENDPOINT).client()
-            await asyncio.wait_for(self._present(), timeout)
+            self._present()
         runtime = self._new_runtime()
         events_port = await self._events_port()
         engine_args = apply_worker_engine_args_overrides(
@@ -145,8 +145,11 @@ class MockerEngine:
         log.info("mocker engine %d serving as %x (built in %.0f ms)", self.generation,
                  self._instance_id, 1000 * (time.monotonic() - begun))  # fmt: skip
 
-    async def _present(self) -> None:
-        """Serve PRESENCE_ENDPOINT on the client runtime, and wait until it is listed."""
+    def _present(self) -> None:
+        """Serve PRESENCE_ENDPOINT on the client runtime. Not waited for: a client that
+        watched for it would hold one more inotify instance per worker for its life (a
+        fleet of 256 shards on one machine ran out: "Too many open files"); the first
+        engine, built while it registers, may wait its 100 ms once."""
 
         async def refuse(_request: Any) -> AsyncIterator[Any]:
             raise WorkerError(f"{PRESENCE_ENDPOINT} serves nothing")
@@ -157,12 +160,14 @@ class MockerEngine:
             self._presence = asyncio.ensure_future(
                 endpoint.serve_endpoint(refuse, graceful_shutdown=False)
             )
-        listed = await endpoint.client()
-        while not listed.instance_ids():
-            if self._presence.done():
-                self._presence.result()  # its error, if it failed
-                raise WorkerError(f"{PRESENCE_ENDPOINT} stopped before it was listed")
-            await asyncio.sleep(0.005)
+        self._presence.add_done_callback(self._presence_ended)
+
+    def _presence_ended(self, serving: asyncio.Future[Any]) -> None:
+        if self._client_runtime is None or serving.cancelled():
+            return  # closed
+        error = serving.exception()
+        log.warning("%s stopped (%s): each new mocker engine waits 100 ms before it serves",
+                    PRESENCE_ENDPOINT, error or "no error")  # fmt: skip
 
     async def _new_instance(self) -> int:
         previous = self._instance_id
@@ -236,12 +241,13 @@ class MockerEngine:
         await self.stop()
         if self.kv_events is not None:
             await self.kv_events.close()
-        if self._client_runtime is not None:
-            self._client_runtime.shutdown()
+        runtime, self._client_runtime = self._client_runtime, None  # closed: see _presence_ended
+        if runtime is not None:
+            runtime.shutdown()
             if self._presence is not None:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
                     await asyncio.wait_for(self._presence, 5)
-            self._client_runtime = self._client = self._presence = None
+            self._client = self._presence = None
 
     async def restart(self) -> None:
         if self._modeled_reset_s is not None:
