@@ -592,6 +592,13 @@ def shard_pids(rig: ClusterRig, node: str) -> dict[str, int]:
     return {u["name"]: int(u["pid"]) for u in units if u["name"].startswith("worker@") and u["pid"]}
 
 
+def other_pids(rig: ClusterRig, node: str) -> dict[str, int]:
+    """The node's running units that are not shards (etcd, its relay, NATS, the frontend)."""
+    units = rig.status(node)["units"]
+    return {u["name"]: int(u["pid"]) for u in units
+            if not u["name"].startswith("worker@") and u["pid"]}  # fmt: skip
+
+
 def daemon_pid(rig: ClusterRig, node: str) -> int:
     return int((rig.state_dir(node) / "dynamod.pid").read_text().split()[0])
 
@@ -657,6 +664,9 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
     of_node = {node: shard_pids(rig, node) for node in rig.names}
     shards = [pid for theirs in of_node.values() for pid in theirs.values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
+    # the rest of the stack, by unit name over the nodes: where the CPU that is neither the
+    # shards' nor the daemons' goes (the frontend's canaries, etcd's writes and watches)
+    rest = [(unit, pid) for node in rig.names for unit, pid in other_pids(rig, node).items()]
     restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
     pids = dict(zip(rig.names, daemons, strict=True))
     sampled = {n: pids[n] for n in dict.fromkeys([rig.names[0], rig.names[-1]])}
@@ -668,7 +678,7 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
                 sampled[f"{node}/{name}"] = of_node[node][name]
         label = f"{len(rig.names)}x{len(shards) // len(rig.names)}"
         profilers = fleet_profile.start(sampled, profile, label)
-    cpu_before = cpu_of([*shards, *daemons])
+    cpu_before = cpu_of([*shards, *daemons, *(pid for _, pid in rest)])
     threads_before = threads_of([*shards, *daemons])
     host_before = host.counters()
     started = time.monotonic()
@@ -721,6 +731,8 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
                 threads_before, threads_after, {p: used[p] for p in shards if p in used}
             ),
             "daemons_s": sum(used[pid] for pid in daemons if pid in used),
+            "others_s": sum(used.get(pid, 0.0) for _, pid in rest),
+            "others_by_unit": by_unit(rest, used),
             "daemons_by_thread": by_thread(
                 threads_before, threads_after, {p: used[p] for p in daemons if p in used}
             ),
@@ -734,6 +746,14 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
 
 
 CORES = os.cpu_count() or 1
+
+
+def by_unit(pids: list[tuple[str, int]], used: dict[int, float]) -> dict[str, float]:
+    """CPU seconds summed by unit name over the nodes; a process gone meanwhile counts 0."""
+    out: dict[str, float] = {}
+    for unit, pid in pids:
+        out[unit] = out.get(unit, 0.0) + used.get(pid, 0.0)
+    return out
 
 
 def steps_median(timings: list[dict[str, float]]) -> dict[str, float]:
@@ -931,16 +951,21 @@ def push_cpu_table(fleets: list[dict[str, Any]]) -> Table:
         "cores)",
         ["nodes", "shards", "stall s", "machine busy %", "busy CPU s", "busy CPU s / cores",
          "shards' CPU s", "daemons' CPU s", "daemons' share %", "daemons' CPU ms / shard",
-         "shards gone meanwhile (not counted)"],
+         "other units' CPU s (largest)", "the rest s", "shards gone meanwhile (not counted)"],
         digits=2,
     )  # fmt: skip
     for f in fleets:
         c = f["push"]["cpu"]
+        others = c.get("others_s", math.nan)  # NaN in a report from before it
+        by_unit = c.get("others_by_unit") or {}
+        largest = max(by_unit, key=by_unit.__getitem__, default=None)
         table.rows.append(
             [f["nodes"], f["shards"], f["push"]["stall_s"], c["busy_pct"], c["busy_s"],
              c["busy_s"] / CORES, c["shards_s"], c["daemons_s"],
              c["daemons_s"] / c["busy_s"] * 100 if c["busy_s"] else math.nan,
-             c["daemons_s"] / f["shards"] * 1000, c.get("shards_gone", 0)]
+             c["daemons_s"] / f["shards"] * 1000,
+             f"{others:.2f} ({largest} {by_unit[largest]:.2f})" if largest else others,
+             c["busy_s"] - c["shards_s"] - c["daemons_s"] - others, c.get("shards_gone", 0)]
         )  # fmt: skip
     return table
 

@@ -148,6 +148,12 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert set(fleet["status"]["nodes_seen"].values()) == {2}, fleet["status"]
     assert fleet["cut"]["requests"] > 0 and fleet["cut"]["rerouted_s"] > 0, fleet["cut"]
     assert fleet["push"]["etcd_after"]["keys"] > 0, fleet["push"]
+    # a shard's push by step, and the CPU of the stack's other units (each node's etcd
+    # member, relay, NATS; the head's frontend) in it
+    steps = fleet["push"]["shard_steps_ms"]
+    assert {"load", "verify", "route"} <= set(steps) and all(v >= 0 for v in steps.values()), steps
+    others = fleet["push"]["cpu"]["others_by_unit"]
+    assert {"etcd", "nats", "frontend"} <= set(others), others
     # --profile: both nodes' daemons and a shard of each sampled through the push, their
     # samples kept
     profile = fleet["push"]["profile"]

@@ -334,3 +334,25 @@ def test_the_step_table_has_a_column_per_step_and_a_dash_for_a_report_without_th
     assert cells(table.rows[1]) == [2, 64, 12.0, "-", 1.0, 50.0]
     assert cells(table.rows[2]) == [8, 256, "-", "-", "-", 50.0]
     assert "| 10.0 " in table.render()
+
+
+def test_the_other_units_cpu_is_summed_by_unit_name_over_the_nodes() -> None:
+    pids = [("etcd", 10), ("frontend", 11), ("etcd", 20), ("nats", 21)]
+    used = {10: 1.0, 11: 2.5, 20: 0.5}  # nats's process is gone: it counts 0
+    assert fleet.by_unit(pids, used) == {"etcd": 1.5, "frontend": 2.5, "nats": 0.0}
+
+
+def test_the_push_cpu_table_splits_the_machine_s_busy_cpu_to_the_rest() -> None:
+    def one(cpu_extra: dict[str, Any]) -> dict[str, Any]:
+        cpu = {"busy_pct": 90.0, "busy_s": 10.0, "shards_s": 5.0, "daemons_s": 2.0, **cpu_extra}
+        return {"nodes": 2, "shards": 8, "push": {"stall_s": 4.0, "cpu": cpu}}
+
+    table = fleet.push_cpu_table(
+        [one({"others_s": 2.5, "others_by_unit": {"etcd": 1.0, "frontend": 1.5}}), one({})]
+    )
+    others, rest = table.headers.index("other units' CPU s (largest)"), table.headers.index(
+        "the rest s"
+    )
+    assert table.rows[0][others] == "2.50 (frontend 1.50)"
+    assert table.rows[0][rest] == pytest.approx(0.5)
+    assert math.isnan(table.rows[1][others]) and math.isnan(table.rows[1][rest])
