@@ -86,12 +86,14 @@ _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 # key every 10 leases (as next) was an idle 8 x 32 fleet's every write, ~270 KB of etcd
 # history a minute. A key lost some other way than its lease is found by the reads instead
 # (`not_as_written`) and put back.
-# DETAIL_HOLD: a unit whose detail alone changed (each step of a shard's update says what
-# it waits for) is rewritten at most once a publish period (a third of the lease, 0.67 s
-# on the stock 2 s), its last detail at the latest a period after it settled; its state,
-# pid, version and instances go out at once. Each write is a raft round on every etcd
-# member and a watch event at every node's daemon: at 8 x 32 a push wrote the units' keys
-# 875 times (3.4 a shard), and etcd took 15 % of the push's CPU (bench.fleet).
+# DETAIL_HOLD: a unit whose detail alone changed is rewritten only once its key is a lease
+# old (2 s on the stock stacks), so another node's view of a detail lags by up to a lease
+# and a publish period; its state, pid, version and instances go out at once. Each write
+# is a raft round on every etcd member and a watch event at every node's daemon: at 8 x 32
+# a push wrote the units' keys ~870 times, 3.8 a shard on the nodes that replay it (held,
+# "waiting for an update slot (...)", back to held, ready at the version: the middle two
+# the detail alone, seconds apart, and the third the same as the first), and etcd took
+# 15 % of the push's CPU (bench.fleet).
 
 
 class Membership(Extension):
@@ -463,7 +465,7 @@ class Membership(Extension):
             self._written = None  # a new lease: the entry goes on it
             called = True
         records = self.entry().records(self.stack)
-        began, hold = time.monotonic(), self.cluster.lease_ttl / 3  # see DETAIL_HOLD
+        began, hold = time.monotonic(), self.cluster.lease_ttl  # see DETAIL_HOLD
         puts, deletes = must_write(
             self._written, records, self._not_as_written,
             lambda key: began - self._put_at.get(key, 0.0) < hold,

@@ -197,8 +197,8 @@ def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
 def test_a_unit_whose_detail_alone_changed_waits_while_its_key_was_put_recently() -> None:
     """DETAIL_HOLD: each step of a shard's update changes its detail, and each write is a
     raft round on every etcd member and a watch event at every daemon; a detail-only change
-    waits out the publish period after the key's last put. A change of anything else, a
-    key a read found gone, a new key and the node's header go at once."""
+    waits until the key's last put is a lease old. A change of anything else, a key a read
+    found gone, a new key and the node's header go at once."""
     must_write = membership.must_write
 
     def unit(detail: str, state: str = "ready", version: int | None = 1) -> str:
@@ -210,7 +210,7 @@ def test_a_unit_whose_detail_alone_changed_waits_while_its_key_was_put_recently(
     recent = lambda key: True  # noqa: E731  (every key put within the period)
     waiting = {**e, "u/a": unit("waiting for the router")}
     assert must_write(at, waiting, set(), recent) == ({}, [])  # held
-    assert must_write(at, waiting, set()) == ({"u/a": waiting["u/a"]}, [])  # the period past
+    assert must_write(at, waiting, set()) == ({"u/a": waiting["u/a"]}, [])  # a lease past
     for changed in (unit("loading", version=2), unit("loading", state="failed")):
         assert must_write(at, {**e, "u/a": changed}, set(), recent) == ({"u/a": changed}, [])
     assert must_write(at, waiting, {"u/a"}, recent) == ({"u/a": waiting["u/a"]}, [])
