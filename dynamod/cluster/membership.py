@@ -86,14 +86,6 @@ _FAILURES = (EtcdError, TimeoutError, aiohttp.ClientError, OSError)
 # key every 10 leases (as next) was an idle 8 x 32 fleet's every write, ~270 KB of etcd
 # history a minute. A key lost some other way than its lease is found by the reads instead
 # (`not_as_written`) and put back.
-# DETAIL_HOLD: a unit whose detail alone changed is rewritten only once its key is a lease
-# old (2 s on the stock stacks), so another node's view of a detail lags by up to a lease
-# and a publish period; its state, pid, version and instances go out at once. Each write
-# is a raft round on every etcd member and a watch event at every node's daemon: at 8 x 32
-# a push wrote the units' keys ~870 times, 3.8 a shard on the nodes that replay it (held,
-# "waiting for an update slot (...)", back to held, ready at the version: the middle two
-# the detail alone, seconds apart, and the third the same as the first), and etcd took
-# 15 % of the push's CPU (bench.fleet).
 
 
 class Membership(Extension):
@@ -142,7 +134,6 @@ class Membership(Extension):
         # publish round)
         self._written: dict[str, tuple[str, int]] | None = None
         self._not_as_written: set[str] = set()
-        self._put_at: dict[str, float] = {}  # monotonic: each key's last put (DETAIL_HOLD)
         self._read_once = False
         self._stale_down_id: str | None = None  # a stop request older than this daemon
         self._handled_down: set[tuple[str, str]] = set()
@@ -465,11 +456,7 @@ class Membership(Extension):
             self._written = None  # a new lease: the entry goes on it
             called = True
         records = self.entry().records(self.stack)
-        began, hold = time.monotonic(), self.cluster.lease_ttl  # see DETAIL_HOLD
-        puts, deletes = must_write(
-            self._written, records, self._not_as_written,
-            lambda key: began - self._put_at.get(key, 0.0) < hold,
-        )  # fmt: skip
+        puts, deletes = must_write(self._written, records, self._not_as_written)
         if puts or deletes:
             done = 0  # the store's revision after the last write: a view at it sees them all
             for ops in registry.entry_writes(self.stack, self.cluster.node, puts, deletes,
@@ -478,8 +465,6 @@ class Membership(Extension):
             kept = {k: v for k, v in (self._written or {}).items() if k in records}
             self._written = {**kept, **{k: (v, done) for k, v in puts.items()}}
             self._not_as_written = (self._not_as_written - puts.keys()) & records.keys()
-            self._put_at = {k: t for k, t in self._put_at.items() if k in records}
-            self._put_at.update(dict.fromkeys(puts, began))
             called = True
         if self.last_published is None:  # a lost record of this node's earlier run is stale
             await self._unforget(with_lost_record=True)
@@ -1146,25 +1131,18 @@ def must_write(
     written: dict[str, tuple[str, int]] | None,
     records: dict[str, str],
     not_as_written: AbstractSet[str],
-    recently_put: Callable[[str], bool] = lambda _key: False,
 ) -> tuple[dict[str, str], list[str]]:
     """What of a node's registry entry must be written: (keys to put, keys to delete). All
     of it when none was written on this lease yet (`written`: each key as last put, and
     when); else the keys that changed or that a read found not as written, and the keys of
-    units that are gone. Nothing: the lease's keepalive alone keeps the entry. A key whose
-    only change is its unit's detail waits while `recently_put(key)` (DETAIL_HOLD)."""
+    units that are gone. Nothing: the lease's keepalive alone keeps the entry."""
     if written is None:
         return dict(records), []
     deletes = sorted(written.keys() - records.keys())
     puts = {
         key: value
         for key, value in records.items()
-        if key not in written
-        or key in not_as_written
-        or (
-            written[key][0] != value
-            and not (recently_put(key) and registry.detail_only(written[key][0], value))
-        )
+        if key not in written or written[key][0] != value or key in not_as_written
     }
     return puts, deletes
 

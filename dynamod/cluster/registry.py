@@ -282,17 +282,6 @@ def _json(raw: bytes | str) -> dict[str, Any]:
     return data
 
 
-def detail_only(old: str, new: str) -> bool:
-    """Whether two records of a unit (UnitEntry's JSON) differ in their detail alone."""
-    try:
-        before, after = json.loads(old), json.loads(new)
-    except ValueError:
-        return False
-    if not (isinstance(before, dict) and isinstance(after, dict)) or "detail" not in after:
-        return False
-    return {**before, "detail": None} == {**after, "detail": None}
-
-
 def short_detail(text: str) -> str:
     first = text.splitlines()[0] if text else ""
     return first if len(first) <= _DETAIL_MAX else first[: _DETAIL_MAX - 3] + "..."

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -192,43 +191,6 @@ def test_an_unchanged_entry_is_kept_by_the_keepalive_not_rewritten() -> None:
     assert must_write(at, {**e, "u/b": "z"}, set()) == ({"u/b": "z"}, [])
     assert must_write(at, {"h": "2", "u/a": "x"}, set()) == ({"h": "2"}, ["u/b"])
     assert must_write(at, dict(e), {"u/a"}) == ({"u/a": "x"}, [])  # a read found it gone
-
-
-def test_a_unit_whose_detail_alone_changed_waits_while_its_key_was_put_recently() -> None:
-    """DETAIL_HOLD: each step of a shard's update changes its detail, and each write is a
-    raft round on every etcd member and a watch event at every daemon; a detail-only change
-    waits until the key's last put is a lease old. A change of anything else, a key a read
-    found gone, a new key and the node's header go at once."""
-    must_write = membership.must_write
-
-    def unit(detail: str, state: str = "ready", version: int | None = 1) -> str:
-        return json.dumps({"name": "worker@0", "state": state, "detail": detail,
-                           "policy_version": version}, sort_keys=True)  # fmt: skip
-
-    e = {"h": json.dumps({"phase": "running"}), "u/a": unit("pausing")}
-    at = {k: (v, 100) for k, v in e.items()}
-    recent = lambda key: True  # noqa: E731  (every key put within the period)
-    waiting = {**e, "u/a": unit("waiting for the router")}
-    assert must_write(at, waiting, set(), recent) == ({}, [])  # held
-    assert must_write(at, waiting, set()) == ({"u/a": waiting["u/a"]}, [])  # a lease past
-    for changed in (unit("loading", version=2), unit("loading", state="failed")):
-        assert must_write(at, {**e, "u/a": changed}, set(), recent) == ({"u/a": changed}, [])
-    assert must_write(at, waiting, {"u/a"}, recent) == ({"u/a": waiting["u/a"]}, [])
-    header = {**e, "h": json.dumps({"phase": "stopping"})}
-    assert must_write(at, header, set(), recent) == ({"h": header["h"]}, [])
-    new = {**e, "u/b": unit("starting")}
-    assert must_write(at, new, set(), recent) == ({"u/b": new["u/b"]}, [])
-
-
-def test_detail_only_compares_a_unit_s_records_without_their_detail() -> None:
-    from dynamod.cluster.registry import detail_only
-
-    a = json.dumps({"state": "ready", "detail": "x", "pid": 3})
-    assert detail_only(a, json.dumps({"state": "ready", "detail": "y", "pid": 3}))
-    assert not detail_only(a, json.dumps({"state": "ready", "detail": "y", "pid": 4}))
-    assert not detail_only(a, json.dumps({"state": "ready", "pid": 3}))  # not a unit's
-    assert not detail_only(json.dumps({"phase": "a"}), json.dumps({"phase": "b"}))
-    assert not detail_only("not json", a) and not detail_only(a, "[1]")
 
 
 def test_a_read_finds_the_keys_lost_or_overwritten_some_other_way() -> None:
