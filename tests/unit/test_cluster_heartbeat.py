@@ -79,6 +79,25 @@ def test_most_of_the_cluster_silent_at_once_is_left_to_the_leases() -> None:
     assert silent(two, {"a", "b"}, 1.2) == ["a", "b"]  # too few nodes to tell
 
 
+def test_nodes_silenced_together_count_as_at_once_though_one_crossed_the_timeout_first() -> None:
+    """A link cut at the leader silences every node within a round or two: the first to
+    cross the timeout is not judged alone while the others are near it (CI: two of three
+    silenced together, the first judged 0.07 s before the second, both revoked). A healthy
+    node's silence (a ping round) stays far from it, and a lone silent node is judged."""
+    now, timeout = 100.0, 1.2
+    skewed = Heard(now, {"a": now - 1.25, "b": now - 1.0, "c": now - 0.1}, rounds(now))
+    judged = heartbeat.judge(skewed, {"a", "b", "c"}, timeout)
+    assert judged.lost == [] and judged.overdue == ["a"], judged
+    assert "2 of 3 nodes silent at once" in judged.withheld
+    healthy = Heard(now, {"a": now - 1.25, "b": now - 0.25, "c": now - 0.1}, rounds(now))
+    assert silent(healthy, {"a", "b", "c"}, timeout) == ["a"]
+    # the test's own 0.6 s timeout: "near" is at least half of it, not within a ping round
+    quick = Heard(now, {"a": now - 0.62, "b": now - 0.55, "c": now - 0.21}, rounds(now))
+    assert silent(quick, {"a", "b", "c"}, 0.6) == []
+    lone = Heard(now, {"a": now - 0.62, "b": now - 0.21, "c": now - 0.05}, rounds(now))
+    assert silent(lone, {"a", "b", "c"}, 0.6) == ["a"]
+
+
 @given(st.binary(max_size=600))
 def test_any_datagram_parses_or_is_refused_without_raising(data: bytes) -> None:
     got = heartbeat.parse(data)
