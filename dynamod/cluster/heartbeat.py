@@ -258,16 +258,18 @@ class Judgment:
     withheld: str = ""
 
 
+def silent_for(heard: Heard, armed: AbstractSet[str], seconds: float) -> list[str]:
+    """The nodes of `armed` that answered once and not for `seconds`, sorted."""
+    answered = heard.answered
+    return sorted(n for n in armed if n in answered and heard.now - answered[n] >= seconds)
+
+
 def judge(heard: Heard, armed: AbstractSet[str], timeout: float) -> Judgment:
     """The nodes of `armed` to mark lost: each answered once and not for `timeout` s.
     None while the pinger did not run throughout (a gap over STARVED_GAP_S), or when more
     than half of three or more armed nodes are silent at once, counting those within
     AT_ONCE_S of the timeout (the pinging daemon's own link is the likelier fault)."""
-    overdue = sorted(
-        name
-        for name in armed
-        if name in heard.answered and heard.now - heard.answered[name] >= timeout
-    )
+    overdue = silent_for(heard, armed, timeout)
     if not overdue:
         return Judgment([], [])
     gap = largest_gap(heard.rounds, heard.now, timeout)
@@ -276,8 +278,7 @@ def judge(heard: Heard, armed: AbstractSet[str], timeout: float) -> Judgment:
     # "at once" counts the nodes near the timeout too: a link cut at the pinging daemon
     # silences every node within a round or two, and the first overdue alone was judged
     # while the next was 0.07 s short of it (CI, 2 of 3 silenced together, both revoked)
-    near = [n for n in armed if n in heard.answered
-            and heard.now - heard.answered[n] >= max(timeout - AT_ONCE_S, timeout / 2)]  # fmt: skip
+    near = silent_for(heard, armed, max(timeout - AT_ONCE_S, timeout / 2))
     if len(armed) >= 3 and 2 * len(near) > len(armed):
         at_once = f"{len(near)} of {len(armed)} nodes silent at once"
         return Judgment([], overdue, f"{at_once}: this daemon's own link is the likelier fault")
