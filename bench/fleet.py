@@ -583,20 +583,22 @@ def health(rig: ClusterRig, begun: dict[str, float]) -> dict[str, Any]:
 
 def shard_restarts(rig: ClusterRig) -> int:
     """Every node's shards' restarts so far."""
-    return sum(u["restarts"] for node in rig.names for u in rig.status(node)["units"]
-               if u["name"].startswith("worker@"))  # fmt: skip
+    return sum(restarts_of(rig.status(node)["units"]) for node in rig.names)
+
+
+def restarts_of(units: list[dict[str, Any]]) -> int:
+    return sum(u["restarts"] for u in units if u["name"].startswith("worker@"))
 
 
 def shard_pids(rig: ClusterRig, node: str) -> dict[str, int]:
-    units = rig.status(node)["units"]
-    return {u["name"]: int(u["pid"]) for u in units if u["name"].startswith("worker@") and u["pid"]}
+    return pids_of(rig.status(node)["units"], shards=True)
 
 
-def other_pids(rig: ClusterRig, node: str) -> dict[str, int]:
-    """The node's running units that are not shards (etcd, its relay, NATS, the frontend)."""
-    units = rig.status(node)["units"]
+def pids_of(units: list[dict[str, Any]], *, shards: bool) -> dict[str, int]:
+    """The running units of a node's status rows: its shards, or the rest (etcd, its
+    relay, NATS, the frontend)."""
     return {u["name"]: int(u["pid"]) for u in units
-            if not u["name"].startswith("worker@") and u["pid"]}  # fmt: skip
+            if u["name"].startswith("worker@") == shards and u["pid"]}  # fmt: skip
 
 
 def daemon_pid(rig: ClusterRig, node: str) -> int:
@@ -661,13 +663,15 @@ def push_all(rig: ClusterRig, step: int, profile: Path | None = None) -> dict[st
     each (py-spy)."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     before = etcd_counters(rig)
-    of_node = {node: shard_pids(rig, node) for node in rig.names}
+    rows = {node: rig.status(node)["units"] for node in rig.names}  # outside the CPU window
+    of_node = {node: pids_of(units, shards=True) for node, units in rows.items()}
     shards = [pid for theirs in of_node.values() for pid in theirs.values()]
     daemons = [daemon_pid(rig, node) for node in rig.names]
     # the rest of the stack, by unit name over the nodes: where the CPU that is neither the
     # shards' nor the daemons' goes (the frontend's canaries, etcd's writes and watches)
-    rest = [(unit, pid) for node in rig.names for unit, pid in other_pids(rig, node).items()]
-    restarts_before = shard_restarts(rig)  # a status call per node: outside the CPU window
+    rest = [(unit, pid) for units in rows.values()
+            for unit, pid in pids_of(units, shards=False).items()]  # fmt: skip
+    restarts_before = sum(restarts_of(units) for units in rows.values())
     pids = dict(zip(rig.names, daemons, strict=True))
     sampled = {n: pids[n] for n in dict.fromkeys([rig.names[0], rig.names[-1]])}
     profilers = []
