@@ -17,6 +17,7 @@ from pathlib import Path
 import aetcd
 import pytest
 
+from dynamod.rollout import identity
 from dynamod.rollout.etcd import (
     Compare,
     EtcdAuth,
@@ -61,6 +62,47 @@ async def test_get_prefix_stays_inside_the_prefix(etcd: EtcdClient, prefix: str)
     kvs = await etcd.get_prefix(f"{prefix}x/")
     assert [(kv.key, kv.value) for kv in kvs] == [(f"{prefix}x/1", b"1"), (f"{prefix}x/2", b"2")]
     assert await etcd.get_prefix(f"{prefix}nothing/") == []
+
+
+async def test_first_key_is_the_next_key_in_byte_order_inside_the_prefix(
+    etcd: EtcdClient, prefix: str
+) -> None:
+    await etcd.put(f"{prefix}x/b", "v" * 4096)
+    await etcd.put(f"{prefix}x/a-1", "v")
+    await etcd.put(f"{prefix}x/a/1", "v")
+    await etcd.put(f"{prefix}x0", "past the prefix")
+    assert await etcd.first_key(f"{prefix}x/", f"{prefix}x/") == f"{prefix}x/a-1"
+    assert await etcd.first_key(f"{prefix}x/a-1\0", f"{prefix}x/") == f"{prefix}x/a/1"
+    assert await etcd.first_key(f"{prefix}x/a0", f"{prefix}x/") == f"{prefix}x/b"
+    assert await etcd.first_key(f"{prefix}x/b\0", f"{prefix}x/") is None
+    assert await etcd.first_key(f"{prefix}nothing/", f"{prefix}nothing/") is None
+
+
+async def test_live_daemons_finds_what_reading_every_key_finds(etcd: EtcdClient) -> None:
+    """The stack-by-stack scan against a real etcd, beside the whole read it replaced,
+    with other stacks' records around and between the daemon keys."""
+    tag = uuid.uuid4().hex[:8]
+    for stack in (f"{tag}-a", f"{tag}.b", f"{tag}/c", tag):
+        for node in (None, "n1", "n2"):
+            record = identity.DaemonRecord(
+                id=stack, stack=stack, host="h", pid=1, state_dir="/s", run_id="r",
+                namespaces=("ns",), node=node,
+            )  # fmt: skip
+            await etcd.put(identity.daemon_key(stack, node), record.encode())
+        for i in range(20):
+            await etcd.put(f"dynamod/{stack}/cluster/units/n1/shard-{i}", "u" * 300)
+            await etcd.put(f"dynamod/{stack}/dae/{i}", "not a daemon key")
+    await etcd.put(f"dynamod/{tag}", "a key in no folder")
+    every = [
+        (kv.key, kv.value)
+        for kv in await etcd.get_prefix("dynamod/")
+        if identity.is_daemon_key(kv.key) and identity.DaemonRecord.decode(kv.value)
+    ]
+    found = await identity.live_daemons(etcd)
+    assert sorted((identity.daemon_key(r.id, r.node), r.encode().encode()) for r in found) == (
+        sorted(every)
+    )
+    assert sum(r.id.startswith(tag) and "/" not in r.id for r in found) == 9  # a, .b, tag
 
 
 async def test_delete_and_delete_prefix_report_counts(etcd: EtcdClient, prefix: str) -> None:

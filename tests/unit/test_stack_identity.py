@@ -5,6 +5,7 @@ stack (`--var etcd=HOST:PORT`), and the sweep's rule for a shared namespace."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import socket
@@ -13,10 +14,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dynamod.core import paths, spec
 from dynamod.core.errors import SpecError, SpecErrors
 from dynamod.rollout import identity, tables
+from dynamod.rollout.etcd import KeyValue, prefix_range_end
 from dynamod.rollout.identity import DaemonRecord, conflicts, daemon_key, is_daemon_key, sharers
 from dynamod.rollout.ledger import lease_key, parse_lease_key
 from dynamod.rollout.registrations import stale_leases
@@ -113,6 +117,78 @@ def test_the_daemon_record_round_trips_and_foreign_values_are_ignored() -> None:
                 "other/a/daemon"):  # fmt: skip
         assert not is_daemon_key(key), key
     assert parse_lease_key(daemon_key("a")) is None  # no lease record either
+
+
+class SortedStore:
+    """etcd's key order and its two reads `live_daemons` makes, over a dict; it counts
+    what each read returned (a pure model of etcd, for the scan's logic alone: the real
+    etcd is in tests/integration/test_etcd_client.py)."""
+
+    def __init__(self, kvs: dict[str, bytes]) -> None:
+        self.kvs = dict(sorted(kvs.items(), key=lambda kv: kv[0].encode()))
+        self.values_read = 0
+        self.first_keys = 0
+
+    async def first_key(self, start: str, prefix: str) -> str | None:
+        self.first_keys += 1
+        end = prefix_range_end(prefix)
+        keys = (k for k in self.kvs if start.encode() <= k.encode() < end)
+        return next(keys, None)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        got = [KeyValue(k, v, 7, 1) for k, v in self.kvs.items() if k.startswith(prefix)]
+        self.values_read += len(got)
+        return got
+
+
+def read_all(kvs: dict[str, bytes]) -> list[DaemonRecord]:
+    """What `live_daemons` read before: every key under dynamod/, filtered."""
+    found = [DaemonRecord.decode(v) for k, v in kvs.items() if is_daemon_key(k)]
+    return [replace(r, lease=7) for r in found if r is not None]
+
+
+SEGMENT = st.text(alphabet="ab-./0_", min_size=1, max_size=3)
+
+
+@given(
+    st.dictionaries(
+        st.one_of(
+            st.tuples(SEGMENT, st.sampled_from([None, "n1", "n2"])).map(
+                lambda t: daemon_key(*t)
+            ),
+            st.lists(SEGMENT, min_size=1, max_size=4).map(lambda p: "dynamod/" + "/".join(p)),
+            st.sampled_from(["dynamod/", "dynamod0", "dynamo/x", "other/a/daemon"]),
+        ),
+        st.sampled_from([record().encode().encode(), record(node="n1").encode().encode(), b"x"]),
+        max_size=40,
+    )
+)
+def test_live_daemons_reads_each_stack_folders_daemon_keys_and_finds_every_one(
+    kvs: dict[str, bytes],
+) -> None:
+    store = SortedStore(kvs)
+    found = asyncio.run(identity.live_daemons(store))
+    key = lambda r: (r.id, r.node or "", r.encode())  # noqa: E731
+    assert sorted(found, key=key) == sorted(read_all(store.kvs), key=key)
+    daemons = [k for k in kvs if k.startswith("dynamod/") and "/daemon" in k]
+    assert store.values_read <= len(daemons)  # no stack's other records
+    folders = {k.split("/")[1] for k in kvs if k.startswith("dynamod/") and k.count("/") >= 2}
+    assert store.first_keys <= len(folders) + len(kvs) + 1
+
+
+def test_live_daemons_skips_a_fleets_records_whole() -> None:
+    kvs = {daemon_key("a", f"n{i}"): record(node=f"n{i}").encode().encode() for i in range(8)}
+    for i, j in itertools.product(range(8), range(32)):
+        kvs[f"dynamod/a/cluster/units/n{i}/shard-{j}"] = b"u"
+        kvs[f"dynamod/a/shards/n{i}.shard-{j}"] = b"s"
+    kvs[daemon_key("b")] = record(id="b").encode().encode()
+    kvs["dynamod/b/policy/current"] = b"{}"
+    store = SortedStore(kvs)
+    found = asyncio.run(identity.live_daemons(store))
+    assert sorted((r.id, r.node) for r in found) == [("a", f"n{i}") for i in range(8)] + [
+        ("b", None)
+    ]
+    assert store.values_read == 9 and store.first_keys == 3  # a, b, then none past b
 
 
 def test_a_second_copy_of_a_held_identity_is_refused_naming_the_holder() -> None:

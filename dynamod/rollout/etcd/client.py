@@ -138,6 +138,21 @@ class EtcdClient:
         got = await self._call("get_prefix", prefix, lambda c: c.get_range(start, end))
         return [_kv(item) for item in got], int(got.header.revision)
 
+    async def first_key(self, start: str, prefix: str) -> str | None:
+        """The first key under `prefix` at or after `start` (byte order), or None: one key
+        and no value, however many the prefix holds. A caller that wants one kind of key
+        from each folder under a prefix reads each folder's first key, then skips the
+        folder whole (its range's end), instead of reading every key of every folder."""
+        request = rpc.RangeRequest(
+            key=start.encode(), range_end=prefix_range_end(prefix), limit=1, keys_only=True
+        )
+
+        async def send(conn: Connection) -> Any:
+            return await conn.kvstub.Range(request, timeout=self.timeout_s, metadata=conn.metadata)
+
+        reply = await self._call("first_key", prefix, send)
+        return reply.kvs[0].key.decode() if reply.kvs else None
+
     async def put(self, key: str, value: str | bytes, lease: int = 0) -> None:
         await self._call("put", key, lambda c: c.put(key.encode(), _bytes(value), lease or None))
 
