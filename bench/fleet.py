@@ -71,6 +71,7 @@ from bench.fleet_growth import (
     shards_that_fit,
     writes,
 )
+from bench.fleet_identity import identity_look
 from bench.fleet_scan import exposure_scan
 from bench.fleet_stack import (
     members,
@@ -491,6 +492,7 @@ def run_fleet(
         for name, measure in [
             ("idle", lambda: idle_cost(rig, window=1.0 if quick else idle_s)),
             ("scan", lambda: exposure_scan(rig, rig.names[0])),
+            ("identity", lambda: identity_look(rig, *((2, 5) if quick else ()))),
             ("push", lambda: push_all(rig, step=1, profile=profile)),
             ("whole", lambda: whole_again(rig, shards)),
             ("early", lambda: push_early(rig, EARLY_STEP, shards, LOAD, 1.0 if quick else 3.0)),
@@ -878,6 +880,7 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
         report.tables.append(fleet_profile.profile_table(fleets))
     report.tables += [early_table(fleets), fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
+                      identity_table(fleets),
                       growth_table(fleets)]
     report.tables += [step_table(reference, fleets), shard_table(full)]
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
@@ -1121,6 +1124,28 @@ def scan_table(fleets: list[dict[str, Any]]) -> Table:
         ratio = s["memo_ms"] / s["every_process_ms"] if s["every_process_ms"] else None
         table.rows.append([f["nodes"], f["shards"], s["processes"], s["every_process_ms"],
                            s["memo_ms"], ratio, "/".join(map(str, s["found"]))])  # fmt: skip
+    return table
+
+
+def identity_table(fleets: list[dict[str, Any]]) -> Table:
+    table = Table(
+        "The identity's look for other stacks' daemons, idle (bench/fleet_identity.py): ms a "
+        "look on the head's etcd member, median of 5 rounds of 20 each way, side by side",
+        ["nodes", "shards", "keys under dynamod/", "all of dynamod/ read: CPU ms",
+         "etcd's CPU ms", "wall ms", "stack by stack: CPU ms", "etcd's CPU ms", "wall ms",
+         "CPU ratio", "daemons found (each way)"],
+        digits=2,
+    )  # fmt: skip
+    for f in fleets:
+        look = f.get("identity")
+        if not look:
+            continue
+        whole, scan = look["whole"], look["by_stack"]
+        ratio = scan["cpu_ms"] / whole["cpu_ms"] if whole["cpu_ms"] else None
+        table.rows.append([f["nodes"], f["shards"], look["keys"], whole["cpu_ms"],
+                           whole["etcd_ms"], whole["wall_ms"], scan["cpu_ms"], scan["etcd_ms"],
+                           scan["wall_ms"], ratio,
+                           "/".join(str(n) for n in look["daemons"].values())])  # fmt: skip
     return table
 
 

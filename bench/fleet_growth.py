@@ -140,6 +140,8 @@ GROWTH = {  # label -> path in a fleet's result
     "cut: out of routing, s": ("cut", "rerouted_s"),
     "kill 10 %: serving again, s": ("kill", "back_s"),
     "daemon CPU % per shard (idle)": ("idle", "daemon_cpu_pct_per_shard"),
+    "identity look, all of dynamod/ read: CPU ms": ("identity", "whole", "cpu_ms"),
+    "identity look, stack by stack: CPU ms": ("identity", "by_stack", "cpu_ms"),
     "daemon RSS MB per shard": ("idle", "daemon_rss_mb_per_shard"),
     "shard PSS MB": ("idle", "shard_pss_mb"),
 }

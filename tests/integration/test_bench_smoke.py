@@ -169,6 +169,10 @@ def check_fleet(result: dict[str, Any]) -> None:
     step = early["load"]["step_all"]
     assert step["requests"] > 0 and step["failed"] == 0, early["load"]
     assert early["load"]["step_wrong_version"] == 0, early["load"]
+    # the identity's look both ways on the fleet's etcd: the same daemons found, both nodes'
+    look = fleet["identity"]
+    assert look["same"] and look["daemons"] == {"whole": 2, "by_stack": 2}, look
+    assert look["keys"] > 0 and look["by_stack"]["cpu_ms"] > 0, look
     # the control plane's health, read from the daemons' logs: the cut node marked lost
     assert fleet["cut"]["node"] in fleet["health"]["marked_lost"], fleet["health"]
     # lost by the leader's heartbeats, or (the race's other side) its lease's expiry
