@@ -20,11 +20,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import Compare, EtcdClient, EtcdError, KeyValue, TxnDelete, TxnPut
-
-# etcd refuses a transaction of more than --max-txn-ops operations (128 by default): the
-# deletes go in transactions of at most this many, each under the same guard.
-TXN_OPS = 100
+from dynamod.rollout.etcd import (
+    TXN_OPS,
+    Compare,
+    EtcdClient,
+    EtcdError,
+    KeyValue,
+    TxnDelete,
+    TxnPut,
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ async def withdraw(
     guard = [Compare(absent, "version", "==", 0)]
     if not await etcd.txn(guard, [TxnPut(record_key, record(parked))]):
         return None
-    for start in range(0, len(parked), TXN_OPS):
+    for start in range(0, len(parked), TXN_OPS):  # each chunk under the same guard
         chunk = parked[start : start + TXN_OPS]
         if not await etcd.txn(guard, [TxnDelete(key.key) for key in chunk]):
             return None  # back meanwhile: it puts back all the record lists

@@ -26,11 +26,9 @@ from enum import StrEnum
 from typing import Any
 
 from dynamod.rollout.etcd.endpoints import EndpointError, parse_endpoint
-from dynamod.rollout.etcd.records import KeyValue, TxnDelete, TxnOp, TxnPut
+from dynamod.rollout.etcd.records import TXN_OPS, KeyValue, TxnDelete, TxnOp, TxnPut
 
 _DETAIL_MAX = 200
-# operations in one transaction: etcd refuses more than --max-txn-ops (128 by default)
-TXN_OPS = 100
 LEASE_EXPIRED = "its registry lease expired"  # why a node is lost, unless the leader says
 
 

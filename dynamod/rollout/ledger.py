@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from dynamod.core.atomicfile import write_atomic
-from dynamod.rollout.etcd import EtcdClient, TxnDelete, TxnPut, WatchEvent
+from dynamod.rollout.etcd import TXN_OPS, EtcdClient, TxnDelete, TxnPut, WatchEvent
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Ledger(Protocol):
 
     async def shards(self) -> dict[str, ShardRecord]: ...
 
-    async def record_shard(self, record: ShardRecord) -> None: ...
+    async def record_shards(self, records: Sequence[ShardRecord]) -> None: ...
 
 
 def _version_from(data: dict[str, Any]) -> PolicyVersion:
@@ -141,8 +141,15 @@ class EtcdLedger:
             result[name] = _shard_from(name, json.loads(kv.value))
         return result
 
-    async def record_shard(self, record: ShardRecord) -> None:
-        await self.etcd.put(f"{self.prefix}shards/{record.name}", json.dumps(_shard_json(record)))
+    async def record_shards(self, records: Sequence[ShardRecord]) -> None:
+        """Each record under `shards/<name>`, in one transaction (of TXN_OPS at most): a
+        push's commit records every shard that acknowledged it, one write, not one a shard
+        on the push's way to its answer."""
+        puts = [
+            TxnPut(f"{self.prefix}shards/{r.name}", json.dumps(_shard_json(r))) for r in records
+        ]
+        for start in range(0, len(puts), TXN_OPS):
+            await self.etcd.txn([], puts[start : start + TXN_OPS], idempotent=True)
 
 
 def stack_prefix(stack: str) -> str:
@@ -267,9 +274,10 @@ class FileLedger:
     async def shards(self) -> dict[str, ShardRecord]:
         return {n: _shard_from(n, d) for n, d in self._load()["shards"].items()}
 
-    async def record_shard(self, record: ShardRecord) -> None:
+    async def record_shards(self, records: Sequence[ShardRecord]) -> None:
         data = self._load()
-        data["shards"][record.name] = _shard_json(record)
+        for record in records:
+            data["shards"][record.name] = _shard_json(record)
         self._save(data)
 
 

@@ -30,7 +30,7 @@ import os
 import struct
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -731,26 +731,38 @@ class PolicyManager(Extension):
         return (time.monotonic() - started) * 1000
 
     async def record_ack(self, unit: Unit, ack: ShardAck) -> None:
-        spare = self.spares.is_spare(unit)  # holds the version, untainted: not admitted
-        shard = self._shard_policy(unit.name)
-        shard.acknowledged(ack, current=self.current_version, admitted=not spare)
-        if spare:
-            self.spares.recorded(unit, ack)
+        await self.record_acks([(unit, ack)])
+
+    async def record_acks(self, acked: Sequence[tuple[Unit, ShardAck]]) -> None:
+        """Each shard holds its ack's version: its ShardPolicy, and a serving shard's
+        record in the ledger, all of them in one write (a push's commit records every
+        shard that acknowledged it)."""
+        serving = []
+        for unit, ack in acked:
+            spare = self.spares.is_spare(unit)  # holds the version, untainted: not admitted
+            shard = self._shard_policy(unit.name)
+            shard.acknowledged(ack, current=self.current_version, admitted=not spare)
+            if spare:
+                self.spares.recorded(unit, ack)
+            else:
+                serving.append((unit, ack))
+        if not serving:
             return
+        at = time.time()
         with contextlib.suppress(EtcdError):
-            await self.ledger().record_shard(
-                ShardRecord(
-                    self.ledger_name(unit.name), ack.version, ack.digest, time.time(), None
-                )
-            )
-        self.engine.transition(unit, unit.state, self._ack_detail(unit))
+            await self.ledger().record_shards([
+                ShardRecord(self.ledger_name(u.name), a.version, a.digest, at, None)
+                for u, a in serving
+            ])  # fmt: skip
+        for unit, _ in serving:
+            self.engine.transition(unit, unit.state, self._ack_detail(unit))
 
     async def _record_failure(self, unit: Unit, error: str) -> None:
         shard = self._shard_policy(unit.name)
         shard.admitted, shard.last_error = False, error
         with contextlib.suppress(EtcdError):
             old = (await self.ledger().shards()).get(self.ledger_name(unit.name))
-            await self.ledger().record_shard(
+            await self.ledger().record_shards([
                 ShardRecord(
                     self.ledger_name(unit.name),
                     old.applied_version if old else None,
@@ -758,7 +770,7 @@ class PolicyManager(Extension):
                     old.acked_at if old else None,
                     error,
                 )
-            )
+            ])  # fmt: skip
 
     # ------------------------------------------------------------------ push / publish
 
@@ -852,8 +864,7 @@ class PolicyManager(Extension):
         )
         await self.ledger().advance(target, self.spec.keep)
         self.note_current(target)
-        for ack in good:
-            await self.record_ack(self.engine.units[ack.shard], ack)
+        await self.record_acks([(self.engine.units[ack.shard], ack) for ack in good])
         return target
 
     async def _settle_pending(self, pending: Mapping[asyncio.Task[ShardAck], str]) -> None:
@@ -881,8 +892,10 @@ class PolicyManager(Extension):
                     acks.bad[ack.shard] = (
                         f"loaded digest {ack.digest}, the committed step's {target.digest}"
                     )
-                else:
-                    await self.record_ack(self.engine.units[ack.shard], ack)
+            await self.record_acks([
+                (self.engine.units[ack.shard], ack) for ack in acks.good
+                if ack.shard not in acks.bad
+            ])  # fmt: skip
         except Exception as exc:  # a background task's failure is logged, not raised
             log.error("policy.push_finish_failed", version=target.version, error=repr(exc))
             return

@@ -373,6 +373,25 @@ async def test_the_ledger_advances_in_one_write_and_keeps_the_newest(etcd: EtcdC
     assert [v.version for v in await ledger.history()] == [9, 12, 13]
 
 
+async def test_the_ledger_records_a_push_s_shards_in_one_write(etcd: EtcdClient) -> None:
+    """A push's commit records every acknowledging shard in one transaction, TXN_OPS at a
+    time past that (etcd refuses more than 128 operations in one): the store's revision
+    moves once a chunk, and every record reads back."""
+    from dynamod.rollout.etcd import TXN_OPS
+    from dynamod.rollout.ledger import EtcdLedger, ShardRecord
+
+    ledger = EtcdLedger(etcd, f"ledgertest{uuid.uuid4().hex[:8]}")
+    for count in (1, 32, TXN_OPS * 2 + 56):
+        records = [ShardRecord(f"n{i // 32}.worker@{i % 32}", count, "d", 1.5, None)
+                   for i in range(count)]  # fmt: skip
+        before = (await etcd.get_prefix_at("nothing/"))[1]
+        await ledger.record_shards(records)
+        after = (await etcd.get_prefix_at("nothing/"))[1]
+        assert after - before == -(-count // TXN_OPS), count
+        got = await ledger.shards()
+        assert {r.name: got[r.name] for r in records} == {r.name: r for r in records}
+
+
 # -- authentication -----------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from dynamod.rollout.etcd.connection import reconnect_all
 from dynamod.rollout.etcd.endpoints import Endpoint, EndpointError, parse_endpoints
 from dynamod.rollout.etcd.errors import EtcdAuthError, EtcdError
 from dynamod.rollout.etcd.records import (
+    TXN_OPS,
     Compare,
     EtcdAuth,
     KeyValue,
@@ -23,6 +24,7 @@ from dynamod.rollout.etcd.records import (
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "TXN_OPS",
     "Compare",
     "Endpoint",
     "EndpointError",

@@ -73,6 +73,11 @@ class Compare:
     value: int | str | bytes
 
 
+# etcd refuses a transaction of more than --max-txn-ops operations (128 by default): a
+# caller with more writes them in transactions of at most this many
+TXN_OPS = 100
+
+
 @dataclass(frozen=True)
 class TxnPut:
     key: str
