@@ -879,11 +879,12 @@ class PolicyManager(Extension):
         pending: dict[asyncio.Task[ShardAck], str],
         started: float,
     ) -> None:
-        """The rest of a push answered early (`serving`): each shard still updating is
-        recorded as it acknowledges (a digest other than the committed one is stale), then
-        the policy lock is let go, a failed shard is held and replayed, and the push's
-        whole time is logged (`policy.push_finished`: `seconds`, the other nodes' shards
-        included; `here_s`, this node's)."""
+        """The rest of a push answered early (`serving`): once every shard still updating
+        has answered, those that acknowledged are recorded in one write (a digest other
+        than the committed one is stale, not recorded), then the policy lock is let go, a
+        failed shard is held and replayed, and the push's whole time is logged
+        (`policy.push_finished`: `seconds`, the other nodes' shards included; `here_s`,
+        this node's)."""
         try:
             acks = await collect(pending, len(pending), PolicyError)
             here = round(time.monotonic() - started, 3)  # this node's shards, all of them
