@@ -1128,9 +1128,11 @@ def scan_table(fleets: list[dict[str, Any]]) -> Table:
 
 
 def identity_table(fleets: list[dict[str, Any]]) -> Table:
+    looked = [f["identity"] for f in fleets if f.get("identity")]
+    each = f"{looked[0]['rounds']} rounds of {looked[0]['looks']}" if looked else "rounds"
     table = Table(
         "The identity's look for other stacks' daemons, idle (bench/fleet_identity.py): ms a "
-        "look on the head's etcd member, median of 5 rounds of 20 each way, side by side",
+        f"look on the head's etcd member, median of {each} each way, side by side",
         ["nodes", "shards", "keys under dynamod/", "all of dynamod/ read: CPU ms",
          "etcd's CPU ms", "wall ms", "stack by stack: CPU ms", "etcd's CPU ms", "wall ms",
          "CPU ratio", "daemons found (each way)"],

@@ -95,6 +95,8 @@ def identity_look(rig: ClusterRig, rounds: int = ROUNDS, looks: int = LOOKS) -> 
         "daemons": {w: len(f) for w, f in got["found"].items()},
         "same": len({json.dumps(f) for f in got["found"].values()}) == 1,
         "etcd_members": len(etcd_pids),
+        "rounds": rounds,
+        "looks": looks,
     }
     for way, each in got["samples"].items():
         result[way] = {k: statistics.median(v) for k, v in each.items()}

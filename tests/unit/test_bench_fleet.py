@@ -356,3 +356,14 @@ def test_the_push_cpu_table_splits_the_machine_s_busy_cpu_to_the_rest() -> None:
     assert table.rows[0][others] == "2.50 (frontend 1.50)"
     assert table.rows[0][rest] == pytest.approx(0.5)
     assert math.isnan(table.rows[1][others]) and math.isnan(table.rows[1][rest])
+
+
+def test_the_identity_table_names_its_rounds_and_compares_the_two_ways() -> None:
+    look = {"rounds": 2, "looks": 5, "keys": 808, "daemons": {"whole": 8, "by_stack": 8},
+            "whole": {"cpu_ms": 5.0, "etcd_ms": 5.5, "wall_ms": 11.0},
+            "by_stack": {"cpu_ms": 1.5, "etcd_ms": 4.0, "wall_ms": 5.0}}  # fmt: skip
+    table = fleet.identity_table([{"nodes": 1, "shards": 1}, {"nodes": 8, "shards": 256,
+                                                              "identity": look}])  # fmt: skip
+    assert "median of 2 rounds of 5 each way" in table.title
+    (row,) = table.rows  # the fleet without the look (the 1 x 1 reference) has no row
+    assert row[:3] == [8, 256, 808] and row[-2] == pytest.approx(0.3) and row[-1] == "8/8"
