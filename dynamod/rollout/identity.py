@@ -35,7 +35,13 @@ from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.proctable import pid_alive
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, KeyValue
+from dynamod.rollout.etcd import (
+    EtcdAuth,
+    EtcdClient,
+    EtcdError,
+    EtcdPermissionDenied,
+    KeyValue,
+)
 from dynamod.rollout.ledger import stack_prefix
 from dynamod.rollout.policy_table import policy_of
 from dynamod.rollout.worker_table import worker_of
@@ -227,11 +233,44 @@ async def live_daemons(etcd: KeyReader) -> list[DaemonRecord]:
             cursor = key + "\0"
             continue
         folder = key[: slash + 1]
-        for kv in await etcd.get_prefix(folder + "daemon"):
-            if is_daemon_key(kv.key) and (record := DaemonRecord.decode(kv.value)) is not None:
-                found.append(replace(record, lease=kv.lease))
+        found += await _daemons_in(etcd, folder)
         cursor = folder[:-1] + "0"  # the first key past the folder ("/" + 1)
     return found
+
+
+async def _daemons_in(etcd: KeyReader, folder: str) -> list[DaemonRecord]:
+    """The daemon keys of one stack's folder (`dynamod/<id>/`)."""
+    found = []
+    for kv in await etcd.get_prefix(folder + "daemon"):
+        if is_daemon_key(kv.key) and (record := DaemonRecord.decode(kv.value)) is not None:
+            found.append(replace(record, lease=kv.lease))
+    return found
+
+
+@dataclass(frozen=True)
+class Look:
+    """The live daemons a look found, and whether it could see other stacks' at all."""
+
+    daemons: list[DaemonRecord]
+    others_hidden: bool = False
+
+
+HIDDEN = (
+    "other stacks on this etcd cannot be seen: its auth limits this stack's user to its "
+    "own keys"
+)
+
+
+async def look(etcd: KeyReader, own: str) -> Look:
+    """The live daemons this stack's user can see: every stack's, or under etcd's auth,
+    where a stack's role covers its own folder (and Dynamo's `v1/`) and not the others'
+    (cluster/etcd_auth.py), its own identity's alone. Read all of `dynamod/` there and
+    etcd refuses the look whole: no node of an authenticated cluster held its identity,
+    and the start-up sweep never ran."""
+    try:
+        return Look(await live_daemons(etcd))
+    except EtcdPermissionDenied:
+        return Look(await _daemons_in(etcd, stack_prefix(own)), others_hidden=True)
 
 
 def check_before_up(stack: Stack, state_dir: str, auth: EtcdAuth | None = None) -> None:
@@ -245,12 +284,12 @@ def check_before_up(stack: Stack, state_dir: str, auth: EtcdAuth | None = None) 
     # once (nothing is held there), and a node's second copy would otherwise start its
     # shards beside the first's, in its Dynamo namespace, under its registry entry.
     me = record_of(stack, pid=os.getpid(), state_dir=state_dir, run_id="")
-    problems = conflicts(me, _look_in_child(endpoint, auth))
+    problems = conflicts(me, _look_in_child(endpoint, auth, me.id))
     if problems:
         raise IdentityTaken(f"{problems[0]} (etcd {endpoint}); nothing was started")
 
 
-def _look_in_child(endpoint: str, auth: EtcdAuth | None) -> list[DaemonRecord]:
+def _look_in_child(endpoint: str, auth: EtcdAuth | None, own: str) -> list[DaemonRecord]:
     """The live daemons in etcd, read by a forked child: `up` forks the daemon next, and a
     process that has run gRPC cannot fork one that uses it (seen: the daemon aborted in
     gRPC's channel teardown). [] when etcd does not answer."""
@@ -261,7 +300,7 @@ def _look_in_child(endpoint: str, auth: EtcdAuth | None) -> list[DaemonRecord]:
         try:
             os.close(read)
             with os.fdopen(write, "w") as out:
-                out.write(json.dumps([r.encode() for r in asyncio.run(_look(endpoint, auth))]))
+                out.write(json.dumps([r.encode() for r in asyncio.run(_look(endpoint, auth, own))]))
             code = 0
         finally:
             os._exit(code)
@@ -276,11 +315,11 @@ def _look_in_child(endpoint: str, auth: EtcdAuth | None) -> list[DaemonRecord]:
     return [r for r in (DaemonRecord.decode(e) for e in encoded) if r is not None]
 
 
-async def _look(endpoint: str, auth: EtcdAuth | None) -> list[DaemonRecord]:
+async def _look(endpoint: str, auth: EtcdAuth | None, own: str) -> list[DaemonRecord]:
     try:
         async with asyncio.timeout(CHECK_TIMEOUT_S * 2):
             async with EtcdClient(endpoint, timeout_s=CHECK_TIMEOUT_S, auth=auth) as etcd:
-                return await live_daemons(etcd)
+                return (await look(etcd, own)).daemons
     except (TimeoutError, EtcdError):
         return []
 
@@ -299,6 +338,7 @@ class StackIdentity(Extension):
         self.record: DaemonRecord | None = None
         self.refused: str | None = None  # another daemon took the identity first
         self.shared: dict[str, dict[str, Any]] = {}
+        self.others_hidden = False  # etcd's auth: this stack's user sees its own keys only
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, host: ExtensionHost) -> None:
@@ -325,7 +365,7 @@ class StackIdentity(Extension):
         if self.lease is not None:
             return True
         me = self.record
-        live = await live_daemons(self.etcd)
+        live = (await look(self.etcd, me.id)).daemons
         problems = [p for p in conflicts(me, live) if p.startswith("stack identity")]
         if problems:
             self.refused = problems[0]
@@ -347,14 +387,18 @@ class StackIdentity(Extension):
         log.info("identity.held", key=daemon_key(me.id, me.node), lease=f"{lease:x}")
         return True
 
-    async def others_in_namespace(self, namespace: str) -> list[DaemonRecord] | None:
-        """The other live stacks whose workers use `namespace` (the sweep asks; it raises
-        EtcdError while etcd cannot tell). Claims the identity first if not yet held; None
+    async def others_in_namespace(self, namespace: str) -> list[str] | None:
+        """The other live stacks whose workers use `namespace`, described (the sweep asks;
+        it raises EtcdError while etcd cannot tell); where etcd's auth hides the other
+        stacks, HIDDEN: any of them may. Claims the identity first if not yet held; None
         if another daemon holds it (then this stack's lease records are that daemon's)."""
         assert self.etcd is not None and self.record is not None
         if not await self.claim():
             return None
-        return sharers(self.record, await live_daemons(self.etcd)).get(namespace, [])
+        found = await look(self.etcd, self.record.id)
+        if found.others_hidden:
+            return [HIDDEN]
+        return [o.describe() for o in sharers(self.record, found.daemons).get(namespace, [])]
 
     async def _keep(self) -> None:
         """Keep the lease alive (claim again if it lapsed), refresh the shared view."""
@@ -372,7 +416,9 @@ class StackIdentity(Extension):
     async def _refresh_shared(self) -> None:
         assert self.etcd is not None and self.record is not None
         shared = {}
-        for namespace, others in sharers(self.record, await live_daemons(self.etcd)).items():
+        found = await look(self.etcd, self.record.id)
+        self.others_hidden = found.others_hidden
+        for namespace, others in sharers(self.record, found.daemons).items():
             mine = self.registrations.live_instances(namespace)
             theirs = [i for i in await dynamo.list_instances(self.etcd, namespace)
                       if i.instance_id not in mine]  # fmt: skip
@@ -405,6 +451,8 @@ class StackIdentity(Extension):
                 "held": self.lease is not None,
                 "refused": self.refused,
                 "shared_namespaces": self.shared,
+                # whether the look could see other stacks' daemons (not under etcd's auth)
+                "others_visible": not self.others_hidden,
             }
         }
 

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dynamod.core.atomicfile import write_atomic
-from dynamod.rollout.etcd import TXN_OPS, EtcdClient, TxnDelete, TxnPut, WatchEvent
+from dynamod.rollout.etcd import (
+    TXN_OPS,
+    EtcdClient,
+    EtcdPermissionDenied,
+    TxnDelete,
+    TxnPut,
+    WatchEvent,
+)
 
 
 @dataclass(frozen=True)
@@ -220,9 +227,15 @@ class LeaseRecords:
             await self.etcd.delete(key)
 
     async def every_stack(self) -> list[LeaseRecord]:
-        """The records of every stack that keeps them in this etcd (this one included)."""
+        """The records of every stack that keeps them in this etcd (this one included);
+        this stack's alone where etcd's auth limits its user to its own keys (the sweep
+        then takes the namespace for shared: identity.look)."""
+        try:
+            kvs = await self.etcd.get_prefix("dynamod/")
+        except EtcdPermissionDenied:
+            kvs = await self.etcd.get_prefix(stack_prefix(self.stack) + "leases/")
         records = []
-        for kv in await self.etcd.get_prefix("dynamod/"):
+        for kv in kvs:
             parsed = parse_lease_key(kv.key)
             if parsed is None:
                 continue

@@ -99,8 +99,9 @@ class DynamoRegistrations(Extension):
         # the sweep must leave alone (it raises EtcdError while it cannot tell).
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
         # Set by the stack identity (rollout/identity.py): the other live stacks whose
-        # workers use a namespace; their registrations are not this sweep's to judge.
-        self.others_in_namespace: Callable[[str], Awaitable[list[Any] | None]] | None = None
+        # workers use a namespace, described; their registrations are not this sweep's to
+        # judge.
+        self.others_in_namespace: Callable[[str], Awaitable[list[str] | None]] | None = None
         self.registered: dict[str, Registration] = {}
 
     def instance_ids(self, unit: Unit) -> list[int]:
@@ -237,8 +238,7 @@ class DynamoRegistrations(Extension):
         this stack's identity is another daemon's)."""
         if self.others_in_namespace is None:
             return []
-        others = await self.others_in_namespace(namespace)
-        return None if others is None else [other.describe() for other in others]
+        return await self.others_in_namespace(namespace)
 
     # ------------------------------------------------------------------ hooks
 

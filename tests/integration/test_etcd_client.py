@@ -24,6 +24,7 @@ from dynamod.rollout.etcd import (
     EtcdAuthError,
     EtcdClient,
     EtcdError,
+    EtcdPermissionDenied,
     TxnDelete,
     TxnPut,
     WatchEvent,
@@ -410,12 +411,53 @@ async def test_auth_user_works_inside_its_prefix_and_is_denied_outside(auth_url:
     async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as client:
         await client.put(key, "v")
         assert await client.get(key) == b"v"
-        with pytest.raises(EtcdAuthError) as caught:
+        with pytest.raises(EtcdPermissionDenied) as caught:  # an EtcdAuthError
             await client.put("elsewhere/key", "v")
     assert str(caught.value) == (
         f"etcd at {_address(auth_url)} refused user 'dynamod': permission denied "
         "(its roles do not cover this key)"
     )
+
+
+async def test_a_stack_user_under_auth_sees_its_own_identity_and_lease_records(
+    auth_url: str,
+) -> None:
+    """A stack's user as cluster/etcd_auth.py makes it (its own `dynamod/<id>/` and `v1/`):
+    a look at every stack's daemons is refused whole, so the look reads its own identity's
+    and says the others are hidden, and the sweep's lease records are its own stack's.
+    Before, the refused look left every node of an authenticated cluster without its
+    identity and its start-up sweep never ran."""
+    from dynamod.rollout.ledger import LeaseRecords
+
+    own, other = f"a{uuid.uuid4().hex[:8]}", f"b{uuid.uuid4().hex[:8]}"
+    user, role = f"u-{own}", f"r-{own}"
+    root = f"root:{etcd_servers.ROOT_PASSWORD}"
+    etcd_servers.etcdctl(auth_url, "user", "add", f"{user}:{PASSWORD}", user=root)
+    etcd_servers.etcdctl(auth_url, "role", "add", role, user=root)
+    for prefix in (f"dynamod/{own}/", "v1/"):
+        etcd_servers.etcdctl(auth_url, "role", "grant-permission", role, "--prefix=true",
+                             "readwrite", prefix, user=root)  # fmt: skip
+    etcd_servers.etcdctl(auth_url, "user", "grant-role", user, role, user=root)
+    async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as wide:  # dynamod/ all
+        for stack, node in ((own, "n1"), (own, "n2"), (other, None)):
+            record = identity.DaemonRecord(
+                id=stack, stack=stack, host="h", pid=1, state_dir="/s", run_id="r",
+                namespaces=("ns",), node=node,
+            )  # fmt: skip
+            await wide.put(identity.daemon_key(stack, node), record.encode())
+            records = LeaseRecords(wide, stack, node)
+            await records.record(f"worker@{node}", "ns", [7])
+    async with EtcdClient(auth_url, auth=EtcdAuth(user, PASSWORD)) as narrow:
+        with pytest.raises(EtcdPermissionDenied):
+            await identity.live_daemons(narrow)
+        found = await identity.look(narrow, own)
+        assert found.others_hidden
+        assert sorted((r.id, r.node) for r in found.daemons) == [(own, "n1"), (own, "n2")]
+        leases = await LeaseRecords(narrow, own, "n1").every_stack()
+        assert sorted((r.stack, r.node) for r in leases) == [(own, "n1"), (own, "n2")]
+    async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as wide:
+        seen = await identity.look(wide, own)
+        assert not seen.others_hidden and {other, own} <= {r.id for r in seen.daemons}
 
 
 async def test_expired_token_is_renewed_without_the_caller_noticing(auth_url: str) -> None:

@@ -80,6 +80,11 @@ def test_statuses_read_as_one_line() -> None:
         FailureKind.TOKEN_EXPIRED,
         "the auth token predates a change to etcd's users or roles",
     )
+    # logged in, outside the user's roles: its own kind (a stack's look reads what it may)
+    assert _classify("PERMISSION_DENIED", "etcdserver: permission denied") == (
+        FailureKind.DENIED,
+        "refused user 'dynamod': permission denied (its roles do not cover this key)",
+    )
     assert _classify("NOT_FOUND", "etcdserver: requested lease not found") == (
         FailureKind.NOT_FOUND,
         "etcdserver: requested lease not found",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from dynamod.core import paths, spec
 from dynamod.core.errors import SpecError, SpecErrors
 from dynamod.rollout import identity, tables
-from dynamod.rollout.etcd import KeyValue, prefix_range_end
+from dynamod.rollout.etcd import EtcdPermissionDenied, KeyValue, prefix_range_end
 from dynamod.rollout.identity import DaemonRecord, conflicts, daemon_key, is_daemon_key, sharers
 from dynamod.rollout.ledger import lease_key, parse_lease_key
 from dynamod.rollout.registrations import stale_leases
@@ -191,6 +191,42 @@ def test_live_daemons_skips_a_fleets_records_whole() -> None:
     assert store.values_read == 9 and store.first_keys == 3  # a, b, then none past b
 
 
+class AuthStore(SortedStore):
+    """etcd's auth as a stack's role has it: its own folder readable, a read of anything
+    wider refused whole."""
+
+    def __init__(self, kvs: dict[str, bytes], own: str) -> None:
+        super().__init__(kvs)
+        self.own = f"dynamod/{own}/"
+
+    def _check(self, prefix: str) -> None:
+        if not prefix.startswith(self.own):
+            raise EtcdPermissionDenied("http://e", "get_prefix", prefix, "denied", "e")
+
+    async def first_key(self, start: str, prefix: str) -> str | None:
+        self._check(prefix)
+        return await super().first_key(start, prefix)
+
+    async def get_prefix(self, prefix: str) -> list[KeyValue]:
+        self._check(prefix)
+        return await super().get_prefix(prefix)
+
+
+def test_under_etcd_auth_the_look_finds_its_own_identity_and_says_the_rest_is_hidden() -> None:
+    kvs = {daemon_key("a", n): record(node=n).encode().encode() for n in ("n1", "n2")}
+    kvs[daemon_key("b")] = record(id="b").encode().encode()
+    found = asyncio.run(identity.look(AuthStore(kvs, "a"), "a"))
+    assert sorted(r.node or "" for r in found.daemons) == ["n1", "n2"] and found.others_hidden
+    with pytest.raises(EtcdPermissionDenied):  # the whole look is refused, as etcd does
+        asyncio.run(identity.live_daemons(AuthStore(kvs, "a")))
+    # without auth: every stack's, nothing hidden
+    seen = asyncio.run(identity.look(SortedStore(kvs), "a"))
+    assert len(seen.daemons) == 3 and not seen.others_hidden
+    # a second copy of a node is still refused under auth: the look sees its own identity
+    me = record(node="n1", run_id="", host="here", state_dir="/s/other")
+    assert conflicts(me, found.daemons) != []
+
+
 def test_a_second_copy_of_a_held_identity_is_refused_naming_the_holder() -> None:
     me = record(run_id="", state_dir="/s/b", host="here")
     problems = conflicts(me, [record(pid=4242)])
@@ -257,8 +293,9 @@ def test_up_of_a_cluster_node_looks_for_a_live_holder_of_that_node(
             for n in ("head", "n2")]  # fmt: skip
     asked: list[str] = []
 
-    def look(endpoint: str, auth: object) -> list[DaemonRecord]:
+    def look(endpoint: str, auth: object, own: str) -> list[DaemonRecord]:
         asked.append(endpoint)
+        assert own == "cluster"  # its own identity: what a look under etcd's auth can read
         return live
 
     monkeypatch.setattr(identity, "_look_in_child", look)

@@ -8,7 +8,7 @@ from dynamod.rollout.etcd import nofork  # noqa: F401  (first: before anything i
 from dynamod.rollout.etcd.client import DEFAULT_TIMEOUT_S, EtcdClient
 from dynamod.rollout.etcd.connection import reconnect_all
 from dynamod.rollout.etcd.endpoints import Endpoint, EndpointError, parse_endpoints
-from dynamod.rollout.etcd.errors import EtcdAuthError, EtcdError
+from dynamod.rollout.etcd.errors import EtcdAuthError, EtcdError, EtcdPermissionDenied
 from dynamod.rollout.etcd.records import (
     TXN_OPS,
     Compare,
@@ -32,6 +32,7 @@ __all__ = [
     "EtcdAuthError",
     "EtcdClient",
     "EtcdError",
+    "EtcdPermissionDenied",
     "KeyValue",
     "LeaseInfo",
     "TxnDelete",

@@ -22,6 +22,7 @@ from dynamod.rollout.etcd.endpoints import Endpoint, Rotation, parse_endpoints
 from dynamod.rollout.etcd.errors import (
     EtcdAuthError,
     EtcdError,
+    EtcdPermissionDenied,
     Failure,
     FailureKind,
     classify,
@@ -509,6 +510,10 @@ class EtcdClient:
     def _error(
         self, endpoint: Endpoint, operation: str, key: str | None, failure: Failure
     ) -> EtcdError:
+        if failure.kind is FailureKind.DENIED:
+            return EtcdPermissionDenied(
+                endpoint.url, operation, key, failure.detail, endpoint.address
+            )
         if failure.kind in (FailureKind.REFUSED_AUTH, FailureKind.TLS):
             return EtcdAuthError(endpoint.url, operation, key, failure.detail, endpoint.address)
         return EtcdError(endpoint.url, operation, key, failure.detail)

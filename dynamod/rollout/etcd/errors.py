@@ -41,12 +41,18 @@ class EtcdAuthError(EtcdError):
         return f"etcd at {self.address} {self.detail}"
 
 
+class EtcdPermissionDenied(EtcdAuthError):
+    """etcd let us in, but our user's roles do not cover the keys asked for: under etcd's
+    auth a stack's user reads and writes its own prefixes only (cluster/etcd_auth.py)."""
+
+
 class FailureKind(enum.Enum):
     UNREACHABLE = "unreachable"  # nothing answered: another endpoint may
     ELECTION = "election"  # it answered that its cluster has no leader just now: soon will
     TIMEOUT = "timeout"  # asked, no answer in time: the request may or may not have applied
     TOKEN_EXPIRED = "token expired"  # authenticate again, then retry
     REFUSED_AUTH = "refused auth"  # wrong user/password, or TLS trust: no retry helps
+    DENIED = "denied"  # logged in, but the user's roles do not cover the key: no retry helps
     TLS = "tls"
     NOT_FOUND = "not found"  # e.g. a lease that is gone
     SERVER = "server"  # any other refusal by etcd
@@ -153,7 +159,7 @@ def _auth_failure(code: str, low: str, text: str, user: str | None) -> Failure |
         )
     if code == "PERMISSION_DENIED":
         return Failure(
-            FailureKind.REFUSED_AUTH,
+            FailureKind.DENIED,
             f"refused user {user!r}: permission denied (its roles do not cover this key)",
         )
     if code in ("UNAUTHENTICATED", "INVALID_ARGUMENT") and "user name is empty" in low:
