@@ -147,6 +147,13 @@ def check(ctl: Etcdctl, stack: str) -> str:
     dynamod and Dynamo process of the stack needs to work."""
     creds = ctl.loaded.credentials
     user = (creds.etcd_user, creds.etcd_password)
+    # etcdctl logs in only when auth is on: with it off the put below passes as well, and
+    # the units waiting for this check would meet etcd before auth (seen: cluster-ha's
+    # workers started while every member said "authentication is not enabled"). The
+    # user's `auth status` says false while it is off, and is refused (not root) once on.
+    status = ctl.run("auth", "status", user=user)
+    if status.returncode == 0 and "Authentication Status: false" in status.stdout:
+        raise EtcdAuthError(f"etcd at {ctl.endpoint}: auth is not on yet")
     key = f"dynamod/{stack}/auth-check/{ctl.node}"
     ctl.must(f"put {key}", "put", key, ctl.node, user=user)
     value = ctl.must(f"get {key}", "get", key, "--print-value-only", user=user).strip()
