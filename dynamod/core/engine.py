@@ -56,6 +56,11 @@ def _place(spec: UnitSpec) -> str:
 class UnitHooks(Protocol):
     """Extension points around a unit's life. Hooks must not raise for normal outcomes."""
 
+    async def before_start(self, unit: Unit) -> None:
+        """The unit is about to be spawned (every start, a restart's too), before it waits
+        for a start slot: what its process must find done (the start-up sweep of the
+        registrations an earlier run left, before the first Dynamo worker starts)."""
+
     async def on_ready(self, unit: Unit) -> None:
         """The readiness probe passed; runs before the unit counts as ready."""
 
@@ -452,6 +457,8 @@ class Engine:
         run) holds one of the node's start slots (`[stack] max_starting`)."""
         unit.failure_hint = None
         unit.recorded = None
+        for hook in self.hooks:
+            await hook.before_start(unit)
         await self._take_start_slot(unit)
         try:
             self._move_taken_ports(unit)

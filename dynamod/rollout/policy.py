@@ -406,6 +406,9 @@ class PolicyManager(Extension):
         if role is Role.SPARE:
             self.spares.after_ready(unit)
 
+    async def before_start(self, unit: Unit) -> None:
+        """Engine hook: nothing before a start (a shard is held at its readiness)."""
+
     async def on_exit(self, unit: Unit, exit: Exit) -> None:
         task = self._rejoins.pop(unit.name, None)
         if task is not None:

@@ -64,6 +64,22 @@ def stale_leases(
     return (ours | (set() if shared else registered)) - others
 
 
+def _log_sweep(namespace: str, leases: list[int], kept: list[int], sharing: list[str]) -> None:
+    """What a namespace's start-up sweep revoked and kept (or that it found nothing)."""
+    if not leases and not kept:
+        log.info("dynamo.swept", namespace=namespace, revoked=0, shared_with=sharing)
+        return
+    log.warning(
+        "dynamo.stale_revoked",
+        namespace=namespace,
+        leases=[f"{lease:x}" for lease in leases],
+        why="registered by no live unit (left by an earlier run of this stack, "
+        "or recorded by no stack)",
+        kept_for_other_stacks=[f"{lease:x}" for lease in kept],
+        shared_with=sharing,
+    )
+
+
 @dataclass
 class Registration:
     """What dynamod knows of one Dynamo worker's registration (`dynamo` in status)."""
@@ -95,6 +111,7 @@ class DynamoRegistrations(Extension):
         # key -> (unit name, etcd endpoint, instance ids) whose revocation failed; retried
         self.pending: dict[str, tuple[str, str, list[int]]] = {}
         self._swept = False
+        self._sweep_lock = asyncio.Lock()
         # Set by a multi-node layer: the instance ids other nodes' live workers hold, which
         # the sweep must leave alone (it raises EtcdError while it cannot tell).
         self.others_live: Callable[[], Awaitable[set[int]]] | None = None
@@ -173,11 +190,16 @@ class DynamoRegistrations(Extension):
         return cluster.node if cluster is not None else None
 
     async def _sweep_stale(self) -> None:
+        async with self._sweep_lock:  # two workers' starts, or a start and a readiness
+            await self._sweep_once()
+
+    async def _sweep_once(self) -> None:
         """Once, before any Dynamo worker unit has started: revoke every registration in the
         stack's namespaces that belongs to no live unit (`stale_leases`), and forget this
-        stack's lease records. Skipped (and tried at the next unit's readiness) while etcd
-        does not answer; given up once a worker has started (a booting worker's registration
-        is not known yet and must not be taken for a stale one)."""
+        stack's lease records. Skipped (and tried at the next unit's readiness, or before a
+        worker's start) while etcd does not answer; given up once a worker has started (a
+        booting worker's registration is not known yet and must not be taken for a stale
+        one)."""
         assert self.host is not None and self.host.engine is not None
         engine = self.host.engine
         workers = [u for u in engine.units.values() if worker_of(u.spec) is not None]
@@ -185,6 +207,9 @@ class DynamoRegistrations(Extension):
             return
         if any(u.starts > 0 for u in workers):
             self._swept = True  # too late to tell stale from live: a worker may be booting
+            log.warning("dynamo.sweep_given_up", why="a worker started before the start-up "
+                        "sweep could read etcd (see dynamo.sweep_deferred): registrations "
+                        "an earlier run left stay until their leases expire")  # fmt: skip
             return
         targets = {(w.etcd, w.namespace) for w in (worker_of(u.spec) for u in workers) if w}
         for endpoint, namespace in sorted(targets):
@@ -218,19 +243,12 @@ class DynamoRegistrations(Extension):
                         await dynamo.revoke_instance(etcd, lease)
                     for record in mine:
                         await store.forget(record)
-            except (TimeoutError, EtcdError):
+            except (TimeoutError, EtcdError) as exc:  # tried again at the next hook
+                log.info("dynamo.sweep_deferred", namespace=namespace,
+                         error=str(exc) or type(exc).__name__)  # fmt: skip
                 return
             kept = sorted((registered & others) | (registered - ours if sharing else set()))
-            if leases or kept:
-                log.warning(
-                    "dynamo.stale_revoked",
-                    namespace=namespace,
-                    leases=[f"{lease:x}" for lease in leases],
-                    why="registered by no live unit (left by an earlier run of this stack, "
-                    "or recorded by no stack)",
-                    kept_for_other_stacks=[f"{lease:x}" for lease in kept],
-                    shared_with=sharing,
-                )
+            _log_sweep(namespace, leases, kept, sharing)
         self._swept = True
 
     async def _sharing(self, namespace: str) -> list[str] | None:
@@ -241,6 +259,13 @@ class DynamoRegistrations(Extension):
         return await self.others_in_namespace(namespace)
 
     # ------------------------------------------------------------------ hooks
+
+    async def before_start(self, unit: Unit) -> None:
+        """Before the first Dynamo worker starts: the sweep's last window (its units'
+        readiness may all come before etcd answers this stack's user, as in
+        cluster-ha.toml, whose workers start when a oneshot completes)."""
+        if worker_of(unit.spec) is not None:
+            await self._sweep_stale()
 
     async def on_ready(self, unit: Unit) -> None:
         if self.host is None or self.host.engine is None:

@@ -226,6 +226,9 @@ class SparePool:
 
     # ------------------------------------------------------------------ promotion
 
+    async def before_start(self, unit: Unit) -> None:
+        """Engine hook: nothing before a start."""
+
     async def on_ready(self, unit: Unit) -> None:
         """Engine hook: watch the shard for its death (roles are assigned by the policy
         manager's own on_ready, next in line)."""

@@ -90,10 +90,15 @@ def test_every_node_runs_a_member_and_dynamo_gets_credentials_in_its_environment
 ) -> None:
     _wait_serving(rig)
     # each node holds its identity although its user may read only its stack's own keys
-    # (a look at every stack's was refused whole: no node held it, no start-up sweep ran)
+    # (a look at every stack's was refused whole, and no node held it)
     rig.wait("every node holds its identity",
              lambda: all(rig.status(n)["identity"]["held"] for n in rig.names), 15)  # fmt: skip
     assert not any(rig.status(n)["identity"]["others_visible"] for n in rig.names)
+    # and each node's start-up sweep ran before its worker started (it never found a window:
+    # the units' readiness came before auth was on, the workers after a oneshot)
+    swept = rig.logged("dynamo.swept", "dynamo.stale_revoked")
+    assert not rig.logged("dynamo.sweep_given_up") and len(swept) >= 3, swept
+    assert all(not r.get("leases") for r in swept), swept  # a fresh cluster: nothing stale
     creds = json.loads((rig.work_dir / "cluster-ha.secrets" / "credentials.json").read_text())
     secrets = [creds[f] for f in SECRET_FIELDS]
     for node in rig.names:

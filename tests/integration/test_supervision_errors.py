@@ -33,6 +33,8 @@ SCRIPT = textwrap.dedent(
 
     class Buggy:  # a hook with a bug: raises the first time a unit comes up
         calls = 0
+        async def before_start(self, unit):
+            pass
         async def on_ready(self, unit):
             Buggy.calls += 1
             if Buggy.calls == 1:

@@ -471,6 +471,9 @@ class Shard:
         self.engine: Engine | None = None
         self.caught_up = asyncio.Event()
 
+    async def before_start(self, unit: Unit) -> None:
+        pass
+
     async def on_ready(self, unit: Unit) -> None:
         assert self.engine is not None
         self.engine.hold(unit, "held: waiting to replay the current policy")
@@ -688,6 +691,9 @@ async def test_the_hooks_after_readiness_run_without_a_slot(tmp_path: Path) -> N
     release = asyncio.Event()
 
     class Replay:
+        async def before_start(self, unit: Unit) -> None:
+            pass
+
         async def on_ready(self, unit: Unit) -> None:
             if unit.name == "a":
                 await release.wait()
@@ -701,6 +707,38 @@ async def test_the_hooks_after_readiness_run_without_a_slot(tmp_path: Path) -> N
         assert run.unit("a").state is S.STARTING  # still in its hook
         release.set()
         await run.reach("a", S.READY)
+
+
+async def test_before_start_runs_before_each_spawn_and_a_held_one_holds_the_spawn(
+    tmp_path: Path,
+) -> None:
+    """`before_start` runs before every start, a restart's too, with nothing spawned yet
+    (the registrations' start-up sweep before the first worker), and outside the start
+    slots: a unit whose hook waits holds up no other start."""
+    release = asyncio.Event()
+    seen: list[tuple[str, int]] = []
+
+    class Sweep:
+        async def before_start(self, unit: Unit) -> None:
+            seen.append((unit.name, len(run.host.spawned.get(unit.name, []))))
+            if unit.name == "a":
+                await release.wait()
+
+        async def on_ready(self, unit: Unit) -> None:
+            pass
+
+        async def on_exit(self, unit: Unit, exit: Exit) -> None:
+            pass
+
+    units = "[stack]\nmax_starting = 1\n" + service("a") + service("b")
+    async with running(tmp_path, units, hooks=[Sweep()]) as run:
+        await run.reach("b", S.READY)  # a's hook waits: b starts all the same
+        assert "a" not in run.host.spawned and ("a", 0) in seen
+        release.set()
+        await run.reach("a", S.READY)
+        run.host.exit("a", code=1)
+        await run.until(lambda: len(run.host.spawned.get("a", [])) == 2, "a started again")
+        assert [n for n in seen if n[0] == "a"] == [("a", 0), ("a", 1)]
 
 
 async def test_a_stop_while_waiting_for_a_slot_starts_nothing(tmp_path: Path) -> None:
