@@ -265,8 +265,7 @@ async def look(etcd: KeyReader, own: str) -> Look:
     """The live daemons this stack's user can see: every stack's, or under etcd's auth,
     where a stack's role covers its own folder (and Dynamo's `v1/`) and not the others'
     (cluster/etcd_auth.py), its own identity's alone. Read all of `dynamod/` there and
-    etcd refuses the look whole: no node of an authenticated cluster held its identity,
-    and the start-up sweep never ran."""
+    etcd refuses the look whole: no node of an authenticated cluster held its identity."""
     try:
         return Look(await live_daemons(etcd))
     except EtcdPermissionDenied:
