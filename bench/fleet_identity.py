@@ -25,6 +25,7 @@ from dynamod.chaos.cluster import ClusterRig
 from dynamod.core.errors import DynamodError
 from dynamod.rollout import identity
 from dynamod.rollout.etcd import EtcdClient
+from dynamod.rollout.ledger import ROOT
 
 ROUNDS, LOOKS = 5, 20
 HEAD_ETCD = "http://127.0.0.1:2379"  # the head's member, inside the head's namespace
@@ -37,7 +38,7 @@ class LookError(DynamodError):
 async def whole_read(etcd: EtcdClient) -> list[identity.DaemonRecord]:
     """The look as it was: every key under `dynamod/` read, the daemon keys kept."""
     found = []
-    for kv in await etcd.get_prefix(identity.ROOT):
+    for kv in await etcd.get_prefix(ROOT):
         if identity.is_daemon_key(kv.key) and (r := identity.DaemonRecord.decode(kv.value)):
             found.append(replace(r, lease=kv.lease))
     return found
@@ -53,7 +54,7 @@ async def measure(url: str, etcd_pids: list[int], rounds: int, looks: int) -> di
     """Per way: ms of this process's CPU, etcd's members' CPU and the wall a look, each a
     list over the rounds; the keys under `dynamod/`; the daemons each way found."""
     async with EtcdClient(url) as etcd:
-        keys = len(await etcd.get_prefix(identity.ROOT))
+        keys = len(await etcd.get_prefix(ROOT))
         found = {w: sorted(r.encode() for r in await look(etcd)) for w, look in WAYS.items()}
         samples: dict[str, dict[str, list[float]]] = {
             w: {"cpu_ms": [], "etcd_ms": [], "wall_ms": []} for w in WAYS

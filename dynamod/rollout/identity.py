@@ -27,7 +27,7 @@ import os
 import socket
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -35,14 +35,8 @@ from dynamod.core.errors import DynamodError
 from dynamod.core.extensions import Extension
 from dynamod.core.proctable import pid_alive
 from dynamod.rollout import dynamo
-from dynamod.rollout.etcd import (
-    EtcdAuth,
-    EtcdClient,
-    EtcdError,
-    EtcdPermissionDenied,
-    KeyValue,
-)
-from dynamod.rollout.ledger import stack_prefix
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, KeyValue
+from dynamod.rollout.ledger import KeyReader, every_stack_keys, stack_prefix, visible_stack_keys
 from dynamod.rollout.policy_table import policy_of
 from dynamod.rollout.worker_table import worker_of
 
@@ -56,7 +50,6 @@ log = structlog.get_logger("dynamod.rollout.identity")
 LEASE_TTL_S = 5  # a dead daemon's identity is free again this long after it died
 CHECK_TIMEOUT_S = 1.5  # `up`'s look: an etcd that does not answer is the stack's own, not up
 REFRESH_S = 2.0  # the shared-namespace view in status
-ROOT = "dynamod/"  # every stack's folder of keys is under it (ledger.stack_prefix)
 STOP_REVOKE_S = 0.5  # `down`: a stack's own etcd is stopped already; don't wait on it
 
 
@@ -207,41 +200,15 @@ def sharers(me: DaemonRecord, live: Iterable[DaemonRecord]) -> dict[str, list[Da
     return out
 
 
-class KeyReader(Protocol):
-    """What `live_daemons` reads etcd with (EtcdClient)."""
-
-    async def first_key(self, start: str, prefix: str) -> str | None: ...
-
-    async def get_prefix(self, prefix: str) -> list[KeyValue]: ...
-
-
 async def live_daemons(etcd: KeyReader) -> list[DaemonRecord]:
-    """Every daemon key in this etcd: each is a live daemon (its lease keeps it).
+    """Every daemon key in this etcd: each is a live daemon (its lease keeps it). Read
+    stack by stack (ledger.every_stack_keys), not by reading every key of every stack."""
+    return _daemons(await every_stack_keys(etcd, "daemon"))
 
-    Read stack by stack: each stack's folder under `dynamod/` is found by its first key,
-    its daemon keys are read, and the rest of the folder is skipped. Reading all of
-    `dynamod/` carried every stack's unit, shard and lease records, which grow with the
-    fleet, and every daemon looks every REFRESH_S: at 8 nodes x 32 shards a look cost the
-    daemon 5.0 ms of CPU and etcd 5.5; read so, 1.7 and 4.0, and 1.3-1.8 ms of CPU from 1
-    node to 8 (three small reads: at 1 x 32 the whole read was the cheaper, 0.8 ms against
-    1.3; bench.fleet's identity table, docs/benchmarks.md 16)."""
+
+def _daemons(kvs: Iterable[KeyValue]) -> list[DaemonRecord]:
     found = []
-    cursor = ROOT
-    while (key := await etcd.first_key(cursor, ROOT)) is not None:
-        slash = key.find("/", len(ROOT))
-        if slash < 0:  # a foreign key right under dynamod/, in no folder
-            cursor = key + "\0"
-            continue
-        folder = key[: slash + 1]
-        found += await _daemons_in(etcd, folder)
-        cursor = folder[:-1] + "0"  # the first key past the folder ("/" + 1)
-    return found
-
-
-async def _daemons_in(etcd: KeyReader, folder: str) -> list[DaemonRecord]:
-    """The daemon keys of one stack's folder (`dynamod/<id>/`)."""
-    found = []
-    for kv in await etcd.get_prefix(folder + "daemon"):
+    for kv in kvs:
         if is_daemon_key(kv.key) and (record := DaemonRecord.decode(kv.value)) is not None:
             found.append(replace(record, lease=kv.lease))
     return found
@@ -266,10 +233,8 @@ async def look(etcd: KeyReader, own: str) -> Look:
     where a stack's role covers its own folder (and Dynamo's `v1/`) and not the others'
     (cluster/etcd_auth.py), its own identity's alone. Read all of `dynamod/` there and
     etcd refuses the look whole: no node of an authenticated cluster held its identity."""
-    try:
-        return Look(await live_daemons(etcd))
-    except EtcdPermissionDenied:
-        return Look(await _daemons_in(etcd, stack_prefix(own)), others_hidden=True)
+    kvs, hidden = await visible_stack_keys(etcd, "daemon", own)
+    return Look(_daemons(kvs), others_hidden=hidden)
 
 
 def check_before_up(stack: Stack, state_dir: str, auth: EtcdAuth | None = None) -> None:
