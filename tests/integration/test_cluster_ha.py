@@ -12,7 +12,10 @@ reason, only where network namespaces cannot be made."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +27,10 @@ from dynamod.chaos.cluster import ClusterError, ClusterRig, running_cluster
 from dynamod.chaos.model import Load
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.chaos.node_loss import make_checkpoint
+from dynamod.cluster.secrets import load_etcd_auth
 from dynamod.core import paths
+from dynamod.rollout.etcd import EtcdClient
+from tests.conftest import wait_dead
 
 REASON = can_create_namespaces()
 pytestmark = [
@@ -33,6 +39,7 @@ pytestmark = [
 ]
 
 STACK = paths.units_dir() / "stacks" / "cluster-ha.toml"
+RELAY = "https://127.0.0.1:23790"  # each node's etcd relay, where its Dynamo units connect
 SECRET_FIELDS = ("etcd_root_password", "etcd_password", "nats_password", "nats_route_password")
 
 
@@ -110,7 +117,7 @@ def test_every_node_runs_a_member_and_dynamo_gets_credentials_in_its_environment
         assert env["ETCD_AUTH_CLIENT_CERT"].startswith("-----BEGIN CERTIFICATE-----"), node
         assert env["NATS_AUTH_PASSWORD"] == creds["nats_password"], node
         # Dynamo reaches etcd through the node's relay, to whichever member is there
-        assert env["ETCD_ENDPOINTS"] == "https://127.0.0.1:23790", env["ETCD_ENDPOINTS"]
+        assert env["ETCD_ENDPOINTS"] == RELAY, env["ETCD_ENDPOINTS"]
         assert units["etcd-relay"]["state"] == "ready", units["etcd-relay"]
         cmdline = Path(f"/proc/{worker['pid']}/cmdline").read_bytes().decode(errors="replace")
         shown = rig.run(node, "status", "--json").stdout
@@ -198,6 +205,57 @@ def test_the_heads_etcd_member_down_under_load_serving_goes_on_and_a_push_commit
         ["no node may be marked lost while only an etcd member is down:"]
         + [json.dumps(r) for r in _cluster_trouble(rig) + rig.logged("daemon.loop_stalled")
                                    + _etcd_trouble(rig)])
+
+
+def test_a_node_whose_dynamod_was_killed_revokes_its_earlier_workers_leases_at_its_start(
+    rig: ClusterRig,
+) -> None:
+    """n2's dynamod SIGKILLed (its units die with it; the leader takes its shard out of
+    routing and leaves the lease, Dynamo's 300 s here), then started again: before its new
+    worker starts, its sweep, which under etcd's auth sees its own stack's lease records
+    only, revokes the lease its earlier worker held, so the earlier worker's keys (its model
+    card) do not stay for the rest of that lease, and nothing of the other nodes'."""
+    _wait_serving(rig)
+    status = rig.status("n2")
+    old = rig.instance_ids("n2")
+    others = rig.instance_ids("head") | rig.instance_ids("n1")
+    assert old and old & _leases_under_v1(rig), (old, "n2's worker holds keys under v1/")
+    pids = [u["pid"] for u in status["units"] if u["pid"]]
+    log_from = len(_node_log(rig, "n2"))
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    assert wait_dead([status["daemon_pid"], *pids], timeout=15) == []
+    rig.wait("n2 lost in the head's view",
+             lambda: _nodes(rig)["n2"]["state"] == "lost", 30)  # fmt: skip
+    assert old <= _leases_under_v1(rig), "the leader withdraws the routes, not the leases"
+    rig.up(["n2"], timeout=180)
+    _wait_serving(rig)
+    events = [r for r in _node_log(rig, "n2")[log_from:]
+              if r.get("event") in ("dynamo.swept", "dynamo.stale_revoked",
+                                    "dynamo.sweep_given_up", "unit.state")]  # fmt: skip
+    swept = [r for r in events if r["event"] in ("dynamo.swept", "dynamo.stale_revoked")]
+    assert len(swept) == 1 and swept[0]["event"] == "dynamo.stale_revoked", events
+    assert {int(x, 16) for x in swept[0]["leases"]} == old, swept
+    started = next(i for i, r in enumerate(events)
+                   if r["event"] == "unit.state" and r["unit"] == "worker@0")  # fmt: skip
+    assert events.index(swept[0]) < started, "swept before the new worker started"
+    new = rig.instance_ids("n2")
+    leases = _leases_under_v1(rig)
+    assert new and new <= rig.routed() and new <= leases, (new, leases)
+    assert not old & leases, f"the earlier worker's keys stayed: {old & leases}"
+    assert others <= leases and others <= rig.routed(), "other nodes' shards left alone"
+
+
+def _leases_under_v1(rig: ClusterRig) -> set[int]:
+    """The leases that hold Dynamo's keys (v1/), read as the stack's user through the
+    head's relay, as Dynamo reads them."""
+    auth = load_etcd_auth(rig.work_dir / "cluster-ha.secrets", "head")
+
+    async def read() -> set[int]:
+        async with EtcdClient(RELAY, auth=auth) as etcd:
+            return {kv.lease for kv in await etcd.get_prefix("v1/") if kv.lease}
+
+    leases: set[int] = rig.in_node("head", lambda: asyncio.run(read()))
+    return leases
 
 
 def _cluster_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
