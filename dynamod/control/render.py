@@ -105,14 +105,21 @@ def status_table(status: Mapping[str, Any]) -> str:
 
 
 def identity_lines(identity: Mapping[str, Any]) -> list[str]:
-    """A Dynamo namespace shared with other stacks' workers (rollout/identity.py), and an
-    identity another daemon took first."""
+    """A Dynamo namespace shared with other stacks' workers (rollout/identity.py), other
+    stacks hidden from this one (etcd's auth: then no sharing can be seen), and an identity
+    another daemon took first."""
     lines = []
     for namespace, shared in (identity.get("shared_namespaces") or {}).items():
         lines.append(
             f"degraded: Dynamo namespace {namespace!r} is shared with {shared['workers']} "
             f"worker(s) of {'; '.join(shared['stacks'])} (the frontends of both stacks may "
             "route to the other's workers)"
+        )
+    if identity.get("others_visible") is False:
+        lines.append(
+            "note: other stacks' daemons are hidden from this stack's etcd user (etcd auth): "
+            "a Dynamo namespace shared with another stack is not detected, and the start-up "
+            "sweep revokes only registrations this stack recorded"
         )
     if identity.get("refused"):
         lines.append(f"identity not held: {identity['refused']}")

@@ -101,6 +101,8 @@ def test_every_node_runs_a_member_and_dynamo_gets_credentials_in_its_environment
     rig.wait("every node holds its identity",
              lambda: all(rig.status(n)["identity"]["held"] for n in rig.names), 15)  # fmt: skip
     assert not any(rig.status(n)["identity"]["others_visible"] for n in rig.names)
+    human = rig.run("n1", "status").stdout  # and the human status says what that hides
+    assert "daemons are hidden from this stack's etcd user" in human, human
     # and each node's start-up sweep ran before its worker started (it never found a window:
     # the units' readiness came before auth was on, the workers after a oneshot)
     swept = rig.logged("dynamo.swept", "dynamo.stale_revoked")

@@ -334,6 +334,11 @@ def test_status_shows_a_shared_namespace_as_degraded_with_the_count() -> None:
                      "(the frontends of both stacks may route to the other's workers)"]
     assert identity_lines({"shared_namespaces": {}, "refused": None}) == []
     assert identity_lines({"refused": "taken"}) == ["identity not held: taken"]
+    # etcd's auth hid the other stacks: no sharing can be seen, and status says so
+    assert identity_lines({"shared_namespaces": {}, "others_visible": True}) == []
+    hidden = identity_lines({"shared_namespaces": {}, "others_visible": False})
+    assert len(hidden) == 1 and "hidden from this stack's etcd user" in hidden[0], hidden
+    assert "not detected" in hidden[0]
 
 
 def test_exports_start_no_unit_that_runs_outside_the_stack(tmp_path: Path) -> None:
