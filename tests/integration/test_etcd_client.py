@@ -458,6 +458,17 @@ async def test_a_stack_user_under_auth_sees_its_own_identity_and_lease_records(
     async with EtcdClient(auth_url, auth=EtcdAuth(USER, PASSWORD)) as wide:
         seen = await identity.look(wide, own)
         assert not seen.others_hidden and {other, own} <= {r.id for r in seen.daemons}
+    # An operator who grants the stack's role `read` on all of `dynamod/` (docs/multi-node.md,
+    # Security) gives it the whole view back: other stacks seen, their records kept.
+    etcd_servers.etcdctl(auth_url, "role", "grant-permission", role, "--prefix=true", "read",
+                         "dynamod/", user=root)  # fmt: skip
+    async with EtcdClient(auth_url, auth=EtcdAuth(user, PASSWORD)) as granted:
+        seen = await identity.look(granted, own)
+        assert not seen.others_hidden and {other, own} <= {r.id for r in seen.daemons}
+        leases = await LeaseRecords(granted, own, "n1").every_stack()
+        assert {(other, None), (own, "n1"), (own, "n2")} <= {(r.stack, r.node) for r in leases}
+        with pytest.raises(EtcdPermissionDenied):  # and may still write only its own
+            await granted.put(f"dynamod/{other}/x", "v")
 
 
 async def test_expired_token_is_renewed_without_the_caller_noticing(auth_url: str) -> None:
