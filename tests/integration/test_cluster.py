@@ -6,17 +6,20 @@ copies claiming the cluster's identity refused; a worker node cut under load (de
 re-routing, serving continues, a push commits meanwhile, only that node is marked lost);
 the link healed (its shard gets its registration back and replays the pushed version, no
 restart); the same node cut again and forgotten (`cluster forget`: not waited for by a
-push; healed, it rejoins with its shard started again); one node's dynamod restarted
-without disturbing the others; a node started
+push; healed, it rejoins with its shard started again); one node's dynamod SIGKILLed and
+started again without disturbing the others, its dead worker's lease revoked; a node started
 again by `up --join ADDR` alone; `down --cluster` leaves no process, cgroup or namespace.
 Skipped, with the reason, only where network namespaces cannot be made."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,7 +36,7 @@ from dynamod.chaos.node_loss import NodeLossRound, make_checkpoint, run_round
 from dynamod.cluster import registry
 from dynamod.rollout.etcd import EtcdClient
 from dynamod.rollout.etcd.records import KeyValue
-from tests.conftest import Dynamod, unit_by_name
+from tests.conftest import Dynamod, unit_by_name, wait_dead
 from tests.integration.policystack import frontend, model_dir, push, served_by
 from tests.integration.rawstack import free_port
 
@@ -324,20 +327,60 @@ def push_from(rig: ClusterRig, step: int, checkpoint: Path) -> dict[str, Any]:
 def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
     rig: ClusterRig, loss_round: NodeLossRound
 ) -> None:
+    """n1's dynamod SIGKILLed (its units die with it) and started again: the other nodes'
+    shards keep their processes and routes, and n1's start-up sweep revokes the lease its
+    dead worker held (the leader withdrew its route only: the lease, 300 s here, would keep
+    its model card), and no other node's. A clean `down` and `up` is the next test's."""
+
     def shards(node: str) -> dict[str, Any]:
         return {u["name"]: u for u in rig.status(node)["units"] if u["name"] == "worker@0"}
 
     before = {n: shards(n)["worker@0"] for n in ("head", "n2")}
     others = rig.instance_ids("head") | rig.instance_ids("n2")
-    stopped = rig.run("n1", "down", timeout=120)
-    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    old = rig.instance_ids("n1")
+    assert old and old <= _leases_under_v1(rig), old
+    status = rig.status("n1")
+    log_from = len(_daemon_log(rig, "n1"))
+    os.kill(status["daemon_pid"], signal.SIGKILL)
+    pids = [u["pid"] for u in status["units"] if u["pid"]]
+    assert wait_dead([status["daemon_pid"], *pids], timeout=15) == []
+    rig.wait("n1 lost in the head's view",
+             lambda: _cluster(rig.status("head"))["n1"]["state"] == "lost", 30)  # fmt: skip
+    assert old <= _leases_under_v1(rig), "the leader withdraws the route, not the lease"
     rig.up(["n1"], timeout=180)
     rig.wait("n1 back up in the head's view", lambda: _cluster(rig.status("head"))["n1"]["state"]
-             == "up" and rig.instance_ids("n1") & rig.routed(), 60)
-    for node, old in before.items():
+             == "up" and rig.instance_ids("n1") & rig.routed(), 60)  # fmt: skip
+    for node, was in before.items():
         now = shards(node)["worker@0"]
-        assert (now["pid"], now["restarts"]) == (old["pid"], old["restarts"]), node
+        assert (now["pid"], now["restarts"]) == (was["pid"], was["restarts"]), node
     assert others <= rig.routed(), "n1's start-up sweep must leave the other nodes' shards alone"
+    swept = [r for r in _daemon_log(rig, "n1")[log_from:]
+             if r.get("event") in ("dynamo.swept", "dynamo.stale_revoked")]  # fmt: skip
+    assert [r["event"] for r in swept] == ["dynamo.stale_revoked"], swept
+    assert {int(x, 16) for x in swept[0]["leases"]} == old, swept
+    leases = _leases_under_v1(rig)
+    assert not old & leases, f"the dead worker's keys stayed: {old & leases}"
+    assert others <= leases
+
+
+def _leases_under_v1(rig: ClusterRig) -> set[int]:
+    """The leases that hold Dynamo's keys (v1/), read on the head's etcd."""
+
+    async def read() -> set[int]:
+        async with EtcdClient(["http://127.0.0.1:2379"]) as etcd:
+            return {kv.lease for kv in await etcd.get_prefix("v1/") if kv.lease}
+
+    leases: set[int] = rig.in_node("head", lambda: asyncio.run(read()))
+    return leases
+
+
+def _daemon_log(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
+    rows = []
+    for line in (rig.state_dir(node) / "daemon.log").read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+    return rows
 
 
 def test_a_node_joins_by_the_head_s_etcd_address_alone(
