@@ -229,22 +229,29 @@ class ClusterRig:
     def logged(self, *events: str) -> list[dict[str, Any]]:
         """Every record of these events in the nodes' daemon logs (JSON lines), by
         timestamp; each log is read once, however many events are asked for."""
+        quoted = [f'"{event}"' for event in events]
+        found = [r for node in self.names for r in self.records(node, having=quoted)
+                 if r.get("event") in events]  # fmt: skip
+        return sorted(found, key=lambda r: str(r.get("timestamp")))
+
+    def records(
+        self, node: str, name: str = "daemon.log", having: Sequence[str] = ()
+    ) -> list[dict[str, Any]]:
+        """The JSON records of a log in the node's state dir (`logs/etcd.log` for a unit's),
+        in the log's order, each with `logged_by`; with `having`, only lines holding one of
+        those strings are parsed. [] while the log does not exist."""
         import json
 
-        quoted = [f'"{event}"' for event in events]
-        found = []
-        for node in self.names:
-            path = self.state_dir(node) / "daemon.log"
-            if not path.exists():
+        path = self.state_dir(node) / name
+        rows = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if having and not any(h in line for h in having):
                 continue
-            for line in path.read_text(errors="replace").splitlines():
-                if not any(q in line for q in quoted):
-                    continue
-                with contextlib.suppress(ValueError):
-                    record = json.loads(line)
-                    if record.get("event") in events:
-                        found.append({"logged_by": node, **record})
-        return sorted(found, key=lambda r: str(r.get("timestamp")))
+            with contextlib.suppress(ValueError, TypeError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    rows.append({"logged_by": node, **record})
+        return rows
 
     def cut(self, node: str) -> None:
         assert self.sandbox is not None

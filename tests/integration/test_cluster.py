@@ -14,7 +14,6 @@ Skipped, with the reason, only where network namespaces cannot be made."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -340,7 +339,7 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
     old = rig.instance_ids("n1")
     assert old and old <= _leases_under_v1(rig), old
     status = rig.status("n1")
-    log_from = len(_daemon_log(rig, "n1"))
+    log_from = len(rig.records("n1"))
     os.kill(status["daemon_pid"], signal.SIGKILL)
     pids = [u["pid"] for u in status["units"] if u["pid"]]
     assert wait_dead([status["daemon_pid"], *pids], timeout=15) == []
@@ -354,7 +353,7 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
         now = shards(node)["worker@0"]
         assert (now["pid"], now["restarts"]) == (was["pid"], was["restarts"]), node
     assert others <= rig.routed(), "n1's start-up sweep must leave the other nodes' shards alone"
-    swept = [r for r in _daemon_log(rig, "n1")[log_from:]
+    swept = [r for r in rig.records("n1")[log_from:]
              if r.get("event") in ("dynamo.swept", "dynamo.stale_revoked")]  # fmt: skip
     assert [r["event"] for r in swept] == ["dynamo.stale_revoked"], swept
     assert {int(x, 16) for x in swept[0]["leases"]} == old, swept
@@ -372,15 +371,6 @@ def _leases_under_v1(rig: ClusterRig) -> set[int]:
 
     leases: set[int] = rig.in_node("head", lambda: asyncio.run(read()))
     return leases
-
-
-def _daemon_log(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
-    rows = []
-    for line in (rig.state_dir(node) / "daemon.log").read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-    return rows
 
 
 def test_a_node_joins_by_the_head_s_etcd_address_alone(

@@ -223,7 +223,7 @@ def test_a_node_whose_dynamod_was_killed_revokes_its_earlier_workers_leases_at_i
     others = rig.instance_ids("head") | rig.instance_ids("n1")
     assert old and old & _leases_under_v1(rig), (old, "n2's worker holds keys under v1/")
     pids = [u["pid"] for u in status["units"] if u["pid"]]
-    log_from = len(_node_log(rig, "n2"))
+    log_from = len(rig.records("n2"))
     os.kill(status["daemon_pid"], signal.SIGKILL)
     assert wait_dead([status["daemon_pid"], *pids], timeout=15) == []
     rig.wait("n2 lost in the head's view",
@@ -231,7 +231,7 @@ def test_a_node_whose_dynamod_was_killed_revokes_its_earlier_workers_leases_at_i
     assert old <= _leases_under_v1(rig), "the leader withdraws the routes, not the leases"
     rig.up(["n2"], timeout=180)
     _wait_serving(rig)
-    events = [r for r in _node_log(rig, "n2")[log_from:]
+    events = [r for r in rig.records("n2")[log_from:]
               if r.get("event") in ("dynamo.swept", "dynamo.stale_revoked",
                                     "dynamo.sweep_given_up", "unit.state")]  # fmt: skip
     swept = [r for r in events if r["event"] in ("dynamo.swept", "dynamo.stale_revoked")]
@@ -264,7 +264,7 @@ def _cluster_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
     """The nodes' cluster warnings and errors (lost, back in contact, failed loops), for a
     failure's message: a node missing from a push's answer has no other trace once the
     rig's state dirs are gone."""
-    records = [r for node in rig.names for r in _node_log(rig, node)
+    records = [r for node in rig.names for r in rig.records(node)
                if str(r.get("event", "")).startswith("cluster.")
                and r.get("level") in ("warning", "error")]  # fmt: skip
     return sorted(records, key=lambda r: str(r.get("timestamp")))[-30:]
@@ -280,7 +280,7 @@ def _etcd_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
     what the surviving members went through meanwhile."""
     records = []
     for node in rig.names:
-        for r in _node_log(rig, node, "logs/etcd.log"):
+        for r in rig.records(node, "logs/etcd.log"):
             msg = str(r.get("msg", ""))
             if msg.startswith(_ETCD_NOISE):
                 continue
@@ -289,14 +289,3 @@ def _etcd_trouble(rig: ClusterRig) -> list[dict[str, Any]]:
                 records.append({k: r[k] for k in keep if k in r}
                                | {"request": str(r.get("request", ""))[:120]})  # fmt: skip
     return sorted(records, key=lambda r: str(r.get("ts")))[-40:]
-
-
-def _node_log(rig: ClusterRig, node: str, name: str = "daemon.log") -> list[dict[str, Any]]:
-    path = rig.state_dir(node) / name
-    rows = []
-    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
-        try:
-            rows.append({"logged_by": node, **json.loads(line)})
-        except (ValueError, TypeError):
-            continue
-    return rows
