@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from dynamod.chaos.cluster import ClusterRig
 from dynamod.client import Client, UnitStatus
 from dynamod.control import tables
 from dynamod.core import runrecord
@@ -64,10 +65,17 @@ _session_key = pytest.StashKey[str]()
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    """Keep each phase's report on the item, so a fixture's teardown knows it failed."""
+    """Keep each phase's report on the item, so a fixture's teardown knows it failed. A
+    failed test on a simulated cluster (a `rig` argument) keeps the rig's logs, which its
+    module's fixture would remove (a test's failure does not raise through the fixture),
+    and its report shows where, with each node's last warnings and cluster events."""
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"report_{report.when}", report)
+    rig = getattr(item, "funcargs", {}).get("rig")
+    if report.failed and isinstance(rig, ClusterRig):
+        rig.keep = True
+        report.sections.append(("the simulated cluster's logs", rig.digest()))
 
 
 def _failed(request: pytest.FixtureRequest) -> bool:

@@ -62,6 +62,9 @@ class ClusterRig:
         self.sandbox: Sandbox | None = None
         self.stack_file = self.work_dir / "cluster.toml"
         self.started: set[str] = set()
+        # set by the user of running_cluster where something failed that did not raise
+        # through it (a test of a module that shares the rig): the logs are kept
+        self.keep = False
 
     def state_dir(self, node: str) -> Path:
         return self.work_dir / node
@@ -253,6 +256,26 @@ class ClusterRig:
                     rows.append({"logged_by": node, **record})
         return rows
 
+    def digest(self, last: int = 30) -> str:
+        """For a failure report: where the logs are kept, and each node's last `last`
+        warnings, errors and cluster events (who leads, who is lost and why), one line
+        each."""
+        lines = [f"the nodes' logs: {self.work_dir}/<node>/daemon.log"]
+        for node in self.names:
+            rows = [
+                r for r in self.records(node)
+                if r.get("level") in ("warning", "error", "critical")
+                or str(r.get("event", "")).startswith("cluster.")
+            ]  # fmt: skip
+            lines.append(f"--- {node}: the last {min(last, len(rows))} of {len(rows)}")
+            for r in rows[-last:]:
+                said = " ".join(
+                    f"{k}={v}" for k, v in r.items()
+                    if k not in ("event", "timestamp", "level", "logged_by", "logger")
+                )  # fmt: skip
+                lines.append(f"{str(r.get('timestamp', ''))[11:23]} {r.get('event')} {said}")
+        return "\n".join(lines)
+
     def cut(self, node: str) -> None:
         assert self.sandbox is not None
         self.sandbox.cut(self.names.index(node))
@@ -326,7 +349,8 @@ def running_cluster(
     """A started cluster for a test module or a benchmark: every node up, then, whatever
     happened, every daemon stopped and the sandbox removed; raises ClusterError naming what
     was left behind (a process, a namespace). The daemons' logs stay in `rig.work_dir` when
-    something failed; a clean run leaves nothing in /tmp."""
+    something failed (raised through here, or said by `rig.keep`); a clean run leaves
+    nothing in /tmp."""
     rig = ClusterRig(n_nodes, stack=stack, variables=variables)
     rig.open()
     assert rig.sandbox is not None
@@ -343,7 +367,7 @@ def running_cluster(
         problems += [f"namespace {n} left" for n in names if Path("/run/netns", n).exists()]
         if problems:
             raise ClusterError(f"cluster in {rig.work_dir} not cleaned up: {problems}")
-        if not failed:
+        if not failed and not rig.keep:
             shutil.rmtree(rig.work_dir, ignore_errors=True)
 
 
