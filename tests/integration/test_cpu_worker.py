@@ -211,7 +211,9 @@ def test_update_weights_reports_digest_and_version(
     assert worker.engine("get_weight_version")[1]["version"] == 7
 
 
-@pytest.mark.parametrize("damage", ["missing_dir", "missing_file", "corrupt", "truncated"])
+@pytest.mark.parametrize(
+    "damage", ["missing_dir", "missing_file", "corrupt", "truncated", "extra_tensor", "shape"]
+)
 def test_bad_checkpoint_is_named_and_old_weights_stay(
     stack: RawStack, resumed: Worker, model_dir: Path, tmp_path: Path, damage: str
 ) -> None:
@@ -228,6 +230,16 @@ def test_bad_checkpoint_is_named_and_old_weights_stay(
         elif damage == "truncated":
             data = (model_dir / WEIGHTS_FILE).read_bytes()
             file.write_bytes(data[: len(data) // 2])
+        else:  # a valid file whose tensors do not fit the model: the engine refuses it
+            import torch
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(str(model_dir / WEIGHTS_FILE))
+            if damage == "extra_tensor":
+                tensors["padding"] = torch.ones(1024)
+            else:
+                tensors["model.norm.weight"] = torch.ones(3)
+            save_file(tensors, str(file))
     before = worker.engine("get_weight_version")[1]
     worker.engine("pause_generation")
     reply = worker.engine(
@@ -236,6 +248,9 @@ def test_bad_checkpoint_is_named_and_old_weights_stay(
     assert reply["status"] == "error"
     assert str(named) in reply["message"]
     assert "old weights kept" in reply["message"]
+    if damage in ("extra_tensor", "shape"):
+        said = "unexpected padding" if damage == "extra_tensor" else "model.norm.weight has shape"
+        assert f"weights do not fit the config: {said}" in reply["message"], reply
     assert worker.engine("get_weight_version")[1] == before
     worker.engine("resume_generation")
     served = complete(stack)["nvext"]["engine_data"]

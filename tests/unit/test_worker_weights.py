@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from dynamod.workers.cpu.admission import PAUSE_REQUIRED, CpuWorker
 from dynamod.workers.cpu.args import parse_version
+from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.model import check_model_dir, missing_model_files
 from dynamod.workers.weights import (
     WEIGHTS_FILE,
@@ -146,9 +147,14 @@ class IdleEngine:
         self.alive = True
         self.lost = False  # its instance gone from its discovery (the mocker's)
         self.weights: WeightSet | None = None
+        self.refuse: str | None = None  # what check_weights says, where set
 
     def reachable(self) -> bool:
         return self.alive and not self.lost
+
+    def check_weights(self, weights: WeightSet) -> None:
+        if self.refuse is not None:
+            raise WorkerError(f"{weights.source}: {self.refuse}")
 
     def use_weights(self, weights: WeightSet) -> None:
         self.weights = weights
@@ -226,6 +232,29 @@ async def test_failed_update_keeps_old_weights_version_and_cache(tmp_path: Path)
     )
     assert reply["status"] == "error" and str(tmp_path / "gone") in reply["message"]
     assert worker.weights is before and worker.version == 3 and engine.generation == 1
+
+
+async def test_weights_the_engine_cannot_start_on_are_refused_before_it_stops(
+    tmp_path: Path,
+) -> None:
+    """The engine's check refuses the checkpoint (it does not fit the model): the reply
+    names it, and the running engine is neither restarted nor given the weights, so the
+    worker keeps serving what it served (a restart on them would have ended the worker)."""
+    worker, engine = worker_with(tmp_path)
+    before: WeightSet = worker.weights
+    engine.refuse = "weights do not fit the config: unexpected padding"
+    save(tmp_path / "next", tensors(1))
+    await worker.pause_generation({})
+    reply = await worker.update_weights_from_disk(
+        {"model_path": str(tmp_path / "next"), "weight_version": 4}
+    )
+    assert reply["status"] == "error", reply
+    assert reply["message"] == (
+        f"weights not loaded, old weights kept: {tmp_path / 'next' / WEIGHTS_FILE}: "
+        "weights do not fit the config: unexpected padding"
+    )
+    assert worker.weights is before and worker.version == 3
+    assert engine.generation == 1 and engine.weights is None
 
 
 async def test_requests_wait_while_paused(tmp_path: Path) -> None:

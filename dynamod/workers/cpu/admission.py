@@ -389,6 +389,11 @@ class CpuWorker:
             return await self._install(weights, version, True)
 
     async def _install(self, weights: WeightSet, version: Any, declared: bool) -> dict[str, Any]:
+        try:  # before the running engine is stopped: one that cannot start on them is kept
+            await asyncio.to_thread(self.engine.check_weights, weights)
+        except WorkerError as exc:
+            log.error("[RL] weights refused: %s", exc)
+            return {"status": "error", "message": f"weights not loaded, old weights kept: {exc}"}
         self.engine.use_weights(self.weights if self.serve_previous_weights else weights)
         self.weights = weights
         if declared:

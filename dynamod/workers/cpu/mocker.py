@@ -216,6 +216,9 @@ class MockerEngine:
     def halt(self) -> None:
         """Nothing to do ahead of `close`: the mocker stops with its runtime."""
 
+    def check_weights(self, weights: WeightSet) -> None:
+        """The mocker's tokens do not depend on the weights: any checkpoint fits."""
+
     def use_weights(self, weights: WeightSet) -> None:
         """The mocker's tokens do not depend on the weights: nothing to load."""
 

@@ -32,7 +32,8 @@ import numpy as np
 
 from dynamod.workers.cpu.errors import WorkerError
 from dynamod.workers.cpu.kv_events import KvEventBridge
-from dynamod.workers.cpu.numpy_llama import LayerKV, NumpyLlama
+from dynamod.workers.cpu.llama_config import LlamaConfig
+from dynamod.workers.cpu.numpy_llama import LayerKV, NumpyLlama, check_fit
 from dynamod.workers.cpu.prefix_cache import KvEvent, PrefixCache
 from dynamod.workers.cpu.sampling import (
     SamplingParams,
@@ -98,6 +99,13 @@ class NumpyEngine:
 
     def bind_kv_events(self, bridge: KvEventBridge) -> None:
         self.kv_events = bridge
+
+    def check_weights(self, weights: WeightSet) -> None:
+        """WorkerError naming the checkpoint where its tensors do not fit the model
+        directory's config (a name missing or extra, a shape, a dtype): the admission asks
+        before it stops the running engine, whose start with them would fail."""
+        config = LlamaConfig.from_file(self._model_dir / "config.json")
+        check_fit(config, weights.tensors, str(weights.source))
 
     def use_weights(self, weights: WeightSet) -> None:
         """Weights for the next start (the admission restarts the engine right after)."""

@@ -116,16 +116,7 @@ class NumpyLlama:
         return cls(config, tensors, str(model_dir))
 
     def _check(self, tensors: Mapping[str, Any], source: str) -> None:
-        """The same names and shapes as the config needs, float32, or WorkerError."""
-        expected = expected_shapes(self.config)
-        given = {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}
-        not_f32 = sorted(n for n in given if str(tensors[n].dtype) != "float32")
-        parts = weight_problems(expected, given) + [
-            f"{name} is {tensors[name].dtype}, the numpy engine needs float32"
-            for name in not_f32[:5]
-        ]
-        if parts:
-            raise WorkerError(f"{source}: weights do not fit the config: {'; '.join(parts)}")
+        check_fit(self.config, tensors, source)
 
     def _rms_norm(self, x: Array, weight: Array) -> Array:
         variance = np.mean(x * x, axis=-1, keepdims=True)
@@ -203,3 +194,17 @@ def _attention_bias(
         allowed = allowed & attention_mask[:, None, :].astype(bool)
     bias = np.where(allowed, np.float32(0.0), _MASKED).astype(np.float32)
     return bias[:, None]
+
+
+def check_fit(config: LlamaConfig, tensors: Mapping[str, Any], source: str) -> None:
+    """The same names and shapes as the config needs, float32, or WorkerError naming
+    `source` and what does not fit."""
+    expected = expected_shapes(config)
+    given = {name: tuple(int(d) for d in t.shape) for name, t in tensors.items()}
+    not_f32 = sorted(n for n in given if str(tensors[n].dtype) != "float32")
+    parts = weight_problems(expected, given) + [
+        f"{name} is {tensors[name].dtype}, the numpy engine needs float32"
+        for name in not_f32[:5]
+    ]
+    if parts:
+        raise WorkerError(f"{source}: weights do not fit the config: {'; '.join(parts)}")
