@@ -1,15 +1,16 @@
-"""Three network namespaces as nodes, each with its own dynamod (its own state dir): the
-head runs etcd, NATS, the frontend and one CPU shard; n1 and n2 one shard each. One shared
-cluster for the checks, in order: bring-up and the status tree seen from a non-head node;
-a second stack on the cluster's etcd and NATS kept apart from it (stack identity), and
-copies claiming the cluster's identity refused; a worker node cut under load (detection,
-re-routing, serving continues, a push commits meanwhile, only that node is marked lost);
-the link healed (its shard gets its registration back and replays the pushed version, no
-restart); the same node cut again and forgotten (`cluster forget`: not waited for by a
-push; healed, it rejoins with its shard started again); one node's dynamod SIGKILLed and
-started again without disturbing the others, its dead worker's lease revoked; a node started
-again by `up --join ADDR` alone; `down --cluster` leaves no process, cgroup or namespace.
-Skipped, with the reason, only where network namespaces cannot be made."""
+"""Three network namespaces as nodes, each with its own dynamod (its own state dir): the head
+runs etcd, NATS, the frontend and one CPU shard; n1 and n2 one shard each. One shared
+cluster for the checks, in order: bring-up and the status tree seen from a non-head node; a
+second stack on the cluster's etcd and NATS kept apart from it (stack identity), and copies
+claiming the cluster's identity refused; a worker node cut under load (detection,
+re-routing, serving continues, a push commits meanwhile, only that node is marked lost); the
+link healed (its shard gets its registration back and replays the pushed version, no
+restart); the same node cut again and forgotten (`cluster forget`: not waited for by a push;
+healed, it rejoins with its shard started again); one node's dynamod SIGKILLed and started
+again without disturbing the others, its dead worker's lease revoked; one SIGKILLed while
+its shard replays another node's push (not waited for; back at the pushed step); a node
+started again by `up --join ADDR` alone; `down --cluster` leaves no process, cgroup or
+namespace. Skipped, with the reason, only where network namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -371,6 +372,50 @@ def _leases_under_v1(rig: ClusterRig) -> set[int]:
 
     leases: set[int] = rig.in_node("head", lambda: asyncio.run(read()))
     return leases
+
+
+def test_a_node_killed_while_it_replays_a_push_is_not_waited_for_and_comes_back_at_it(
+    rig: ClusterRig, loss_round: NodeLossRound, tmp_path: Path
+) -> None:
+    """The head pushes step 3 while n1's worker is frozen (SIGSTOP: a replay that takes a
+    while, as a real engine's load does), so n1's shard is held replaying it after the
+    head's commit, and n1's dynamod is SIGKILLed then: the push answers ok without n1,
+    naming it lost and no shard behind, n2 holds step 3. Started again, n1's new worker is
+    held until it replays step 3, then routed: n1's ledger, its shard and the head's view
+    all say 3."""
+    ckpt = make_checkpoint(rig, tmp_path / "step-3", 1.03)
+    status = rig.status("n1")
+    pids = [u["pid"] for u in status["units"] if u["pid"]]
+    log_from = len(rig.records("n1"))
+    os.kill(unit_by_name(status, "worker@0")["pid"], signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as pool:
+        pushing = pool.submit(push_from, rig, 3, ckpt)
+
+        def replaying() -> bool:
+            worker = unit_by_name(rig.status("n1"), "worker@0")
+            return worker["state"] == "held" and "behind the ledger, which is at version 3" in (
+                worker["detail"] or "")  # fmt: skip
+
+        rig.wait("n1's shard held, replaying step 3", replaying, 60)
+        os.kill(status["daemon_pid"], signal.SIGKILL)
+        assert wait_dead([status["daemon_pid"], *pids], timeout=15) == []
+        pushed = pushing.result(timeout=300)
+    admitted = [r for r in rig.records("n1")[log_from:]
+                if r.get("event") == "unit.state" and r.get("unit") == "worker@0"
+                and r.get("new") == "ready"]  # fmt: skip
+    assert not admitted, f"n1's shard was admitted before the kill: {admitted}"
+    assert pushed["ok"] and pushed["version"] == 3, pushed
+    assert "n1" not in pushed["nodes"] and pushed["behind"] == [], pushed
+    assert pushed["lost_nodes"] == ["n1"], pushed
+    assert pushed["nodes"]["n2"] == {"n2/worker@0": 3}, pushed
+    rig.up(["n1"], timeout=180)
+    rig.wait("n1 up, its shard at step 3 and routed",
+             lambda: _cluster(rig.status("head"))["n1"]["state"] == "up"
+             and [u["policy_version"] for u in _cluster(rig.status("head"))["n1"]["units"]
+                  if u["shard"]] == [3]
+             and rig.instance_ids("n1") & rig.routed(), 120)  # fmt: skip
+    policy = json.loads(rig.run("n1", "policy", "status", "--json").stdout)
+    assert policy["current"] == 3 and [s["policy_version"] for s in policy["shards"]] == [3]
 
 
 def test_a_node_joins_by_the_head_s_etcd_address_alone(
