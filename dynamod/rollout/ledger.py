@@ -65,6 +65,8 @@ class Ledger(Protocol):
 
     async def shards(self) -> dict[str, ShardRecord]: ...
 
+    async def shard(self, name: str) -> ShardRecord | None: ...
+
     async def record_shards(self, records: Sequence[ShardRecord]) -> None: ...
 
 
@@ -148,6 +150,11 @@ class EtcdLedger:
             name = kv.key[len(self.prefix + "shards/") :]
             result[name] = _shard_from(name, json.loads(kv.value))
         return result
+
+    async def shard(self, name: str) -> ShardRecord | None:
+        """One shard's record: one key read, not the folder of every shard's."""
+        raw = await self.etcd.get(f"{self.prefix}shards/{name}")
+        return _shard_from(name, json.loads(raw)) if raw else None
 
     async def record_shards(self, records: Sequence[ShardRecord]) -> None:
         """Each record under `shards/<name>`, in one transaction (of TXN_OPS at most): a
@@ -327,6 +334,10 @@ class FileLedger:
 
     async def shards(self) -> dict[str, ShardRecord]:
         return {n: _shard_from(n, d) for n, d in self._load()["shards"].items()}
+
+    async def shard(self, name: str) -> ShardRecord | None:
+        data = self._load()["shards"].get(name)
+        return _shard_from(name, data) if data is not None else None
 
     async def record_shards(self, records: Sequence[ShardRecord]) -> None:
         data = self._load()

@@ -764,7 +764,7 @@ class PolicyManager(Extension):
         shard = self._shard_policy(unit.name)
         shard.admitted, shard.last_error = False, error
         with contextlib.suppress(EtcdError):
-            old = (await self.ledger().shards()).get(self.ledger_name(unit.name))
+            old = await self.ledger().shard(self.ledger_name(unit.name))
             await self.ledger().record_shards([
                 ShardRecord(
                     self.ledger_name(unit.name),

@@ -391,6 +391,8 @@ async def test_the_ledger_records_a_push_s_shards_in_one_write(etcd: EtcdClient)
         assert after - before == -(-count // TXN_OPS), count
         got = await ledger.shards()
         assert {r.name: got[r.name] for r in records} == {r.name: r for r in records}
+        assert await ledger.shard(records[-1].name) == records[-1]  # one key, read alone
+    assert await ledger.shard("n9.worker@0") is None
 
 
 # -- authentication -----------------------------------------------------------------------------
