@@ -602,20 +602,28 @@ class Membership(Extension):
         watch from the revision after it, each waking the reader (a node's entry deleted
         by its lease's expiry is acted on at once). The copy goes, and the reader reads
         etcd, from the moment the watch breaks until a new read and watch are in step;
-        it is read whole again every RESYNC_S, and after this daemon's own calls failed."""
+        it is read whole again every RESYNC_S, and after this daemon's own calls failed.
+        On the planned read every RESYNC_S the copy, whole up to then, serves the reader
+        until the new read replaces it (the reader read etcd meanwhile too: two reads of
+        the whole registry a resync)."""
         while not self._stopping:
             self._resync.clear()
+            planned = False
             try:
-                await self._keep_mirror()
+                planned = await self._keep_mirror()
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("watch", exc)
+            if planned:
+                continue
             self._mirror = None
             self._urgent.set()  # read now: changes may have been missed
             self._changed.set()
             if not self._resync.is_set():
                 await asyncio.sleep(WATCH_RETRY_S)
 
-    async def _keep_mirror(self) -> None:
+    async def _keep_mirror(self) -> bool:
+        """Read the prefix into a new copy and keep it by the watch, until `watch_until`
+        ends it; True where that was the planned resync (the copy is whole up to now)."""
         assert self.etcd is not None
         prefix = registry.prefix(self.stack)
         kvs, revision = await self._bounded("read", self.etcd.get_prefix_at(prefix))
@@ -631,7 +639,7 @@ class Membership(Extension):
                     self._urgent.set()
                 self._changed.set()
 
-        await watch_until(follow(self.etcd), self._resync)
+        return await watch_until(follow(self.etcd), self._resync)
 
     async def _read_loop(self) -> None:
         while not self._stopping:
@@ -1100,9 +1108,11 @@ class Membership(Extension):
         return sorted(self.seen - set(self.entries) - set(self.lost) - {self.cluster.node})
 
 
-async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Event) -> None:
+async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Event) -> bool:
     """Run a watch (`following`) until its stream ends, `resync` is set or RESYNC_S passed,
-    then stop it. Its error is raised; a stream that was closed (a new client) just ends."""
+    then stop it. Its error is raised; a stream that was closed (a new client) just ends.
+    True where RESYNC_S passed with the stream still open (a planned resync: what the watch
+    kept is whole up to now)."""
     task = asyncio.ensure_future(following)
     wake = asyncio.ensure_future(resync.wait())
     try:
@@ -1114,6 +1124,7 @@ async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Even
         await asyncio.gather(task, wake, return_exceptions=True)
     if task in done:
         task.result()
+    return not done
 
 
 def publish_wait(failed: int, period: float) -> float:

@@ -527,6 +527,39 @@ async def test_the_watch_keeps_a_copy_looked_at_every_gap_and_a_delete_at_once(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def test_the_planned_resync_reads_the_registry_once_and_the_copy_serves_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every RESYNC_S the copy is read whole again while its watch is healthy: one read of
+    etcd each time (the new copy's), the old copy serving the reader until it is replaced;
+    it once went at each resync for WATCH_RETRY_S, the reader reading the whole registry
+    from etcd meanwhile."""
+    etcd = _Watched()
+    etcd.kvs = [KeyValue("s/k", b"v", 7, 9)]
+    member = _reading(monkeypatch, etcd)
+    monkeypatch.setattr(membership, "RESYNC_S", 0.25)
+    monkeypatch.setattr(membership, "MIRROR_GAP_S", 0.01)
+    tasks = [asyncio.create_task(member._watch_loop()), asyncio.create_task(member._read_loop())]
+    try:
+        await _until(lambda: member._mirror is not None)
+        without: list[float] = []
+        ends = time.monotonic() + 1.2
+        while time.monotonic() < ends:
+            etcd.revision += 1
+            if member._mirror is None:
+                without.append(time.monotonic())
+            await asyncio.sleep(0.005)
+        assert not without, f"the reader was left without the copy {len(without)} times"
+        assert len(etcd.reads) == len(etcd.watched_from), (etcd.reads, etcd.watched_from)
+        assert len(etcd.watched_from) >= 4, etcd.watched_from  # four resyncs or more
+        assert member.entries == {} and member.error is None
+    finally:
+        member._stopping = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def test_a_broken_watch_or_a_failed_keepalive_reads_the_registry_whole_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
