@@ -418,19 +418,22 @@ class PolicyManager(Extension):
 
     # ------------------------------------------------------------------ rejoin
 
-    async def _catch_up(self, unit: Unit) -> None:
+    async def _catch_up(self, unit: Unit, known: PolicyVersion | None = None) -> None:
         """Replay the ledger's current version until it sticks. Returns when admitted.
 
         Replays of different shards run in parallel (a GPU shard's load takes seconds);
         only the admission takes the policy lock, and it checks that no push moved the
-        ledger on meanwhile, else the replay starts over at the new version.
+        ledger on meanwhile, else the replay starts over at the new version. `known`: the
+        current version as a read just now found it (the follower's, for every shard it
+        holds), taken for the first attempt instead of a read of its own.
         """
         delay = self.spec.replay_backoff_initial
         attempt = 0
         while True:
             attempt += 1
             try:
-                target = await self.ledger().current()
+                target = known if known is not None else await self.ledger().current()
+                known = None  # an attempt after this one reads the ledger again
                 self.note_current(target)
                 ack = await self.apply(unit, target)
                 async with self.lock:
@@ -463,14 +466,17 @@ class PolicyManager(Extension):
         cluster's membership: a shard whose node was lost and is back)."""
         self._start_rejoin(unit, reason)
 
-    def _start_rejoin(self, unit: Unit, reason: str) -> None:
-        """A live shard went stale: hold it and replay in the background, then admit."""
+    def _start_rejoin(
+        self, unit: Unit, reason: str, known: PolicyVersion | None = None
+    ) -> None:
+        """A live shard went stale: hold it and replay in the background, then admit
+        (`known`: the current version, just read, as for `_catch_up`)."""
         if unit.name in self._rejoins or not unit.state.running:
             return
         self.engine.hold(unit, f"held: {reason}")
 
         async def rejoin() -> None:
-            await self._catch_up(unit)
+            await self._catch_up(unit, known)
             self._rejoins.pop(unit.name, None)
             if unit.hold_reason is not None and unit.state.running:
                 self.engine.admit(unit, self._ack_detail(unit))
@@ -1186,7 +1192,9 @@ class PolicyManager(Extension):
         self.note_current(current)
         for unit in self.admitted_shards():
             if self.shard_version(unit) != version:
-                self._start_rejoin(unit, f"behind the ledger, which is at version {version}")
+                self._start_rejoin(
+                    unit, f"behind the ledger, which is at version {version}", current
+                )
         return version
 
     # ------------------------------------------------------------------ taints
