@@ -125,6 +125,12 @@ class Membership(Extension):
         self.down_request: dict[str, Any] | None = None
         self.down_acks: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
+        # since the last renewal that went through: each loop's failed calls by the error's
+        # class (a loop warns at its first, not at each: cluster-ha.toml's first start, ~7 s
+        # without etcd while auth is turned on, logged ~60 lines a daemon), and when the first
+        # failed
+        self._failures: dict[tuple[str, str], int] = {}
+        self._failing_since: float | None = None
         self.last_published: float | None = None  # monotonic, last successful publish
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
@@ -442,9 +448,14 @@ class Membership(Extension):
         (an election times calls out on live members too), and a watch there is silent
         (a non-leader's view of a cut node came 1.5 s after the router had dropped it)."""
         if self.error is not None:
-            log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error)
+            since = self._failing_since
+            failing_s = None if since is None else round(time.monotonic() - since, 2)
+            log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error,
+                     failed_calls=sum(self._failures.values()), failing_s=failing_s)  # fmt: skip
             self._resync.set()
         self.error = None
+        self._failures.clear()
+        self._failing_since = None
 
     async def _publish(self) -> None:
         assert self.etcd is not None
@@ -589,8 +600,15 @@ class Membership(Extension):
             self._resync.set()
             self._ledger_resync.set()
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
-        if text != self.error:
-            unexpected = not isinstance(exc, _FAILURES)
+        key = (what, exc.__class__.__name__)
+        first = key not in self._failures
+        self._failures[key] = self._failures.get(key, 0) + 1
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+        unexpected = not isinstance(exc, _FAILURES)
+        # once a loop and kind until contact is back (`_reachable` says how many and how
+        # long); a failure that is no etcd trouble (a bug) each time it reads otherwise
+        if first or (unexpected and text != self.error):
             log.warning("cluster.registry_unreachable", node=self.cluster.node, error=text,
                         unexpected=unexpected)  # fmt: skip
         self.error = text

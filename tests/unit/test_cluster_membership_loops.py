@@ -80,6 +80,43 @@ async def test_a_stray_cancelled_error_is_a_failed_round_and_a_stop_still_ends_t
     assert len(failed) == 1 and "read: CancelledError" in failed[0]["error"], failed
 
 
+def test_an_outage_is_said_once_a_loop_and_its_end_says_how_many_calls_failed() -> None:
+    """Each loop warns at its first failed call, not at each (the endpoints' order turns
+    from call to call, so each text differed: ~60 lines a daemon in cluster-ha.toml's ~7 s
+    without etcd at its first start); a failure that is no etcd trouble (a bug) is said
+    each time it reads otherwise; contact back says how many calls failed, and for how
+    long, and the next outage is said again."""
+
+    def down(what: str, order: str) -> EtcdError:
+        return EtcdError(order, "get_prefix", "dynamod/s/", f"no endpoint answered ({what})")
+
+    member = _membership()
+    with capture_logs() as logs:
+        for order in ("a,b,c", "b,c,a", "c,a,b"):
+            for what in ("read", "watch", "publish"):
+                member._failed(what, down(what, order))
+        member._failed("read", RuntimeError("a bug"))
+        member._failed("read", RuntimeError("a bug"))  # the same text: once
+        member._failed("read", RuntimeError("another bug"))
+        member._reachable()
+        member._failed("watch", down("watch", "a,b,c"))
+    said = [(e["event"], e.get("error", "").split(": ")[0]) for e in logs]
+    assert said == [
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 read"),
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 watch"),
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 publish"),
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 read"),
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 read"),
+        ("cluster.registry_reachable", ""),
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 watch"),
+    ], said
+    unexpected = [e["unexpected"] for e in logs if "unexpected" in e]
+    assert unexpected == [False] * 3 + [True] * 2 + [False], unexpected
+    back = logs[5]
+    assert back["failed_calls"] == 12 and back["failing_s"] >= 0, back
+    assert back["after"].endswith("RuntimeError: another bug"), back
+
+
 async def test_a_loop_that_ends_is_logged_and_started_again_until_stop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
