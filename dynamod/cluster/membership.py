@@ -622,8 +622,8 @@ class Membership(Extension):
         etcd, from the moment the watch breaks until a new read and watch are in step;
         it is read whole again every RESYNC_S, and after this daemon's own calls failed.
         On the planned read every RESYNC_S the copy, whole up to then, serves the reader
-        until the new read replaces it (the reader read etcd meanwhile too: two reads of
-        the whole registry a resync)."""
+        until the new read replaces it (it once went for WATCH_RETRY_S, the reader reading
+        the whole registry from etcd meanwhile: two or three whole reads a resync)."""
         while not self._stopping:
             self._resync.clear()
             planned = False
