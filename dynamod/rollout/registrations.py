@@ -98,6 +98,13 @@ class Registration:
         }
 
 
+_RETRIED = "retried until etcd answers; until then the router may route to it"
+_LAST_TRY = (
+    "this daemon is stopping and tries no more: the registration stays until its Dynamo "
+    "lease expires, or this stack's next start sweeps it (its lease record is kept)"
+)
+
+
 class DynamoRegistrations(Extension):
     """A daemon extension that is also the engine hook for Dynamo worker units. It keeps
     each worker's registration (unit name -> Registration) since the worker first turned
@@ -174,7 +181,7 @@ class DynamoRegistrations(Extension):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        await self._revoke_pending()  # one last try: leave no registration behind
+        await self._revoke_pending(last=True)  # one last try: leave no registration behind
 
     @property
     def stack(self) -> str:
@@ -385,9 +392,13 @@ class DynamoRegistrations(Extension):
                 "as one that no stack records",
             )
 
-    async def _revoke(self, name: str, endpoint: str, ids: list[int], *, why: str) -> bool:
+    async def _revoke(
+        self, name: str, endpoint: str, ids: list[int], *, why: str, last: bool = False
+    ) -> bool:
         """Revoke a dead worker's leases, then drop its lease record (unless it has
-        registered again meanwhile with other ids)."""
+        registered again meanwhile with other ids). `last`: the stopping daemon's final
+        try, which its failure says (no retry comes; the record stays for the next
+        start's sweep)."""
         assert self.host is not None and self.host.engine is not None
         started = time.monotonic()
         revoked: dict[str, Any] = {}
@@ -404,7 +415,7 @@ class DynamoRegistrations(Extension):
                 "dynamo.revoke_failed",
                 unit=name,
                 error=str(exc),
-                consequence="retried until etcd answers; until then the router may route to it",
+                consequence=_LAST_TRY if last else _RETRIED,
             )
             return False
         took_ms = (time.monotonic() - started) * 1000
@@ -423,10 +434,10 @@ class DynamoRegistrations(Extension):
             await asyncio.sleep(_PENDING_RETRY_S)
             await self._revoke_pending()
 
-    async def _revoke_pending(self) -> None:
+    async def _revoke_pending(self, last: bool = False) -> None:
         for key, (name, endpoint, ids) in list(self.pending.items()):
             why = "revocation pending since etcd was away"
-            if await self._revoke(name, endpoint, ids, why=why):
+            if await self._revoke(name, endpoint, ids, why=why, last=last):
                 self.pending.pop(key, None)
 
     # ------------------------------------------------------------------ routed view
