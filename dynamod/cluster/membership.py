@@ -125,12 +125,7 @@ class Membership(Extension):
         self.down_request: dict[str, Any] | None = None
         self.down_acks: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
-        # since the last renewal that went through: each loop's failed calls by the error's
-        # class (a loop warns at its first, not at each: cluster-ha.toml's first start, ~7 s
-        # without etcd while auth is turned on, logged ~60 lines a daemon), and when the first
-        # failed
-        self._failures: dict[tuple[str, str], int] = {}
-        self._failing_since: float | None = None
+        self._outage = Outage()  # the failed registry calls since the last renewal
         self.last_published: float | None = None  # monotonic, last successful publish
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
@@ -447,15 +442,12 @@ class Membership(Extension):
         watch it anew: the failure may have moved the watch to a member that is cut off
         (an election times calls out on live members too), and a watch there is silent
         (a non-leader's view of a cut node came 1.5 s after the router had dropped it)."""
+        calls, failing_s = self._outage.end()
         if self.error is not None:
-            since = self._failing_since
-            failing_s = None if since is None else round(time.monotonic() - since, 2)
             log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error,
-                     failed_calls=sum(self._failures.values()), failing_s=failing_s)  # fmt: skip
+                     failed_calls=calls, failing_s=failing_s)  # fmt: skip
             self._resync.set()
         self.error = None
-        self._failures.clear()
-        self._failing_since = None
 
     async def _publish(self) -> None:
         assert self.etcd is not None
@@ -600,11 +592,7 @@ class Membership(Extension):
             self._resync.set()
             self._ledger_resync.set()
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
-        key = (what, exc.__class__.__name__)
-        first = key not in self._failures
-        self._failures[key] = self._failures.get(key, 0) + 1
-        if self._failing_since is None:
-            self._failing_since = time.monotonic()
+        first = self._outage.failed(what, exc.__class__.__name__)
         unexpected = not isinstance(exc, _FAILURES)
         # once a loop and kind until contact is back (`_reachable` says how many and how
         # long); a failure that is no etcd trouble (a bug) each time it reads otherwise
@@ -1124,6 +1112,34 @@ class Membership(Extension):
         entry expires at once and comes back as its node gets through again. A push waits
         for them (or names them) instead of answering as if they did not exist."""
         return sorted(self.seen - set(self.entries) - set(self.lost) - {self.cluster.node})
+
+
+class Outage:
+    """The registry calls that failed since the last renewal that went through: each
+    loop's by the error's class, so that a loop warns at its first and not at each (with
+    several members the endpoints' order in the error turns from call to call: the ~7 s
+    without etcd at cluster-ha.toml's first start logged ~60 warnings a daemon), and when
+    the first failed."""
+
+    def __init__(self) -> None:
+        self.calls: dict[tuple[str, str], int] = {}
+        self.since: float | None = None
+
+    def failed(self, what: str, kind: str) -> bool:
+        """Count one failed call of loop `what`; True where it is that loop's first of
+        this kind."""
+        first = (what, kind) not in self.calls
+        self.calls[(what, kind)] = self.calls.get((what, kind), 0) + 1
+        if self.since is None:
+            self.since = time.monotonic()
+        return first
+
+    def end(self) -> tuple[int, float | None]:
+        """Contact is back: how many calls failed, for how many seconds; counted afresh."""
+        calls = sum(self.calls.values())
+        failing_s = None if self.since is None else round(time.monotonic() - self.since, 2)
+        self.calls, self.since = {}, None
+        return calls, failing_s
 
 
 async def watch_until(following: Coroutine[Any, Any, None], resync: asyncio.Event) -> bool:
