@@ -103,8 +103,11 @@ class NumpyEngine:
     def check_weights(self, weights: WeightSet) -> None:
         """WorkerError naming the checkpoint where its tensors do not fit the model
         directory's config (a name missing or extra, a shape, a dtype): the admission asks
-        before it stops the running engine, whose start with them would fail."""
-        config = LlamaConfig.from_file(self._model_dir / "config.json")
+        before it stops the running engine, whose start with them would fail. The running
+        model's config, read at its start; the file only before there is one."""
+        model = self._model
+        config = model.config if model is not None else LlamaConfig.from_file(
+            self._model_dir / "config.json")  # fmt: skip
         check_fit(config, weights.tensors, str(weights.source))
 
     def use_weights(self, weights: WeightSet) -> None:
