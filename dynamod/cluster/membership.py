@@ -125,7 +125,8 @@ class Membership(Extension):
         self.down_request: dict[str, Any] | None = None
         self.down_acks: dict[str, dict[str, Any]] = {}
         self.error: str | None = None
-        self._outage = Outage()  # the failed registry calls since the last renewal
+        self._outage = Outage()  # the failed registry calls since every loop went through
+        self._failed_since_renewal = False  # a renewal after it reads the registry anew
         self.last_published: float | None = None  # monotonic, last successful publish
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
@@ -433,21 +434,26 @@ class Membership(Extension):
             late = since is not None and since > self.cluster.lease_ttl
             self._away |= late
             self.renewed_at = now
-            self._reachable()
+        self._reachable("keepalive")  # an expired lease's answer went through as well
         if not alive or self._away:
             self._dirty.set()
 
-    def _reachable(self) -> None:
-        """A renewal went through. After a failure, read the registry whole again and
-        watch it anew: the failure may have moved the watch to a member that is cut off
-        (an election times calls out on live members too), and a watch there is silent
-        (a non-leader's view of a cut node came 1.5 s after the router had dropped it)."""
-        calls, failing_s = self._outage.end()
-        if self.error is not None:
+    def _reachable(self, what: str) -> None:
+        """A call of loop `what` went through. A renewal (keepalive or publish) after a
+        failure reads the registry whole again and watches it anew: the failure may have
+        moved the watch to a member that is cut off (an election times calls out on live
+        members too), and a watch there is silent (a non-leader's view of a cut node came
+        1.5 s after the router had dropped it). Once every loop that failed went through,
+        the outage is said to be over, with how many calls failed and for how long."""
+        if what in ("keepalive", "publish") and self._failed_since_renewal:
+            self._failed_since_renewal = False
+            self._resync.set()
+        ended = self._outage.through(what)
+        if ended is not None:
+            calls, failing_s = ended
             log.info("cluster.registry_reachable", node=self.cluster.node, after=self.error,
                      failed_calls=calls, failing_s=failing_s)  # fmt: skip
-            self._resync.set()
-        self.error = None
+            self.error = None
 
     async def _publish(self) -> None:
         assert self.etcd is not None
@@ -480,7 +486,7 @@ class Membership(Extension):
         self._away = False
         self.last_published = now
         if called:
-            self._reachable()
+            self._reachable("publish")
         if lease_lost or away:
             log.warning(
                 "cluster.back_in_contact",
@@ -588,14 +594,16 @@ class Membership(Extension):
             if task is not None and task.cancelling():
                 raise exc
         self.trouble_at = time.monotonic()
+        self._failed_since_renewal = True
         if what in ("keepalive", "publish"):  # out of contact: the watches may be silent too
             self._resync.set()
             self._ledger_resync.set()
         text = f"registry {self.cluster.registry[0]} {what}: {exc.__class__.__name__}: {exc}"
         first = self._outage.failed(what, exc.__class__.__name__)
         unexpected = not isinstance(exc, _FAILURES)
-        # once a loop and kind until contact is back (`_reachable` says how many and how
-        # long); a failure that is no etcd trouble (a bug) each time it reads otherwise
+        # once a loop and kind until every loop went through (`_reachable` says how many
+        # and how long); a failure that is no etcd trouble (a bug) each time it reads
+        # otherwise
         if first or (unexpected and text != self.error):
             log.warning("cluster.registry_unreachable", node=self.cluster.node, error=text,
                         unexpected=unexpected)  # fmt: skip
@@ -635,6 +643,7 @@ class Membership(Extension):
         kvs, revision = await self._bounded("read", self.etcd.get_prefix_at(prefix))
         mirror = PrefixMirror(kvs, revision)
         self._mirror = mirror
+        self._reachable("watch")
         self._urgent.set()
         self._changed.set()
 
@@ -654,6 +663,7 @@ class Membership(Extension):
             began = time.monotonic()
             try:
                 await self._bounded("read", self.read())
+                self._reachable("read")
             except (Exception, asyncio.CancelledError) as exc:  # as in _publish_loop
                 self._failed("read", exc)
             self._fresh.set()
@@ -1038,6 +1048,7 @@ class Membership(Extension):
         assert self.policy is not None
         async with asyncio.timeout(ROUND_TIMEOUT_S):
             read = await self.policy.ledger_read()
+        self._reachable("ledger watch")
         changes = None if read is None else self.policy.ledger_changes(read[1] + 1)
         if read is None or changes is None:  # a file ledger: no other node's push to follow
             await asyncio.sleep(RESYNC_S)
@@ -1115,30 +1126,42 @@ class Membership(Extension):
 
 
 class Outage:
-    """The registry calls that failed since the last renewal that went through: each
-    loop's by the error's class, so that a loop warns at its first and not at each (with
-    several members the endpoints' order in the error turns from call to call: the ~7 s
-    without etcd at cluster-ha.toml's first start logged ~60 warnings a daemon), and when
-    the first failed."""
+    """The registry calls that failed since every loop last went through: each loop warns
+    at its first failure of a kind, not at each (with several members the endpoints' order
+    in the error turns from call to call: the ~7 s without etcd at cluster-ha.toml's first
+    start logged ~60 warnings a daemon). The outage ends when each loop that failed has
+    gone through again, not at the next renewal: a loop failing alone while the renewals
+    go through (the ledger watch refused, say) warned again and said "reachable" at each
+    renewal, two lines a second."""
 
     def __init__(self) -> None:
-        self.calls: dict[tuple[str, str], int] = {}
-        self.since: float | None = None
+        self.said: set[tuple[str, str]] = set()  # (loop, error class) warned this outage
+        self.failing: set[str] = set()  # the loops whose last call failed
+        self.calls = 0
+        self.since: float | None = None  # monotonic, the outage's first failed call
 
     def failed(self, what: str, kind: str) -> bool:
         """Count one failed call of loop `what`; True where it is that loop's first of
-        this kind."""
-        first = (what, kind) not in self.calls
-        self.calls[(what, kind)] = self.calls.get((what, kind), 0) + 1
+        this kind in this outage."""
+        first = (what, kind) not in self.said
+        self.said.add((what, kind))
+        self.failing.add(what)
+        self.calls += 1
         if self.since is None:
             self.since = time.monotonic()
         return first
 
-    def end(self) -> tuple[int, float | None]:
-        """Contact is back: how many calls failed, for how many seconds; counted afresh."""
-        calls = sum(self.calls.values())
+    def through(self, what: str) -> tuple[int, float | None] | None:
+        """Loop `what` went through. Where it was the last loop failing, the outage is
+        over: how many calls failed, for how many seconds (counted afresh from here)."""
+        if what not in self.failing:
+            return None
+        self.failing.discard(what)
+        if self.failing:
+            return None
+        calls = self.calls
         failing_s = None if self.since is None else round(time.monotonic() - self.since, 2)
-        self.calls, self.since = {}, None
+        self.said, self.calls, self.since = set(), 0, None
         return calls, failing_s
 
 

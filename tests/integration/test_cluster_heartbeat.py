@@ -283,12 +283,12 @@ async def test_a_daemon_back_in_contact_reads_and_watches_the_registry_anew(
 ) -> None:
     """A renewal after a failure re-reads the registry whole (the failure may have moved
     the watch to a member that is cut off); one in contact all along leaves the watch."""
-    leader.error = "registry ... keepalive: EtcdError: ... no answer within 0.5 s"
+    leader._failed("keepalive", TimeoutError("no answer within 0.5 s"))
     leader._resync.clear()
-    leader._reachable()
+    leader._reachable("keepalive")
     assert leader._resync.is_set() and leader.error is None
     leader._resync.clear()
-    leader._reachable()
+    leader._reachable("keepalive")
     assert not leader._resync.is_set()
 
 

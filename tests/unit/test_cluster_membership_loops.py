@@ -80,28 +80,38 @@ async def test_a_stray_cancelled_error_is_a_failed_round_and_a_stop_still_ends_t
     assert len(failed) == 1 and "read: CancelledError" in failed[0]["error"], failed
 
 
+def _down(what: str, order: str) -> EtcdError:
+    return EtcdError(order, "get_prefix", "dynamod/s/", f"no endpoint answered ({what})")
+
+
+def _said(logs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(e["event"], e.get("error", "").split(": ")[0]) for e in logs]
+
+
 def test_an_outage_is_said_once_a_loop_and_its_end_says_how_many_calls_failed() -> None:
     """Each loop warns at its first failed call, not at each (the endpoints' order turns
     from call to call, so each text differed: ~60 lines a daemon in cluster-ha.toml's ~7 s
     without etcd at its first start); a failure that is no etcd trouble (a bug) is said
-    each time it reads otherwise; contact back says how many calls failed, and for how
-    long, and the next outage is said again."""
-
-    def down(what: str, order: str) -> EtcdError:
-        return EtcdError(order, "get_prefix", "dynamod/s/", f"no endpoint answered ({what})")
-
+    each time it reads otherwise; once every loop that failed went through again, one line
+    says how many calls failed, and for how long, and the next outage is said again."""
     member = _membership()
     with capture_logs() as logs:
         for order in ("a,b,c", "b,c,a", "c,a,b"):
             for what in ("read", "watch", "publish"):
-                member._failed(what, down(what, order))
+                member._failed(what, _down(what, order))
         member._failed("read", RuntimeError("a bug"))
         member._failed("read", RuntimeError("a bug"))  # the same text: once
         member._failed("read", RuntimeError("another bug"))
-        member._reachable()
-        member._failed("watch", down("watch", "a,b,c"))
-    said = [(e["event"], e.get("error", "").split(": ")[0]) for e in logs]
-    assert said == [
+        member._reachable("keepalive")  # never failed: ends nothing
+        member._reachable("publish")
+        member._reachable("watch")
+        member._failed("watch", _down("watch", "b,c,a"))  # flapping: said already
+        assert member.error is not None and member._resync.is_set()
+        member._reachable("watch")
+        member._reachable("read")  # the last loop failing: the outage is over
+        assert member.error is None
+        member._failed("watch", _down("watch", "a,b,c"))
+    assert _said(logs) == [
         ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 read"),
         ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 watch"),
         ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 publish"),
@@ -109,12 +119,37 @@ def test_an_outage_is_said_once_a_loop_and_its_end_says_how_many_calls_failed() 
         ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 read"),
         ("cluster.registry_reachable", ""),
         ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 watch"),
-    ], said
+    ], _said(logs)
     unexpected = [e["unexpected"] for e in logs if "unexpected" in e]
     assert unexpected == [False] * 3 + [True] * 2 + [False], unexpected
     back = logs[5]
-    assert back["failed_calls"] == 12 and back["failing_s"] >= 0, back
-    assert back["after"].endswith("RuntimeError: another bug"), back
+    assert back["failed_calls"] == 13 and back["failing_s"] >= 0, back
+    assert back["after"].endswith("watch)"), back
+
+
+def test_a_loop_failing_alone_while_the_renewals_go_through_is_said_once() -> None:
+    """The ledger watch refused at each try while the lease renews: one warning, no
+    "reachable" at each renewal (it was two lines a renewal), the error stays in the view
+    while that loop fails, and its own success ends it. Each renewal after a failure still
+    reads the registry anew (a watch moved to a cut member is silent)."""
+    member = _membership()
+    with capture_logs() as logs:
+        for _ in range(5):
+            member._failed("ledger watch", _down("ledger watch", "a,b,c"))
+            member._resync.clear()
+            member._reachable("keepalive")
+            assert member._resync.is_set(), "a renewal after a failure reads anew"
+            member._reachable("publish")
+            assert member.error is not None and "ledger watch" in member.error
+        member._resync.clear()
+        member._reachable("keepalive")
+        assert not member._resync.is_set(), "no failure since the last renewal"
+        member._reachable("ledger watch")
+    assert _said(logs) == [
+        ("cluster.registry_unreachable", "registry http://10.1.0.1:2379 ledger watch"),
+        ("cluster.registry_reachable", ""),
+    ], _said(logs)
+    assert logs[1]["failed_calls"] == 5 and member.error is None, logs[1]
 
 
 async def test_a_loop_that_ends_is_logged_and_started_again_until_stop(
