@@ -36,6 +36,7 @@ from dynamod.client import Client
 from dynamod.core import paths
 from dynamod.core.errors import DaemonError, DynamodError
 from dynamod.rollout import dynamo
+from dynamod.rollout.etcd import EtcdAuth, EtcdClient
 
 NODE_NAMES = ("head", *(f"n{i}" for i in range(1, 8)))  # up to 8 nodes (bench.fleet)
 _NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
@@ -207,6 +208,20 @@ class ClusterRig:
         except (dynamo.DynamoHTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise ClusterError(f"the head's frontend did not list its instances: {exc}") from None
         return result
+
+    def dynamo_leases(
+        self, node: str, endpoint: str = "http://127.0.0.1:2379", auth: EtcdAuth | None = None
+    ) -> set[int]:
+        """The leases that hold Dynamo's keys (v1/), read from inside the node at
+        `endpoint` (its etcd member, or its relay as the stack's user under `auth`), as
+        Dynamo reads them."""
+
+        async def read() -> set[int]:
+            async with EtcdClient(endpoint, auth=auth) as etcd:
+                return {kv.lease for kv in await etcd.get_prefix("v1/") if kv.lease}
+
+        leases: set[int] = self.in_node(node, lambda: asyncio.run(read()))
+        return leases
 
     def instance_ids(self, node: str) -> set[int]:
         """The Dynamo instance ids of the node's shards, from the head's registry view."""

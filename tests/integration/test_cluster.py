@@ -338,7 +338,7 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
     before = {n: shards(n)["worker@0"] for n in ("head", "n2")}
     others = rig.instance_ids("head") | rig.instance_ids("n2")
     old = rig.instance_ids("n1")
-    assert old and old <= _leases_under_v1(rig), old
+    assert old and old <= rig.dynamo_leases("head"), old
     status = rig.status("n1")
     log_from = len(rig.records("n1"))
     os.kill(status["daemon_pid"], signal.SIGKILL)
@@ -346,7 +346,7 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
     assert wait_dead([status["daemon_pid"], *pids], timeout=15) == []
     rig.wait("n1 lost in the head's view",
              lambda: _cluster(rig.status("head"))["n1"]["state"] == "lost", 30)  # fmt: skip
-    assert old <= _leases_under_v1(rig), "the leader withdraws the route, not the lease"
+    assert old <= rig.dynamo_leases("head"), "the leader withdraws the route, not the lease"
     rig.up(["n1"], timeout=180)
     rig.wait("n1 back up in the head's view", lambda: _cluster(rig.status("head"))["n1"]["state"]
              == "up" and rig.instance_ids("n1") & rig.routed(), 60)  # fmt: skip
@@ -358,20 +358,9 @@ def test_restarting_one_node_s_dynamod_does_not_disturb_the_others(
              if r.get("event") in ("dynamo.swept", "dynamo.stale_revoked")]  # fmt: skip
     assert [r["event"] for r in swept] == ["dynamo.stale_revoked"], swept
     assert {int(x, 16) for x in swept[0]["leases"]} == old, swept
-    leases = _leases_under_v1(rig)
+    leases = rig.dynamo_leases("head")
     assert not old & leases, f"the dead worker's keys stayed: {old & leases}"
     assert others <= leases
-
-
-def _leases_under_v1(rig: ClusterRig) -> set[int]:
-    """The leases that hold Dynamo's keys (v1/), read on the head's etcd."""
-
-    async def read() -> set[int]:
-        async with EtcdClient(["http://127.0.0.1:2379"]) as etcd:
-            return {kv.lease for kv in await etcd.get_prefix("v1/") if kv.lease}
-
-    leases: set[int] = rig.in_node("head", lambda: asyncio.run(read()))
-    return leases
 
 
 def test_a_node_killed_while_it_replays_a_push_is_not_waited_for_and_comes_back_at_it(
