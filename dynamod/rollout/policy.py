@@ -50,7 +50,7 @@ from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, WatchEvent
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
 from dynamod.rollout.policy_table import PolicySpec
-from dynamod.rollout.push_acks import Acks, collect
+from dynamod.rollout.push_acks import Acks, Updates, collect
 from dynamod.rollout.registrations import DynamoRegistrations
 from dynamod.rollout.shard_driver import ShardAck, ShardPolicy
 from dynamod.rollout.spares import Reason, Role, SparePool
@@ -797,9 +797,10 @@ class PolicyManager(Extension):
     async def push(self, step: int, path: str, serving: int | None = None) -> dict[str, Any]:
         """Load `path` as `step` into every admitted shard; the ledger advances once they
         acknowledged (and, multi-node, the answer waits for the other nodes' shards).
-        `serving = K`: the answer goes once K of this node's shards serve the step and the
-        ledger advanced; the rest update after it (the policy lock held until they are
-        done) and the other nodes replay the step meanwhile. Trainer traffic requires the
+        `serving = K`: K of this node's shards update first, alone, and the answer goes
+        once they serve the step and the ledger advanced; the rest start after it (the
+        policy lock held until they are done) and the other nodes replay the step
+        meanwhile. Trainer traffic requires the
         step's taint, so it reaches only the shards that serve it."""
         started = time.monotonic()
         checkpoint = Path(path).absolute()
@@ -807,6 +808,7 @@ class PolicyManager(Extension):
         await self.lock.acquire()
         rest: asyncio.Task[None] | None = None
         acks = Acks()
+        updates: Updates | None = None
         try:
             current = await self.ledger().current()
             if current is not None and step < current.version:
@@ -821,8 +823,10 @@ class PolicyManager(Extension):
             log.info("policy.push_started", version=step, shards=[u.name for u in shards],
                      serving=serving)  # fmt: skip
             loop = asyncio.get_running_loop()
-            tasks = {loop.create_task(self.apply(u, target)): u.name for u in shards}
-            acks = await collect(tasks, len(shards) if serving is None else serving, PolicyError)
+            # with `serving`: those K first, the rest once the answer's commit is through
+            updates = Updates({u.name: functools.partial(self.apply, u, target) for u in shards},
+                              serving)  # fmt: skip
+            acks = await collect(updates.tasks, serving or len(shards), PolicyError)
             if not acks.good:
                 await self._resume_after_failed_push(shards)
                 raise PolicyError(
@@ -833,10 +837,13 @@ class PolicyManager(Extension):
             committing = time.monotonic()
             target = await self._commit_push(target, acks.good)
             commit_ms = round((time.monotonic() - committing) * 1000, 1)
+            updates.go()
             if acks.pending:
                 rest = loop.create_task(self._finish_push(target, acks.pending, started))
                 self._push_rest = (rest, acks.pending)
         finally:
+            if updates is not None and rest is None:
+                updates.drop()  # no answer: the shards still waiting their turn stay as they are
             if rest is None:
                 await self._settle_pending(acks.pending)
                 self.lock.release()

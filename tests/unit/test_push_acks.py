@@ -1,13 +1,16 @@
-"""A push's acknowledgements as they arrive (dynamod/rollout/push_acks.py): the answer
-can go once `want` shards acknowledged, the rest still running."""
+"""A push's updates and acknowledgements as they arrive (dynamod/rollout/push_acks.py): the
+answer can go once `want` shards acknowledged, the rest still running; with `first` = K the
+rest start only after the answer (or once one of the K failed)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from dynamod.rollout.push_acks import collect
+from dynamod.rollout.push_acks import Updates, collect
 from dynamod.rollout.shard_driver import ShardAck
 
 
@@ -68,5 +71,88 @@ def test_want_of_every_task_waits_for_all() -> None:
     async def run() -> None:
         acks = await collect(tasks(("b", 0.02, None), ("a", 0.01, None)), 2, Refused)
         assert sorted(a.shard for a in acks.good) == ["a", "b"] and not acks.pending
+
+    asyncio.run(run())
+
+
+class _Log:
+    """Stands in for the shards' engine calls: each records when it begins and ends."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.events: list[tuple[str, str]] = []
+        self.fail = fail
+
+    async def update(self, name: str) -> ShardAck:
+        self.events.append(("begin", name))
+        await asyncio.sleep(0.02)
+        self.events.append(("end", name))
+        if name == self.fail:
+            raise Refused(f"{name} refused")
+        return ShardAck(name, 7, "d")
+
+    def starts(self, *names: str) -> dict[str, Callable[[], Awaitable[ShardAck]]]:
+        return {n: functools.partial(self.update, n) for n in names}
+
+    def began(self) -> list[str]:
+        return [n for what, n in self.events if what == "begin"]
+
+
+def test_the_answer_s_shards_update_alone_and_the_rest_start_at_go() -> None:
+    """`serving = 1` of three: only the first updates until the answer's commit (`go`);
+    the two it would have shared the cores with start then."""
+
+    async def run() -> None:
+        log = _Log()
+        updates = Updates(log.starts("a", "b", "c"), first=1)
+        acks = await collect(updates.tasks, 1, Refused)
+        assert [a.shard for a in acks.good] == ["a"] and log.began() == ["a"]
+        assert updates.waiting == ["b", "c"] and sorted(acks.pending.values()) == ["b", "c"]
+        await asyncio.sleep(0.05)
+        assert log.began() == ["a"], "the rest waited for the answer"
+        updates.go()
+        rest = await collect(acks.pending, 2, Refused)
+        assert sorted(a.shard for a in rest.good) == ["b", "c"] and updates.waiting == []
+        assert log.began() == ["a", "b", "c"]
+
+    asyncio.run(run())
+
+
+def test_a_failed_first_shard_lets_the_rest_start_for_the_answer() -> None:
+    async def run() -> None:
+        log = _Log(fail="a")
+        updates = Updates(log.starts("a", "b", "c"), first=1)
+        acks = await collect(updates.tasks, 1, Refused)
+        assert acks.bad == {"a": "a refused"} and acks.good, acks  # b and c end together
+        assert {a.shard for a in acks.good} <= {"b", "c"} and updates.waiting == []
+        assert log.began() == ["a", "b", "c"]
+        await asyncio.gather(*acks.pending)
+
+    asyncio.run(run())
+
+
+def test_a_push_failed_before_its_answer_never_starts_the_waiting() -> None:
+    async def run() -> None:
+        log = _Log()
+        updates = Updates(log.starts("a", "b", "c"), first=1)
+        acks = await collect(updates.tasks, 1, Refused)
+        updates.drop()  # the ledger's write failed, say
+        ended = await asyncio.gather(*acks.pending, return_exceptions=True)
+        assert all(isinstance(e, asyncio.CancelledError) for e in ended), ended
+        assert log.began() == ["a"]
+        updates.go()  # too late: nothing starts
+        await asyncio.sleep(0.03)
+        assert log.began() == ["a"]
+
+    asyncio.run(run())
+
+
+def test_without_first_every_shard_starts_at_once() -> None:  # a push without `serving`
+    async def run() -> None:
+        log = _Log()
+        updates = Updates(log.starts("a", "b", "c"))
+        await asyncio.sleep(0.005)
+        assert log.began() == ["a", "b", "c"] and updates.waiting == []
+        acks = await collect(updates.tasks, 3, Refused)
+        assert len(acks.good) == 3
 
     asyncio.run(run())
