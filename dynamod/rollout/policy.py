@@ -800,8 +800,8 @@ class PolicyManager(Extension):
         `serving = K`: K of this node's shards update first, alone, and the answer goes
         once they serve the step and the ledger advanced; the rest start after it (the
         policy lock held until they are done) and the other nodes replay the step
-        meanwhile. Trainer traffic requires the
-        step's taint, so it reaches only the shards that serve it."""
+        meanwhile. Trainer traffic requires the step's taint, so it reaches only the
+        shards that serve it."""
         started = time.monotonic()
         checkpoint = Path(path).absolute()
         check_checkpoint(checkpoint)
