@@ -8,8 +8,9 @@ collected the same way."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from dynamod.rollout.shard_driver import ShardAck
 
@@ -53,6 +54,9 @@ async def collect(
     return acks
 
 
+_Start = Callable[[], Coroutine[Any, Any, ShardAck]]  # what starts one shard's update
+
+
 class Updates:
     """A push's shard updates (`starts`: shard -> what starts its update), started in
     order. With `first` = K (a push answered once K shards serve the step) the first K
@@ -63,9 +67,7 @@ class Updates:
     shards the answer's shard took 131-152 ms to serve the step where one shard alone
     takes 68 (docs/benchmarks.md 16)."""
 
-    def __init__(
-        self, starts: Mapping[str, Callable[[], Awaitable[ShardAck]]], first: int | None = None
-    ) -> None:
+    def __init__(self, starts: Mapping[str, _Start], first: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         self._turn = asyncio.Event()
         self._waiting: set[asyncio.Task[ShardAck]] = set()
@@ -73,18 +75,14 @@ class Updates:
         lead = len(starts) if first is None else first
         for index, (shard, start) in enumerate(starts.items()):
             if index < lead:
-                task = loop.create_task(self._now(start))
+                task = loop.create_task(start())
                 task.add_done_callback(self._lead_done)
             else:
                 task = loop.create_task(self._in_turn(start))
                 self._waiting.add(task)
             self.tasks[task] = shard
 
-    @staticmethod
-    async def _now(start: Callable[[], Awaitable[ShardAck]]) -> ShardAck:
-        return await start()
-
-    async def _in_turn(self, start: Callable[[], Awaitable[ShardAck]]) -> ShardAck:
+    async def _in_turn(self, start: _Start) -> ShardAck:
         await self._turn.wait()
         return await start()
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
@@ -90,7 +91,7 @@ class _Log:
             raise Refused(f"{name} refused")
         return ShardAck(name, 7, "d")
 
-    def starts(self, *names: str) -> dict[str, Callable[[], Awaitable[ShardAck]]]:
+    def starts(self, *names: str) -> dict[str, Callable[[], Coroutine[Any, Any, ShardAck]]]:
         return {n: functools.partial(self.update, n) for n in names}
 
     def began(self) -> list[str]:
