@@ -61,45 +61,55 @@ class Updates:
     """A push's shard updates (`starts`: shard -> what starts its update), started in
     order. With `first` = K (a push answered once K shards serve the step) the first K
     start now and the rest wait their turn, still serving, until `go()` (the answer's
-    commit went through) or until one of the K fails (the answer needs another); a push
-    that failed before its answer calls `drop()`, and the waiting ones never start. The
-    rest updating beside the K used to share the node's cores with them: at 8 nodes x 32
-    shards the answer's shard took 131-152 ms to serve the step where one shard alone
-    takes 68 (docs/benchmarks.md 16)."""
+    commit went through); each of those updating that fails before it lets the next
+    waiting one start, so K stay on their way to the answer. A push that failed before its
+    answer calls `drop()`, and the waiting ones never start. The rest updating beside the
+    K used to share the node's cores with them: at 8 nodes x 32 shards the answer's shard
+    took 131-152 ms to serve the step where one shard alone takes 68 (docs/benchmarks.md
+    16)."""
 
     def __init__(self, starts: Mapping[str, _Start], first: int | None = None) -> None:
         loop = asyncio.get_running_loop()
-        self._turn = asyncio.Event()
-        self._waiting: set[asyncio.Task[ShardAck]] = set()
+        # the waiting ones in their order, each with the event that starts it
+        self._queue: list[tuple[asyncio.Task[ShardAck], asyncio.Event]] = []
         self.tasks: dict[asyncio.Task[ShardAck], str] = {}
         lead = len(starts) if first is None else first
         for index, (shard, start) in enumerate(starts.items()):
             if index < lead:
                 task = loop.create_task(start())
-                task.add_done_callback(self._lead_done)
+                task.add_done_callback(self._updating_done)
             else:
-                task = loop.create_task(self._in_turn(start))
-                self._waiting.add(task)
+                turn = asyncio.Event()
+                task = loop.create_task(self._in_turn(turn, start))
+                self._queue.append((task, turn))
             self.tasks[task] = shard
 
-    async def _in_turn(self, start: _Start) -> ShardAck:
-        await self._turn.wait()
+    @staticmethod
+    async def _in_turn(turn: asyncio.Event, start: _Start) -> ShardAck:
+        await turn.wait()
         return await start()
 
-    def _lead_done(self, task: asyncio.Task[ShardAck]) -> None:
-        if task.cancelled() or task.exception() is not None:
-            self._turn.set()  # every waiting one starts: the answer needs another
+    def _start_next(self) -> None:
+        if self._queue:
+            task, turn = self._queue.pop(0)
+            task.add_done_callback(self._updating_done)
+            turn.set()
+
+    def _updating_done(self, task: asyncio.Task[ShardAck]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._start_next()  # the answer needs another in its place
 
     @property
     def waiting(self) -> list[str]:
         """The shards whose turn has not come."""
-        return [] if self._turn.is_set() else sorted(self.tasks[t] for t in self._waiting)
+        return sorted(self.tasks[t] for t, _ in self._queue)
 
     def go(self) -> None:
-        self._turn.set()
+        while self._queue:
+            self._start_next()
 
     def drop(self) -> None:
         """The push failed before its answer: the shards still waiting never start."""
-        if not self._turn.is_set():
-            for task in self._waiting:
-                task.cancel()
+        for task, _ in self._queue:
+            task.cancel()
+        self._queue.clear()

@@ -79,15 +79,15 @@ def test_want_of_every_task_waits_for_all() -> None:
 class _Log:
     """Stands in for the shards' engine calls: each records when it begins and ends."""
 
-    def __init__(self, fail: str = "") -> None:
+    def __init__(self, *fail: str) -> None:
         self.events: list[tuple[str, str]] = []
-        self.fail = fail
+        self.fail = set(fail)
 
     async def update(self, name: str) -> ShardAck:
         self.events.append(("begin", name))
         await asyncio.sleep(0.02)
         self.events.append(("end", name))
-        if name == self.fail:
+        if name in self.fail:
             raise Refused(f"{name} refused")
         return ShardAck(name, 7, "d")
 
@@ -96,6 +96,14 @@ class _Log:
 
     def began(self) -> list[str]:
         return [n for what, n in self.events if what == "begin"]
+
+    def most_at_once(self) -> int:
+        """The most updates running together."""
+        running = most = 0
+        for what, _ in self.events:
+            running += 1 if what == "begin" else -1
+            most = max(most, running)
+        return most
 
 
 def test_the_answer_s_shards_update_alone_and_the_rest_start_at_go() -> None:
@@ -118,15 +126,39 @@ def test_the_answer_s_shards_update_alone_and_the_rest_start_at_go() -> None:
     asyncio.run(run())
 
 
-def test_a_failed_first_shard_lets_the_rest_start_for_the_answer() -> None:
+def test_a_failed_first_shard_lets_the_next_one_start_for_the_answer() -> None:
+    """One of the K failed: the next waiting shard starts in its place, the others still
+    wait their turn (they would share the cores with it)."""
+
     async def run() -> None:
-        log = _Log(fail="a")
+        log = _Log("a")
+        updates = Updates(log.starts("a", "b", "c", "d"), first=1)
+        acks = await collect(updates.tasks, 1, Refused)
+        assert acks.bad == {"a": "a refused"} and [g.shard for g in acks.good] == ["b"]
+        assert log.began() == ["a", "b"] and updates.waiting == ["c", "d"]
+        updates.go()
+        rest = await collect(acks.pending, 2, Refused)
+        assert sorted(g.shard for g in rest.good) == ["c", "d"]
+
+    asyncio.run(run())
+
+
+def test_each_failure_starts_one_more_until_k_acknowledge_or_none_is_left() -> None:
+    async def run() -> None:
+        log = _Log("a", "b", "d")
+        updates = Updates(log.starts("a", "b", "c", "d", "e"), first=2)
+        acks = await collect(updates.tasks, 2, Refused)
+        # a and b failed together: c and d took their places, d failed: e took its
+        assert sorted(acks.bad) == ["a", "b", "d"], acks
+        assert sorted(g.shard for g in acks.good) == ["c", "e"] and updates.waiting == []
+        assert log.began()[:2] == ["a", "b"] and sorted(log.began()) == ["a", "b", "c", "d", "e"]
+        assert log.most_at_once() == 2, log.events
+
+        log = _Log("a", "b", "c")
         updates = Updates(log.starts("a", "b", "c"), first=1)
         acks = await collect(updates.tasks, 1, Refused)
-        assert acks.bad == {"a": "a refused"} and acks.good, acks  # b and c end together
-        assert {a.shard for a in acks.good} <= {"b", "c"} and updates.waiting == []
-        assert log.began() == ["a", "b", "c"]
-        await asyncio.gather(*acks.pending)
+        assert sorted(acks.bad) == ["a", "b", "c"] and not acks.good and not acks.pending
+        assert log.most_at_once() == 1
 
     asyncio.run(run())
 
