@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,6 +33,7 @@ from dynamod.rollout.etcd import (
     EtcdPermissionDenied,
     KeyValue,
     TxnDelete,
+    TxnOp,
     TxnPut,
     WatchEvent,
 )
@@ -61,7 +62,15 @@ class Ledger(Protocol):
 
     async def history(self) -> list[PolicyVersion]: ...
 
-    async def advance(self, version: PolicyVersion, keep: int) -> None: ...
+    async def versions(self) -> tuple[PolicyVersion | None, list[PolicyVersion]]: ...
+
+    async def advance(
+        self,
+        version: PolicyVersion,
+        keep: int,
+        records: Sequence[ShardRecord] = (),
+        history: Sequence[PolicyVersion] | None = None,
+    ) -> list[ShardRecord]: ...
 
     async def shards(self) -> dict[str, ShardRecord]: ...
 
@@ -88,6 +97,10 @@ def _shard_from(name: str, data: dict[str, Any]) -> ShardRecord:
         acked_at=data.get("acked_at"),
         last_error=data.get("last_error"),
     )
+
+
+def _sorted(versions: Iterable[PolicyVersion]) -> list[PolicyVersion]:
+    return sorted(versions, key=lambda v: v.version)
 
 
 def _shard_json(record: ShardRecord) -> dict[str, Any]:
@@ -119,26 +132,53 @@ class EtcdLedger:
 
     async def history(self) -> list[PolicyVersion]:
         kvs = await self.etcd.get_prefix(self.prefix + "policy/history/")
-        return sorted((_version_from(json.loads(kv.value)) for kv in kvs), key=lambda v: v.version)
+        return _sorted(_version_from(json.loads(kv.value)) for kv in kvs)
 
-    async def advance(self, version: PolicyVersion, keep: int) -> None:
-        """The version into the history and current, and the history beyond the newest
-        `keep` out: one transaction after one read (a push answers after it, and each write
-        is a round of etcd's consensus; as three writes the history could also hold a
-        version the current never was)."""
+    async def versions(self) -> tuple[PolicyVersion | None, list[PolicyVersion]]:
+        """The current version and the kept history, in one read: a push reads both as it
+        begins, so that its commit is one write and no read."""
+        kvs = await self.etcd.get_prefix(self.prefix + "policy/")
+        current, history = None, []
+        for kv in kvs:
+            if kv.key == self.prefix + "policy/current":
+                current = _version_from(json.loads(kv.value))
+            elif kv.key.startswith(self.prefix + "policy/history/"):
+                history.append(_version_from(json.loads(kv.value)))
+        return current, _sorted(history)
+
+    async def advance(
+        self,
+        version: PolicyVersion,
+        keep: int,
+        records: Sequence[ShardRecord] = (),
+        history: Sequence[PolicyVersion] | None = None,
+    ) -> list[ShardRecord]:
+        """The version into the history and current, the history beyond the newest `keep`
+        out, and the shards' `records` (those that acknowledged it), in one transaction (a
+        push answers after it, and each write is a round of etcd's consensus; as separate
+        writes the history could also hold a version the current never was, or the current
+        a version no shard's record held). `history`: the kept versions as read before
+        (`versions()`); without it they are read first. A read made earlier may miss a
+        version written since (another writer's): the history then keeps more than `keep`
+        until the next advance, and never loses one of the newest `keep`. The records that
+        do not fit in the transaction (of TXN_OPS operations) are returned, for
+        `record_shards`: once the advance is through, a failure to write them is no failed
+        advance."""
         data = json.dumps(asdict(version))
-        before = [v.version for v in await self.history() if v.version != version.version]
+        if history is None:
+            history = await self.history()
+        before = [v.version for v in history if v.version != version.version]
         beyond = sorted([*before, version.version])[:-keep] if keep > 0 else before
         dropped = [v for v in beyond if v != version.version]
-        await self.etcd.txn(
-            [],
-            [
-                TxnPut(self._history_key(version.version), data),
-                TxnPut(self.prefix + "policy/current", data),
-                *(TxnDelete(self._history_key(v)) for v in dropped),
-            ],
-            idempotent=True,  # sent twice, it leaves the same keys (an election's retry)
-        )
+        ops: list[TxnOp] = [
+            TxnPut(self._history_key(version.version), data),
+            TxnPut(self.prefix + "policy/current", data),
+            *(TxnDelete(self._history_key(v)) for v in dropped),
+        ]
+        room = max(0, TXN_OPS - len(ops))
+        # sent twice, it leaves the same keys (an election's retry)
+        await self.etcd.txn([], [*ops, *self._record_puts(records[:room])], idempotent=True)
+        return list(records[room:])
 
     def _history_key(self, version: int) -> str:
         return f"{self.prefix}policy/history/{version:012d}"
@@ -160,11 +200,14 @@ class EtcdLedger:
         """Each record under `shards/<name>`, in one transaction (of TXN_OPS at most): a
         push's commit records every shard that acknowledged it, one write, not one a shard
         on the push's way to its answer."""
-        puts = [
-            TxnPut(f"{self.prefix}shards/{r.name}", json.dumps(_shard_json(r))) for r in records
-        ]
+        puts = self._record_puts(records)
         for start in range(0, len(puts), TXN_OPS):
             await self.etcd.txn([], puts[start : start + TXN_OPS], idempotent=True)
+
+    def _record_puts(self, records: Sequence[ShardRecord]) -> list[TxnOp]:
+        return [
+            TxnPut(f"{self.prefix}shards/{r.name}", json.dumps(_shard_json(r))) for r in records
+        ]
 
 
 ROOT = "dynamod/"  # every stack's folder of keys is under it
@@ -324,13 +367,29 @@ class FileLedger:
     async def history(self) -> list[PolicyVersion]:
         return [_version_from(v) for v in self._load()["history"]]
 
-    async def advance(self, version: PolicyVersion, keep: int) -> None:
+    async def versions(self) -> tuple[PolicyVersion | None, list[PolicyVersion]]:
+        data = self._load()
+        current = _version_from(data["current"]) if data["current"] else None
+        return current, [_version_from(v) for v in data["history"]]
+
+    async def advance(
+        self,
+        version: PolicyVersion,
+        keep: int,
+        records: Sequence[ShardRecord] = (),
+        history: Sequence[PolicyVersion] | None = None,
+    ) -> list[ShardRecord]:
+        """As the etcd ledger's: one replace of the file, every record in it (`history` is
+        not needed: the file is read whole anyway)."""
         data = self._load()
         entry = asdict(version)
-        history = [v for v in data["history"] if v["version"] != version.version] + [entry]
-        data["history"] = sorted(history, key=lambda v: v["version"])[-keep:]
+        kept = [v for v in data["history"] if v["version"] != version.version] + [entry]
+        data["history"] = sorted(kept, key=lambda v: v["version"])[-keep:]
         data["current"] = entry
+        for record in records:
+            data["shards"][record.name] = _shard_json(record)
         self._save(data)
+        return []
 
     async def shards(self) -> dict[str, ShardRecord]:
         return {n: _shard_from(n, d) for n, d in self._load()["shards"].items()}

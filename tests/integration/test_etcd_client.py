@@ -395,6 +395,54 @@ async def test_the_ledger_records_a_push_s_shards_in_one_write(etcd: EtcdClient)
     assert await ledger.shard("n9.worker@0") is None
 
 
+async def test_a_push_s_commit_is_one_write_with_its_shards_records(etcd: EtcdClient) -> None:
+    """The commit of a push: the version, the pruned history and the acknowledging shards'
+    records in one transaction (one revision, every key at it), from the history read with
+    the current as the push began (`versions()`); records past one transaction are handed
+    back for `record_shards`. A history read before another writer's advance may keep more
+    than `keep` versions, and never drops one of the newest `keep`."""
+    from dynamod.rollout.etcd import TXN_OPS
+    from dynamod.rollout.ledger import EtcdLedger, PolicyVersion, ShardRecord
+
+    ledger = EtcdLedger(etcd, f"ledgertest{uuid.uuid4().hex[:8]}")
+    assert await ledger.versions() == (None, [])
+    for step in (1, 2, 3):
+        await ledger.advance(PolicyVersion(step, f"/ckpt/{step}", None, 0.0, "push"), keep=3)
+    current, history = await ledger.versions()
+    assert current is not None and current.version == 3
+    assert [v.version for v in history] == [1, 2, 3] and history == await ledger.history()
+
+    records = [ShardRecord(f"n0.worker@{i}", 4, "d4", 2.5, None) for i in range(32)]
+    before = (await etcd.get_prefix_at("nothing/"))[1]
+    left = await ledger.advance(PolicyVersion(4, "/ckpt/4", "d4", 0.0, "push"), 3, records, history)
+    assert left == []
+    kvs, after = await etcd.get_prefix_at(ledger.prefix)
+    assert after == before + 1, "one transaction, no other write"
+    at = {kv.key[len(ledger.prefix):]: kv.mod_revision for kv in kvs}  # fmt: skip
+    assert {at["policy/current"], *(at[f"shards/{r.name}"] for r in records)} == {after}
+    assert [v.version for v in await ledger.history()] == [2, 3, 4]
+    assert await ledger.shards() == {r.name: r for r in records}
+
+    # the push's read ([2, 3, 4]) came before another writer's advance to 5: keeping 2,
+    # it drops 2 and 3 and keeps 5, which it did not know, and 4 (one more than `keep`)
+    stale = (await ledger.versions())[1]
+    await ledger.advance(PolicyVersion(5, "/ckpt/5", None, 0.0, "publish"), keep=3)
+    await ledger.advance(PolicyVersion(6, "/ckpt/6", None, 0.0, "push"), 2, (), stale)
+    assert [v.version for v in await ledger.history()] == [4, 5, 6]
+
+    many = [ShardRecord(f"n{i // 32}.worker@{i % 32}", 7, "d7", 3.5, None) for i in range(150)]
+    current, history = await ledger.versions()
+    left = await ledger.advance(PolicyVersion(7, "/ckpt/7", "d7", 0.0, "push"), 2, many, history)
+    dropped = 2  # 4 and 5
+    assert left == many[TXN_OPS - 2 - dropped :], len(left)
+    got = await ledger.shards()
+    assert all(got[r.name] == r for r in many[: TXN_OPS - 2 - dropped])
+    assert all(got.get(r.name) != r for r in left)
+    await ledger.record_shards(left)
+    final = await ledger.shards()
+    assert [final[r.name] for r in many] == many
+
+
 # -- authentication -----------------------------------------------------------------------------
 
 

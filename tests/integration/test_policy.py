@@ -88,6 +88,18 @@ def moved_at(dm: Dynamod, unit: str, after: float, old: str, new: str) -> list[f
     return times
 
 
+async def ledger_revisions(dm: Dynamod) -> dict[str, int]:
+    """The stack's ledger keys (`policy/current`, `shards/<name>`...) with the store's
+    revision each was last written at, read from the stack's etcd."""
+    from dynamod.rollout.etcd import EtcdClient
+
+    identity = dm.status()["identity"]
+    prefix = f"dynamod/{identity['id']}/"
+    async with EtcdClient(identity["etcd"]) as etcd:
+        kvs = await etcd.get_prefix(prefix)
+    return {kv.key[len(prefix) :]: kv.mod_revision for kv in kvs}
+
+
 def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     dm: Dynamod, stack: Path, tmp_path: Path
 ) -> None:
@@ -105,6 +117,9 @@ def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(
     assert dm.status()["policy"]["current"] == 1
     ledger = json.loads(dm.run("policy", "status", "--json", check=True).stdout)
     assert ledger["current"] == 1 and ledger["current_digest"] == result["digest"]
+    # the commit was one write: the current version and both shards' records at one revision
+    written = asyncio.run(ledger_revisions(dm))
+    assert written["policy/current"] == written["shards/worker@0"] == written["shards/worker@1"]
 
     history = History(frontend(status))
     history.run(lambda: 1)
