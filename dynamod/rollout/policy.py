@@ -1039,15 +1039,22 @@ class PolicyManager(Extension):
             )
             answers: dict[str, Any] = {}
             stale: dict[str, str] = {}
+            acked: list[tuple[Unit, ShardAck]] = []
+            unexpected: BaseException | None = None
             for unit, result in zip(shards, results, strict=True):
                 if isinstance(result, ShardAck):
                     answers[unit.name] = result.as_dict()
-                    await self.record_ack(unit, result)
+                    acked.append((unit, result))
                 elif isinstance(result, PolicyError):
                     stale[unit.name] = str(result)
                     answers[unit.name] = {"ok": False, "error": str(result)}
                 else:
-                    raise result
+                    unexpected = unexpected or result
+            # every acknowledging shard's record in one write, not one a shard on the
+            # answer's way (32 of them a node at 32 shards)
+            await self.record_acks(acked)
+            if unexpected is not None:
+                raise unexpected
         return await self._committed("published", target, answers, stale, started)
 
     async def _committed(

@@ -47,6 +47,18 @@ replay_backoff_initial = 0.2
     return path
 
 
+async def ledger_revisions(dm: Dynamod) -> dict[str, int]:
+    """The stack's ledger keys (`policy/current`, `shards/<name>`...) with the store's
+    revision each was last written at, read from the stack's etcd."""
+    from dynamod.rollout.etcd import EtcdClient
+
+    identity = dm.status()["identity"]
+    prefix = f"dynamod/{identity['id']}/"
+    async with EtcdClient(identity["etcd"]) as etcd:
+        kvs = await etcd.get_prefix(prefix)
+    return {kv.key[len(prefix) :]: kv.mod_revision for kv in kvs}
+
+
 def model_dir(status: dict[str, Any]) -> Path:
     worker = unit_by_name(status, "worker@0")
     return Path(worker["command"][worker["command"].index("--model-path") + 1])

@@ -22,6 +22,7 @@ from tests.integration.policystack import (
     History,
     checkpoint,
     frontend,
+    ledger_revisions,
     model_dir,
     push,
     write_stack,
@@ -86,18 +87,6 @@ def moved_at(dm: Dynamod, unit: str, after: float, old: str, new: str) -> list[f
             if at >= after:
                 times.append(at)
     return times
-
-
-async def ledger_revisions(dm: Dynamod) -> dict[str, int]:
-    """The stack's ledger keys (`policy/current`, `shards/<name>`...) with the store's
-    revision each was last written at, read from the stack's etcd."""
-    from dynamod.rollout.etcd import EtcdClient
-
-    identity = dm.status()["identity"]
-    prefix = f"dynamod/{identity['id']}/"
-    async with EtcdClient(identity["etcd"]) as etcd:
-        kvs = await etcd.get_prefix(prefix)
-    return {kv.key[len(prefix) :]: kv.mod_revision for kv in kvs}
 
 
 def test_push_advances_ledger_and_restarted_shard_rejoins_before_serving(

@@ -32,6 +32,7 @@ from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.ipc import WeightSender, socket_address, transfer_digest
 from dynamod.workers.weights import load_checkpoint, state_dict_digest
 from tests.conftest import Dynamod, unit_by_name
+from tests.integration.policystack import ledger_revisions
 
 pytestmark = pytest.mark.slow
 
@@ -229,6 +230,8 @@ def test_update_over_ipc_reaches_every_shard_and_is_published(stack: Dynamod) ->
     assert policy["history"][-1] == {"version": step, "path": result["checkpoint"],
                                      "how": "publish"}
     assert all(s["policy_version"] == step and s["admitted"] for s in policy["shards"])
+    written = asyncio.run(ledger_revisions(stack))  # the shards' records in one write
+    assert written["shards/worker@0"] == written["shards/worker@1"] > written["policy/current"]
     for shard in ("worker@0", "worker@1"):  # what each shard really holds
         held = engine(stack, shard, "get_weight_version")
         assert held["version"] == step and held["digest"] == expected
