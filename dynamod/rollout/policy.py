@@ -745,12 +745,7 @@ class PolicyManager(Extension):
     async def record_acks(self, acked: Sequence[tuple[Unit, ShardAck]]) -> None:
         """Each shard holds its ack's version: its ShardPolicy, and a serving shard's
         record in the ledger, all of them in one write."""
-        records = self._ledger_records(acked)
-        serving = self._acknowledged(acked)
-        if serving:
-            with contextlib.suppress(EtcdError):
-                await self.ledger().record_shards(records)
-            self._say_acknowledged(serving)
+        await self._hold_acks(acked, self._ledger_records(acked))
 
     def _ledger_records(self, acked: Sequence[tuple[Unit, ShardAck]]) -> list[ShardRecord]:
         """The ledger's records of the serving shards among `acked` (a spare holds the
@@ -762,8 +757,12 @@ class PolicyManager(Extension):
             if not self.spares.is_spare(unit)
         ]
 
-    def _acknowledged(self, acked: Sequence[tuple[Unit, ShardAck]]) -> list[Unit]:
-        """Each shard's ShardPolicy (or its spare's record) holds its ack; the serving ones."""
+    async def _hold_acks(
+        self, acked: Sequence[tuple[Unit, ShardAck]], unwritten: Sequence[ShardRecord]
+    ) -> None:
+        """Each shard's ShardPolicy (or its spare's record) holds its ack, and `unwritten`
+        (the serving shards' ledger records not yet written) go in one write; a failed
+        write leaves the ledger's records behind, not the acks."""
         serving = []
         for unit, ack in acked:
             spare = self.spares.is_spare(unit)
@@ -774,9 +773,9 @@ class PolicyManager(Extension):
                 self.spares.recorded(unit, ack)
             else:
                 serving.append(unit)
-        return serving
-
-    def _say_acknowledged(self, serving: Sequence[Unit]) -> None:
+        if unwritten:
+            with contextlib.suppress(EtcdError):
+                await self.ledger().record_shards(unwritten)
         for unit in serving:
             self.engine.transition(unit, unit.state, self._ack_detail(unit))
 
@@ -897,13 +896,12 @@ class PolicyManager(Extension):
             target.version, target.path, next(iter(digests), None), target.published_at, "push"
         )
         acked = [(self.engine.units[ack.shard], ack) for ack in good]
-        ledger = self.ledger()
-        left = await ledger.advance(target, self.spec.keep, self._ledger_records(acked), history)
+        # the records that did not fit in the advance's transaction come back (~100 shards)
+        left = await self.ledger().advance(
+            target, self.spec.keep, self._ledger_records(acked), history
+        )
         self.note_current(target)
-        if left:  # more than one transaction holds (a push to ~100 shards of one node)
-            with contextlib.suppress(EtcdError):
-                await ledger.record_shards(left)
-        self._say_acknowledged(self._acknowledged(acked))
+        await self._hold_acks(acked, left)
         return target
 
     async def _settle_pending(self, pending: Mapping[asyncio.Task[ShardAck], str]) -> None:
