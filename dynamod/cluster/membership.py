@@ -440,11 +440,13 @@ class Membership(Extension):
 
     def _reachable(self, what: str) -> None:
         """A call of loop `what` went through. A renewal (keepalive or publish) after a
-        failure reads the registry whole again and watches it anew: the failure may have
-        moved the watch to a member that is cut off (an election times calls out on live
-        members too), and a watch there is silent (a non-leader's view of a cut node came
-        1.5 s after the router had dropped it). Once every loop that failed went through,
-        the outage is said to be over, with how many calls failed and for how long."""
+        failure of another loop than the watch reads the registry whole again and watches
+        it anew: the failure may have moved the watch to a member that is cut off (an
+        election times calls out on live members too), and a watch there is silent (a
+        non-leader's view of a cut node came 1.5 s after the router had dropped it). The
+        watch's own failure needs none: its loop reads and watches anew once a call goes
+        through. Once every loop that failed went through, the outage is said to be over,
+        with how many calls failed and for how long."""
         if what in ("keepalive", "publish") and self._failed_since_renewal:
             self._failed_since_renewal = False
             self._resync.set()
@@ -594,7 +596,10 @@ class Membership(Extension):
             if task is not None and task.cancelling():
                 raise exc
         self.trouble_at = time.monotonic()
-        self._failed_since_renewal = True
+        # the watch loop reads the registry whole and watches it anew after its own failure;
+        # a renewal's resync on top of that was one more whole read a renewal while it failed
+        if what != "watch":
+            self._failed_since_renewal = True
         if what in ("keepalive", "publish"):  # out of contact: the watches may be silent too
             self._resync.set()
             self._ledger_resync.set()

@@ -152,6 +152,22 @@ def test_a_loop_failing_alone_while_the_renewals_go_through_is_said_once() -> No
     assert logs[1]["failed_calls"] == 5 and member.error is None, logs[1]
 
 
+def test_the_watch_failing_alone_reads_anew_in_its_own_loop_not_at_each_renewal() -> None:
+    """The watch loop reads the registry whole and watches it anew after its own failure,
+    so a renewal after it adds no resync (it was one more whole read a renewal while the
+    watch failed); another loop's failure still makes the next renewal read anew."""
+    member = _membership()
+    for _ in range(3):
+        member._failed("watch", _down("watch", "a,b,c"))
+        member._resync.clear()
+        member._reachable("keepalive")
+        member._reachable("publish")
+        assert not member._resync.is_set(), "the watch's own failure: no renewal resync"
+    member._failed("read", _down("read", "a,b,c"))
+    member._reachable("publish")
+    assert member._resync.is_set(), "another loop's failure: the renewal reads anew"
+
+
 async def test_a_loop_that_ends_is_logged_and_started_again_until_stop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
