@@ -1019,7 +1019,7 @@ class PolicyManager(Extension):
         digest = agreed_digest(acks)
         async with self.lock:
             ledger = self.ledger()
-            current = await ledger.current()
+            current, history = await ledger.versions()  # the advance reads nothing
             if current is not None and step < current.version:
                 raise PolicyError(
                     f"step {step} is older than the current policy version "
@@ -1028,7 +1028,7 @@ class PolicyManager(Extension):
             target = PolicyVersion(
                 step, str(Path(path).absolute()), digest, time.time(), "publish"
             )
-            await ledger.advance(target, self.spec.keep)
+            await ledger.advance(target, self.spec.keep, history=history)
             self.note_current(target)
             shards = self.admitted_shards()
             results = await asyncio.gather(
@@ -1154,8 +1154,7 @@ class PolicyManager(Extension):
 
     async def status_full(self) -> dict[str, Any]:
         ledger = self.ledger()
-        current = await ledger.current()
-        history = await ledger.history()
+        current, history = await ledger.versions()
         records = await ledger.shards()
         admitted = {u.name for u in self.admitted_shards()}
         shards = []
