@@ -55,7 +55,13 @@ import structlog
 
 from bench import fleet_history, fleet_plot, fleet_profile, host
 from bench.fleet_cut import cut_one, cut_target, member_metrics
-from bench.fleet_early import early_table, push_early
+from bench.fleet_early import (
+    early_repeat_table,
+    early_stalls,
+    early_table,
+    push_early,
+    push_early_again,
+)
 from bench.fleet_growth import (
     ETCD_METRICS,
     GROWTH,
@@ -100,6 +106,7 @@ STACK = paths.units_dir() / "stacks" / "cluster.toml"
 MACHINE_GIB = 24  # what the issue's fleet has to fit in
 IDLE_S = 5.0  # the idle window
 EARLY_STEP = 2  # the second push's step (the first's is 1): answered early, `--serving 1`
+EARLY_PUSHES_MAX = 20  # `--early-pushes`: each is a push to every shard (~20 s at 8 x 32)
 LOAD = Load(clients=3, rate=6, trainer_fraction=0.5, max_tokens=4, request_timeout=10)
 
 
@@ -215,6 +222,15 @@ def main() -> None:
         "16); `up s` is then the sum, and each wave's time is in the JSON",
     )
     parser.add_argument(
+        "--early-pushes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="push answered early (`--serving 1`) N times in each fleet, one after another "
+        "once every shard is routed again (default 1): the stall's and the commit's spread "
+        "over N, and a target on the slowest; the faults then use the last step",
+    )
+    parser.add_argument(
         "--idle",
         type=float,
         default=IDLE_S,
@@ -270,6 +286,8 @@ def main() -> None:
     modeled = args.modeled_reset
     if modeled is not None and not 0 <= modeled <= MODELED_RESET_MAX_S:
         parser.error(f"--modeled-reset: seconds from 0 to {MODELED_RESET_MAX_S:g}, got {modeled:g}")
+    if not 1 <= args.early_pushes <= EARLY_PUSHES_MAX:
+        parser.error(f"--early-pushes: 1 to {EARLY_PUSHES_MAX}, got {args.early_pushes}")
     if not 1 <= args.idle <= 3600:
         parser.error(f"--idle: seconds from 1 to 3600, got {args.idle:g}")
     if args.profile is not None and (why := fleet_profile.missing()) is not None:
@@ -304,6 +322,7 @@ def main() -> None:
                     max_starting=args.max_starting, max_updating=args.max_updating,
                     idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
                     profile=args.profile, modeled_reset=modeled,
+                    early_pushes=args.early_pushes,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -441,6 +460,7 @@ def run_fleet(
     cut: str = "last",
     profile: Path | None = None,
     modeled_reset: float | None = None,
+    early_pushes: int = 1,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -467,6 +487,7 @@ def run_fleet(
                               "max_starting": max_starting,
                               "max_updating": max_updating,
                               "modeled_reset_s": modeled_reset}  # fmt: skip
+    last_step = EARLY_STEP + early_pushes - 1  # the version the faults' load asks for
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
     try:
@@ -497,10 +518,13 @@ def run_fleet(
             ("whole", lambda: whole_again(rig, shards)),
             ("early", lambda: push_early(rig, EARLY_STEP, shards, LOAD, 1.0 if quick else 3.0)),
             ("whole_early", lambda: whole_again(rig, shards)),
+            ("early_again", lambda: push_early_again(
+                rig, EARLY_STEP, early_pushes - 1, shards, LOAD, 3.0,
+                lambda: whole_again(rig, shards)) if early_pushes > 1 else None),
             ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
-            ("kill", lambda: kill_tenth(rig) if faults and not quick else None),
+            ("kill", lambda: kill_tenth(rig, last_step) if faults and not quick else None),
             ("cut", lambda: cut_one(rig, cut_target(rig, cut), 1.0 if quick else 2.0, LOAD,
-                                    EARLY_STEP) if faults else None),
+                                    last_step) if faults else None),
         ]:
             began, begun[name] = time.monotonic(), time.time()
             value = measure()
@@ -812,7 +836,7 @@ def instance_ids(rig: ClusterRig, node: str, units: set[str]) -> set[int]:
     }
 
 
-def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
+def kill_tenth(rig: ClusterRig, step: int) -> dict[str, Any]:
     """Under load, SIGKILL 10 % of the shards at once (spread over the nodes): until every
     one serves again (a new process ready, routed as many instances as before) and the
     requests that failed meanwhile."""
@@ -823,7 +847,7 @@ def kill_tenth(rig: ClusterRig) -> dict[str, Any]:
     victims = shards[:: len(shards) // k][:k]
     old_ids = set().union(*(instance_ids(rig, n, {u}) for n, u, _ in victims))
     capacity = len(rig.routed())
-    gen = rig.load(LOAD, "tiny-cpu", lambda: EARLY_STEP)  # the version last pushed
+    gen = rig.load(LOAD, "tiny-cpu", lambda: step)  # the version last pushed
 
     def back() -> bool:
         if len(rig.routed() - old_ids) < capacity:
@@ -872,17 +896,33 @@ def one_shards_push(reference: dict[str, Any] | None, full: dict[str, Any]) -> t
 
 def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[str, Any]]) -> None:
     full = fleets[-1]
-    ref_s, ref_what = one_shards_push(reference, full)
+    ref_s = one_shards_push(reference, full)[0]
     report.tables += [size_table(reference, fleets, ref_s), push_cpu_table(fleets),
                       host_table(fleets), thread_table(fleets),
                       thread_table(fleets, "daemons")]  # fmt: skip
     if any(isinstance(pick(f, "push", "profile"), dict) for f in fleets):
         report.tables.append(fleet_profile.profile_table(fleets))
-    report.tables += [early_table(fleets), fault_table(fleets), health_table(fleets)]
+    report.tables.append(early_table(fleets))
+    if any(len(early_stalls(f)) > 1 for f in fleets):  # `--early-pushes` above 1
+        report.tables.append(early_repeat_table(fleets, ref_s))
+    report.tables += [fault_table(fleets), health_table(fleets)]
     report.tables += [cost_table(fleets), history_table(fleets), scan_table(fleets),
                       identity_table(fleets),
                       growth_table(fleets)]
     report.tables += [step_table(reference, fleets), shard_table(full)]
+    judge_targets(report, reference, full, [f for f in fleets if "cut" in f])
+    report.data = {"reference": reference, "fleets": fleets}
+    report.notes += notes(fleets)
+
+
+def judge_targets(
+    report: Report,
+    reference: dict[str, Any] | None,
+    full: dict[str, Any],
+    cut: list[dict[str, Any]],
+) -> None:
+    """The issue's targets, on the largest fleet (`full`) and the fleets that were cut."""
+    ref_s, ref_what = one_shards_push(reference, full)
     at = f"at {full['nodes']} nodes x {full['shards'] // full['nodes']} shards"
     report.target(
         f"push to every shard: trainer's stall / one shard's ({ref_what}, {ref_s:.2f} s), {at}",
@@ -892,8 +932,13 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
         f"push answered at 1 shard serving (--serving 1): trainer's stall / one shard's, {at}",
         pick(full, "early", "stall_s") / ref_s, 2.0, "x",
     )  # fmt: skip
+    stalls = early_stalls(full)
+    if len(stalls) > 1:
+        report.target(
+            f"push answered at 1 shard serving: the slowest of {len(stalls)} pushes' stall / "
+            f"one shard's, {at}", max(stalls) / ref_s, 2.0, "x",
+        )  # fmt: skip
     report.target(f"status --json on any node, {at}", full["status"]["max_s"], 1.0, "s")
-    cut = [f for f in fleets if "cut" in f]
     if cut:
         report.target(f"one node cut: out of routing, {at}", pick(cut[-1], "cut", "rerouted_s"),
                       2.0, "s")  # fmt: skip
@@ -901,8 +946,6 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
             "one node cut: requests lost after re-routing (every fleet)",
             sum(f["cut"]["failed_after_reroute"] for f in cut), 0, "requests",
         )  # fmt: skip
-    report.data = {"reference": reference, "fleets": fleets}
-    report.notes += notes(fleets)
 
 
 def size_table(

@@ -16,8 +16,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
+from bench.fleet_cut import member_metrics
+from bench.fleet_growth import prometheus
+from bench.fleet_stack import members
 from bench.report import Table
 from dynamod.chaos.cluster import ClusterError, ClusterRig
 from dynamod.chaos.history import Request
@@ -31,6 +35,11 @@ TAIL = 200  # the head's last events looked at for push_finished (each look read
 # Load after every shard holds the step: at the fleet's 6 req/s, ~12 requests, of which the
 # load's seeded draws make at least one trainer-style (no 8 plain ones in a row)
 AFTER_S = 2.0
+# etcd's disk: each write is the leader's WAL fsync (and each follower's) before it is
+# committed, and a batch into its backend; a commit that waited is looked for in these
+DISK = {"wal_fsync": "etcd_disk_wal_fsync_duration_seconds",
+        "backend_commit": "etcd_disk_backend_commit_duration_seconds"}  # fmt: skip
+SLOW_LE = "0.032"  # a histogram bound of both (1 ms x 2^n): "slow" is above it
 
 
 def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: float
@@ -44,11 +53,13 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     gen.start()
     try:
         time.sleep(steady_s)
+        disk_before = etcd_disk(rig)
         started = time.monotonic()
         answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(
             step, checkpoint, serving=SERVING
         )
         answered = time.monotonic()
+        disk = disk_since(disk_before, etcd_disk(rig))  # read after: not in the stall
         asked[0] = step
         bad = {k: v.get("error") for k, v in answer["acks"].items() if not v.get("ok")}
         if bad:
@@ -79,6 +90,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "first_ack_ms": min(float(a["total_ms"]) for a in answer["acks"].values() if a["ok"]),
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
+        "etcd_disk": disk,  # from before the push to just after its answer, by member
         "every_shard_s": float(event["seconds"]),
         "head_shards_s": float(event.get("here_s", event["seconds"])),
         "behind": event.get("behind", []),
@@ -93,6 +105,104 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
             "step_wrong_version": wrong,  # served, at another version: never expected
         },
     }
+
+
+def disk_counts(text: str) -> dict[str, float]:
+    """A /metrics text's fsyncs and backend commits so far, their seconds, and how many
+    took longer than SLOW_LE s."""
+    names = {f"{k}_{part}": f"{m}_{part}" for k, m in DISK.items() for part in ("count", "sum")}
+    found = prometheus(text, names)
+    for key, metric in DISK.items():
+        bound = f'{metric}_bucket{{le="{SLOW_LE}"}} '
+        within = next((float(line[len(bound):]) for line in text.splitlines()
+                       if line.startswith(bound)), math.nan)  # fmt: skip
+        found[f"{key}_slow"] = found[f"{key}_count"] - within
+    return found
+
+
+def etcd_disk(rig: ClusterRig) -> dict[str, dict[str, float]]:
+    """Every etcd member's `disk_counts`, by the node it runs on."""
+    return {node: disk_counts(member_metrics(rig, node)) for node in members(rig.names)}
+
+
+def disk_since(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """What each member's disk did between two `etcd_disk` readings."""
+    return {node: {k: after[node][k] - v for k, v in counts.items()}
+            for node, counts in before.items() if node in after}  # fmt: skip
+
+
+def slow_disk(pushed: dict[str, Any]) -> str:
+    """An early push's slow fsyncs and backend commits over its members ("-" before
+    they were read)."""
+    disk = pushed.get("etcd_disk")
+    if not disk:
+        return "-"
+    fsyncs = sum(m["wal_fsync_slow"] for m in disk.values())
+    commits = sum(m["backend_commit_slow"] for m in disk.values())
+    return f"{fsyncs:.0f} / {commits:.0f}"
+
+
+def push_early_again(
+    rig: ClusterRig,
+    after: int,
+    times: int,
+    shards: int,
+    load: Load,
+    steady_s: float,
+    whole: Callable[[], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The early push `times` more, at the steps after `after`, each once every shard is
+    routed again after the one before (`whole`, timed with it): one push's stall and
+    commit on a busy machine say little of the next's."""
+    pushes = []
+    for step in range(after + 1, after + 1 + times):
+        pushed = push_early(rig, step, shards, load, steady_s)
+        pushes.append({"step": step, **pushed, "whole": whole()})
+    return pushes
+
+
+def early_stalls(fleet: dict[str, Any]) -> list[float]:
+    """Every early push's stall in a fleet's result: the first, then its repeats."""
+    pushes = [fleet["early"], *fleet.get("early_again", [])] if "early" in fleet else []
+    return [float(p["stall_s"]) for p in pushes]
+
+
+def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
+    """Per fleet that pushed early more than once: the spread over its pushes."""
+    table = Table(
+        "The push answered at one shard serving, repeated (`--early-pushes`): median / "
+        f"slowest over the fleet's pushes; one shard's push {ref_s:.3f} s",
+        ["nodes", "shards", "pushes", "trainer's stall s", "its stall / one shard's",
+         "met 2x", "first shard's update ms", "commit ms", "every shard at the step s",
+         f"each push: commit ms (etcd's fsyncs / backend commits over "
+         f"{float(SLOW_LE) * 1000:g} ms in it)"],
+    )  # fmt: skip
+    for f in fleets:
+        pushes = [f["early"], *f.get("early_again", [])] if "early" in f else []
+        if len(pushes) < 2:
+            continue
+        stalls = early_stalls(f)
+
+        def spread(
+            key: str, digits: int, scale: float = 1.0, pushes: list[dict[str, Any]] = pushes
+        ) -> str:
+            values = [float(p[key]) * scale for p in pushes if p.get(key) is not None]
+            if not values:
+                return "-"
+            return f"{statistics.median(values):.{digits}f} / {max(values):.{digits}f}"
+
+        table.rows.append(
+            [f["nodes"], f["shards"], len(pushes),
+             f"{statistics.median(stalls):.3f} / {max(stalls):.3f}",
+             spread("stall_s", 2, 1 / ref_s),
+             f"{sum(s / ref_s <= 2.0 for s in stalls)} of {len(stalls)}",
+             spread("first_ack_ms", 0), spread("commit_ms", 1), spread("every_shard_s", 1),
+             ", ".join(f"{p.get('commit_ms') or math.nan:.1f} ({slow_disk(p)})"
+                       for p in pushes)]
+        )  # fmt: skip
+    return table
 
 
 def latencies(rows: list[Request]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from bench import fleet
+from bench.fleet_early import DISK, SLOW_LE, disk_counts, disk_since, slow_disk
 from bench.fleet_growth import (
     ETCD_METRICS,
     SizesError,
@@ -367,3 +368,53 @@ def test_the_identity_table_names_its_rounds_and_compares_the_two_ways() -> None
     assert "median of 2 rounds of 5 each way" in table.title
     (row,) = table.rows  # the fleet without the look (the 1 x 1 reference) has no row
     assert row[:3] == [8, 256, 808] and row[-2] == pytest.approx(0.3) and row[-1] == "8/8"
+
+
+def test_the_early_push_repeated_is_judged_on_its_slowest_and_counted_against_2x() -> None:
+    def early(stall: float, commit: float | None) -> dict[str, Any]:
+        return {"stall_s": stall, "first_ack_ms": 80.0, "commit_ms": commit,
+                "every_shard_s": 20.0}  # fmt: skip
+
+    repeated = {"nodes": 8, "shards": 256, "early": early(0.10, 5.0),
+                "early_again": [early(0.30, 47.0), early(0.12, None)]}  # fmt: skip
+    once = {"nodes": 2, "shards": 64, "early": early(0.10, 5.0)}
+    assert fleet.early_stalls(repeated) == [0.10, 0.30, 0.12]
+    assert fleet.early_stalls(once) == [0.10] and fleet.early_stalls({"nodes": 1}) == []
+    table = fleet.early_repeat_table([once, repeated], ref_s=0.1)
+    (row,) = table.rows  # a fleet that pushed early once has no spread
+    assert row[:4] == [8, 256, 3, "0.120 / 0.300"], row
+    assert row[4] == "1.20 / 3.00" and row[5] == "2 of 3", row
+    assert row[6:9] == ["80 / 80", "26.0 / 47.0", "20.0 / 20.0"], row  # None: left out
+    assert row[9] == "5.0 (-), 47.0 (-), nan (-)", row  # no disk counts in these
+
+    report = fleet.Report("fleet", "t", quick=False)
+    reference = {"push": {"stall_s": 0.1}}
+    full = {**repeated, "push": {"stall_s": 20.0, "shard_median_ms": 50.0},
+            "status": {"max_s": 0.5}}  # fmt: skip
+    fleet.judge_targets(report, reference, full, cut=[])
+    slowest = [t for t in report.targets if "slowest of 3" in t["target"]]
+    assert len(slowest) == 1 and slowest[0]["measured"] == pytest.approx(3.0), report.targets
+    assert not slowest[0]["met"]
+
+
+def test_etcd_s_slow_fsyncs_are_those_above_the_bucket_and_counted_per_member() -> None:
+    def text(fsyncs: int, within: int, commits: int) -> str:
+        wal, backend = DISK["wal_fsync"], DISK["backend_commit"]
+        return "\n".join([
+            f"# TYPE {wal} histogram",
+            f'{wal}_bucket{{le="0.016"}} {within - 1}',
+            f'{wal}_bucket{{le="{SLOW_LE}"}} {within}',
+            f'{wal}_bucket{{le="+Inf"}} {fsyncs}',
+            f"{wal}_sum 0.5", f"{wal}_count {fsyncs}",
+            f'{backend}_bucket{{le="{SLOW_LE}"}} {commits}',
+            f"{backend}_sum 0.1", f"{backend}_count {commits}",
+        ])  # fmt: skip
+
+    before = {"n1": disk_counts(text(10, 9, 4)), "n2": disk_counts(text(10, 10, 4))}
+    assert before["n1"]["wal_fsync_slow"] == 1 and before["n1"]["backend_commit_slow"] == 0
+    after = {"n1": disk_counts(text(13, 10, 6)), "n2": disk_counts(text(12, 12, 5))}
+    since = disk_since(before, after)
+    assert since["n1"]["wal_fsync_count"] == 3 and since["n1"]["wal_fsync_slow"] == 2
+    assert since["n2"]["wal_fsync_slow"] == 0 and since["n2"]["backend_commit_count"] == 1
+    assert slow_disk({"etcd_disk": since}) == "2 / 0"
+    assert math.isnan(disk_counts("")["wal_fsync_slow"])  # a member without the metric
