@@ -108,10 +108,10 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
 
 
 def disk_counts(text: str) -> dict[str, float]:
-    """A /metrics text's fsyncs and backend commits so far, their seconds, and how many
-    took longer than SLOW_LE s."""
+    """A /metrics text's fsyncs and backend commits so far, their seconds, how many took
+    longer than SLOW_LE s, and whether its member leads etcd's raft (1) or not (0)."""
     names = {f"{k}_{part}": f"{m}_{part}" for k, m in DISK.items() for part in ("count", "sum")}
-    found = prometheus(text, names)
+    found = prometheus(text, {**names, "is_leader": "etcd_server_is_leader"})
     for key, metric in DISK.items():
         bound = f'{metric}_bucket{{le="{SLOW_LE}"}} '
         within = next((float(line[len(bound):]) for line in text.splitlines()
@@ -128,8 +128,9 @@ def etcd_disk(rig: ClusterRig) -> dict[str, dict[str, float]]:
 def disk_since(
     before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
 ) -> dict[str, dict[str, float]]:
-    """What each member's disk did between two `etcd_disk` readings."""
-    return {node: {k: after[node][k] - v for k, v in counts.items()}
+    """What each member's disk did between two `etcd_disk` readings (and whether it led
+    etcd's raft at the second: a write through a follower is forwarded to the leader)."""
+    return {node: {k: after[node][k] - (0 if k == "is_leader" else v) for k, v in counts.items()}
             for node, counts in before.items() if node in after}  # fmt: skip
 
 
@@ -142,6 +143,12 @@ def slow_disk(pushed: dict[str, Any]) -> str:
     fsyncs = sum(m["wal_fsync_slow"] for m in disk.values())
     commits = sum(m["backend_commit_slow"] for m in disk.values())
     return f"{fsyncs:.0f} / {commits:.0f}"
+
+
+def raft_leader(pushed: dict[str, Any]) -> str:
+    """The member that led etcd's raft just after an early push's answer ("-": unknown)."""
+    disk = pushed.get("etcd_disk") or {}
+    return next((node for node, m in disk.items() if m.get("is_leader") == 1), "-")
 
 
 def push_early_again(
@@ -177,7 +184,7 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
         ["nodes", "shards", "pushes", "trainer's stall s", "its stall / one shard's",
          "met 2x", "first shard's update ms", "commit ms", "every shard at the step s",
          f"each push: commit ms (etcd's fsyncs / backend commits over "
-         f"{float(SLOW_LE) * 1000:g} ms in it)"],
+         f"{float(SLOW_LE) * 1000:g} ms in it)", "etcd's raft leader"],
     )  # fmt: skip
     for f in fleets:
         pushes = [f["early"], *f.get("early_again", [])] if "early" in f else []
@@ -200,7 +207,8 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
              f"{sum(s / ref_s <= 2.0 for s in stalls)} of {len(stalls)}",
              spread("first_ack_ms", 0), spread("commit_ms", 1), spread("every_shard_s", 1),
              ", ".join(f"{p.get('commit_ms') or math.nan:.1f} ({slow_disk(p)})"
-                       for p in pushes)]
+                       for p in pushes),
+             ", ".join(sorted({raft_leader(p) for p in pushes}))]
         )  # fmt: skip
     return table
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from bench import fleet
-from bench.fleet_early import DISK, SLOW_LE, disk_counts, disk_since, slow_disk
+from bench.fleet_early import DISK, SLOW_LE, disk_counts, disk_since, raft_leader, slow_disk
 from bench.fleet_growth import (
     ETCD_METRICS,
     SizesError,
@@ -385,7 +385,7 @@ def test_the_early_push_repeated_is_judged_on_its_slowest_and_counted_against_2x
     assert row[:4] == [8, 256, 3, "0.120 / 0.300"], row
     assert row[4] == "1.20 / 3.00" and row[5] == "2 of 3", row
     assert row[6:9] == ["80 / 80", "26.0 / 47.0", "20.0 / 20.0"], row  # None: left out
-    assert row[9] == "5.0 (-), 47.0 (-), nan (-)", row  # no disk counts in these
+    assert row[9:] == ["5.0 (-), 47.0 (-), nan (-)", "-"], row  # no disk counts in these
 
     report = fleet.Report("fleet", "t", quick=False)
     reference = {"push": {"stall_s": 0.1}}
@@ -408,6 +408,7 @@ def test_etcd_s_slow_fsyncs_are_those_above_the_bucket_and_counted_per_member() 
             f"{wal}_sum 0.5", f"{wal}_count {fsyncs}",
             f'{backend}_bucket{{le="{SLOW_LE}"}} {commits}',
             f"{backend}_sum 0.1", f"{backend}_count {commits}",
+            f"etcd_server_is_leader {int(fsyncs > 12)}",
         ])  # fmt: skip
 
     before = {"n1": disk_counts(text(10, 9, 4)), "n2": disk_counts(text(10, 10, 4))}
@@ -417,4 +418,6 @@ def test_etcd_s_slow_fsyncs_are_those_above_the_bucket_and_counted_per_member() 
     assert since["n1"]["wal_fsync_count"] == 3 and since["n1"]["wal_fsync_slow"] == 2
     assert since["n2"]["wal_fsync_slow"] == 0 and since["n2"]["backend_commit_count"] == 1
     assert slow_disk({"etcd_disk": since}) == "2 / 0"
+    assert (since["n1"]["is_leader"], since["n2"]["is_leader"]) == (1, 0)  # as it is after
+    assert raft_leader({"etcd_disk": since}) == "n1"
     assert math.isnan(disk_counts("")["wal_fsync_slow"])  # a member without the metric
