@@ -9,7 +9,9 @@ the registry shows every other node's at the step). Under load from inside the h
 fleet's, half of it trainer-style), which asks for the new step from the answer on: the
 requests for it until the push finished, how many failed, and their latency beside the
 load's before the push (what the early answer trades: the step's capacity grows from one
-shard)."""
+shard). With `--early-pushes N` it is pushed N times, each after the whole fleet is routed
+again, and each push says how many of etcd's fsyncs and backend commits were slow around it
+and which member led raft."""
 
 from __future__ import annotations
 
