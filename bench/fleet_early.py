@@ -61,8 +61,8 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
             step, checkpoint, serving=SERVING
         )
         answered = time.monotonic()
+        asked[0] = step  # before the read below: the load asks for the step from the answer
         disk = disk_since(disk_before, etcd_disk(rig))  # read after: not in the stall
-        asked[0] = step
         bad = {k: v.get("error") for k, v in answer["acks"].items() if not v.get("ok")}
         if bad:
             raise ClusterError(f"push of step {step} (serving {SERVING}) failed on {bad}")
@@ -172,10 +172,14 @@ def push_early_again(
     return pushes
 
 
+def early_pushes(fleet: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every early push in a fleet's result: the first, then its repeats."""
+    return [fleet["early"], *fleet.get("early_again", [])] if "early" in fleet else []
+
+
 def early_stalls(fleet: dict[str, Any]) -> list[float]:
-    """Every early push's stall in a fleet's result: the first, then its repeats."""
-    pushes = [fleet["early"], *fleet.get("early_again", [])] if "early" in fleet else []
-    return [float(p["stall_s"]) for p in pushes]
+    """Every early push's stall in a fleet's result."""
+    return [float(p["stall_s"]) for p in early_pushes(fleet)]
 
 
 def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
@@ -189,7 +193,7 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
          f"{float(SLOW_LE) * 1000:g} ms in it)", "etcd's raft leader"],
     )  # fmt: skip
     for f in fleets:
-        pushes = [f["early"], *f.get("early_again", [])] if "early" in f else []
+        pushes = early_pushes(f)
         if len(pushes) < 2:
             continue
         stalls = early_stalls(f)
