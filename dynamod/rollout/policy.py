@@ -46,6 +46,7 @@ from dynamod.core.slots import Slots
 from dynamod.core.spec import Stack
 from dynamod.core.state import UnitState
 from dynamod.core.status import ExtensionUnitStatus
+from dynamod.core.stopwatch import Stopwatch
 from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, WatchEvent
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
@@ -847,9 +848,9 @@ class PolicyManager(Extension):
                     f"stays at {current.version if current else 'its initial version'}: "
                     + "; ".join(acks.bad.values())
                 )
-            committing = time.monotonic()
+            committing = Stopwatch()
             target = await self._commit_push(target, acks.good, history)
-            commit_ms = round((time.monotonic() - committing) * 1000, 1)
+            commit = committing.spent()
             updates.go()
             if acks.pending:
                 rest = loop.create_task(self._finish_push(target, acks.pending, started))
@@ -865,7 +866,7 @@ class PolicyManager(Extension):
         answer = await self._committed(
             "pushed", target, answered, acks.bad, started, updating=sorted(acks.pending.values())
         )
-        answer["commit_ms"] = commit_ms  # the ledger's advance and the acks' records
+        answer.update(commit.as_dict("commit"))  # the ledger's advance and the acks' records
         return answer
 
     def _push_shards(self, serving: int | None) -> list[Unit]:

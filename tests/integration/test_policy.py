@@ -383,6 +383,9 @@ def test_push_serving_1_answers_after_one_shard_and_the_rest_follow(
     assert sorted([*acked, *answer["updating"]]) == ["worker@0", "worker@1", "worker@2"], answer
     assert "nodes" not in answer and "not_pushed" not in answer, answer
     assert dm.status()["policy"]["current"] == 1  # committed before the answer
+    # the commit's time, split: the daemon's CPU in it and its loop's wait for a core
+    assert 0 < answer["commit_ms"] and 0 <= answer["commit_cpu_ms"], answer
+    assert answer["commit_waited_ms"] is None or 0 <= answer["commit_waited_ms"], answer
 
     async def for_step(version: int) -> dict[str, Any]:
         history = History(frontend(status))
