@@ -82,6 +82,7 @@ from bench.fleet_scan import exposure_scan
 from bench.fleet_stack import (
     members,
     replicated,
+    with_etcd_metrics,
     with_heartbeat,
     with_lease,
     with_max_starting,
@@ -474,6 +475,9 @@ def run_fleet(
     text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
     text = with_max_updating(with_max_starting(text, max_starting), max_updating)
     text = with_modeled_reset(with_heartbeat(text, heartbeat_timeout), modeled_reset)
+    # repeated early pushes read etcd's own time for each transaction around them
+    etcd_metrics = "extensive" if early_pushes > 1 else None
+    text = with_etcd_metrics(text, etcd_metrics)
     stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
@@ -486,7 +490,8 @@ def run_fleet(
                               "shard_live_timeout_s": live_timeout,
                               "max_starting": max_starting,
                               "max_updating": max_updating,
-                              "modeled_reset_s": modeled_reset}  # fmt: skip
+                              "modeled_reset_s": modeled_reset,
+                              "etcd_metrics": etcd_metrics or "basic"}  # fmt: skip
     last_step = EARLY_STEP + early_pushes - 1  # the version the faults' load asks for
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)

@@ -10,8 +10,9 @@ fleet's, half of it trainer-style), which asks for the new step from the answer 
 requests for it until the push finished, how many failed, and their latency beside the
 load's before the push (what the early answer trades: the step's capacity grows from one
 shard). With `--early-pushes N` it is pushed N times, each after the whole fleet is routed
-again, and each push says how many of etcd's fsyncs and backend commits were slow around it
-and which member led raft."""
+again, and each push says how many of etcd's fsyncs and backend commits were slow around it,
+which member led raft, and (etcd's members then run with `--metrics extensive`) the bound
+etcd served every transaction within meanwhile."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ AFTER_S = 2.0
 DISK = {"wal_fsync": "etcd_disk_wal_fsync_duration_seconds",
         "backend_commit": "etcd_disk_backend_commit_duration_seconds"}  # fmt: skip
 SLOW_LE = "0.032"  # a histogram bound of both (1 ms x 2^n): "slow" is above it
+# etcd's own time for each transaction it served (`--metrics extensive`: gRPC's handling
+# histogram, from the call's arrival at the member to its answer, raft's round included): the
+# commit is one Txn, so a commit that is slow while every Txn was quick waited in the client
+TXN = 'grpc_server_handling_seconds_bucket{grpc_method="Txn",grpc_service="etcdserverpb.KV",'
+TXN_LE = ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1")  # its bounds, s
 
 
 def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: float
@@ -89,7 +95,11 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "stall_s": answered - started,
         "daemon_s": float(answer["seconds"]),  # the rest of the stall: the CLI's call
         "commit_ms": answer.get("commit_ms"),
+        "commit_cpu_ms": answer.get("commit_cpu_ms"),  # the head's daemon's CPU in it
+        "commit_waited_ms": answer.get("commit_waited_ms"),  # its loop's wait for a core
         "first_ack_ms": min(float(a["total_ms"]) for a in answer["acks"].values() if a["ok"]),
+        "first_ack_steps_ms": min((a for a in answer["acks"].values() if a["ok"]),
+                                  key=lambda a: float(a["total_ms"]))["ms"],  # by step
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "etcd_disk": disk,  # from before the push to just after its answer, by member
@@ -119,6 +129,19 @@ def disk_counts(text: str) -> dict[str, float]:
         within = next((float(line[len(bound):]) for line in text.splitlines()
                        if line.startswith(bound)), math.nan)  # fmt: skip
         found[f"{key}_slow"] = found[f"{key}_count"] - within
+    return found | txn_counts(text)
+
+
+def txn_counts(text: str) -> dict[str, float]:
+    """A /metrics text's Txns served so far, in all and within each of TXN_LE's bounds
+    (`txn_le_0.005`: within 5 ms); none for a member without `--metrics extensive`."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(TXN) and 'grpc_type="unary"' in line:
+            head, _, value = line.rpartition(" ")
+            bound = head.rsplit('le="', 1)[-1].rstrip('"}')
+            key = "txn_count" if bound == "+Inf" else f"txn_le_{bound}"
+            found[key] = found.get(key, 0.0) + float(value)
     return found
 
 
@@ -145,6 +168,25 @@ def slow_disk(pushed: dict[str, Any]) -> str:
     fsyncs = sum(m["wal_fsync_slow"] for m in disk.values())
     commits = sum(m["backend_commit_slow"] for m in disk.values())
     return f"{fsyncs:.0f} / {commits:.0f}"
+
+
+def commit_split(pushed: dict[str, Any]) -> str:
+    """An early push's commit: the head's daemon's CPU in it / how long its event loop's
+    thread waited for a core in it, ms ("-" where the daemon did not say)."""
+    cpu, waited = pushed.get("commit_cpu_ms"), pushed.get("commit_waited_ms")
+    return " / ".join("-" if v is None else f"{v:.1f}" for v in (cpu, waited))
+
+
+def slowest_txn(pushed: dict[str, Any]) -> str:
+    """The bound etcd served every Txn within, over its members, from before an early
+    push to just after its answer ("<= 5 ms"; "-" without `--metrics extensive`)."""
+    disk = [m for m in (pushed.get("etcd_disk") or {}).values() if "txn_count" in m]
+    if not disk:
+        return "-"
+    for bound in TXN_LE:
+        if all(m.get(f"txn_le_{bound}", math.nan) >= m["txn_count"] for m in disk):
+            return f"<= {float(bound) * 1000:g} ms"
+    return f"> {float(TXN_LE[-1]) * 1000:g} ms"
 
 
 def raft_leader(pushed: dict[str, Any]) -> str:
@@ -189,8 +231,10 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
         f"slowest over the fleet's pushes; one shard's push {ref_s:.3f} s",
         ["nodes", "shards", "pushes", "trainer's stall s", "its stall / one shard's",
          "met 2x", "first shard's update ms", "commit ms", "every shard at the step s",
-         f"each push: commit ms (etcd's fsyncs / backend commits over "
-         f"{float(SLOW_LE) * 1000:g} ms in it)", "etcd's raft leader"],
+         "each push: commit ms (the daemon's CPU / its loop's wait for a core in it; "
+         f"etcd's fsyncs / backend commits over {float(SLOW_LE) * 1000:g} ms; etcd's "
+         "slowest Txn)",
+         "etcd's raft leader"],
     )  # fmt: skip
     for f in fleets:
         pushes = early_pushes(f)
@@ -212,8 +256,8 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
              spread("stall_s", 2, 1 / ref_s),
              f"{sum(s / ref_s <= 2.0 for s in stalls)} of {len(stalls)}",
              spread("first_ack_ms", 0), spread("commit_ms", 1), spread("every_shard_s", 1),
-             ", ".join(f"{p.get('commit_ms') or math.nan:.1f} ({slow_disk(p)})"
-                       for p in pushes),
+             ", ".join(f"{p.get('commit_ms') or math.nan:.1f} ({commit_split(p)}; "
+                       f"{slow_disk(p)}; {slowest_txn(p)})" for p in pushes),
              ", ".join(sorted({raft_leader(p) for p in pushes}))]
         )  # fmt: skip
     return table

@@ -96,6 +96,17 @@ def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
     return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")
 
 
+def with_etcd_metrics(text: str, level: str | None) -> str:
+    """`text` (cluster.toml) with every etcd member's `--metrics` at `level` ("extensive"
+    adds gRPC's per-call histograms: what etcd's server spent on each transaction);
+    unchanged for None."""
+    if level is None:
+        return text
+    flag = f'    "--metrics", "{level}",'
+    return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}",
+                "etcd --initial-cluster")  # fmt: skip
+
+
 def with_heartbeat(text: str, timeout: float | None) -> str:
     """`text` (cluster.toml) with the leader's heartbeat timeout at `timeout` s (0: off;
     cluster/heartbeat.py); unchanged for None."""

@@ -1,11 +1,10 @@
 """bench.cluster's lease variants and bench.fleet's shard settings (bench/fleet_stack.py
 `with_lease`, `with_heartbeat`, `with_shard_limits`, `with_shard_live_timeout`,
-`with_modeled_reset`): the stock
+`with_modeled_reset`, `with_etcd_metrics`): the stock
 cluster stack rewritten for a registry lease, with the etcd election timeout a 1 s lease
 needs, for the leader's heartbeat timeout (or none), with
-limits (a CPU weight, a nice) on its shards, a longer liveness timeout or a modeled engine
-reset; or refused when a
-line it rewrites is not there."""
+limits (a CPU weight, a nice) on its shards, a longer liveness timeout, a modeled engine
+reset or etcd's extensive metrics; or refused when a line it rewrites is not there."""
 
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from bench.cluster import STACK
 from bench.fleet_stack import (
     ELECTION_TIMEOUT_MS,
     StackShapeError,
+    with_etcd_metrics,
     with_heartbeat,
     with_lease,
     with_modeled_reset,
@@ -100,6 +100,20 @@ def test_a_modeled_reset_is_one_more_flag_of_the_workers_alone() -> None:
     assert with_modeled_reset(STACK.read_text(), None) == STACK.read_text()
     with pytest.raises(StackShapeError, match=r"no units\.worker --engine line"):
         with_modeled_reset('command = ["x", "--engine", "mocker"]\n', 0.05)
+
+
+def test_etcd_s_extensive_metrics_are_one_more_flag_of_etcd_alone() -> None:
+    stock = tomllib.loads(STACK.read_text())
+    stack = tomllib.loads(with_etcd_metrics(STACK.read_text(), "extensive"))
+    command = stack["units"]["etcd"]["command"]
+    assert command[command.index("--metrics") + 1] == "extensive"
+    assert sorted(command) == sorted([*stock["units"]["etcd"]["command"], "--metrics", "extensive"])
+    for name, unit in stack["units"].items():
+        if name != "etcd":
+            assert unit == stock["units"][name], name
+    assert with_etcd_metrics(STACK.read_text(), None) == STACK.read_text()
+    with pytest.raises(StackShapeError, match=r"no etcd --initial-cluster line"):
+        with_etcd_metrics('command = ["etcd"]\n', "extensive")
 
 
 def test_what_marked_a_node_lost_is_read_from_its_record_s_why() -> None:

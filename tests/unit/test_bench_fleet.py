@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 
 from bench import fleet
-from bench.fleet_early import DISK, SLOW_LE, disk_counts, disk_since, raft_leader, slow_disk
+from bench.fleet_early import (
+    DISK,
+    SLOW_LE,
+    TXN,
+    disk_counts,
+    disk_since,
+    raft_leader,
+    slow_disk,
+    slowest_txn,
+)
 from bench.fleet_growth import (
     ETCD_METRICS,
     SizesError,
@@ -376,7 +385,8 @@ def test_the_early_push_repeated_is_judged_on_its_slowest_and_counted_against_2x
                 "every_shard_s": 20.0}  # fmt: skip
 
     repeated = {"nodes": 8, "shards": 256, "early": early(0.10, 5.0),
-                "early_again": [early(0.30, 47.0), early(0.12, None)]}  # fmt: skip
+                "early_again": [{**early(0.30, 47.0), "commit_cpu_ms": 2.5,
+                                 "commit_waited_ms": 30.0}, early(0.12, None)]}  # fmt: skip
     once = {"nodes": 2, "shards": 64, "early": early(0.10, 5.0)}
     assert fleet.early_stalls(repeated) == [0.10, 0.30, 0.12]
     assert fleet.early_stalls(once) == [0.10] and fleet.early_stalls({"nodes": 1}) == []
@@ -385,7 +395,8 @@ def test_the_early_push_repeated_is_judged_on_its_slowest_and_counted_against_2x
     assert row[:4] == [8, 256, 3, "0.120 / 0.300"], row
     assert row[4] == "1.20 / 3.00" and row[5] == "2 of 3", row
     assert row[6:9] == ["80 / 80", "26.0 / 47.0", "20.0 / 20.0"], row  # None: left out
-    assert row[9:] == ["5.0 (-), 47.0 (-), nan (-)", "-"], row  # no disk counts in these
+    assert row[9:] == ["5.0 (- / -; -; -), 47.0 (2.5 / 30.0; -; -), nan (- / -; -; -)",
+                       "-"], row  # no etcd counts in these  # fmt: skip
 
     report = fleet.Report("fleet", "t", quick=False)
     reference = {"push": {"stall_s": 0.1}}
@@ -429,3 +440,27 @@ def test_etcd_s_slow_fsyncs_are_those_above_the_bucket_and_counted_per_member() 
     assert (since["n1"]["is_leader"], since["n2"]["is_leader"]) == (1, 0)  # as it is after
     assert raft_leader({"etcd_disk": since}) == "n1"
     assert math.isnan(disk_counts("")["wal_fsync_slow"])  # a member without the metric
+
+
+def test_etcd_s_slowest_txn_is_the_first_bound_that_holds_every_member_s_txns() -> None:
+    def text(within: dict[str, int], count: int) -> str:
+        lines = [f'{TXN}grpc_type="unary",le="{le}"}} {n}' for le, n in within.items()]
+        other = TXN.replace('"Txn"', '"Range"')  # another method: not counted
+        return "\n".join([*lines, f'{TXN}grpc_type="unary",le="+Inf"}} {count}',
+                          f'{other}grpc_type="unary",le="0.005"}} 0',
+                          f'{other}grpc_type="unary",le="+Inf"}} 50'])  # fmt: skip
+
+    quick = {"0.005": 8, "0.01": 10, "0.025": 10, "0.05": 10}
+    before = {"n1": disk_counts(text(quick, 10)), "n2": disk_counts(text(quick, 10))}
+    assert before["n1"]["txn_count"] == 10 and before["n1"]["txn_le_0.005"] == 8
+    # n1 served 3 more within 5 ms; n2 one more, taking 25-50 ms: the slowest is n2's
+    after = {"n1": disk_counts(text({**quick, "0.005": 11, "0.01": 13, "0.025": 13,
+                                     "0.05": 13}, 13)),
+             "n2": disk_counts(text({**quick, "0.05": 11}, 11))}  # fmt: skip
+    assert slowest_txn({"etcd_disk": disk_since(before, after)}) == "<= 50 ms"
+    after["n2"] = disk_counts(text(quick, 10))  # n2 served none
+    assert slowest_txn({"etcd_disk": disk_since(before, after)}) == "<= 5 ms"
+    after["n2"] = disk_counts(text(quick, 12))  # two beyond every bound read
+    assert slowest_txn({"etcd_disk": disk_since(before, after)}) == "> 1000 ms"
+    assert slowest_txn({"etcd_disk": {"n1": disk_counts("")}}) == "-"  # basic metrics
+    assert slowest_txn({}) == "-"
