@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench import host
 from bench.fleet_cut import member_metrics
 from bench.fleet_growth import prometheus
 from bench.fleet_stack import members
@@ -62,12 +63,14 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     try:
         time.sleep(steady_s)
         disk_before = etcd_disk(rig)
+        host_before = host.counters()
         started = time.monotonic()
         answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(
             step, checkpoint, serving=SERVING
         )
         answered = time.monotonic()
-        asked[0] = step  # before the read below: the load asks for the step from the answer
+        asked[0] = step  # before the reads below: the load asks for the step from the answer
+        machine = host.window(host_before)  # the two cores' busy time in the stall (10 ms ticks)
         disk = disk_since(disk_before, etcd_disk(rig))  # read after: not in the stall
         bad = {k: v.get("error") for k, v in answer["acks"].items() if not v.get("ok")}
         if bad:
@@ -103,6 +106,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "etcd_disk": disk,  # from before the push to just after its answer, by member
+        "host": machine,
         "every_shard_s": float(event["seconds"]),
         "head_shards_s": float(event.get("here_s", event["seconds"])),
         "behind": event.get("behind", []),
