@@ -232,6 +232,13 @@ def main() -> None:
         "over N, and a target on the slowest; the faults then use the last step",
     )
     parser.add_argument(
+        "--direct-etcd",
+        action="store_true",
+        help="give Dynamo's processes (the shards', the frontend) etcd's members' list, not "
+        "their node's etcd relay: what the relay's hop costs where no member fails "
+        "(units/cluster/etcd-relay.toml says why the stock stack has it)",
+    )
+    parser.add_argument(
         "--idle",
         type=float,
         default=IDLE_S,
@@ -323,13 +330,16 @@ def main() -> None:
                     max_starting=args.max_starting, max_updating=args.max_updating,
                     idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
                     profile=args.profile, modeled_reset=modeled,
-                    early_pushes=args.early_pushes,
+                    early_pushes=args.early_pushes, direct_etcd=args.direct_etcd,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
             print(f"# fleet done: {json.dumps(fleets[-1], default=str)}", file=sys.stderr)
     judge(report, reference, fleets)
     report.data["inotify"] = inotify
+    if args.direct_etcd:
+        report.notes.append("Dynamo's processes reached etcd's members directly (--direct-etcd), "
+                            "not through their node's etcd relay")  # fmt: skip
     if modeled is not None:
         report.notes.append(
             f"every shard's engine reset (its update, a flush) was modeled: its engine kept, "
@@ -462,6 +472,7 @@ def run_fleet(
     profile: Path | None = None,
     modeled_reset: float | None = None,
     early_pushes: int = 1,
+    direct_etcd: bool = False,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -478,7 +489,7 @@ def run_fleet(
     # repeated early pushes read etcd's own time for each transaction around them
     etcd_metrics = "extensive" if early_pushes > 1 else None
     text = with_etcd_metrics(text, etcd_metrics)
-    stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units))
+    stack.write_text(replicated(text, NODE_NAMES[:n_nodes], units, relay=not direct_etcd))
     rig = ClusterRig(n_nodes, stack=stack, variables=variables, work_dir=work_dir)
     rig.open()
     cluster_table = tomllib.loads(text)["cluster"]
@@ -491,7 +502,8 @@ def run_fleet(
                               "max_starting": max_starting,
                               "max_updating": max_updating,
                               "modeled_reset_s": modeled_reset,
-                              "etcd_metrics": etcd_metrics or "basic"}  # fmt: skip
+                              "etcd_metrics": etcd_metrics or "basic",
+                              "dynamo_etcd": "members" if direct_etcd else "relay"}  # fmt: skip
     last_step = EARLY_STEP + early_pushes - 1  # the version the faults' load asks for
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)

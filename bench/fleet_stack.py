@@ -34,20 +34,22 @@ def members(nodes: Sequence[str]) -> list[str]:
     return list(nodes[:MAX_MEMBERS]) if len(nodes) >= MAX_MEMBERS else list(nodes[:1])
 
 
-def replicated(text: str, nodes: Sequence[str], units_dir: Path) -> str:
+def replicated(text: str, nodes: Sequence[str], units_dir: Path, relay: bool = True) -> str:
     """`text` (cluster.toml) with etcd on `members(nodes)`, its includes made absolute
     (the result is written outside units/). With several members, Dynamo's processes reach
     them as the stock replicated stack's do (units/stacks/cluster-ha.toml): through each
     node's etcd relay on 127.0.0.1, never given the members' list. Given it, Dynamo 1.6.1
     keeps a share of its calls on a member that is cut off: a cut of a node that held a
     member kept the head's frontend routing to that node's shards 2-8 s after dynamod had
-    withdrawn them (their registrations' deletes did not reach its watch)."""
+    withdrawn them (their registrations' deletes did not reach its watch). `relay=False`:
+    Dynamo's processes given the members' list as before the relay (bench.fleet's
+    `--direct-etcd`, to time what the relay's hop costs where no member fails)."""
     members_ = members(nodes)
     urls = ",".join(f"http://{{cluster.nodes.{m}}}:{{vars.etcd_client_port}}" for m in members_)
     initial = ",".join(f"{m}=http://{{cluster.nodes.{m}}}:{{ports.peer}}" for m in members_)
     text = text.replace('"../', f'"{units_dir}/')
     text = _one(r"^etcd_url = .*$", text, f'etcd_url = "{urls}"', "vars.etcd_url")
-    if len(members_) > 1:
+    if len(members_) > 1 and relay:
         text = _through_relay(text, urls, units_dir)
     text = _one(
         r'^(description = "etcd on \{node\.name\}.*)$',

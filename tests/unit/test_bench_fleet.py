@@ -135,6 +135,12 @@ def test_the_fleet_stack_has_three_etcd_members_from_three_nodes_on() -> None:
     alone = tomllib.loads(replicated(stock, nodes[:2], paths.units_dir()))
     assert alone["units"]["etcd"]["nodes"] == ["head"]
     assert alone["units"]["worker"]["env"]["ETCD_ENDPOINTS"] == "{vars.etcd_url}"  # no relay
+    direct = tomllib.loads(replicated(stock, nodes, paths.units_dir(), relay=False))
+    assert "etcd-relay" not in direct["units"]
+    assert direct["units"]["etcd"]["nodes"] == members(nodes)
+    for unit in ("worker", "frontend"):  # the members' list itself, as dynamod's clients
+        assert direct["units"][unit]["env"]["ETCD_ENDPOINTS"] == "{vars.etcd_url}"
+    assert len(direct["vars"]["etcd_url"].split(",")) == 3
 
 
 def test_a_stock_stack_without_the_expected_line_is_refused() -> None:
