@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -43,10 +44,12 @@ AFTER_S = 2.0
 # committed, and a batch into its backend; a commit that waited is looked for in these
 DISK = {"wal_fsync": "etcd_disk_wal_fsync_duration_seconds",
         "backend_commit": "etcd_disk_backend_commit_duration_seconds"}  # fmt: skip
+ERROR_CHARS = 160  # of a failed request's error, kept to tell its kind
 SLOW_LE = "0.032"  # a histogram bound of both (1 ms x 2^n): "slow" is above it
 # etcd's own time for each transaction it served (`--metrics extensive`: gRPC's handling
 # histogram, from the call's arrival at the member to its answer, raft's round included): the
-# commit is one Txn, so a commit that is slow while every Txn was quick waited in the client
+# commit is one Txn, so a commit that is slow while every Txn was quick waited outside etcd's
+# handler (in the daemon, or for a core)
 TXN = 'grpc_server_handling_seconds_bucket{grpc_method="Txn",grpc_service="etcdserverpb.KV",'
 TXN_LE = ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1")  # its bounds, s
 
@@ -268,13 +271,16 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
 
 
 def latencies(rows: list[Request]) -> dict[str, Any]:
-    """Requests, failed, and the answered ones' latency p50 / p99 in ms."""
+    """Requests, failed, the answered ones' latency p50 / p99 in ms, and the failures by
+    what they got (HTTP status, the error's start)."""
     ms = sorted(r.latency * 1000 for r in rows if r.ok)
+    failures = Counter(f"{r.status}: {(r.error or '')[:ERROR_CHARS]}" for r in rows if not r.ok)
     return {
         "requests": len(rows),
         "failed": sum(not r.ok for r in rows),
         "p50_ms": statistics.median(ms) if ms else float("nan"),
         "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else float("nan"),
+        "failures": dict(failures.most_common(5)),
     }
 
 

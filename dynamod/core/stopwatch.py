@@ -1,9 +1,10 @@
 """Where a short wait of the daemon went: its wall time, the CPU the daemon used meanwhile
 (all its threads) and how long the calling thread (the event loop's) was ready to run
 while the kernel ran something else (its `run_delay` in /proc/thread-self/schedstat). A
-wait that is long while both are small was spent outside the daemon (the peer it called);
-one whose thread waited for a core was the machine's; one with the CPU near the wall ran
-in the daemon. NaN where the kernel does not keep schedstat.
+wait whose thread waited for a core was the machine's; one with the CPU near the wall ran
+in the daemon; one that is long while both are small was spent outside the loop's thread
+(the peer it called, or another thread or process waiting for a core). The wait for a core
+is NaN where the kernel does not keep schedstat.
 """
 
 from __future__ import annotations

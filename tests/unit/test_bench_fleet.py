@@ -470,3 +470,22 @@ def test_etcd_s_slowest_txn_is_the_first_bound_that_holds_every_member_s_txns() 
     assert slowest_txn({"etcd_disk": disk_since(before, after)}) == "> 1000 ms"
     assert slowest_txn({"etcd_disk": {"n1": disk_counts("")}}) == "-"  # basic metrics
     assert slowest_txn({}) == "-"
+
+
+def test_the_early_push_s_load_keeps_its_failures_by_kind() -> None:
+    from bench.fleet_early import ERROR_CHARS, latencies
+    from dynamod.chaos.history import Request
+
+    def row(status: int, error: str | None = None, latency: float = 0.04) -> Request:
+        return Request(sent=1.0, done=1.0 + latency, status=status, error=error)
+
+    long = "no instances " + "x" * 300
+    rows = [row(200), row(200, latency=0.08), row(503, long), row(503, long),
+            row(-1, "ServerDisconnectedError()")]  # fmt: skip
+    found = latencies(rows)
+    assert (found["requests"], found["failed"]) == (5, 3)
+    assert found["p50_ms"] == pytest.approx(60.0)
+    kinds = found["failures"]
+    assert kinds == {f"503: {long[:ERROR_CHARS]}": 2,
+                     "-1: ServerDisconnectedError()": 1}  # fmt: skip
+    assert latencies(rows[:2])["failures"] == {}
