@@ -94,8 +94,7 @@ def with_lease(text: str, lease_ttl: int, units_dir: Path) -> str:
     text = _one(r"^(lease_ttl\s*=\s*)[0-9.]+", text, f"\\g<1>{lease_ttl}", "cluster.lease_ttl")
     if lease_ttl not in ELECTION_TIMEOUT_MS:
         return text
-    flag = f'    "--election-timeout", "{ELECTION_TIMEOUT_MS[lease_ttl]}",'
-    return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}", "etcd --initial-cluster")
+    return _etcd_flag(text, "--election-timeout", str(ELECTION_TIMEOUT_MS[lease_ttl]))
 
 
 def with_etcd_metrics(text: str, level: str | None) -> str:
@@ -104,9 +103,14 @@ def with_etcd_metrics(text: str, level: str | None) -> str:
     unchanged for None."""
     if level is None:
         return text
-    flag = f'    "--metrics", "{level}",'
-    return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{flag}",
-                "etcd --initial-cluster")  # fmt: skip
+    return _etcd_flag(text, "--metrics", level)
+
+
+def _etcd_flag(text: str, flag: str, value: str) -> str:
+    """`text` (cluster.toml) with `flag value` in etcd's command, after its
+    `--initial-cluster`."""
+    line = f'    "{flag}", "{value}",'
+    return _one(r'^    "--initial-cluster", .*$', text, f"\\g<0>\n{line}", "etcd --initial-cluster")
 
 
 def with_heartbeat(text: str, timeout: float | None) -> str:
