@@ -54,6 +54,7 @@ from typing import Any
 import structlog
 
 from bench import fleet_history, fleet_plot, fleet_profile, host
+from bench.fleet_cpu import daemon_pid, pids_of, split_table
 from bench.fleet_cut import cut_one, cut_target, member_metrics
 from bench.fleet_early import (
     early_repeat_table,
@@ -61,6 +62,7 @@ from bench.fleet_early import (
     early_table,
     push_early,
     push_early_again,
+    pushes_of,
 )
 from bench.fleet_growth import (
     ETCD_METRICS,
@@ -637,17 +639,6 @@ def shard_pids(rig: ClusterRig, node: str) -> dict[str, int]:
     return pids_of(rig.status(node)["units"], shards=True)
 
 
-def pids_of(units: list[dict[str, Any]], *, shards: bool) -> dict[str, int]:
-    """The running units of a node's status rows: its shards, or the rest (etcd, its
-    relay, NATS, the frontend)."""
-    return {u["name"]: int(u["pid"]) for u in units
-            if u["name"].startswith("worker@") == shards and u["pid"]}  # fmt: skip
-
-
-def daemon_pid(rig: ClusterRig, node: str) -> int:
-    return int((rig.state_dir(node) / "dynamod.pid").read_text().split()[0])
-
-
 def idle_cost(rig: ClusterRig, window: float) -> dict[str, Any]:
     """Over `window` seconds of no load: each shard's CPU share and memory, each daemon's
     CPU share and memory, per shard it supervises; etcd's reads and writes per second."""
@@ -927,6 +918,7 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     if any(isinstance(pick(f, "push", "profile"), dict) for f in fleets):
         report.tables.append(fleet_profile.profile_table(fleets))
     report.tables.append(early_table(fleets))
+    report.tables.append(split_table([f for f in (reference, *fleets) if f], pushes_of))
     if any(len(early_stalls(f)) > 1 for f in fleets):  # `--early-pushes` above 1
         report.tables.append(early_repeat_table(fleets, ref_s))
     report.tables += [fault_table(fleets), health_table(fleets)]

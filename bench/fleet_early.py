@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from bench import host
+from bench import fleet_cpu, host
 from bench.fleet_cut import member_metrics
 from bench.fleet_growth import prometheus
 from bench.fleet_stack import members
@@ -61,11 +61,13 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     held the step, and the step's requests meanwhile."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     asked = [step - 1]  # the step trainer-style requests require: the new one from the answer
+    parts = fleet_cpu.fleet_parts(rig)  # pid -> the fleet's part, for the stall's CPU
     gen = rig.load(load, "tiny-cpu", lambda: asked[0])
     gen.start()
     try:
         time.sleep(steady_s)
         disk_before = etcd_disk(rig)
+        cpu_before = fleet_cpu.snapshot()
         host_before = host.counters()
         started = time.monotonic()
         answer = Client(rig.state_dir(rig.names[0]), timeout=900).policy_push(
@@ -74,6 +76,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         answered = time.monotonic()
         asked[0] = step  # before the reads below: the load asks for the step from the answer
         machine = host.window(host_before)  # the two cores' busy time in the stall (10 ms ticks)
+        cpu_after = fleet_cpu.snapshot()  # ~15 ms for the 8 x 32 fleet's processes
         disk = disk_since(disk_before, etcd_disk(rig))  # read after: not in the stall
         bad = {k: v.get("error") for k, v in answer["acks"].items() if not v.get("ok")}
         if bad:
@@ -94,18 +97,23 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     event = finished[0] if finished else {"seconds": answer["seconds"], "behind": [], "stale": []}
     rows = list(gen.requests)
     wrong = sum(r.ok and r.version != step for r in rows if r.required == step)
+    first_shard, first = min(((k, a) for k, a in answer["acks"].items() if a["ok"]),
+                             key=lambda acked: float(acked[1]["total_ms"]))  # fmt: skip
+    split = fleet_cpu.spent(cpu_before, cpu_after, parts, f"{first_shard}@{rig.names[0]}")
     at = {name: t - gen.origin for name, t in
           (("push", started), ("answer", answered), ("whole", whole))}  # fmt: skip
     return {
+        "step": step,
         "serving": SERVING,
         "stall_s": answered - started,
         "daemon_s": float(answer["seconds"]),  # the rest of the stall: the CLI's call
         "commit_ms": answer.get("commit_ms"),
         "commit_cpu_ms": answer.get("commit_cpu_ms"),  # the head's daemon's CPU in it
         "commit_waited_ms": answer.get("commit_waited_ms"),  # its loop's wait for a core
-        "first_ack_ms": min(float(a["total_ms"]) for a in answer["acks"].values() if a["ok"]),
-        "first_ack_steps_ms": min((a for a in answer["acks"].values() if a["ok"]),
-                                  key=lambda a: float(a["total_ms"]))["ms"],  # by step
+        "first_ack_ms": float(first["total_ms"]),
+        "first_ack_steps_ms": first["ms"],  # by step
+        # where the machine's cores went in the stall, by the fleet's part (fleet_cpu)
+        "cpu_split": split,
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "etcd_disk": disk,  # from before the push to just after its answer, by member
@@ -217,18 +225,18 @@ def push_early_again(
     pushes = []
     for step in range(after + 1, after + 1 + times):
         pushed = push_early(rig, step, shards, load, steady_s)
-        pushes.append({"step": step, **pushed, "whole": whole()})
+        pushes.append({**pushed, "whole": whole()})
     return pushes
 
 
-def early_pushes(fleet: dict[str, Any]) -> list[dict[str, Any]]:
+def pushes_of(fleet: dict[str, Any]) -> list[dict[str, Any]]:
     """Every early push in a fleet's result: the first, then its repeats."""
     return [fleet["early"], *fleet.get("early_again", [])] if "early" in fleet else []
 
 
 def early_stalls(fleet: dict[str, Any]) -> list[float]:
     """Every early push's stall in a fleet's result."""
-    return [float(p["stall_s"]) for p in early_pushes(fleet)]
+    return [float(p["stall_s"]) for p in pushes_of(fleet)]
 
 
 def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
@@ -244,7 +252,7 @@ def early_repeat_table(fleets: list[dict[str, Any]], ref_s: float) -> Table:
          "etcd's raft leader"],
     )  # fmt: skip
     for f in fleets:
-        pushes = early_pushes(f)
+        pushes = pushes_of(f)
         if len(pushes) < 2:
             continue
         stalls = early_stalls(f)

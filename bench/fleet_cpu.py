@@ -1,0 +1,147 @@
+"""Where the machine's cores went in a short window (an early push's stall): every process
+on the machine read from /proc/<pid>/stat before and after, and its CPU in the window put
+to the fleet's part it belongs to: the shard that updated first, the other shards, the
+head's daemon and the other daemons, each other unit by its name (etcd, its relay, NATS,
+the frontend), the benchmark itself (its load's threads and its call to the daemon), and
+what is none of these by its command's name (the kernel's threads among them).
+
+A process that is not a fleet's unit belongs to its nearest ancestor that is (a daemon's
+probe, a unit's own child). /proc counts CPU in clock ticks (10 ms), charged to whichever
+process was running when the tick came: over a window of a few ticks a part's share is a
+sample, and the parts add up to the machine's busy time only roughly (interrupts are the
+machine's, not a process's)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.fleet_threads import group
+from bench.report import Table
+from dynamod.chaos.cluster import ClusterRig
+
+PROC = Path("/proc")
+TICK = os.sysconf("SC_CLK_TCK")
+FIRST = "first shard"
+SHARDS = "other shards"
+HEAD_DAEMON = "head's daemon"
+DAEMONS = "other daemons"
+BENCH = "bench (load, the call)"
+PARTS = (FIRST, SHARDS, HEAD_DAEMON, DAEMONS)  # the columns before the units'
+REST = 6  # the other parts shown in a row, the largest first
+
+
+def pids_of(units: list[dict[str, Any]], *, shards: bool) -> dict[str, int]:
+    """The running units of a node's status rows: its shards, or the rest (etcd, its
+    relay, NATS, the frontend)."""
+    return {u["name"]: int(u["pid"]) for u in units
+            if u["name"].startswith("worker@") == shards and u["pid"]}  # fmt: skip
+
+
+def daemon_pid(rig: ClusterRig, node: str) -> int:
+    return int((rig.state_dir(node) / "dynamod.pid").read_text().split()[0])
+
+
+def fleet_parts(rig: ClusterRig) -> dict[int, str]:
+    """pid -> the fleet's part it is: `worker@N@node` for a shard (the first shard is
+    known only once it acks), the two daemons' parts, each other unit by its name, the
+    benchmark."""
+    parts = {os.getpid(): BENCH}
+    for node in rig.names:
+        units = rig.status(node)["units"]
+        parts |= {pid: f"{unit}@{node}" for unit, pid in pids_of(units, shards=True).items()}
+        parts |= {pid: unit for unit, pid in pids_of(units, shards=False).items()}
+        parts[daemon_pid(rig, node)] = HEAD_DAEMON if node == rig.names[0] else DAEMONS
+    return parts
+
+
+def parse_stat(text: bytes) -> tuple[str, int, float]:
+    """(comm, ppid, utime + stime in seconds) of a /proc/<pid>/stat text."""
+    comm = text[text.find(b"(") + 1 : text.rfind(b")")].decode(errors="replace")
+    fields = text[text.rfind(b")") + 2 :].split()
+    return comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def snapshot(proc: Path = PROC) -> dict[int, tuple[str, int, float]]:
+    """Every process now: pid -> (comm, ppid, CPU seconds so far)."""
+    out = {}
+    for entry in os.scandir(proc):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                out[int(entry.name)] = parse_stat((proc / entry.name / "stat").read_bytes())
+    return out
+
+
+def spent(
+    before: dict[int, tuple[str, int, float]],
+    after: dict[int, tuple[str, int, float]],
+    parts: dict[int, str],
+    first_shard: str | None,
+) -> dict[str, float]:
+    """CPU seconds in the window by part: `parts` (fleet_parts) with the shard named
+    `first_shard` as FIRST and every other shard as SHARDS; a process of none of them goes
+    to its nearest ancestor's part, or else by its command's name (digits dropped). A
+    process born in the window counts from 0; one that ended in it is not seen."""
+    out: dict[str, float] = defaultdict(float)
+    for pid, (comm, _, cpu) in after.items():
+        used = cpu - before[pid][2] if pid in before else cpu
+        if used <= 0:
+            continue
+        out[part_of(pid, comm, after, parts, first_shard)] += used
+    return dict(out)
+
+
+def part_of(
+    pid: int,
+    comm: str,
+    procs: dict[int, tuple[str, int, float]],
+    parts: dict[int, str],
+    first_shard: str | None,
+) -> str:
+    """The part a process belongs to: its own, its nearest ancestor's, else its comm's."""
+    seen = set()
+    at = pid
+    while at > 1 and at not in seen:
+        if at in parts:  # a unit that ended in the window still owns its children
+            name = parts[at]
+            if name.startswith("worker@"):
+                return FIRST if name == first_shard else SHARDS
+            return name
+        if at not in procs:
+            break
+        seen.add(at)
+        at = procs[at][1]
+    return group(comm)
+
+
+def split_table(
+    fleets: list[dict[str, Any]], pushes_of: Callable[[dict[str, Any]], list[dict[str, Any]]]
+) -> Table:
+    """Per early push (`pushes_of(fleet)`): the machine's busy ms in its stall and each
+    part's ms of it; the parts outside the fleet's shards, daemons and the bench are in
+    the last cell, the largest first."""
+    table = Table(
+        "Where the machine's cores went in each push answered early: CPU ms in the trainer's "
+        "stall, by process (/proc, 10 ms ticks; a process outside the fleet's units counts "
+        "to its nearest unit ancestor, or by its name)",
+        ["nodes", "shards", "step", "stall ms", "machine busy ms", *PARTS, BENCH,
+         "the rest (largest first)"],
+        digits=0,
+    )  # fmt: skip
+    for f in fleets:
+        for p in pushes_of(f):
+            split = p.get("cpu_split")
+            if split is None:
+                continue
+            rest = sorted((k for k in split if k not in (*PARTS, BENCH)), key=lambda k: -split[k])
+            table.rows.append(
+                [f["nodes"], f["shards"], p["step"], p["stall_s"] * 1000,
+                 p["host"]["busy_s"] * 1000,
+                 *(split.get(k, 0.0) * 1000 for k in (*PARTS, BENCH)),
+                 ", ".join(f"{k} {split[k] * 1000:.0f}" for k in rest[:REST]) or "-"]
+            )  # fmt: skip
+    return table

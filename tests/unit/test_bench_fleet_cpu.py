@@ -1,0 +1,96 @@
+"""bench/fleet_cpu.py: an early stall's CPU put to the fleet's parts, on fixed /proc text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench import fleet_cpu
+from bench.fleet_cpu import BENCH, DAEMONS, FIRST, HEAD_DAEMON, SHARDS, TICK
+
+# pid -> (comm, ppid, CPU seconds): before and after a window
+BEFORE = {
+    2: ("kthreadd", 0, 0.0),
+    40: ("kworker/1:2", 2, 1.00),
+    100: ("python", 1, 5.00),  # the bench
+    200: ("python3", 100, 3.00),  # the head's daemon
+    201: ("python3", 200, 7.00),  # its shard worker@0: the first to ack
+    202: ("python3", 200, 7.00),  # its shard worker@1
+    203: ("sh", 202, 0.10),  # a child of worker@1
+    300: ("python3", 100, 3.00),  # the other node's daemon
+    301: ("python3", 300, 7.00),  # its shard worker@0
+    302: ("etcd", 300, 9.00),
+    400: ("sleep", 1, 0.50),  # of no unit
+}
+PARTS = {100: BENCH, 200: HEAD_DAEMON, 201: "worker@0@n0", 202: "worker@1@n0",
+         300: DAEMONS, 301: "worker@0@n1", 302: "etcd"}  # fmt: skip
+
+
+def later(**used: float) -> dict[int, tuple[str, int, float]]:
+    """BEFORE with `p<pid>=seconds` added to those pids' CPU."""
+    after = dict(BEFORE)
+    for key, seconds in used.items():
+        comm, ppid, cpu = after[int(key[1:])]
+        after[int(key[1:])] = (comm, ppid, cpu + seconds)
+    return after
+
+
+def test_each_process_s_cpu_goes_to_its_part_the_first_shard_apart() -> None:
+    after = later(p201=0.05, p202=0.02, p301=0.03, p200=0.01, p300=0.02, p100=0.04, p302=0.06)
+    got = fleet_cpu.spent(BEFORE, after, PARTS, "worker@0@n0")
+    assert got == pytest.approx(
+        {FIRST: 0.05, SHARDS: 0.05, HEAD_DAEMON: 0.01, DAEMONS: 0.02, BENCH: 0.04, "etcd": 0.06}
+    )
+    # the same shard's name on another node is not the first shard
+    assert fleet_cpu.spent(BEFORE, later(p301=0.03), PARTS, "worker@0@n0") == pytest.approx(
+        {SHARDS: 0.03}
+    )
+
+
+def test_a_unit_s_child_counts_to_it_and_the_rest_goes_by_its_name() -> None:
+    after = later(p203=0.02, p40=0.03, p400=0.01)
+    after[500] = ("kworker/0:1", 2, 0.04)  # born in the window: counted from 0
+    after[501] = ("ssh", 203, 0.01)  # a grandchild of worker@1
+    after[502] = ("curl", 200, 0.02)  # the head's daemon's probe, born in the window
+    del after[200]  # the daemon ended in the window: its probe is still its
+    after[503] = ("git", 999, 0.05)  # its parent is gone and was no unit: by its own name
+    got = fleet_cpu.spent(BEFORE, after, PARTS, "worker@0@n0")
+    assert got == pytest.approx(
+        {SHARDS: 0.03, HEAD_DAEMON: 0.02, "kworker/:": 0.07, "sleep": 0.01, "git": 0.05}
+    )
+
+
+def test_nothing_used_is_an_empty_split_and_a_parent_loop_ends() -> None:
+    assert fleet_cpu.spent(BEFORE, BEFORE, PARTS, None) == {}
+    loop = {7: ("a", 8, 1.0), 8: ("b", 7, 1.0)}
+    assert fleet_cpu.spent({}, loop, {}, None) == {"a": 1.0, "b": 1.0}
+
+
+def test_a_stat_line_is_read_through_a_command_name_with_spaces_and_parentheses(
+    tmp_path: Path,
+) -> None:
+    fields = ["S", "77"] + ["0"] * 9 + [str(3 * TICK), str(TICK)] + ["0"] * 40
+    (tmp_path / "123").mkdir()
+    (tmp_path / "123" / "stat").write_text(f"123 (we (ir) d) {' '.join(fields)}\n")
+    (tmp_path / "self").mkdir()  # not a pid: left out
+    (tmp_path / "124").mkdir()  # gone between the listing and the read: left out
+    assert fleet_cpu.snapshot(tmp_path) == {123: ("we (ir) d", 77, 4.0)}
+
+
+def test_this_machine_s_processes_include_this_one() -> None:
+    comm, ppid, cpu = fleet_cpu.snapshot()[os.getpid()]
+    assert comm == Path("/proc/self/comm").read_text().strip()
+    assert ppid == os.getppid() and cpu > 0
+
+
+def test_the_split_table_has_a_row_per_early_push_and_the_rest_largest_first() -> None:
+    split = {FIRST: 0.02, SHARDS: 0.1, "etcd": 0.01, "frontend": 0.03, BENCH: 0.005}
+    fleet = {"nodes": 8, "shards": 256,
+             "early": {"step": 2, "stall_s": 0.15, "host": {"busy_s": 0.2}, "cpu_split": split},
+             "early_again": [{"step": 3, "stall_s": 0.1, "host": {"busy_s": 0.1}}]}  # fmt: skip
+    table = fleet_cpu.split_table([fleet], lambda f: [f["early"], *f["early_again"]])
+    assert table.rows == [  # the push without a split (an older result) has no row
+        [8, 256, 2, 150.0, 200.0, 20.0, 100.0, 0.0, 0.0, 5.0, "frontend 30, etcd 10"]
+    ]
