@@ -166,9 +166,10 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert early["acked_at_answer"] >= 1 and not early["behind"] and not early["stale"], early
     assert early["every_shard_s"] >= early["stall_s"] * 0.5, early
     # the machine's CPU in its stall, put to the fleet's parts (no shard by its own name)
-    split = early["cpu_split"]
+    split = early["cpu_split"]["parts"]
     assert set(split) & {"first shard", "other shards", "head's daemon", "bench (load, the call)"}
     assert not any(part.startswith("worker@") for part in split), split
+    assert early["cpu_split"]["window_s"] >= early["stall_s"], early["cpu_split"]
     # under load: the new step's requests from the answer on were served, at that step
     step = early["load"]["step_all"]
     assert step["requests"] > 0 and step["failed"] == 0, early["load"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,24 @@ def test_a_stat_line_is_read_through_a_command_name_with_spaces_and_parentheses(
     assert fleet_cpu.snapshot(tmp_path) == {123: ("we (ir) d", 77, 4.0)}
 
 
+def test_a_scan_reads_its_files_again_in_place_and_drops_a_process_that_ended() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        with fleet_cpu.Scan() as scan:
+            first = scan.read()
+            assert first[child.pid][:2] == ("sleep", os.getpid())
+            busy(0.05)  # this process's CPU moves between two reads (in 10 ms ticks)
+            assert scan.read()[os.getpid()][2] - first[os.getpid()][2] >= 0.04 - 1e-9
+            child.kill()
+            child.wait()
+            assert child.pid not in scan.read() and child.pid not in scan.fds
+            opened = len(scan.fds)
+        assert opened > 0 and not scan.fds  # closed on the way out
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_this_machine_s_processes_include_this_one() -> None:
     comm, ppid, cpu = fleet_cpu.snapshot()[os.getpid()]
     assert comm == Path("/proc/self/comm").read_text().strip()
@@ -86,11 +106,31 @@ def test_this_machine_s_processes_include_this_one() -> None:
 
 
 def test_the_split_table_has_a_row_per_early_push_and_the_rest_largest_first() -> None:
-    split = {FIRST: 0.02, SHARDS: 0.1, "etcd": 0.01, "frontend": 0.03, BENCH: 0.005}
+    parts = {FIRST: 0.02, SHARDS: 0.1, "etcd": 0.01, "frontend": 0.03, BENCH: 0.005}
+    split = {"window_s": 0.16, "busy_s": 0.2, "parts": parts}
     fleet = {"nodes": 8, "shards": 256,
-             "early": {"step": 2, "stall_s": 0.15, "host": {"busy_s": 0.2}, "cpu_split": split},
-             "early_again": [{"step": 3, "stall_s": 0.1, "host": {"busy_s": 0.1}}]}  # fmt: skip
+             "early": {"step": 2, "stall_s": 0.15, "cpu_split": split},
+             "early_again": [{"step": 3, "stall_s": 0.1}]}  # fmt: skip
     table = fleet_cpu.split_table([fleet], lambda f: [f["early"], *f["early_again"]])
     assert table.rows == [  # the push without a split (an older result) has no row
-        [8, 256, 2, 150.0, 200.0, 20.0, 100.0, 0.0, 0.0, 5.0, "frontend 30, etcd 10"]
+        [8, 256, 2, 150.0, 160.0, 200.0, 20.0, 100.0, 0.0, 0.0, 5.0, "frontend 30, etcd 10"]
     ]
+
+
+def test_a_split_s_window_holds_what_it_brackets_and_the_machine_s_busy_time() -> None:
+    split = fleet_cpu.Split()
+    split.start()
+    began = time.monotonic()
+    busy(0.05)
+    spun = time.monotonic() - began
+    split.stop()
+    got = split.result({os.getpid(): BENCH}, None)
+    assert got["window_s"] >= spun and not split.scan.fds
+    assert got["parts"][BENCH] >= 0.04 - 1e-9 and got["busy_s"] >= 0.04 - 1e-9
+
+
+def busy(cpu_s: float) -> None:
+    """Spin until this process has used `cpu_s` more CPU."""
+    until = time.process_time() + cpu_s
+    while time.process_time() < until:
+        pass
