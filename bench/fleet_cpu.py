@@ -30,11 +30,15 @@ from dynamod.chaos.cluster import ClusterRig
 PROC = Path("/proc")
 TICK = os.sysconf("SC_CLK_TCK")
 FIRST = "first shard"
-SHARDS = "other shards"
+HEAD_SHARDS = "head's other shards"
 HEAD_DAEMON = "head's daemon"
-DAEMONS = "other daemons"
+SHARDS = "other nodes' shards"
+DAEMONS = "other nodes' daemons"
+ELSEWHERE = "other nodes' "  # before a unit's name: that unit on the other nodes
 BENCH = "bench (load, the call)"
-PARTS = (FIRST, SHARDS, HEAD_DAEMON, DAEMONS)  # the columns before the units'
+# the columns before the rest's: the head's shards and daemon, then the other nodes' (on a
+# fleet of machines, not on the head's cores)
+PARTS = (FIRST, HEAD_SHARDS, HEAD_DAEMON, SHARDS, DAEMONS)
 REST = 6  # the other parts shown in a row, the largest first
 
 
@@ -50,15 +54,18 @@ def daemon_pid(rig: ClusterRig, node: str) -> int:
 
 
 def fleet_parts(rig: ClusterRig) -> dict[int, str]:
-    """pid -> the fleet's part it is: `worker@N@node` for a shard (the first shard is
-    known only once it acks), the two daemons' parts, each other unit by its name, the
-    benchmark."""
+    """pid -> the fleet's part it is: the head's shards by name (`worker@N`: the first
+    shard is known only once it acks), the head's daemon and its other units by name, the
+    other nodes' shards, daemons and units (`other nodes' etcd`), the benchmark."""
     parts = {os.getpid(): BENCH}
     for node in rig.names:
+        head = node == rig.names[0]
         units = rig.status(node)["units"]
-        parts |= {pid: f"{unit}@{node}" for unit, pid in pids_of(units, shards=True).items()}
-        parts |= {pid: unit for unit, pid in pids_of(units, shards=False).items()}
-        parts[daemon_pid(rig, node)] = HEAD_DAEMON if node == rig.names[0] else DAEMONS
+        shards = pids_of(units, shards=True)
+        parts |= {pid: unit if head else SHARDS for unit, pid in shards.items()}
+        rest = pids_of(units, shards=False)
+        parts |= {pid: unit if head else ELSEWHERE + unit for unit, pid in rest.items()}
+        parts[daemon_pid(rig, node)] = HEAD_DAEMON if head else DAEMONS
     return parts
 
 
@@ -147,8 +154,8 @@ def spent(
     parts: dict[int, str],
     first_shard: str | None,
 ) -> dict[str, float]:
-    """CPU seconds in the window by part: `parts` (fleet_parts) with the shard named
-    `first_shard` as FIRST and every other shard as SHARDS; a process of none of them goes
+    """CPU seconds in the window by part: `parts` (fleet_parts) with the head's shard
+    named `first_shard` as FIRST and its others as HEAD_SHARDS; a process of none of them goes
     to its nearest ancestor's part, or else by its command's name (digits dropped). A
     process born in the window counts from 0; one that ended in it is not seen."""
     out: dict[str, float] = defaultdict(float)
@@ -173,8 +180,8 @@ def part_of(
     while at > 1 and at not in seen:
         if at in parts:  # a unit that ended in the window still owns its children
             name = parts[at]
-            if name.startswith("worker@"):
-                return FIRST if name == first_shard else SHARDS
+            if name.startswith("worker@"):  # one of the head's shards
+                return FIRST if name == first_shard else HEAD_SHARDS
             return name
         if at not in procs:
             break

@@ -114,7 +114,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "first_ack_ms": float(first["total_ms"]),
         "first_ack_steps_ms": first["ms"],  # by step
         # where the machine's cores went in the stall, by the fleet's part (fleet_cpu)
-        "cpu_split": split.result(parts, f"{first_shard}@{rig.names[0]}"),
+        "cpu_split": split.result(parts, first_shard),
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "etcd_disk": disk,  # from before the push to just after its answer, by member

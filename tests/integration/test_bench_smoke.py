@@ -167,7 +167,8 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert early["every_shard_s"] >= early["stall_s"] * 0.5, early
     # the machine's CPU in its stall, put to the fleet's parts (no shard by its own name)
     split = early["cpu_split"]["parts"]
-    assert set(split) & {"first shard", "other shards", "head's daemon", "bench (load, the call)"}
+    assert set(split) & {"first shard", "head's other shards", "head's daemon",
+                         "bench (load, the call)"}
     assert not any(part.startswith("worker@") for part in split), split
     assert early["cpu_split"]["window_s"] >= early["stall_s"], early["cpu_split"]
     # under load: the new step's requests from the answer on were served, at that step

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import fleet_cpu
-from bench.fleet_cpu import BENCH, DAEMONS, FIRST, HEAD_DAEMON, SHARDS, TICK
+from bench.fleet_cpu import BENCH, DAEMONS, FIRST, HEAD_DAEMON, HEAD_SHARDS, SHARDS, TICK
 
 # pid -> (comm, ppid, CPU seconds): before and after a window
 BEFORE = {
@@ -26,8 +26,8 @@ BEFORE = {
     302: ("etcd", 300, 9.00),
     400: ("sleep", 1, 0.50),  # of no unit
 }
-PARTS = {100: BENCH, 200: HEAD_DAEMON, 201: "worker@0@n0", 202: "worker@1@n0",
-         300: DAEMONS, 301: "worker@0@n1", 302: "etcd"}  # fmt: skip
+PARTS = {100: BENCH, 200: HEAD_DAEMON, 201: "worker@0", 202: "worker@1",
+         300: DAEMONS, 301: SHARDS, 302: "other nodes' etcd"}  # fmt: skip
 
 
 def later(**used: float) -> dict[int, tuple[str, int, float]]:
@@ -41,13 +41,12 @@ def later(**used: float) -> dict[int, tuple[str, int, float]]:
 
 def test_each_process_s_cpu_goes_to_its_part_the_first_shard_apart() -> None:
     after = later(p201=0.05, p202=0.02, p301=0.03, p200=0.01, p300=0.02, p100=0.04, p302=0.06)
-    got = fleet_cpu.spent(BEFORE, after, PARTS, "worker@0@n0")
-    assert got == pytest.approx(
-        {FIRST: 0.05, SHARDS: 0.05, HEAD_DAEMON: 0.01, DAEMONS: 0.02, BENCH: 0.04, "etcd": 0.06}
-    )
-    # the same shard's name on another node is not the first shard
-    assert fleet_cpu.spent(BEFORE, later(p301=0.03), PARTS, "worker@0@n0") == pytest.approx(
-        {SHARDS: 0.03}
+    got = fleet_cpu.spent(BEFORE, after, PARTS, "worker@0")
+    assert got == pytest.approx({FIRST: 0.05, HEAD_SHARDS: 0.02, SHARDS: 0.03, HEAD_DAEMON: 0.01,
+                                 DAEMONS: 0.02, BENCH: 0.04, "other nodes' etcd": 0.06})
+    # another of the head's shards first
+    assert fleet_cpu.spent(BEFORE, later(p201=0.05, p202=0.02), PARTS, "worker@1") == (
+        pytest.approx({HEAD_SHARDS: 0.05, FIRST: 0.02})
     )
 
 
@@ -58,9 +57,9 @@ def test_a_unit_s_child_counts_to_it_and_the_rest_goes_by_its_name() -> None:
     after[502] = ("curl", 200, 0.02)  # the head's daemon's probe, born in the window
     del after[200]  # the daemon ended in the window: its probe is still its
     after[503] = ("git", 999, 0.05)  # its parent is gone and was no unit: by its own name
-    got = fleet_cpu.spent(BEFORE, after, PARTS, "worker@0@n0")
+    got = fleet_cpu.spent(BEFORE, after, PARTS, "worker@0")
     assert got == pytest.approx(
-        {SHARDS: 0.03, HEAD_DAEMON: 0.02, "kworker/:": 0.07, "sleep": 0.01, "git": 0.05}
+        {HEAD_SHARDS: 0.03, HEAD_DAEMON: 0.02, "kworker/:": 0.07, "sleep": 0.01, "git": 0.05}
     )
 
 
@@ -106,14 +105,15 @@ def test_this_machine_s_processes_include_this_one() -> None:
 
 
 def test_the_split_table_has_a_row_per_early_push_and_the_rest_largest_first() -> None:
-    parts = {FIRST: 0.02, SHARDS: 0.1, "etcd": 0.01, "frontend": 0.03, BENCH: 0.005}
+    parts = {FIRST: 0.02, SHARDS: 0.1, DAEMONS: 0.04, "etcd": 0.01, "frontend": 0.03,
+             BENCH: 0.005}  # fmt: skip
     split = {"window_s": 0.16, "busy_s": 0.2, "parts": parts}
     fleet = {"nodes": 8, "shards": 256,
              "early": {"step": 2, "stall_s": 0.15, "cpu_split": split},
              "early_again": [{"step": 3, "stall_s": 0.1}]}  # fmt: skip
     table = fleet_cpu.split_table([fleet], lambda f: [f["early"], *f["early_again"]])
     assert table.rows == [  # the push without a split (an older result) has no row
-        [8, 256, 2, 150.0, 160.0, 200.0, 20.0, 100.0, 0.0, 0.0, 5.0, "frontend 30, etcd 10"]
+        [8, 256, 2, 150.0, 160.0, 200.0, 20.0, 0.0, 0.0, 100.0, 40.0, 5.0, "frontend 30, etcd 10"]
     ]
 
 
