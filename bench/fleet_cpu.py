@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import host
-from bench.fleet_threads import group
+from bench.fleet_threads import Waits, group
 from bench.report import Table
 from dynamod.chaos.cluster import ClusterRig
 
@@ -117,29 +117,54 @@ class Scan:
 class Split:
     """The processes' CPU over a window (`start` to `stop`), beside the machine's busy time
     over the same window: the two scans are in it, so it is a few ms longer than what it
-    brackets. Every process's stat is opened when made, before the window."""
+    brackets. And the head's daemon's and shards' threads' run time and wait for a core
+    (their schedstat, in ns: the first shard's is known once it acks). Every file is
+    opened when made, before the window. `parts`: fleet_parts."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: dict[int, str]) -> None:
+        self.parts = parts
         self.scan = Scan()
+        self.waits = Waits([p for p, n in parts.items() if n.startswith("worker@") or
+                            n == HEAD_DAEMON])  # fmt: skip
         self.before: dict[int, tuple[str, int, float]] = {}
         self.after: dict[int, tuple[str, int, float]] = {}
-        self.window_s = self.busy_s = math.nan
+        self.waited: dict[int, dict[str, float]] = {}
+        self.window_s = self.busy_s = self.irq_s = math.nan
+        self.reads_ms: list[float] = []  # the reads at the window's start and end
 
     def start(self) -> None:
         self.host = host.counters()
         self.began = time.monotonic()
         self.before = self.scan.read()
+        self.waits.mark()
+        self.reads_ms = [(time.monotonic() - self.began) * 1000]
 
     def stop(self) -> None:
+        stopping = time.monotonic()
+        self.waited = self.waits.since()
         self.after = self.scan.read()
-        self.window_s = time.monotonic() - self.began
-        self.busy_s = host.window(self.host)["busy_s"]
-        self.scan.close()
+        ended = time.monotonic()
+        self.window_s = ended - self.began
+        self.reads_ms.append((ended - stopping) * 1000)
+        machine = host.window(self.host)
+        self.busy_s, self.irq_s = machine["busy_s"], machine["irq_s"]
+        self.close()
 
-    def result(self, parts: dict[int, str], first_shard: str | None) -> dict[str, Any]:
-        """The window's length, the machine's busy time in it, and `spent` by part."""
-        return {"window_s": self.window_s, "busy_s": self.busy_s,
-                "parts": spent(self.before, self.after, parts, first_shard)}  # fmt: skip
+    def close(self) -> None:
+        self.scan.close()
+        self.waits.close()
+
+    def result(self, first_shard: str | None) -> dict[str, Any]:
+        """The window's length (and its two reads'), the machine's busy time in it (and its
+        interrupts' part, which is no process's), `spent` by part, and the
+        first shard's and the head's daemon's threads' run and wait (ms)."""
+        named = {n: p for p, n in self.parts.items()}
+        waits = {FIRST: self.waited.get(named.get(first_shard or "", -1)),
+                 HEAD_DAEMON: self.waited.get(named.get(HEAD_DAEMON, -1))}  # fmt: skip
+        return {"window_s": self.window_s, "busy_s": self.busy_s, "irq_s": self.irq_s,
+                "reads_ms": self.reads_ms,
+                "parts": spent(self.before, self.after, self.parts, first_shard),
+                "waits": {k: v for k, v in waits.items() if v is not None}}  # fmt: skip
 
 
 def snapshot(proc: Path = PROC) -> dict[int, tuple[str, int, float]]:
@@ -201,8 +226,11 @@ def split_table(
         "Where the machine's cores went in each push answered early: CPU ms by process over "
         "the stall and the two reads around it (/proc, 10 ms ticks; a process outside the "
         "fleet's units counts to its nearest unit ancestor, or by its name)",
-        ["nodes", "shards", "step", "stall ms", "window ms", "machine busy ms", *PARTS, BENCH,
-         "the rest (largest first)"],
+        ["nodes", "shards", "step", "stall ms", "window ms (its two reads)",
+         "machine busy ms (interrupts)", *PARTS, BENCH,
+         "the rest (largest first)",
+         "first shard's threads: ran / waited for a core ms (threads ended)",
+         "head's daemon's threads: ran / waited ms"],
         digits=0,
     )  # fmt: skip
     for f in fleets:
@@ -214,8 +242,24 @@ def split_table(
             rest = sorted((k for k in split if k not in (*PARTS, BENCH)), key=lambda k: -split[k])
             table.rows.append(
                 [f["nodes"], f["shards"], p["step"], p["stall_s"] * 1000,
-                 cut["window_s"] * 1000, cut["busy_s"] * 1000,
+                 with_part(cut["window_s"] * 1000, sum(cut.get("reads_ms", [math.nan]))),
+                 with_part(cut["busy_s"] * 1000, cut.get("irq_s", math.nan) * 1000),
                  *(split.get(k, 0.0) * 1000 for k in (*PARTS, BENCH)),
-                 ", ".join(f"{k} {split[k] * 1000:.0f}" for k in rest[:REST]) or "-"]
+                 ", ".join(f"{k} {split[k] * 1000:.0f}" for k in rest[:REST]) or "-",
+                 waited(cut, FIRST, ended=True), waited(cut, HEAD_DAEMON)]
             )  # fmt: skip
     return table
+
+
+def waited(cut: dict[str, Any], part: str, *, ended: bool = False) -> str:
+    """A part's threads' run / wait for a core in a split, ms ("-" where not read)."""
+    w = cut.get("waits", {}).get(part)
+    if w is None:
+        return "-"
+    text = f"{w['ran_ms']:.1f} / {w['waited_ms']:.1f}"
+    return f"{text} ({w['threads_ended']})" if ended else text
+
+
+def with_part(whole: float, part: float) -> str:
+    """`whole (part)` in ms; the part `-` where it was not read."""
+    return f"{whole:.0f} ({'-' if math.isnan(part) else f'{part:.0f}'})"

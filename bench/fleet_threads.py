@@ -12,12 +12,14 @@ import contextlib
 import os
 import re
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from bench.procs import stat_cpu
 from bench.report import Table
 
 ENDED = "(threads that ended in the push)"
+PROC = Path("/proc")
 
 
 def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
@@ -79,3 +81,64 @@ def thread_table(fleets: list[dict[str, Any]], whose: str = "shards", top: int =
             row.append(total / f["shards"] * 1000)
         table.rows.append(row)
     return table
+
+
+class Waits:
+    """Each thread's run time and wait for a core, from the kernel's schedstat
+    (/proc/<pid>/task/<tid>/schedstat: ns on a core, ns runnable but waiting for one), for
+    some processes, read twice over a window: each file opened once and read again in
+    place. A thread born in the window counts from 0; one that ended in it is lost (its
+    process's count of them is kept), so a process's wait is at least what is shown."""
+
+    def __init__(self, pids: list[int], proc: Path = PROC) -> None:
+        self.proc = proc
+        self.pids = pids
+        self.fds: dict[tuple[int, int], int] = {}
+        self.mark()
+
+    def mark(self) -> None:
+        """Where the window starts."""
+        self.before = self.read()
+
+    def read(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(pid, tid) -> (ns run, ns waited) so far, for every live thread of the pids."""
+        out = {}
+        for key, fd in list(self.fds.items()):
+            try:
+                out[key] = schedstat(os.pread(fd, 256, 0))
+            except (OSError, ValueError, IndexError):  # the thread ended
+                os.close(self.fds.pop(key))
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(self.proc / str(pid) / "task"):
+                    if (pid, int(tid)) not in out:
+                        with contextlib.suppress(OSError, ValueError, IndexError):
+                            fd = os.open(self.proc / str(pid) / "task" / tid / "schedstat",
+                                         os.O_RDONLY)  # fmt: skip
+                            self.fds[(pid, int(tid))] = fd
+                            out[(pid, int(tid))] = schedstat(os.pread(fd, 256, 0))
+        return out
+
+    def since(self) -> dict[int, dict[str, float]]:
+        """Per pid, from `mark` to now: ms its threads ran, ms they waited for a
+        core, and how many of them ended meanwhile (their time lost)."""
+        after = self.read()
+        out = {pid: {"ran_ms": 0.0, "waited_ms": 0.0, "threads_ended": 0} for pid in self.pids}
+        for (pid, tid), (ran, waited) in after.items():
+            ran0, waited0 = self.before.get((pid, tid), (0, 0))
+            out[pid]["ran_ms"] += (ran - ran0) / 1e6
+            out[pid]["waited_ms"] += (waited - waited0) / 1e6
+        for pid, _ in set(self.before) - set(after):
+            out[pid]["threads_ended"] += 1
+        return out
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def schedstat(text: bytes) -> tuple[int, int]:
+    """(ns run, ns waited for a core) of a schedstat file's text."""
+    ran, waited, _ = text.split()[:3]
+    return int(ran), int(waited)

@@ -28,6 +28,7 @@ class HostCounters:
     """Cumulative counters since boot, all cores together; subtract two to get a window."""
 
     busy_s: float  # user + nice + system + irq + softirq
+    irq_s: float  # irq + softirq (in busy_s): interrupts' time, no process's (the network's)
     steal_s: float  # time the hypervisor ran something else while this VM had work
     iowait_s: float
     kdamond_s: float  # the DAMON kernel threads' own CPU (part of busy_s: system time)
@@ -48,6 +49,7 @@ def cpu_line(stat_text: str) -> dict[str, float]:
     user, nice, system, idle, iowait, irq, softirq, steal = ticks[:8]
     return {
         "busy_s": (user + nice + system + irq + softirq) / TICK,
+        "irq_s": (irq + softirq) / TICK,
         "steal_s": steal / TICK,
         "iowait_s": iowait / TICK,
         "idle_s": idle / TICK,
@@ -85,6 +87,7 @@ def counters(proc: Path = PROC, damon: Path = DAMON) -> HostCounters:
             kdamond += procs.stat_cpu(str(proc / str(pid) / "stat"))[1]
     return HostCounters(
         busy_s=cpu["busy_s"],
+        irq_s=cpu["irq_s"],
         steal_s=cpu["steal_s"],
         iowait_s=cpu["iowait_s"],
         kdamond_s=kdamond,

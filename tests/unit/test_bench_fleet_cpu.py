@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 from bench import fleet_cpu
 from bench.fleet_cpu import BENCH, DAEMONS, FIRST, HEAD_DAEMON, HEAD_SHARDS, SHARDS, TICK
+from bench.fleet_threads import Waits, schedstat
 
 # pid -> (comm, ppid, CPU seconds): before and after a window
 BEFORE = {
@@ -107,26 +110,64 @@ def test_this_machine_s_processes_include_this_one() -> None:
 def test_the_split_table_has_a_row_per_early_push_and_the_rest_largest_first() -> None:
     parts = {FIRST: 0.02, SHARDS: 0.1, DAEMONS: 0.04, "etcd": 0.01, "frontend": 0.03,
              BENCH: 0.005}  # fmt: skip
-    split = {"window_s": 0.16, "busy_s": 0.2, "parts": parts}
+    split = {"window_s": 0.16, "busy_s": 0.2, "parts": parts}  # read before irq_s and reads_ms
     fleet = {"nodes": 8, "shards": 256,
              "early": {"step": 2, "stall_s": 0.15, "cpu_split": split},
              "early_again": [{"step": 3, "stall_s": 0.1}]}  # fmt: skip
     table = fleet_cpu.split_table([fleet], lambda f: [f["early"], *f["early_again"]])
     assert table.rows == [  # the push without a split (an older result) has no row
-        [8, 256, 2, 150.0, 160.0, 200.0, 20.0, 0.0, 0.0, 100.0, 40.0, 5.0, "frontend 30, etcd 10"]
+        [8, 256, 2, 150.0, "160 (-)", "200 (-)", 20.0, 0.0, 0.0, 100.0, 40.0, 5.0,
+         "frontend 30, etcd 10", "-", "-"]
     ]
 
 
 def test_a_split_s_window_holds_what_it_brackets_and_the_machine_s_busy_time() -> None:
-    split = fleet_cpu.Split()
+    split = fleet_cpu.Split({os.getpid(): HEAD_DAEMON})  # this process as the head's daemon
     split.start()
     began = time.monotonic()
     busy(0.05)
     spun = time.monotonic() - began
     split.stop()
-    got = split.result({os.getpid(): BENCH}, None)
-    assert got["window_s"] >= spun and not split.scan.fds
-    assert got["parts"][BENCH] >= 0.04 - 1e-9 and got["busy_s"] >= 0.04 - 1e-9
+    got = split.result(None)
+    assert got["window_s"] >= spun and not split.scan.fds and not split.waits.fds
+    assert len(got["reads_ms"]) == 2 and sum(got["reads_ms"]) <= got["window_s"] * 1000 - spun
+    assert 0 <= got["irq_s"] <= got["busy_s"]
+    assert got["parts"][HEAD_DAEMON] >= 0.04 - 1e-9 and got["busy_s"] >= 0.04 - 1e-9
+    # its threads' own count, in ns: at least the CPU spun, and no first shard to show
+    assert set(got["waits"]) == {HEAD_DAEMON}
+    assert got["waits"][HEAD_DAEMON]["ran_ms"] >= 50 - 1e-6, got["waits"]
+
+
+def test_a_process_s_threads_run_and_wait_for_a_core_and_an_ended_one_is_counted() -> None:
+    stop, spun, done = threading.Event(), threading.Event(), threading.Event()
+    short = threading.Thread(target=stop.wait)
+    fresh = threading.Thread(target=lambda: (busy(0.03), spun.set(), done.wait()))
+    short.start()
+    waits = Waits([os.getpid()])
+    try:
+        stop.set()
+        short.join()  # ended in the window: its time is lost, its end counted
+        fresh.start()  # born in the window, alive at its end: counted from 0
+        spun.wait()
+        got = waits.since()[os.getpid()]
+    finally:
+        waits.close()
+        stop.set()
+        done.set()
+        if fresh.is_alive():
+            fresh.join()
+    assert got["ran_ms"] >= 30 - 1e-6 and got["waited_ms"] >= 0, got
+    assert got["threads_ended"] == 1, got
+
+
+def test_a_schedstat_line_is_run_then_waited_ns() -> None:
+    assert schedstat(b"123456789 2000000 17\n") == (123456789, 2000000)
+
+
+def test_the_waits_cell_shows_run_and_wait_and_the_threads_that_ended() -> None:
+    cut = {"waits": {FIRST: {"ran_ms": 20.04, "waited_ms": 31.26, "threads_ended": 2}}}
+    assert fleet_cpu.waited(cut, FIRST, ended=True) == "20.0 / 31.3 (2)"
+    assert fleet_cpu.waited(cut, HEAD_DAEMON) == "-"
 
 
 def busy(cpu_s: float) -> None:
@@ -134,3 +175,8 @@ def busy(cpu_s: float) -> None:
     until = time.process_time() + cpu_s
     while time.process_time() < until:
         pass
+
+
+def test_a_whole_with_its_part_and_a_part_not_read() -> None:
+    assert fleet_cpu.with_part(160.4, 12.6) == "160 (13)"
+    assert fleet_cpu.with_part(160.4, math.nan) == "160 (-)"

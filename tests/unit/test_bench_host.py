@@ -28,6 +28,7 @@ def test_the_cpu_line_splits_busy_steal_iowait_and_idle() -> None:
     assert got["steal_s"] == pytest.approx(seconds(70))
     assert got["iowait_s"] == pytest.approx(seconds(40))
     assert got["idle_s"] == pytest.approx(seconds(5000))
+    assert got["irq_s"] == pytest.approx(seconds(5 + 6))
 
 
 def test_an_old_kernel_s_short_cpu_line_has_no_steal() -> None:
