@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ BENCH = "bench (load, the call)"
 # fleet of machines, not on the head's cores)
 PARTS = (FIRST, HEAD_SHARDS, HEAD_DAEMON, SHARDS, DAEMONS)
 REST = 6  # the other parts shown in a row, the largest first
+AHEAD_NICE = -10  # the reads around a stall, ahead of the fleet's nice 0 (`ahead`)
 
 
 def pids_of(units: list[dict[str, Any]], *, shards: bool) -> dict[str, int]:
@@ -133,16 +134,18 @@ class Split:
         self.reads_ms: list[float] = []  # the reads at the window's start and end
 
     def start(self) -> None:
-        self.host = host.counters()
-        self.began = time.monotonic()
-        self.before = self.scan.read()
-        self.waits.mark()
+        with ahead():
+            self.host = host.counters()
+            self.began = time.monotonic()
+            self.before = self.scan.read()
+            self.waits.mark()
         self.reads_ms = [(time.monotonic() - self.began) * 1000]
 
     def stop(self) -> None:
         stopping = time.monotonic()
-        self.waited = self.waits.since()
-        self.after = self.scan.read()
+        with ahead():
+            self.waited = self.waits.since()
+            self.after = self.scan.read()
         ended = time.monotonic()
         self.window_s = ended - self.began
         self.reads_ms.append((ended - stopping) * 1000)
@@ -165,6 +168,32 @@ class Split:
                 "reads_ms": self.reads_ms,
                 "parts": spent(self.before, self.after, self.parts, first_shard),
                 "waits": {k: v for k, v in waits.items() if v is not None}}  # fmt: skip
+
+
+@contextlib.contextmanager
+def ahead(nice: int = AHEAD_NICE, autogroup: Path = PROC / "self" / "autogroup") -> Iterator[None]:
+    """This thread, and this process's session where the kernel weighs sessions as one
+    (its autogroup), at `nice` for the block, then back: the reads around a stall take
+    ~5 ms of CPU, and waiting their turn at nice 0 on the fleet's busy cores they took
+    41-135 ms after an 8 x 32 stall, the window that much longer than the stall. Where
+    this process may not raise its priority (not root), the block runs as it is."""
+    thread = os.getpriority(os.PRIO_PROCESS, 0)
+    group: str | None = None
+    with contextlib.suppress(OSError):
+        group = autogroup.read_text().split("nice")[-1].strip()
+        autogroup.write_text(str(nice))
+    raised = False
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+        raised = True
+    try:
+        yield
+    finally:
+        if raised:
+            os.setpriority(os.PRIO_PROCESS, 0, thread)
+        if group is not None:
+            with contextlib.suppress(OSError):
+                autogroup.write_text(group)
 
 
 def snapshot(proc: Path = PROC) -> dict[int, tuple[str, int, float]]:

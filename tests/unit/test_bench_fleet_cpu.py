@@ -180,3 +180,20 @@ def busy(cpu_s: float) -> None:
 def test_a_whole_with_its_part_and_a_part_not_read() -> None:
     assert fleet_cpu.with_part(160.4, 12.6) == "160 (13)"
     assert fleet_cpu.with_part(160.4, math.nan) == "160 (-)"
+
+
+def test_the_reads_go_ahead_of_the_fleet_and_back(tmp_path: Path) -> None:
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-7 nice 3\n")
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    with fleet_cpu.ahead(-10, group):
+        assert group.read_text() == "-10"
+        inside = os.getpriority(os.PRIO_PROCESS, 0)
+    assert group.read_text() == "3" and os.getpriority(os.PRIO_PROCESS, 0) == before
+    assert inside == (-10 if os.geteuid() == 0 else before)  # only root may raise it
+
+
+def test_without_an_autogroup_the_reads_run_as_they_are(tmp_path: Path) -> None:
+    with fleet_cpu.ahead(-10, tmp_path / "none"):
+        pass
+    assert not (tmp_path / "none").exists()
