@@ -62,7 +62,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     asked = [step - 1]  # the step trainer-style requests require: the new one from the answer
     parts = fleet_cpu.fleet_parts(rig)  # pid -> the fleet's part, for the stall's CPU
-    split = fleet_cpu.Split()
+    split = fleet_cpu.Split(parts)
     gen = rig.load(load, "tiny-cpu", lambda: asked[0])
     gen.start()
     try:
@@ -95,7 +95,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         time.sleep(AFTER_S)  # the step's traffic on the whole fleet
     finally:
         gen.stop()
-        split.scan.close()
+        split.close()
     event = finished[0] if finished else {"seconds": answer["seconds"], "behind": [], "stale": []}
     rows = list(gen.requests)
     wrong = sum(r.ok and r.version != step for r in rows if r.required == step)
@@ -111,10 +111,12 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "commit_ms": answer.get("commit_ms"),
         "commit_cpu_ms": answer.get("commit_cpu_ms"),  # the head's daemon's CPU in it
         "commit_waited_ms": answer.get("commit_waited_ms"),  # its loop's wait for a core
+        "lifted": answer.get("lifted"),  # the answer's shards at the daemon's nice (ahead.py)
+        "first_shard": first_shard,
         "first_ack_ms": float(first["total_ms"]),
         "first_ack_steps_ms": first["ms"],  # by step
         # where the machine's cores went in the stall, by the fleet's part (fleet_cpu)
-        "cpu_split": split.result(parts, first_shard),
+        "cpu_split": split.result(first_shard),
         "acked_at_answer": len(answer["acks"]),
         "updating_at_answer": len(answer.get("updating", [])),
         "etcd_disk": disk,  # from before the push to just after its answer, by member
