@@ -3,7 +3,7 @@
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
                           [--raise-inotify] [--no-faults] [--max-starting N]
                           [--max-updating N] [--modeled-reset S] [--profile DIR] [--png PATH]
-                          [--early-pushes N] [--direct-etcd] [--no-lift]
+                          [--early-pushes N] [--direct-etcd]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -88,7 +88,6 @@ from bench.fleet_stack import (
     with_etcd_metrics,
     with_heartbeat,
     with_lease,
-    with_lift_answering,
     with_max_starting,
     with_max_updating,
     with_modeled_reset,
@@ -236,13 +235,6 @@ def main() -> None:
         "over N, and a target on the slowest; the faults then use the last step",
     )
     parser.add_argument(
-        "--no-lift",
-        action="store_true",
-        help="set `[policy] lift_answering = false`: the shard a push answered early waits "
-        "on updates at its unit's `nice` (--shard-nice), not lifted to its daemon's for the "
-        "update (rollout/ahead.py): the lift's effect, the 1 x 1 reference too",
-    )
-    parser.add_argument(
         "--direct-etcd",
         action="store_true",
         help="give Dynamo's processes (the shards', the frontend) etcd's members' list, not "
@@ -329,8 +321,7 @@ def main() -> None:
             else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
                            live_timeout=live_timeout, max_starting=args.max_starting,
                            max_updating=args.max_updating, heartbeat_timeout=beat,
-                           modeled_reset=modeled, early_pushes=args.early_pushes,
-                           lift_answering=not args.no_lift)
+                           modeled_reset=modeled, early_pushes=args.early_pushes)
         )
         fleets = []
         for n in nodes:
@@ -343,7 +334,6 @@ def main() -> None:
                     idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
                     profile=args.profile, modeled_reset=modeled,
                     early_pushes=args.early_pushes, direct_etcd=args.direct_etcd,
-                    lift_answering=not args.no_lift,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -486,7 +476,6 @@ def run_fleet(
     modeled_reset: float | None = None,
     early_pushes: int = 1,
     direct_etcd: bool = False,
-    lift_answering: bool = True,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -499,7 +488,6 @@ def run_fleet(
     text = STACK.read_text() if lease is None else with_lease(STACK.read_text(), lease, units)
     text = with_shard_live_timeout(with_shard_limits(text, limits or {}), live_timeout)
     text = with_max_updating(with_max_starting(text, max_starting), max_updating)
-    text = with_lift_answering(text, lift_answering)
     text = with_modeled_reset(with_heartbeat(text, heartbeat_timeout), modeled_reset)
     # repeated early pushes read etcd's own time for each transaction around them
     etcd_metrics = "extensive" if early_pushes > 1 else None
@@ -518,8 +506,7 @@ def run_fleet(
                               "max_updating": max_updating,
                               "modeled_reset_s": modeled_reset,
                               "etcd_metrics": etcd_metrics or "basic",
-                              "dynamo_etcd": "members" if direct_etcd else "relay",
-                              "lift_answering": lift_answering}  # fmt: skip
+                              "dynamo_etcd": "members" if direct_etcd else "relay"}  # fmt: skip
     last_step = EARLY_STEP + early_pushes - 1  # the version the faults' load asks for
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)

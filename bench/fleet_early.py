@@ -111,7 +111,6 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         "commit_ms": answer.get("commit_ms"),
         "commit_cpu_ms": answer.get("commit_cpu_ms"),  # the head's daemon's CPU in it
         "commit_waited_ms": answer.get("commit_waited_ms"),  # its loop's wait for a core
-        "lifted": answer.get("lifted"),  # the answer's shards at the daemon's nice (ahead.py)
         "first_shard": first_shard,
         "first_ack_ms": float(first["total_ms"]),
         "first_ack_steps_ms": first["ms"],  # by step

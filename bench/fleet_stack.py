@@ -164,15 +164,6 @@ def with_max_updating(text: str, max_updating: int | None) -> str:
     return _one(r"^\[policy\]$", text, f"\\g<0>\nmax_updating = {max_updating}", "[policy]")
 
 
-def with_lift_answering(text: str, lift: bool) -> str:
-    """`text` (cluster.toml) with `[policy] lift_answering = false` where not `lift`: the
-    shards a push answered early waits on update at their own `nice`, as before the lift
-    (rollout/ahead.py); unchanged (on, the default) for True."""
-    if lift:
-        return text
-    return _one(r"^\[policy\]$", text, "\\g<0>\nlift_answering = false", "[policy]")
-
-
 def with_modeled_reset(text: str, seconds: float | None) -> str:
     """`text` (cluster.toml) with every shard's engine reset modeled as `seconds` off the
     CPU (the CPU worker's `--modeled-reset-s`, mocker only); unchanged for None."""

@@ -9,7 +9,6 @@ as the v2 one is `<our cgroup>/dynamod-RUN/UNIT`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,7 +20,6 @@ from dynamod.core.resources import Confinement, Mechanism, Offer, Plan
 from dynamod.core.spec.models import LimitsSpec
 
 log = structlog.get_logger("dynamod.enforce")
-PROC = Path("/proc")
 
 
 class Enforcer:
@@ -144,29 +142,6 @@ class Enforcer:
         Read before its cgroups are removed: the engine asks as it records the exit."""
         count = self._oom_count(unit)
         return max(0, count - self._oom_seen.get(unit, 0)) if count is not None else 0
-
-    def reweigh(self, unit: str, pid: int, nice: int | None, proc: Path = PROC) -> bool:
-        """Weigh the unit's process `pid` against the others as at `nice` for a while
-        (None: its own `nice` again), by what its `nice` was enforced with: its v2
-        cgroup's cpu.weight where that carries the nice, its session's autogroup where
-        the kernel weighs sessions as one, and each of the process's threads' priority.
-        False (nothing done) for a unit without a `nice` of its own. Raises OSError
-        (ESRCH: the process is gone; EPERM: lowering a nice takes CAP_SYS_NICE) or
-        CgroupError."""
-        plan = self.plans.get(unit)
-        if plan is None or plan.nice is None:
-            return False
-        value = plan.nice if nice is None else nice
-        if "cpu.weight" in plan.v2_files and plan.limits.cpu_weight is None:
-            where = self.containment.unit(unit)
-            if where is not None:
-                _write(where, "cpu.weight", str(resources.nice_weight(value)))
-        if plan.autogroup:
-            (proc / str(pid) / "autogroup").write_text(str(value))
-        for tid in os.listdir(proc / str(pid) / "task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, int(tid), value)
-        return True
 
     def release(self, unit: str) -> None:
         """The unit's processes are gone: remove its v1 cgroups (its v2 one goes with the

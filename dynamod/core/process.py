@@ -730,11 +730,6 @@ class ProcessHost(Protocol):
         """OOM kills in the unit's memory cgroup since its last spawn (0 where unknown)."""
         ...
 
-    def reweigh(self, unit: str, pid: int, nice: int | None) -> bool:
-        """The unit's CPU weight as at `nice` for a while, None: its own again (Enforcer).
-        False where the unit has no `nice` of its own. Raises OSError or CgroupError."""
-        ...
-
     def attach_output(self, child: Child, sink: OutputSink) -> None:
         """Hand the child's output pipe to the unit's log."""
         ...
@@ -839,9 +834,6 @@ class OsHost:
 
     def oom_kills(self, unit: str) -> int:
         return self.enforcer.oom_kills(unit)
-
-    def reweigh(self, unit: str, pid: int, nice: int | None) -> bool:
-        return self.enforcer.reweigh(unit, pid, nice)
 
     def _tree(self, unit: str, child: Child) -> Tree:
         return Tree(

@@ -32,7 +32,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +48,6 @@ from dynamod.core.state import UnitState
 from dynamod.core.status import ExtensionUnitStatus
 from dynamod.core.stopwatch import Stopwatch
 from dynamod.rollout import dynamo, policy_table
-from dynamod.rollout.ahead import ahead
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, WatchEvent
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
 from dynamod.rollout.policy_table import PolicySpec
@@ -838,9 +836,10 @@ class PolicyManager(Extension):
             target = PolicyVersion(step, str(checkpoint), None, time.time(), "push")
             log.info("policy.push_started", version=step, shards=[u.name for u in shards],
                      serving=serving)  # fmt: skip
+            loop = asyncio.get_running_loop()
             # with `serving`: those K first, the rest once the answer's commit is through
             updates = Updates({u.name: functools.partial(self.apply, u, target) for u in shards},
-                              serving, self._ahead())  # fmt: skip
+                              serving)  # fmt: skip
             acks = await collect(updates.tasks, serving or len(shards), PolicyError)
             if not acks.good:
                 await self._resume_after_failed_push(shards)
@@ -854,7 +853,7 @@ class PolicyManager(Extension):
             commit = committing.spent()
             updates.go()
             if acks.pending:
-                rest = asyncio.create_task(self._finish_push(target, acks.pending, started))
+                rest = loop.create_task(self._finish_push(target, acks.pending, started))
                 self._push_rest = (rest, acks.pending)
         finally:
             if updates is not None and rest is None:
@@ -867,13 +866,8 @@ class PolicyManager(Extension):
         answer = await self._committed(
             "pushed", target, answered, acks.bad, started, updating=sorted(acks.pending.values())
         )
-        # the ledger's advance and the acks' records; the answer's shards lifted (ahead.py)
-        answer.update(commit.as_dict("commit"), lifted=updates.lifted if updates else [])
+        answer.update(commit.as_dict("commit"))  # the ledger's advance and the acks' records
         return answer
-
-    def _ahead(self) -> Callable[[str], AbstractAsyncContextManager[bool]] | None:
-        """What the updates on a push's answer path run inside (rollout/ahead.py)."""
-        return functools.partial(ahead, self.engine) if self.spec.lift_answering else None
 
     def _push_shards(self, serving: int | None) -> list[Unit]:
         """The shards a push updates: every admitted one, if there are enough of them."""

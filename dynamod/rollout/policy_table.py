@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, StrictBool
+from pydantic import BeforeValidator, Field
 
 from dynamod.core import limits
 from dynamod.core.errors import SpecError
@@ -55,11 +55,6 @@ class PolicySpec(SpecModel):
         le=limits.MAX_INSTANCES,
         description="this node's shards applying a policy update (a push's, a replay's) at "
         "once; the rest wait their turn, still serving (none: no limit)",
-    )
-    lift_answering: StrictBool = Field(
-        True,
-        description="a push answered early (`serving`): the shards it waits on update at "
-        "the daemon's own CPU priority, not their unit's `nice` (set back after)",
     )
     taint_prefix: str = "dynamod.policy/"
     replay_backoff_initial: float = seconds(0.5, positive=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,8 +55,6 @@ async def collect(
 
 
 _Start = Callable[[], Coroutine[Any, Any, ShardAck]]  # what starts one shard's update
-# what an update on an answer's path runs inside, by shard (rollout/ahead.py)
-_Ahead = Callable[[str], AbstractAsyncContextManager[object]]
 
 
 class Updates:
@@ -69,43 +66,28 @@ class Updates:
     answer calls `drop()`, and the waiting ones never start. The rest updating beside the
     K used to share the node's cores with them: at 8 nodes x 32 shards the answer's shard
     took 131-152 ms to serve the step where one shard alone takes 68 (docs/benchmarks.md
-    16). With `ahead`, each update that starts before `go()` (the first K, and any that
-    takes a failed one's place) runs inside `ahead(shard)`; those it holds True for are
-    `lifted`."""
+    16)."""
 
-    def __init__(
-        self, starts: Mapping[str, _Start], first: int | None = None, ahead: _Ahead | None = None
-    ) -> None:
+    def __init__(self, starts: Mapping[str, _Start], first: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         # the waiting ones in their order, each with the event that starts it
         self._queue: list[tuple[asyncio.Task[ShardAck], asyncio.Event]] = []
         self.tasks: dict[asyncio.Task[ShardAck], str] = {}
-        self._ahead = ahead if first is not None else None  # only an answer's path
-        self._went = False
-        self.lifted: list[str] = []  # the updates `ahead` said it lifted
         lead = len(starts) if first is None else first
         for index, (shard, start) in enumerate(starts.items()):
             if index < lead:
-                task = loop.create_task(self._run(shard, start))
+                task = loop.create_task(start())
                 task.add_done_callback(self._updating_done)
             else:
                 turn = asyncio.Event()
-                task = loop.create_task(self._in_turn(turn, shard, start))
+                task = loop.create_task(self._in_turn(turn, start))
                 self._queue.append((task, turn))
             self.tasks[task] = shard
 
-    async def _in_turn(self, turn: asyncio.Event, shard: str, start: _Start) -> ShardAck:
+    @staticmethod
+    async def _in_turn(turn: asyncio.Event, start: _Start) -> ShardAck:
         await turn.wait()
-        return await self._run(shard, start)
-
-    async def _run(self, shard: str, start: _Start) -> ShardAck:
-        """An update that starts before `go()` is on the answer's path: inside `ahead`."""
-        if self._ahead is None or self._went:
-            return await start()
-        async with self._ahead(shard) as lifted:
-            if lifted:
-                self.lifted.append(shard)
-            return await start()
+        return await start()
 
     def _start_next(self) -> None:
         if self._queue:
@@ -123,7 +105,6 @@ class Updates:
         return sorted(self.tasks[t] for t, _ in self._queue)
 
     def go(self) -> None:
-        self._went = True
         while self._queue:
             self._start_next()
 

@@ -38,7 +38,6 @@ from bench.fleet_stack import (
     StackShapeError,
     members,
     replicated,
-    with_lift_answering,
     with_max_starting,
     with_max_updating,
 )
@@ -214,15 +213,6 @@ def test_max_updating_is_set_in_the_fleet_stack_s_policy_table() -> None:
         "max_starting 2, max_updating 4")
     with pytest.raises(StackShapeError, match=r"\[policy\]"):
         with_max_updating(stock.replace("[policy]\n", "[policy] \n"), 2)
-
-
-def test_no_lift_turns_the_answer_path_s_lift_off_in_the_policy_table() -> None:
-    stock = (paths.units_dir() / "stacks" / "cluster.toml").read_text()
-    assert with_lift_answering(stock, True) == stock  # on: the default
-    text = replicated(with_lift_answering(stock, False), ["head", "n1", "n2"], paths.units_dir())
-    assert tomllib.loads(text)["policy"]["lift_answering"] is False
-    with pytest.raises(StackShapeError, match=r"\[policy\]"):
-        with_lift_answering(stock.replace("[policy]\n", "[policy] \n"), False)
 
 
 def test_fleet_history_sums_writes_by_kind_of_key() -> None:

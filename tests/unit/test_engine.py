@@ -96,9 +96,6 @@ class FakeHost:
     def oom_kills(self, unit: str) -> int:
         return 0
 
-    def reweigh(self, unit: str, pid: int, nice: int | None) -> bool:
-        return False
-
     def port_in_use(self, port: int) -> bool:
         return port in self.ports_taken
 

@@ -5,9 +5,8 @@ rest start only after the answer (or once one of the K failed)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -188,51 +187,5 @@ def test_without_first_every_shard_starts_at_once() -> None:  # a push without `
         assert log.began() == ["a", "b", "c"] and updates.waiting == []
         acks = await collect(updates.tasks, 3, Refused)
         assert len(acks.good) == 3
-
-    asyncio.run(run())
-
-
-class _Ahead:
-    """Stands in for rollout/ahead.py: records each update it holds, on entering and
-    leaving, in the same log as the updates' own begin and end."""
-
-    def __init__(self, log: _Log) -> None:
-        self.log = log
-
-    @contextlib.asynccontextmanager
-    async def __call__(self, shard: str) -> AsyncIterator[bool]:
-        self.log.events.append(("lift", shard))
-        try:
-            yield shard != "a"  # `a` has no nice of its own: not lifted
-        finally:
-            self.log.events.append(("lower", shard))
-
-
-def test_the_updates_on_the_answer_s_path_run_ahead_and_the_rest_do_not() -> None:
-    """`first` = 1 of four, `a` failing: `a` and `b` (in its place) update before the
-    answer, each inside `ahead`, set back after it failed or acknowledged; `c` and `d`
-    start at `go()` and run as they are."""
-
-    async def run() -> None:
-        log = _Log("a")
-        updates = Updates(log.starts("a", "b", "c", "d"), first=1, ahead=_Ahead(log))
-        acks = await collect(updates.tasks, 1, Refused)
-        assert [g.shard for g in acks.good] == ["b"]
-        updates.go()
-        await collect(acks.pending, 2, Refused)
-        assert log.events[:8] == [("lift", "a"), ("begin", "a"), ("end", "a"), ("lower", "a"),
-                                  ("lift", "b"), ("begin", "b"), ("end", "b"), ("lower", "b")]
-        assert [what for what, n in log.events if n in "cd"] == ["begin"] * 2 + ["end"] * 2
-        assert updates.lifted == ["b"]
-
-    asyncio.run(run())
-
-
-def test_a_push_that_answers_at_the_end_has_no_answer_path() -> None:
-    async def run() -> None:
-        log = _Log()
-        updates = Updates(log.starts("a", "b"), ahead=_Ahead(log))  # no `first`
-        await collect(updates.tasks, 2, Refused)
-        assert {what for what, _ in log.events} == {"begin", "end"} and updates.lifted == []
 
     asyncio.run(run())
