@@ -1,15 +1,17 @@
 """Where the machine's cores went in a short window (an early push's stall): every process
 on the machine read from /proc/<pid>/stat before and after, and its CPU in the window put
-to the fleet's part it belongs to: the shard that updated first, the other shards, the
-head's daemon and the other daemons, each other unit by its name (etcd, its relay, NATS,
-the frontend), the benchmark itself (its load's threads and its call to the daemon), and
-what is none of these by its command's name (the kernel's threads among them).
+to the fleet's part it belongs to: the shard the answer waited on, the head's other
+shards, the head's daemon and its other units by name (etcd, its relay, NATS, the
+frontend), the other nodes' shards, daemons and units (on a fleet of machines, not on the
+head's cores), the benchmark itself (its load's threads and its call to the daemon), and
+what is none of these by its command's name (the kernel's threads among them). Beside it,
+the answer's shard's and the head's daemon's threads' own run time and wait for a core
+(their schedstat, fleet_threads.Waits), and the machine's busy time over the same window.
 
 A process that is not a fleet's unit belongs to its nearest ancestor that is (a daemon's
-probe, a unit's own child). /proc counts CPU in clock ticks (10 ms), charged to whichever
-process was running when the tick came: over a window of a few ticks a part's share is a
-sample, and the parts add up to the machine's busy time only roughly (interrupts are the
-machine's, not a process's)."""
+probe, a unit's own child). /proc counts a process's CPU in clock ticks (10 ms): over a
+window of a few ticks a part's share is a sample, and the parts add up to the machine's
+busy time only roughly (interrupts are the machine's, not a process's)."""
 
 from __future__ import annotations
 
@@ -79,8 +81,8 @@ def parse_stat(text: bytes) -> tuple[str, int, float]:
 
 class Scan:
     """Every process's stat, read again and again: each file is opened once and read again
-    in place (~5 us a process, against ~25 us to open it each time: at 8 x 32 a read is
-    ~3 ms, not ~15, and the part of the window outside the stall is that much shorter)."""
+    in place (~5 us of CPU a process, against ~25 us to open it each time; at 8 x 32 ~600
+    processes), so the part of the window outside the stall is that much shorter."""
 
     def __init__(self, proc: Path = PROC) -> None:
         self.proc = proc

@@ -77,7 +77,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
         answered = time.monotonic()
         asked[0] = step  # before the reads below: the load asks for the step from the answer
         machine = host.window(host_before)  # the two cores' busy time in the stall (10 ms ticks)
-        split.stop()  # ~3 ms for the 8 x 32 fleet's processes
+        split.stop()  # its reads: 14-39 ms at 8 x 32, 1-3 at 1 x 1 (docs/benchmarks.md 16)
         disk = disk_since(disk_before, etcd_disk(rig))  # read after: not in the stall
         bad = {k: v.get("error") for k, v in answer["acks"].items() if not v.get("ok")}
         if bad:
