@@ -1,4 +1,6 @@
-"""bench/fleet_cpu.py: an early stall's CPU put to the fleet's parts, on fixed /proc text."""
+"""bench/fleet_cpu.py and fleet_threads.Waits: an early stall's CPU put to the fleet's parts, on
+fixed /proc text; the reads, the window and the threads' waits on this machine's own
+processes and threads."""
 
 from __future__ import annotations
 
