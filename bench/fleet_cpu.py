@@ -26,11 +26,11 @@ from typing import Any
 
 from bench import host
 from bench.fleet_threads import Waits, group
+from bench.host import PROC
+from bench.procs import Reread, parse_stat
 from bench.report import Table
 from dynamod.chaos.cluster import ClusterRig
 
-PROC = Path("/proc")
-TICK = os.sysconf("SC_CLK_TCK")
 FIRST = "first shard"
 HEAD_SHARDS = "head's other shards"
 HEAD_DAEMON = "head's daemon"
@@ -72,43 +72,22 @@ def fleet_parts(rig: ClusterRig) -> dict[int, str]:
     return parts
 
 
-def parse_stat(text: bytes) -> tuple[str, int, float]:
-    """(comm, ppid, utime + stime in seconds) of a /proc/<pid>/stat text."""
-    comm = text[text.find(b"(") + 1 : text.rfind(b")")].decode(errors="replace")
-    fields = text[text.rfind(b")") + 2 :].split()
-    return comm, int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
-
-
 class Scan:
-    """Every process's stat, read again and again: each file is opened once and read again
-    in place (~5 us of CPU a process, against ~25 us to open it each time; at 8 x 32 ~600
+    """Every process's stat, read again and again in place (procs.Reread; at 8 x 32 ~600
     processes), so the part of the window outside the stall is that much shorter."""
 
     def __init__(self, proc: Path = PROC) -> None:
         self.proc = proc
-        self.fds: dict[int, int] = {}
+        self.files: Reread[int, tuple[str, int, float]] = Reread(parse_stat)
         self.read()
 
     def read(self) -> dict[int, tuple[str, int, float]]:
         """Every process now: pid -> (comm, ppid, CPU seconds so far)."""
-        out = {}
-        for pid, fd in list(self.fds.items()):
-            try:
-                out[pid] = parse_stat(os.pread(fd, 4096, 0))
-            except (OSError, ValueError, IndexError):  # ended (ESRCH): its pid may come again
-                os.close(self.fds.pop(pid))
-        for entry in os.scandir(self.proc):
-            if entry.name.isdigit() and int(entry.name) not in out:
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    fd = os.open(self.proc / entry.name / "stat", os.O_RDONLY)
-                    self.fds[int(entry.name)] = fd
-                    out[int(entry.name)] = parse_stat(os.pread(fd, 4096, 0))
-        return out
+        return self.files.read((int(e.name), Path(e.path) / "stat")
+                               for e in os.scandir(self.proc) if e.name.isdigit())  # fmt: skip
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.files.close()
 
     def __enter__(self) -> Scan:
         return self
@@ -196,12 +175,6 @@ def ahead(nice: int = AHEAD_NICE, autogroup: Path = PROC / "self" / "autogroup")
         if group is not None:
             with contextlib.suppress(OSError):
                 autogroup.write_text(group)
-
-
-def snapshot(proc: Path = PROC) -> dict[int, tuple[str, int, float]]:
-    """Every process now, read once: pid -> (comm, ppid, CPU seconds so far)."""
-    with Scan(proc) as scan:
-        return scan.read()
 
 
 def spent(

@@ -12,14 +12,15 @@ import contextlib
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.procs import stat_cpu
+from bench.host import PROC
+from bench.procs import Reread, stat_cpu
 from bench.report import Table
 
 ENDED = "(threads that ended in the push)"
-PROC = Path("/proc")
 
 
 def threads_of(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
@@ -93,7 +94,7 @@ class Waits:
     def __init__(self, pids: list[int], proc: Path = PROC) -> None:
         self.proc = proc
         self.pids = pids
-        self.fds: dict[tuple[int, int], int] = {}
+        self.files: Reread[tuple[int, int], tuple[int, int]] = Reread(schedstat)
         self.mark()
 
     def mark(self) -> None:
@@ -102,22 +103,16 @@ class Waits:
 
     def read(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(pid, tid) -> (ns run, ns waited) so far, for every live thread of the pids."""
-        out = {}
-        for key, fd in list(self.fds.items()):
-            try:
-                out[key] = schedstat(os.pread(fd, 256, 0))
-            except (OSError, ValueError, IndexError):  # the thread ended
-                os.close(self.fds.pop(key))
+        return self.files.read(self._threads())
+
+    def _threads(self) -> Iterator[tuple[tuple[int, int], Path]]:
         for pid in self.pids:
-            with contextlib.suppress(OSError):
-                for tid in os.listdir(self.proc / str(pid) / "task"):
-                    if (pid, int(tid)) not in out:
-                        with contextlib.suppress(OSError, ValueError, IndexError):
-                            fd = os.open(self.proc / str(pid) / "task" / tid / "schedstat",
-                                         os.O_RDONLY)  # fmt: skip
-                            self.fds[(pid, int(tid))] = fd
-                            out[(pid, int(tid))] = schedstat(os.pread(fd, 256, 0))
-        return out
+            try:
+                tids = os.listdir(self.proc / str(pid) / "task")
+            except OSError:  # gone: its threads are read no more
+                continue
+            for tid in tids:
+                yield (pid, int(tid)), self.proc / str(pid) / "task" / tid / "schedstat"
 
     def since(self) -> dict[int, dict[str, float]]:
         """Per pid, from `mark` to now: ms its threads ran, ms they waited for a
@@ -133,9 +128,7 @@ class Waits:
         return out
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.files.close()
 
 
 def schedstat(text: bytes) -> tuple[int, int]:

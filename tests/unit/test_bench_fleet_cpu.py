@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from bench import fleet_cpu
-from bench.fleet_cpu import BENCH, DAEMONS, FIRST, HEAD_DAEMON, HEAD_SHARDS, SHARDS, TICK
+from bench.fleet_cpu import BENCH, DAEMONS, FIRST, HEAD_DAEMON, HEAD_SHARDS, SHARDS
 from bench.fleet_threads import Waits, schedstat
+from bench.procs import TICK
 
 # pid -> (comm, ppid, CPU seconds): before and after a window
 BEFORE = {
@@ -82,7 +83,8 @@ def test_a_stat_line_is_read_through_a_command_name_with_spaces_and_parentheses(
     (tmp_path / "123" / "stat").write_text(f"123 (we (ir) d) {' '.join(fields)}\n")
     (tmp_path / "self").mkdir()  # not a pid: left out
     (tmp_path / "124").mkdir()  # gone between the listing and the read: left out
-    assert fleet_cpu.snapshot(tmp_path) == {123: ("we (ir) d", 77, 4.0)}
+    with fleet_cpu.Scan(tmp_path) as scan:
+        assert scan.read() == {123: ("we (ir) d", 77, 4.0)}
 
 
 def test_a_scan_reads_its_files_again_in_place_and_drops_a_process_that_ended() -> None:
@@ -95,16 +97,17 @@ def test_a_scan_reads_its_files_again_in_place_and_drops_a_process_that_ended() 
             assert scan.read()[os.getpid()][2] - first[os.getpid()][2] >= 0.04 - 1e-9
             child.kill()
             child.wait()
-            assert child.pid not in scan.read() and child.pid not in scan.fds
-            opened = len(scan.fds)
-        assert opened > 0 and not scan.fds  # closed on the way out
+            assert child.pid not in scan.read() and child.pid not in scan.files.fds
+            opened = len(scan.files.fds)
+        assert opened > 0 and not scan.files.fds  # closed on the way out
     finally:
         child.kill()
         child.wait()
 
 
 def test_this_machine_s_processes_include_this_one() -> None:
-    comm, ppid, cpu = fleet_cpu.snapshot()[os.getpid()]
+    with fleet_cpu.Scan() as scan:
+        comm, ppid, cpu = scan.read()[os.getpid()]
     assert comm == Path("/proc/self/comm").read_text().strip()
     assert ppid == os.getppid() and cpu > 0
 
@@ -131,7 +134,7 @@ def test_a_split_s_window_holds_what_it_brackets_and_the_machine_s_busy_time() -
     spun = time.monotonic() - began
     split.stop()
     got = split.result(None)
-    assert got["window_s"] >= spun and not split.scan.fds and not split.waits.fds
+    assert got["window_s"] >= spun and not split.scan.files.fds and not split.waits.files.fds
     assert len(got["reads_ms"]) == 2 and sum(got["reads_ms"]) <= got["window_s"] * 1000 - spun
     assert 0 <= got["irq_s"] <= got["busy_s"]
     assert got["parts"][HEAD_DAEMON] >= 0.04 - 1e-9 and got["busy_s"] >= 0.04 - 1e-9
