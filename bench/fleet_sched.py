@@ -1,0 +1,290 @@
+"""Behind whom a process's threads waited for a core: the kernel's scheduler events over a
+window, from a tracefs instance of this benchmark's own (`SchedTrace`), and each wait put
+to what ran meanwhile on the core whose queue the thread waited in (`behind`).
+
+A thread waits for a core from its wake-up (`sched_wakeup`, or `sched_wakeup_new` for a
+new one) or from being preempted (`sched_switch` away from it while it could run) until it
+is switched in. Meanwhile it sits in one core's run queue: the wake-up's target core, moved
+by `sched_migrate_task`. Whatever ran on that core in that time (`sched_switch`'s record
+of each core) is what it waited behind; the core idle meanwhile is the wake-up's own
+latency (the idle core still has to switch to it). The schedstat counts (fleet_threads.Waits)
+say how long a thread waited; this says behind whom, and it sees the threads that ended
+in the window too (their wait is in the trace, not in any file left to read).
+
+Only root may trace; where tracefs is not mounted, it is mounted for the trace and taken
+down after. The instance and its buffers are removed when the trace is closed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.fleet_threads import group as thread_group
+
+TRACEFS = Path("/sys/kernel/tracing")
+FILESYSTEMS = Path("/proc/filesystems")
+EVENTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task")
+BUFFER_KB = 16384  # per core: an 8 x 32 stall of ~0.2 s writes a few MB on each
+IDLE = "idle (the wake-up's latency)"
+OWN = "its own threads"  # `its own threads: <their name>` in `behind`
+
+# `comm-tid (tgid) [cpu] flags timestamp: event: fields` (options/record-tgid); the idle
+# task's tgid is `-------`
+LINE = re.compile(
+    r"^\s*(?P<comm>.*?)-(?P<tid>\d+)\s+\(\s*(?P<tgid>[-\d]+)\)\s+\[(?P<cpu>\d+)\]\s+\S+\s+"
+    r"(?P<ts>\d+\.\d+):\s+(?P<event>\w+):\s+(?P<fields>.*)$"
+)
+SWITCH = re.compile(
+    r"prev_comm=(?P<prev_comm>.*?) prev_pid=(?P<prev_pid>\d+) prev_prio=-?\d+ "
+    r"prev_state=(?P<prev_state>\S+) ==> next_comm=(?P<next_comm>.*?) "
+    r"next_pid=(?P<next_pid>\d+) next_prio=-?\d+"
+)
+WAKEUP = re.compile(r"comm=(?P<comm>.*?) pid=(?P<pid>\d+) prio=-?\d+ target_cpu=(?P<cpu>\d+)")
+MIGRATE = re.compile(
+    r"comm=(?P<comm>.*?) pid=(?P<pid>\d+) prio=-?\d+ orig_cpu=\d+ dest_cpu=(?P<cpu>\d+)"
+)
+
+
+def missing(filesystems: Path = FILESYSTEMS) -> str | None:
+    """Why the scheduler cannot be traced here, or None."""
+    if os.geteuid() != 0:
+        return "tracing the scheduler needs root"
+    try:
+        if "tracefs" not in filesystems.read_text():
+            return "this kernel has no tracefs"
+    except OSError as exc:
+        return f"cannot read {filesystems}: {exc.strerror}"
+    return None
+
+
+class SchedTrace:
+    """A tracefs instance recording EVENTS between `on` and `off` (the monotonic clock,
+    each event with its task's process id). Made before a window, so that the window
+    holds only the two writes that switch it on and off."""
+
+    def __init__(self, root: Path = TRACEFS, buffer_kb: int = BUFFER_KB) -> None:
+        self.root = root
+        self.mounted = False
+        if not (root / "instances").is_dir():
+            subprocess.run(["mount", "-t", "tracefs", "nodev", str(root)],
+                           check=True, capture_output=True, timeout=10)  # fmt: skip
+            self.mounted = True
+        self.dir = root / "instances" / f"dynamod-bench-{os.getpid()}"
+        self.began = self.ended = 0.0
+        try:
+            self.dir.mkdir()
+            self._write("tracing_on", "0")
+            self._write("trace_clock", "mono")  # time.monotonic()'s clock
+            self._write("options/record-tgid", "1")
+            self._write("buffer_size_kb", str(buffer_kb))
+            for event in EVENTS:
+                self._write(f"events/sched/{event}/enable", "1")
+        except BaseException:
+            self.close()
+            raise
+
+    def _write(self, name: str, value: str) -> None:
+        (self.dir / name).write_text(value)
+
+    def on(self) -> None:
+        self._write("trace", "")  # an empty buffer
+        self.began = time.monotonic()
+        self._write("tracing_on", "1")
+
+    def off(self) -> None:
+        self._write("tracing_on", "0")
+        self.ended = time.monotonic()
+
+    def text(self) -> str:
+        return (self.dir / "trace").read_text(errors="replace")
+
+    def close(self) -> None:
+        """Remove the instance (its buffers with it) and take tracefs down if it was
+        mounted for this trace."""
+        with contextlib.suppress(OSError):
+            self._write("tracing_on", "0")
+            for event in EVENTS:
+                self._write(f"events/sched/{event}/enable", "0")
+        with contextlib.suppress(FileNotFoundError):
+            self.dir.rmdir()
+        if self.mounted:
+            subprocess.run(["umount", str(self.root)], check=False, capture_output=True,
+                           timeout=10)  # fmt: skip
+            self.mounted = False
+
+    def __enter__(self) -> SchedTrace:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Event:
+    """One scheduler event: the task it ran in (`tid`, its process `tgid`, None for the
+    idle task), the core, the time (s), its kind and its fields."""
+
+    tid: int
+    tgid: int | None
+    cpu: int
+    ts: float
+    kind: str
+    fields: dict[str, str]
+
+
+def parse(text: str) -> list[Event]:
+    """A trace's events in its order (the time's), the lines that are none skipped."""
+    out = []
+    patterns = {"sched_switch": SWITCH, "sched_wakeup": WAKEUP, "sched_wakeup_new": WAKEUP,
+                "sched_migrate_task": MIGRATE}  # fmt: skip
+    for line in text.splitlines():
+        m = LINE.match(line)
+        if m is None or m["event"] not in patterns:
+            continue
+        fields = patterns[m["event"]].match(m["fields"])
+        if fields is None:
+            continue
+        tgid = None if m["tgid"].startswith("-") else int(m["tgid"])
+        out.append(Event(int(m["tid"]), tgid, int(m["cpu"]), float(m["ts"]), m["event"],
+                         fields.groupdict()))  # fmt: skip
+    return out
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Part of a thread's wait for a core: in `cpu`'s queue from `start` to `end` (s), of
+    the wait that began at `since` (a wait moved to another core's queue is two parts)."""
+
+    tid: int
+    cpu: int
+    start: float
+    end: float
+    since: float
+
+
+def tasks(events: Iterable[Event], proc: Path = Path("/proc")) -> dict[int, tuple[int | None, str]]:
+    """tid -> (its process, its name) of every task in the events: the process from the
+    events it ran in, else (a thread seen only switched in) from /proc while it lives."""
+    out: dict[int, tuple[int | None, str]] = {}
+    for e in events:
+        if e.kind == "sched_switch":
+            for side in ("prev", "next"):
+                tid = int(e.fields[f"{side}_pid"])
+                out.setdefault(tid, (None, e.fields[f"{side}_comm"]))
+    for e in events:
+        if e.tgid is not None and e.tid in out:
+            out[e.tid] = (e.tgid, out[e.tid][1])
+    for tid, (tgid, comm) in out.items():
+        if tgid is None and tid:
+            with contextlib.suppress(OSError, ValueError, StopIteration):
+                status = (proc / str(tid) / "status").read_text()
+                line = next(x for x in status.splitlines() if x.startswith("Tgid:"))
+                out[tid] = (int(line.split()[1]), comm)
+    return out
+
+
+def waits(events: list[Event], tids: set[int], end: float) -> list[Wait]:
+    """Every wait for a core of the threads `tids`, cut at `end`, a part for each core's
+    queue it waited in. A thread already waiting when the trace began is seen only from
+    its next wake-up or preemption."""
+    queued: dict[int, tuple[int, float, float]] = {}  # tid -> (its queue's core, from, since)
+    running: set[int] = set()
+    out = []
+    for e in events:
+        f = e.fields
+        if e.kind == "sched_switch":
+            prev, nxt = int(f["prev_pid"]), int(f["next_pid"])
+            running.discard(prev)
+            # a wake-up while it still ran (about to sleep, or from before the trace) was
+            # no wait: it switches out, not in
+            queued.pop(prev, None)
+            if nxt in queued:
+                cpu, start, since = queued.pop(nxt)
+                out.append(Wait(nxt, e.cpu, start, e.ts, since))
+            running.add(nxt)
+            if prev in tids and f["prev_state"].startswith("R"):  # preempted, still runnable
+                queued[prev] = (e.cpu, e.ts, e.ts)
+            continue
+        tid = int(f["pid"])
+        if tid not in tids or (tid in running and e.kind != "sched_migrate_task"):
+            continue
+        if e.kind == "sched_migrate_task":
+            if tid in queued:  # the wait goes on in another core's queue
+                cpu, start, since = queued[tid]
+                out.append(Wait(tid, cpu, start, e.ts, since))
+                queued[tid] = (int(f["cpu"]), e.ts, since)
+        elif tid not in queued:
+            queued[tid] = (int(f["cpu"]), e.ts, e.ts)
+    out += [Wait(tid, cpu, start, end, since) for tid, (cpu, start, since) in queued.items()
+            if start < end]  # fmt: skip
+    return out
+
+
+def occupants(
+    events: list[Event], begin: float, end: float
+) -> dict[int, list[tuple[float, float, int]]]:
+    """Per core, who ran on it when: (from, to, tid), tid 0 the idle task; each core from
+    its first switch in the trace (what ran before it ran since `begin`) to `end`."""
+    out: dict[int, list[tuple[float, float, int]]] = defaultdict(list)
+    since: dict[int, float] = {}
+    running: dict[int, int] = {}
+    for e in events:
+        if e.kind != "sched_switch":
+            continue
+        out[e.cpu].append((since.get(e.cpu, begin), e.ts, int(e.fields["prev_pid"])))
+        since[e.cpu], running[e.cpu] = e.ts, int(e.fields["next_pid"])
+    for cpu, tid in running.items():
+        out[cpu].append((since[cpu], end, tid))
+    return dict(out)
+
+
+def behind(
+    events: list[Event],
+    tgid: int,
+    begin: float,
+    end: float,
+    part: Callable[[int, str], str],
+    proc: Path = Path("/proc"),
+) -> dict[str, Any]:
+    """The waits for a core of process `tgid`'s threads between `begin` and `end`: how
+    many, their sum and longest (ms), and the ms by what ran on their core meanwhile:
+    `part(tgid, name)` names another process's part (the task's name where its process is
+    not known: an ended thread seen only switched in), this process's own threads are OWN
+    with their name (digits dropped) and the idle task IDLE; and the ms by which of its
+    threads waited (their names)."""
+    known = tasks(events, proc)
+    mine = {tid for tid, (group, _) in known.items() if group == tgid}
+    found = [w for w in waits(events, mine, end) if w.end > begin]
+    ran = occupants(events, begin, end)
+    by: dict[str, float] = defaultdict(float)
+    each: dict[tuple[int, float], float] = defaultdict(float)  # a wait's parts summed
+    for w in found:
+        start = max(w.start, begin)
+        each[(w.tid, w.since)] += w.end - start
+        for lo, hi, tid in ran.get(w.cpu, []):
+            overlap = min(hi, w.end) - max(lo, start)
+            if overlap > 0:
+                group, name = known.get(tid, (None, "?"))
+                who = (IDLE if tid == 0 else f"{OWN}: {thread_group(name)}" if group == tgid
+                       else part(group or -1, name))  # fmt: skip
+                by[who] += overlap * 1000
+    waiting: dict[str, float] = defaultdict(float)  # which of its threads waited
+    for (tid, _), seconds in each.items():
+        waiting[thread_group(known[tid][1])] += seconds * 1000
+    return {"waits": len(each), "threads": len({tid for tid, _ in each}),
+            "waited_ms": sum(each.values()) * 1000,
+            "longest_ms": max(each.values(), default=0.0) * 1000,
+            "behind_ms": dict(by), "waiting_ms": dict(waiting)}  # fmt: skip
+
+
+def own(behind_ms: dict[str, float]) -> float:
+    """The ms a process's threads waited behind one another (`behind`'s OWN parts)."""
+    return sum(ms for who, ms in behind_ms.items() if who.startswith(OWN))
