@@ -54,8 +54,8 @@ from typing import Any
 
 import structlog
 
-from bench import fleet_history, fleet_plot, fleet_profile, host
-from bench.fleet_cpu import daemon_pid, pids_of, split_table
+from bench import fleet_history, fleet_plot, fleet_profile, fleet_sched, host
+from bench.fleet_cpu import behind_table, daemon_pid, pids_of, split_table
 from bench.fleet_cut import cut_one, cut_target, member_metrics
 from bench.fleet_early import (
     early_repeat_table,
@@ -242,6 +242,13 @@ def main() -> None:
         "(units/cluster/etcd-relay.toml says why the stock stack has it)",
     )
     parser.add_argument(
+        "--sched-trace",
+        action="store_true",
+        help="record the scheduler's events (tracefs; root) over each push answered early, "
+        "and say behind whom the answer's shard's and the head's daemon's threads waited for "
+        "a core: their own threads, the head's other parts, the other nodes' (bench.fleet_sched)",
+    )
+    parser.add_argument(
         "--idle",
         type=float,
         default=IDLE_S,
@@ -303,6 +310,8 @@ def main() -> None:
         parser.error(f"--idle: seconds from 1 to 3600, got {args.idle:g}")
     if args.profile is not None and (why := fleet_profile.missing()) is not None:
         parser.error(why)
+    if args.sched_trace and (why := fleet_sched.missing()) is not None:
+        parser.error(f"--sched-trace: {why}")
     limits = {"cpu_weight": weight, "nice": args.shard_nice}
     shard_limits = {name: value for name, value in limits.items() if value is not None}
     exit_on_signals()  # a stopped run stops its fleet and puts the inotify limit back
@@ -321,7 +330,8 @@ def main() -> None:
             else run_fleet(1, 1, quick=True, faults=False, lease=lease, limits=shard_limits,
                            live_timeout=live_timeout, max_starting=args.max_starting,
                            max_updating=args.max_updating, heartbeat_timeout=beat,
-                           modeled_reset=modeled, early_pushes=args.early_pushes)
+                           modeled_reset=modeled, early_pushes=args.early_pushes,
+                           sched_trace=args.sched_trace)
         )
         fleets = []
         for n in nodes:
@@ -334,6 +344,7 @@ def main() -> None:
                     idle_s=args.idle, heartbeat_timeout=beat, cut=args.cut,
                     profile=args.profile, modeled_reset=modeled,
                     early_pushes=args.early_pushes, direct_etcd=args.direct_etcd,
+                    sched_trace=args.sched_trace,
                 )
             )
             # kept on stderr as it comes: a later fleet that fails does not lose this one
@@ -476,6 +487,7 @@ def run_fleet(
     modeled_reset: float | None = None,
     early_pushes: int = 1,
     direct_etcd: bool = False,
+    sched_trace: bool = False,
 ) -> dict[str, Any]:
     """Start a fleet, measure it, stop it. A clean run leaves nothing in /tmp unless `keep`;
     a failed one keeps the daemons' logs in its work dir (named in the error) and kills
@@ -506,7 +518,8 @@ def run_fleet(
                               "max_updating": max_updating,
                               "modeled_reset_s": modeled_reset,
                               "etcd_metrics": etcd_metrics or "basic",
-                              "dynamo_etcd": "members" if direct_etcd else "relay"}  # fmt: skip
+                              "dynamo_etcd": "members" if direct_etcd else "relay",
+                              "sched_trace": sched_trace}  # fmt: skip
     last_step = EARLY_STEP + early_pushes - 1  # the version the faults' load asks for
     failed = True
     begun: dict[str, float] = {}  # phase -> wall clock at its start (the logs' clock)
@@ -536,11 +549,12 @@ def run_fleet(
             ("identity", lambda: identity_look(rig, *((2, 5) if quick else ()))),
             ("push", lambda: push_all(rig, step=1, profile=profile)),
             ("whole", lambda: whole_again(rig, shards)),
-            ("early", lambda: push_early(rig, EARLY_STEP, shards, LOAD, 1.0 if quick else 3.0)),
+            ("early", lambda: push_early(rig, EARLY_STEP, shards, LOAD, 1.0 if quick else 3.0,
+                                         sched_trace)),
             ("whole_early", lambda: whole_again(rig, shards)),
             ("early_again", lambda: push_early_again(
                 rig, EARLY_STEP, early_pushes - 1, shards, LOAD, 1.0 if quick else 3.0,
-                lambda: whole_again(rig, shards)) if early_pushes > 1 else None),
+                lambda: whole_again(rig, shards), sched_trace) if early_pushes > 1 else None),
             ("status", lambda: status_all(rig, rig.names[-1:] if quick else rig.names, quick)),
             ("kill", lambda: kill_tenth(rig, last_step) if faults and not quick else None),
             ("cut", lambda: cut_one(rig, cut_target(rig, cut), 1.0 if quick else 2.0, LOAD,
@@ -920,6 +934,8 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
         report.tables.append(fleet_profile.profile_table(fleets))
     report.tables.append(early_table(fleets))
     report.tables.append(split_table([f for f in (reference, *fleets) if f], pushes_of))
+    if any(f.get("sched_trace") for f in fleets):
+        report.tables.append(behind_table([f for f in (reference, *fleets) if f], pushes_of))
     if any(len(early_stalls(f)) > 1 for f in fleets):  # `--early-pushes` above 1
         report.tables.append(early_repeat_table(fleets, ref_s))
     report.tables += [fault_table(fleets), health_table(fleets)]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import host
+from bench.fleet_sched import OWN, Event, SchedTrace, behind, own, parse
 from bench.fleet_threads import Waits, group
 from bench.host import PROC
 from bench.procs import Reread, parse_stat
@@ -103,8 +104,11 @@ class Split:
     (their schedstat, in ns: the first shard's is known once it acks). Every file is
     opened when made, before the window. `parts`: fleet_parts."""
 
-    def __init__(self, parts: dict[int, str]) -> None:
+    def __init__(self, parts: dict[int, str], *, trace: bool = False) -> None:
         self.parts = parts
+        # the scheduler's events over the window, made here with its buffers (fleet_sched)
+        self.trace = SchedTrace() if trace else None
+        self.events: list[Event] = []
         self.scan = Scan()
         self.waits = Waits([p for p, n in parts.items() if n.startswith("worker@") or
                             n == HEAD_DAEMON])  # fmt: skip
@@ -121,8 +125,12 @@ class Split:
             self.before = self.scan.read()
             self.waits.mark()
         self.reads_ms = [(time.monotonic() - self.began) * 1000]
+        if self.trace is not None:
+            self.trace.on()
 
     def stop(self) -> None:
+        if self.trace is not None:
+            self.trace.off()
         stopping = time.monotonic()
         with ahead():
             self.waited = self.waits.since()
@@ -132,11 +140,15 @@ class Split:
         self.reads_ms.append((ended - stopping) * 1000)
         machine = host.window(self.host)
         self.busy_s, self.irq_s = machine["busy_s"], machine["irq_s"]
+        if self.trace is not None:
+            self.events = parse(self.trace.text())
         self.close()
 
     def close(self) -> None:
         self.scan.close()
         self.waits.close()
+        if self.trace is not None:
+            self.trace.close()
 
     def result(self, first_shard: str | None) -> dict[str, Any]:
         """The window's length (and its two reads'), the machine's busy time in it (and its
@@ -145,10 +157,26 @@ class Split:
         named = {n: p for p, n in self.parts.items()}
         waits = {FIRST: self.waited.get(named.get(first_shard or "", -1)),
                  HEAD_DAEMON: self.waited.get(named.get(HEAD_DAEMON, -1))}  # fmt: skip
-        return {"window_s": self.window_s, "busy_s": self.busy_s, "irq_s": self.irq_s,
-                "reads_ms": self.reads_ms,
-                "parts": spent(self.before, self.after, self.parts, first_shard),
-                "waits": {k: v for k, v in waits.items() if v is not None}}  # fmt: skip
+        out = {"window_s": self.window_s, "busy_s": self.busy_s, "irq_s": self.irq_s,
+               "reads_ms": self.reads_ms,
+               "parts": spent(self.before, self.after, self.parts, first_shard),
+               "waits": {k: v for k, v in waits.items() if v is not None}}  # fmt: skip
+        if self.trace is not None:
+            out["behind"] = self.behind(named, first_shard)
+        return out
+
+    def behind(self, named: dict[str, int], first_shard: str | None) -> dict[str, Any]:
+        """Behind whom the first shard's and the head's daemon's threads waited for a core
+        between the trace's on and off (fleet_sched.behind), by the fleet's parts."""
+        assert self.trace is not None
+
+        def part(tgid: int, name: str) -> str:
+            return part_of(tgid, name, self.after, self.parts, first_shard)
+
+        pids = {FIRST: named.get(first_shard or ""), HEAD_DAEMON: named.get(HEAD_DAEMON)}
+        return {"events": len(self.events), "window_s": self.trace.ended - self.trace.began,
+                **{whose: behind(self.events, pid, self.trace.began, self.trace.ended, part)
+                   for whose, pid in pids.items() if pid is not None}}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -267,3 +295,44 @@ def waited(cut: dict[str, Any], part: str, *, ended: bool = False) -> str:
 def with_part(whole: float, part: float) -> str:
     """`whole (part)` in ms; the part `-` where it was not read."""
     return f"{whole:.0f} ({'-' if math.isnan(part) else f'{part:.0f}'})"
+
+
+def behind_table(
+    fleets: list[dict[str, Any]], pushes_of: Callable[[dict[str, Any]], list[dict[str, Any]]]
+) -> Table:
+    """Per early push traced (`--sched-trace`): behind whom the first shard's and the head's
+    daemon's threads waited for a core in the stall, the largest first; beside the waits'
+    sum the same threads' schedstat count (which misses the threads that ended)."""
+    table = Table(
+        "Behind whom the answer's shard and the head's daemon waited for a core in each push "
+        "answered early: ms of their threads' waits by what ran on the core they waited for "
+        "(the scheduler's events, tracefs)",
+        ["nodes", "shards", "step", "stall ms", "whose", "waits (threads)",
+         "waited ms (schedstat's)", "longest ms", "behind its own threads ms",
+         "behind others, largest first (ms)", "its threads that waited (ms)"],
+        digits=1,
+    )  # fmt: skip
+    for f in fleets:
+        for p in pushes_of(f):
+            traced = p.get("cpu_split", {}).get("behind")
+            if not traced:
+                continue
+            for whose in (FIRST, HEAD_DAEMON):
+                w = traced.get(whose)
+                if w is None:
+                    continue
+                counted = p["cpu_split"].get("waits", {}).get(whose, {}).get("waited_ms", math.nan)
+                others = {k: v for k, v in w["behind_ms"].items() if not k.startswith(OWN)}
+                table.rows.append(
+                    [f["nodes"], f["shards"], p["step"], p["stall_s"] * 1000, whose,
+                     f"{w['waits']} ({w['threads']})", f"{w['waited_ms']:.1f} ({counted:.1f})",
+                     w["longest_ms"], own(w["behind_ms"]), largest(others),
+                     largest(w["waiting_ms"])]
+                )  # fmt: skip
+    return table
+
+
+def largest(ms: dict[str, float], top: int = REST) -> str:
+    """`name ms, ...` the largest first, the first `top`."""
+    names = sorted(ms, key=lambda k: -ms[k])[:top]
+    return ", ".join(f"{k} {ms[k]:.1f}" for k in names) or "-"

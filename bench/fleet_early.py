@@ -54,15 +54,16 @@ TXN = 'grpc_server_handling_seconds_bucket{grpc_method="Txn",grpc_service="etcds
 TXN_LE = ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1")  # its bounds, s
 
 
-def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: float
-               ) -> dict[str, Any]:
+def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: float,
+               trace: bool = False) -> dict[str, Any]:  # fmt: skip
     """Push `step` with `serving = 1` under `load` (`steady_s` of it before): the trainer's
     stall, the shards the answer left updating on the head, until every shard of the fleet
-    held the step, and the step's requests meanwhile."""
+    held the step, and the step's requests meanwhile. `trace`: also the scheduler's events
+    over the stall, to say behind whom its threads waited for a core (fleet_sched)."""
     checkpoint = make_checkpoint(rig, rig.work_dir / f"step-{step}", 1.0 + 0.01 * step)
     asked = [step - 1]  # the step trainer-style requests require: the new one from the answer
     parts = fleet_cpu.fleet_parts(rig)  # pid -> the fleet's part, for the stall's CPU
-    split = fleet_cpu.Split(parts)
+    split = fleet_cpu.Split(parts, trace=trace)
     gen = rig.load(load, "tiny-cpu", lambda: asked[0])
     gen.start()
     try:
@@ -220,13 +221,14 @@ def push_early_again(
     load: Load,
     steady_s: float,
     whole: Callable[[], dict[str, Any]],
+    trace: bool = False,
 ) -> list[dict[str, Any]]:
     """The early push `times` more, at the steps after `after`, each once every shard is
     routed again after the one before (`whole`, timed with it): one push's stall and
     commit on a busy machine say little of the next's."""
     pushes = []
     for step in range(after + 1, after + 1 + times):
-        pushed = push_early(rig, step, shards, load, steady_s)
+        pushed = push_early(rig, step, shards, load, steady_s, trace)
         pushes.append({**pushed, "whole": whole()})
     return pushes
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from bench import procs
+from bench import fleet_sched, procs
 from bench.goodput import QUICK_RUN_S
 from bench.run_all import BENCHMARKS
 from tests.conftest import ROOT, extra_venv
@@ -172,6 +172,13 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert not any(part.startswith("worker@") for part in split), split
     assert early["cpu_split"]["window_s"] >= early["stall_s"], early["cpu_split"]
     assert early["first_shard"].startswith("worker@"), early  # the head's, by its unit name
+    if fleet["sched_trace"]:  # behind whom its threads waited: every ms of it put somewhere
+        traced = early["cpu_split"]["behind"]
+        first = traced["first shard"]
+        assert traced["events"] > 0 and first["waits"] > 0, traced
+        assert 0.9 * first["waited_ms"] <= sum(first["behind_ms"].values()) <= (
+            first["waited_ms"] * 1.001 + 0.001), first  # fmt: skip
+        assert "head's daemon" in traced, traced
     # under load: the new step's requests from the answer on were served, at that step
     step = early["load"]["step_all"]
     assert step["requests"] > 0 and step["failed"] == 0, early["load"]
@@ -207,8 +214,12 @@ CHECKS = {
 def test_quick_json(name: str, tmp_path: Path) -> None:
     if name == "goodput":  # AIPerf's venv: `make test` builds it beside the suite
         extra_venv(".venv-aiperf", "aiperf")
-    # the fleet's daemons sampled through its push (py-spy): the profile's whole path
-    extra = ("--profile", str(tmp_path / "profile")) if name == "fleet" else ()
+    # the fleet's daemons sampled through its push (py-spy): the profile's whole path; and
+    # the scheduler traced over its early push where this machine lets it (root, tracefs)
+    extra: tuple[str, ...] = ()
+    if name == "fleet":
+        extra = ("--profile", str(tmp_path / "profile"))
+        extra += ("--sched-trace",) if fleet_sched.missing() is None else ()
     proc = run_bench(f"bench.{name}", "--quick", "--json", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
