@@ -106,12 +106,12 @@ class Split:
 
     def __init__(self, parts: dict[int, str], *, trace: bool = False) -> None:
         self.parts = parts
-        # the scheduler's events over the window, made here with its buffers (fleet_sched)
-        self.trace = SchedTrace() if trace else None
-        self.events: list[Event] = []
         self.scan = Scan()
         self.waits = Waits([p for p, n in parts.items() if n.startswith("worker@") or
                             n == HEAD_DAEMON])  # fmt: skip
+        # the scheduler's events over the window, made here with its buffers (fleet_sched)
+        self.trace = SchedTrace() if trace else None
+        self.events: list[Event] = []
         self.before: dict[int, tuple[str, int, float]] = {}
         self.after: dict[int, tuple[str, int, float]] = {}
         self.waited: dict[int, dict[str, float]] = {}

@@ -33,6 +33,7 @@ TRACEFS = Path("/sys/kernel/tracing")
 FILESYSTEMS = Path("/proc/filesystems")
 EVENTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task")
 BUFFER_KB = 16384  # per core: an 8 x 32 stall of ~0.2 s writes a few MB on each
+PREFIX = "dynamod-bench-"  # an instance's name, before the pid of the bench it is for
 IDLE = "idle (the wake-up's latency)"
 OWN = "its own threads"  # `its own threads: <their name>` in `behind`
 
@@ -53,7 +54,11 @@ MIGRATE = re.compile(
 )
 
 
-def missing(filesystems: Path = FILESYSTEMS) -> str | None:
+class TraceError(RuntimeError):
+    """The scheduler's trace could not be set up (one line, what and where)."""
+
+
+def missing(filesystems: Path = FILESYSTEMS, root: Path = TRACEFS) -> str | None:
     """Why the scheduler cannot be traced here, or None."""
     if os.geteuid() != 0:
         return "tracing the scheduler needs root"
@@ -62,6 +67,8 @@ def missing(filesystems: Path = FILESYSTEMS) -> str | None:
             return "this kernel has no tracefs"
     except OSError as exc:
         return f"cannot read {filesystems}: {exc.strerror}"
+    if not root.is_dir():
+        return f"no {root} to mount tracefs on"
     return None
 
 
@@ -74,12 +81,15 @@ class SchedTrace:
         self.root = root
         self.mounted = False
         if not (root / "instances").is_dir():
-            subprocess.run(["mount", "-t", "tracefs", "nodev", str(root)],
-                           check=True, capture_output=True, timeout=10)  # fmt: skip
+            done = subprocess.run(["mount", "-t", "tracefs", "nodev", str(root)],
+                                  capture_output=True, text=True, timeout=10)  # fmt: skip
+            if done.returncode != 0:
+                raise TraceError(f"cannot mount tracefs on {root}: {done.stderr.strip()}")
             self.mounted = True
-        self.dir = root / "instances" / f"dynamod-bench-{os.getpid()}"
+        self.dir = root / "instances" / f"{PREFIX}{os.getpid()}"
         self.began = self.ended = 0.0
         try:
+            sweep(root)
             self.dir.mkdir()
             self._write("tracing_on", "0")
             self._write("trace_clock", "mono")  # time.monotonic()'s clock
@@ -92,7 +102,7 @@ class SchedTrace:
             raise
 
     def _write(self, name: str, value: str) -> None:
-        (self.dir / name).write_text(value)
+        write(self.dir, name, value)
 
     def on(self) -> None:
         self._write("trace", "")  # an empty buffer
@@ -109,12 +119,7 @@ class SchedTrace:
     def close(self) -> None:
         """Remove the instance (its buffers with it) and take tracefs down if it was
         mounted for this trace."""
-        with contextlib.suppress(OSError):
-            self._write("tracing_on", "0")
-            for event in EVENTS:
-                self._write(f"events/sched/{event}/enable", "0")
-        with contextlib.suppress(FileNotFoundError):
-            self.dir.rmdir()
+        remove(self.dir)
         if self.mounted:
             subprocess.run(["umount", str(self.root)], check=False, capture_output=True,
                            timeout=10)  # fmt: skip
@@ -125,6 +130,32 @@ class SchedTrace:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write(instance: Path, name: str, value: str) -> None:
+    (instance / name).write_text(value)
+
+
+def remove(instance: Path) -> None:
+    """Stop an instance's recording and remove it with its buffers (gone already: done)."""
+    with contextlib.suppress(OSError):
+        write(instance, "tracing_on", "0")
+        for event in EVENTS:
+            write(instance, f"events/sched/{event}/enable", "0")
+    with contextlib.suppress(FileNotFoundError):
+        instance.rmdir()
+
+
+def sweep(root: Path) -> list[Path]:
+    """Remove the instances a bench that ended without closing its trace left (killed):
+    one records on in the kernel, mounted or not, until it is removed."""
+    gone = []
+    for instance in (root / "instances").glob(f"{PREFIX}*"):
+        pid = instance.name[len(PREFIX) :]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            remove(instance)
+            gone.append(instance)
+    return gone
 
 
 @dataclass(frozen=True)

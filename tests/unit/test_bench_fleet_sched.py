@@ -246,3 +246,29 @@ def test_missing_names_what_stops_a_trace(tmp_path: Path) -> None:
     assert why == ("this kernel has no tracefs" if os.geteuid() == 0
                    else "tracing the scheduler needs root")  # fmt: skip
     assert fleet_sched.missing(tmp_path / "absent") is not None
+    if os.geteuid() == 0:  # tracefs known, but nowhere to mount it
+        filesystems.write_text("nodev\ttracefs\n")
+        assert fleet_sched.missing(filesystems, tmp_path / "none") == (
+            f"no {tmp_path / 'none'} to mount tracefs on")  # fmt: skip
+        assert fleet_sched.missing(filesystems, tmp_path) is None
+
+
+def test_a_mount_that_fails_says_where_in_one_error(tmp_path: Path) -> None:
+    traceable()
+    where = tmp_path / "not-a-dir"
+    where.write_text("")
+    with pytest.raises(fleet_sched.TraceError, match=f"cannot mount tracefs on {where}"):
+        SchedTrace(where)
+
+
+def test_an_instance_left_by_a_killed_bench_is_removed_by_the_next_trace() -> None:
+    traceable()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    with SchedTrace() as trace:
+        left = trace.root / "instances" / f"{fleet_sched.PREFIX}{dead.pid}"
+        left.mkdir()  # as a bench killed before its close would leave it, recording
+        (left / "events/sched/sched_switch/enable").write_text("1")
+        assert fleet_sched.sweep(trace.root) == [left]  # what SchedTrace does as it is made
+        assert not left.exists()
+        assert trace.dir.exists()  # this process's own, alive: kept
