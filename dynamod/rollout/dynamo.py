@@ -19,12 +19,15 @@ The instance value (JSON) looks like:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from dynamod.core.errors import DynamodError
 from dynamod.rollout.etcd import EtcdClient
@@ -192,10 +195,6 @@ async def withdraw_instance(
 
 # -- which instance ids belong to which worker process ---------------------------------------
 
-_WORKER_ID_LABEL = re.compile(r'worker_id="([0-9a-fA-F]+)"')
-_NAMESPACE_LABEL = re.compile(r'dynamo_namespace="([^"]*)"')
-
-
 _NOT_IN_A_METRIC_NAME = re.compile(r"[^A-Za-z0-9_]")
 
 
@@ -206,17 +205,28 @@ def namespace_label(namespace: str) -> str:
     return _NOT_IN_A_METRIC_NAME.sub("_", namespace)
 
 
+def metric_samples(text: str) -> list[Sample]:
+    """Every sample of a Prometheus text, by prometheus_client's parser. A line it refuses
+    costs that line, not the text: then each line is read on its own."""
+    try:
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError:
+        found: list[Sample] = []
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                found += [s for f in text_string_to_metric_families(line + "\n") for s in f.samples]
+        return found
+
+
 def worker_ids_in_metrics(metrics_text: str, namespace: str) -> set[int]:
     """Instance ids found in the `worker_id` label of a worker's Prometheus metrics."""
     ids: set[int] = set()
     label = namespace_label(namespace)
-    for line in metrics_text.splitlines():
-        if line.startswith("#"):
-            continue
-        worker = _WORKER_ID_LABEL.search(line)
-        ns = _NAMESPACE_LABEL.search(line)
-        if worker and ns and namespace_label(ns.group(1)) == label:
-            ids.add(int(worker.group(1), 16))
+    for sample in metric_samples(metrics_text):
+        worker, ns = sample.labels.get("worker_id"), sample.labels.get("dynamo_namespace")
+        if worker and ns is not None and namespace_label(ns) == label:
+            with contextlib.suppress(ValueError):  # not hex: no instance id
+                ids.add(int(worker, 16))
     return ids
 
 
