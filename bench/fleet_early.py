@@ -23,9 +23,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from prometheus_client.samples import Sample
+
 from bench import fleet_cpu, host
 from bench.fleet_cut import member_metrics
-from bench.fleet_growth import prometheus
+from bench.fleet_growth import prometheus, samples
 from bench.fleet_stack import members
 from bench.report import Table
 from dynamod.chaos.cluster import ClusterError, ClusterRig
@@ -50,7 +52,8 @@ SLOW_LE = "0.032"  # a histogram bound of both (1 ms x 2^n): "slow" is above it
 # histogram, from the call's arrival at the member to its answer, raft's round included): the
 # commit is one Txn, so a commit that is slow while every Txn was quick waited outside etcd's
 # handler (in the daemon, or for a core)
-TXN = 'grpc_server_handling_seconds_bucket{grpc_method="Txn",grpc_service="etcdserverpb.KV",'
+TXN = "grpc_server_handling_seconds_bucket"
+TXN_LABELS = {"grpc_method": "Txn", "grpc_service": "etcdserverpb.KV", "grpc_type": "unary"}
 TXN_LE = ("0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5", "1")  # its bounds, s
 
 
@@ -140,27 +143,27 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
 def disk_counts(text: str) -> dict[str, float]:
     """A /metrics text's fsyncs and backend commits so far, their seconds, how many took
     longer than SLOW_LE s, and whether its member leads etcd's raft (1) or not (0)."""
+    found = samples(text)
     names = {f"{k}_{part}": f"{m}_{part}" for k, m in DISK.items() for part in ("count", "sum")}
-    found = prometheus(text, {**names, "is_leader": "etcd_server_is_leader"})
+    counts = prometheus(found, {**names, "is_leader": "etcd_server_is_leader"})
     for key, metric in DISK.items():
-        bound = f'{metric}_bucket{{le="{SLOW_LE}"}} '
-        within = next((float(line[len(bound):]) for line in text.splitlines()
-                       if line.startswith(bound)), math.nan)  # fmt: skip
-        found[f"{key}_slow"] = found[f"{key}_count"] - within
-    return found | txn_counts(text)
+        within = next((s.value for s in found if s.name == f"{metric}_bucket"
+                       and s.labels.get("le") == SLOW_LE), math.nan)  # fmt: skip
+        counts[f"{key}_slow"] = counts[f"{key}_count"] - within
+    return counts | txn_counts(found)
 
 
-def txn_counts(text: str) -> dict[str, float]:
-    """A /metrics text's Txns served so far, in all and within each of TXN_LE's bounds
-    (`txn_le_0.005`: within 5 ms); none for a member without `--metrics extensive`."""
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(TXN) and 'grpc_type="unary"' in line:
-            head, _, value = line.rpartition(" ")
-            bound = head.rsplit('le="', 1)[-1].rstrip('"}')
+def txn_counts(found: list[Sample]) -> dict[str, float]:
+    """A /metrics text's Txns served so far (its `samples`), in all and within each of
+    TXN_LE's bounds (`txn_le_0.005`: within 5 ms); none for a member without `--metrics
+    extensive`."""
+    counts: dict[str, float] = {}
+    for s in found:
+        if s.name == TXN and all(s.labels.get(k) == v for k, v in TXN_LABELS.items()):
+            bound = s.labels.get("le", "")
             key = "txn_count" if bound == "+Inf" else f"txn_le_{bound}"
-            found[key] = found.get(key, 0.0) + float(value)
-    return found
+            counts[key] = counts.get(key, 0.0) + s.value
+    return counts
 
 
 def etcd_disk(rig: ClusterRig) -> dict[str, dict[str, float]]:

@@ -8,6 +8,9 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
 # etcd's own counters: keys in the store, live watchers, the store's revision (one per
 # write transaction), the reads (ranges) and the keys written (put or deleted) since it started
 ETCD_METRICS = {
@@ -69,20 +72,22 @@ def faster_than_linear(points: Sequence[tuple[float, float | None]], margin: flo
     return not math.isnan(b) and b > 1 + margin
 
 
-def prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
-    """The named unlabelled (or summed over labels) samples of a /metrics text:
-    {our name: value}; a metric the text lacks is NaN."""
+def samples(text: str) -> list[Sample]:
+    """Every sample of a /metrics text, by prometheus_client's parser (labels, escapes and
+    comments as the exposition format has them)."""
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def prometheus(text: str | list[Sample], names: dict[str, str]) -> dict[str, float]:
+    """The named unlabelled (or summed over labels) samples of a /metrics text (or its
+    `samples`): {our name: value}; a metric the text lacks is NaN."""
     wanted = {metric: ours for ours, metric in names.items()}
     found = {ours: math.nan for ours in names}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric = head.split("{", 1)[0]
-        if metric in wanted:
-            ours = wanted[metric]
+    for sample in samples(text) if isinstance(text, str) else text:
+        if sample.name in wanted:
+            ours = wanted[sample.name]
             base = 0.0 if math.isnan(found[ours]) else found[ours]
-            found[ours] = base + float(value)
+            found[ours] = base + sample.value
     return found
 
 

@@ -450,11 +450,15 @@ def test_etcd_s_slow_fsyncs_are_those_above_the_bucket_and_counted_per_member() 
 
 def test_etcd_s_slowest_txn_is_the_first_bound_that_holds_every_member_s_txns() -> None:
     def text(within: dict[str, int], count: int) -> str:
-        lines = [f'{TXN}grpc_type="unary",le="{le}"}} {n}' for le, n in within.items()]
-        other = TXN.replace('"Txn"', '"Range"')  # another method: not counted
-        return "\n".join([*lines, f'{TXN}grpc_type="unary",le="+Inf"}} {count}',
-                          f'{other}grpc_type="unary",le="0.005"}} 0',
-                          f'{other}grpc_type="unary",le="+Inf"}} 50'])  # fmt: skip
+        def line(method: str, le: str, n: int) -> str:
+            return (f'{TXN}{{grpc_method="{method}",grpc_service="etcdserverpb.KV",'
+                    f'grpc_type="unary",le="{le}"}} {n}')  # fmt: skip
+
+        lines = [line("Txn", le, n) for le, n in within.items()]
+        # another method is not counted
+        return "\n".join([f"# TYPE {TXN[:-len('_bucket')]} histogram", *lines,
+                          line("Txn", "+Inf", count), line("Range", "0.005", 0),
+                          line("Range", "+Inf", 50)])  # fmt: skip
 
     quick = {"0.005": 8, "0.01": 10, "0.025": 10, "0.05": 10}
     before = {"n1": disk_counts(text(quick, 10)), "n2": disk_counts(text(quick, 10))}
