@@ -6,7 +6,8 @@ frontend), the other nodes' shards, daemons and units (on a fleet of machines, n
 head's cores), the benchmark itself (its load's threads and its call to the daemon), and
 what is none of these by its command's name (the kernel's threads among them). Beside it,
 the answer's shard's and the head's daemon's threads' own run time and wait for a core
-(their schedstat, fleet_threads.Waits), and the machine's busy time over the same window.
+(their schedstat, fleet_threads.Waits), and the machine's busy time over the same window;
+with the scheduler's trace (fleet_sched), behind whom they waited.
 
 A process that is not a fleet's unit belongs to its nearest ancestor that is (a daemon's
 probe, a unit's own child). /proc counts a process's CPU in clock ticks (10 ms): over a
@@ -102,7 +103,9 @@ class Split:
     over the same window: the two scans are in it, so it is a few ms longer than what it
     brackets. And the head's daemon's and shards' threads' run time and wait for a core
     (their schedstat, in ns: the first shard's is known once it acks). Every file is
-    opened when made, before the window. `parts`: fleet_parts."""
+    opened when made, before the window. `parts`: fleet_parts. `trace`: also the
+    scheduler's events over the window, to say behind whom the first shard and the head's
+    daemon waited (fleet_sched; root only)."""
 
     def __init__(self, parts: dict[int, str], *, trace: bool = False) -> None:
         self.parts = parts
