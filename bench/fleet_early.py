@@ -27,7 +27,7 @@ from prometheus_client.samples import Sample
 
 from bench import fleet_cpu, host
 from bench.fleet_cut import member_metrics
-from bench.fleet_growth import prometheus, samples
+from bench.fleet_growth import prometheus
 from bench.fleet_stack import members
 from bench.report import Table
 from dynamod.chaos.cluster import ClusterError, ClusterRig
@@ -36,6 +36,7 @@ from dynamod.chaos.model import Load
 from dynamod.chaos.node_loss import make_checkpoint
 from dynamod.client import Client
 from dynamod.core import events
+from dynamod.rollout.dynamo import metric_samples
 
 SERVING = 1  # the head's shards serving the step before the trainer goes on
 TAIL = 200  # the head's last events looked at for push_finished (each look reads the end)
@@ -143,7 +144,7 @@ def push_early(rig: ClusterRig, step: int, shards: int, load: Load, steady_s: fl
 def disk_counts(text: str) -> dict[str, float]:
     """A /metrics text's fsyncs and backend commits so far, their seconds, how many took
     longer than SLOW_LE s, and whether its member leads etcd's raft (1) or not (0)."""
-    found = samples(text)
+    found = metric_samples(text)
     names = {f"{k}_{part}": f"{m}_{part}" for k, m in DISK.items() for part in ("count", "sum")}
     counts = prometheus(found, {**names, "is_leader": "etcd_server_is_leader"})
     for key, metric in DISK.items():
@@ -154,7 +155,7 @@ def disk_counts(text: str) -> dict[str, float]:
 
 
 def txn_counts(found: list[Sample]) -> dict[str, float]:
-    """A /metrics text's Txns served so far (its `samples`), in all and within each of
+    """A /metrics text's Txns served so far (its `metric_samples`), in all and within each of
     TXN_LE's bounds (`txn_le_0.005`: within 5 ms); none for a member without `--metrics
     extensive`."""
     counts: dict[str, float] = {}

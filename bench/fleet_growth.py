@@ -8,8 +8,9 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
+
+from dynamod.rollout.dynamo import metric_samples
 
 # etcd's own counters: keys in the store, live watchers, the store's revision (one per
 # write transaction), the reads (ranges) and the keys written (put or deleted) since it started
@@ -72,18 +73,12 @@ def faster_than_linear(points: Sequence[tuple[float, float | None]], margin: flo
     return not math.isnan(b) and b > 1 + margin
 
 
-def samples(text: str) -> list[Sample]:
-    """Every sample of a /metrics text, by prometheus_client's parser (labels, escapes and
-    comments as the exposition format has them)."""
-    return [s for family in text_string_to_metric_families(text) for s in family.samples]
-
-
 def prometheus(text: str | list[Sample], names: dict[str, str]) -> dict[str, float]:
     """The named unlabelled (or summed over labels) samples of a /metrics text (or its
-    `samples`): {our name: value}; a metric the text lacks is NaN."""
+    `metric_samples`): {our name: value}; a metric the text lacks is NaN."""
     wanted = {metric: ours for ours, metric in names.items()}
     found = {ours: math.nan for ours in names}
-    for sample in samples(text) if isinstance(text, str) else text:
+    for sample in metric_samples(text) if isinstance(text, str) else text:
         if sample.name in wanted:
             ours = wanted[sample.name]
             base = 0.0 if math.isnan(found[ours]) else found[ours]
