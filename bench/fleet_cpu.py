@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import host
-from bench.fleet_sched import OWN, Event, SchedTrace, behind, own, parse
+from bench.fleet_sched import OWN, Event, SchedTrace, Schedule, own, parse
 from bench.fleet_threads import Waits, group
 from bench.host import PROC
 from bench.procs import Reread, parse_stat
@@ -177,8 +177,9 @@ class Split:
             return part_of(tgid, name, self.after, self.parts, first_shard)
 
         pids = {FIRST: named.get(first_shard or ""), HEAD_DAEMON: named.get(HEAD_DAEMON)}
+        schedule = Schedule(self.events, self.trace.began, self.trace.ended)
         return {"events": len(self.events), "window_s": self.trace.ended - self.trace.began,
-                **{whose: behind(self.events, pid, self.trace.began, self.trace.ended, part)
+                **{whose: schedule.behind(pid, part)
                    for whose, pid in pids.items() if pid is not None}}  # fmt: skip
 
 

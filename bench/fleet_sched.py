@@ -277,6 +277,48 @@ def occupants(
     return dict(out)
 
 
+class Schedule:
+    """A trace's tasks (`tasks`) and who ran on each core between `begin` and `end`
+    (`occupants`), read once for every process asked after (`behind`)."""
+
+    def __init__(
+        self, events: list[Event], begin: float, end: float, proc: Path = Path("/proc")
+    ) -> None:
+        self.events, self.begin, self.end = events, begin, end
+        self.known = tasks(events, proc)
+        self.ran = occupants(events, begin, end)
+
+    def behind(self, tgid: int, part: Callable[[int, str], str]) -> dict[str, Any]:
+        """The waits for a core of process `tgid`'s threads in the window: how many, their
+        sum and longest (ms), and the ms by what ran on their core meanwhile: `part(tgid,
+        name)` names another process's part (the task's name where its process is not
+        known: an ended thread seen only switched in), this process's own threads are OWN
+        with their name (digits dropped) and the idle task IDLE; and the ms by which of its
+        threads waited (their names)."""
+        known = self.known
+        mine = {tid for tid, (group, _) in known.items() if group == tgid}
+        found = [w for w in waits(self.events, mine, self.end) if w.end > self.begin]
+        by: dict[str, float] = defaultdict(float)
+        each: dict[tuple[int, float], float] = defaultdict(float)  # a wait's parts summed
+        for w in found:
+            start = max(w.start, self.begin)
+            each[(w.tid, w.since)] += w.end - start
+            for lo, hi, tid in self.ran.get(w.cpu, []):
+                overlap = min(hi, w.end) - max(lo, start)
+                if overlap > 0:
+                    group, name = known.get(tid, (None, "?"))
+                    who = (IDLE if tid == 0 else f"{OWN}: {thread_group(name)}" if group == tgid
+                           else part(group or -1, name))  # fmt: skip
+                    by[who] += overlap * 1000
+        waiting: dict[str, float] = defaultdict(float)  # which of its threads waited
+        for (tid, _), seconds in each.items():
+            waiting[thread_group(known[tid][1])] += seconds * 1000
+        return {"waits": len(each), "threads": len({tid for tid, _ in each}),
+                "waited_ms": sum(each.values()) * 1000,
+                "longest_ms": max(each.values(), default=0.0) * 1000,
+                "behind_ms": dict(by), "waiting_ms": dict(waiting)}  # fmt: skip
+
+
 def behind(
     events: list[Event],
     tgid: int,
@@ -285,35 +327,8 @@ def behind(
     part: Callable[[int, str], str],
     proc: Path = Path("/proc"),
 ) -> dict[str, Any]:
-    """The waits for a core of process `tgid`'s threads between `begin` and `end`: how
-    many, their sum and longest (ms), and the ms by what ran on their core meanwhile:
-    `part(tgid, name)` names another process's part (the task's name where its process is
-    not known: an ended thread seen only switched in), this process's own threads are OWN
-    with their name (digits dropped) and the idle task IDLE; and the ms by which of its
-    threads waited (their names)."""
-    known = tasks(events, proc)
-    mine = {tid for tid, (group, _) in known.items() if group == tgid}
-    found = [w for w in waits(events, mine, end) if w.end > begin]
-    ran = occupants(events, begin, end)
-    by: dict[str, float] = defaultdict(float)
-    each: dict[tuple[int, float], float] = defaultdict(float)  # a wait's parts summed
-    for w in found:
-        start = max(w.start, begin)
-        each[(w.tid, w.since)] += w.end - start
-        for lo, hi, tid in ran.get(w.cpu, []):
-            overlap = min(hi, w.end) - max(lo, start)
-            if overlap > 0:
-                group, name = known.get(tid, (None, "?"))
-                who = (IDLE if tid == 0 else f"{OWN}: {thread_group(name)}" if group == tgid
-                       else part(group or -1, name))  # fmt: skip
-                by[who] += overlap * 1000
-    waiting: dict[str, float] = defaultdict(float)  # which of its threads waited
-    for (tid, _), seconds in each.items():
-        waiting[thread_group(known[tid][1])] += seconds * 1000
-    return {"waits": len(each), "threads": len({tid for tid, _ in each}),
-            "waited_ms": sum(each.values()) * 1000,
-            "longest_ms": max(each.values(), default=0.0) * 1000,
-            "behind_ms": dict(by), "waiting_ms": dict(waiting)}  # fmt: skip
+    """`Schedule.behind` for one process."""
+    return Schedule(events, begin, end, proc).behind(tgid, part)
 
 
 def own(behind_ms: dict[str, float]) -> float:
