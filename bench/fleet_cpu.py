@@ -275,13 +275,13 @@ def split_table(
                 continue
             cut = p["cpu_split"]
             split = cut["parts"]
-            rest = sorted((k for k in split if k not in (*PARTS, BENCH)), key=lambda k: -split[k])
+            rest = [k for k in split if k not in (*PARTS, BENCH)]
             table.rows.append(
                 [f["nodes"], f["shards"], p["step"], p["stall_s"] * 1000,
                  with_part(cut["window_s"] * 1000, sum(cut.get("reads_ms", [math.nan]))),
                  with_part(cut["busy_s"] * 1000, cut.get("irq_s", math.nan) * 1000),
                  *(split.get(k, 0.0) * 1000 for k in (*PARTS, BENCH)),
-                 ", ".join(f"{k} {split[k] * 1000:.0f}" for k in rest[:REST]) or "-",
+                 largest({k: split[k] * 1000 for k in rest}, digits=0),
                  waited(cut, FIRST, ended=True), waited(cut, HEAD_DAEMON)]
             )  # fmt: skip
     return table
@@ -336,7 +336,7 @@ def behind_table(
     return table
 
 
-def largest(ms: dict[str, float], top: int = REST) -> str:
-    """`name ms, ...` the largest first, the first `top`."""
+def largest(ms: dict[str, float], top: int = REST, digits: int = 1) -> str:
+    """`name ms, ...` the largest first, the first `top` ("-" for none)."""
     names = sorted(ms, key=lambda k: -ms[k])[:top]
-    return ", ".join(f"{k} {ms[k]:.1f}" for k in names) or "-"
+    return ", ".join(f"{k} {ms[k]:.{digits}f}" for k in names) or "-"
