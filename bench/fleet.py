@@ -3,7 +3,7 @@
     python -m bench.fleet [--quick] [--json] [--nodes 1,2,4,8] [--shards-per-node S]
                           [--raise-inotify] [--no-faults] [--max-starting N]
                           [--max-updating N] [--modeled-reset S] [--profile DIR] [--png PATH]
-                          [--early-pushes N] [--direct-etcd]
+                          [--early-pushes N] [--direct-etcd] [--sched-trace]
 
 Network namespaces as nodes (root needed; dynamod.chaos.cluster.ClusterRig), one dynamod
 daemon per node, units/stacks/cluster.toml with etcd as 3 members on the first 3 nodes from 3
@@ -933,9 +933,10 @@ def judge(report: Report, reference: dict[str, Any] | None, fleets: list[dict[st
     if any(isinstance(pick(f, "push", "profile"), dict) for f in fleets):
         report.tables.append(fleet_profile.profile_table(fleets))
     report.tables.append(early_table(fleets))
-    report.tables.append(split_table([f for f in (reference, *fleets) if f], pushes_of))
+    every = [f for f in (reference, *fleets) if f]  # the 1 x 1 reference's pushes too
+    report.tables.append(split_table(every, pushes_of))
     if any(f.get("sched_trace") for f in fleets):
-        report.tables.append(behind_table([f for f in (reference, *fleets) if f], pushes_of))
+        report.tables.append(behind_table(every, pushes_of))
     if any(len(early_stalls(f)) > 1 for f in fleets):  # `--early-pushes` above 1
         report.tables.append(early_repeat_table(fleets, ref_s))
     report.tables += [fault_table(fleets), health_table(fleets)]
