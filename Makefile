@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf venv-vllm-made venv-aiperf-made bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet bench-fleet-256 cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup real-engine-two-shards chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf venv-vllm-made venv-aiperf-made bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet bench-fleet-256 bench-publish-scale cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup real-engine-two-shards chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -168,6 +168,11 @@ bench-fleet: install
 bench-fleet-256: install
 	$(BIN)/python -m bench.fleet --shards-per-node 32 --raise-inotify --max-starting 2 \
 		--shard-nice 10 --max-updating 2 --json $(FLEET)
+
+# The colocated update (verl's weight_sync: ipc) into 1, 8 and 32 CPU workers hosting the
+# worker extension: the trainer's stall, its send and dynamod's publish, beside a push (~3 min).
+bench-publish-scale: install
+	$(BIN)/python -m bench.publish_scale
 
 # The replicated, authenticated cluster stack with its head's etcd member down, alone (it is
 # in the default run too).

@@ -48,6 +48,7 @@ BENCHMARKS = [
     "cluster",
     "fleet",
     "verl_checkpoint",
+    "publish_scale",
     "real_engine",
 ]
 

@@ -111,6 +111,28 @@ def check_policy_push(result: dict[str, Any]) -> None:
         assert p["slowest_ms"]["load"] > 0, p
 
 
+def check_publish_scale(result: dict[str, Any]) -> None:
+    # the real colocated path into 1 and 2 shards hosting the extension: every timed update
+    # and push reached every shard, and the stall's parts are the trainer's own measurements
+    stacks = result["data"]["stacks"]
+    assert [s["shards"] for s in stacks] == [1, 2], stacks
+    for s in stacks:
+        assert len(s["updates"]) == len(s["pushes"]) == 2, s
+        for u in s["updates"]:
+            assert u["acked"] == s["shards"] and u["send_s"] > 0 and u["publish_s"] > 0, u
+            assert u["send_s"] + u["publish_s"] < u["stall_s"], u
+            assert u["slowest_ms"]["verify"] > 0 and u["slowest_ms"]["route"] > 0, u
+        assert all(p["acked"] == s["shards"] and p["daemon_s"] > 0 for p in s["pushes"]), s
+        # the CPU of the timed updates, put to the trainer (this process), shards, daemon...
+        cpu = s["cpu"]
+        assert cpu["busy_ms"] > 0 and 0 < cpu["busy_pct"] <= 100.5, cpu
+        assert cpu["parts_ms"]["trainer"] > 0 and cpu["parts_ms"]["shards"] > 0, cpu
+        # torch in every shard (the receiver): more than a plain CPU worker's ~50 MB
+        assert s["shard_pss_mb"] and min(s["shard_pss_mb"]) > 100, s
+    (target,) = result["targets"]
+    assert target["limit"] == 2.0 and target["measured"] > 0, target
+
+
 def check_outages(result: dict[str, Any]) -> None:
     # a scenario that crashed is only a note there: here it fails the smoke run
     assert not [n for n in result["notes"] if "did not complete" in n], result["notes"]
@@ -197,6 +219,7 @@ CHECKS = {
     "detect": check_detect,
     "down": check_down,
     "policy_push": check_policy_push,
+    "publish_scale": check_publish_scale,
     "outages": check_outages,
     "goodput": check_goodput,
     "fleet": check_fleet,
