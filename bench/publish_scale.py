@@ -21,8 +21,8 @@ flush and version calls to each shard and the publish's round trip), the slowest
 publish steps, the push's daemon seconds, each against the one-shard stack's, one shard's
 PSS with the extension (torch in every shard), and where the machine's CPU went in the
 timed updates: the trainer (this process), the shards, dynamod's daemon, the frontend,
-etcd and NATS. Target: the stall at the largest
-count within 2x one shard's (the issue's target for a push to every shard).
+etcd and NATS. Target: the stall at the largest count within 2x one shard's (the issue's
+target for a push to every shard).
 """
 
 from __future__ import annotations
@@ -65,9 +65,13 @@ def stack_pids(dm: Dynamod) -> dict[str, list[int]]:
 
 def shard_counts(text: str) -> list[int]:
     """`--shards` ("1,8,32"): rising counts from 1 (the reference every ratio is to)."""
-    counts = [int(c) for c in text.split(",") if c.strip()]
+    wrong = ValueError(f"--shards {text!r}: rising shard counts starting at 1, e.g. 1,8,32")
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise wrong from None
     if not counts or counts[0] != 1 or counts != sorted(set(counts)):
-        raise ValueError(f"--shards {text!r}: rising shard counts starting at 1, e.g. 1,8,32")
+        raise wrong
     return counts
 
 
@@ -237,6 +241,8 @@ def main() -> None:
         counts = shard_counts(args.shards or ("1,2" if args.quick else "1,8,32"))
     except ValueError as exc:
         parser.error(str(exc))
+    if args.updates is not None and args.updates < 1:
+        parser.error(f"--updates {args.updates}: at least 1")
     updates = args.updates or (2 if args.quick else 10)
     bench_mark()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
