@@ -170,7 +170,7 @@ bench-fleet-256: install
 		--shard-nice 10 --max-updating 2 --json $(FLEET)
 
 # The colocated update (verl's weight_sync: ipc) into 1, 8 and 32 CPU workers hosting the
-# worker extension: the trainer's stall, its send and dynamod's publish, beside a push (~3 min).
+# worker extension: the trainer's stall, its send and dynamod's publish, beside a push (~70 s).
 bench-publish-scale: install
 	$(BIN)/python -m bench.publish_scale
 
