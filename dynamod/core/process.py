@@ -29,13 +29,13 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import structlog
 
-from dynamod.core import cgroups, enforce, ports, proctable
+from dynamod.core import cgroups, enforce, ports, proctable, shmleft
 from dynamod.core.logs import OutputSink
 from dynamod.core.proctable import (
     MARK_RUN,
@@ -508,6 +508,8 @@ class TreeStopped:
     killed_outside_group: int
     survivors: list[int]
     killed: list[int] = field(default_factory=list)
+    # /dev/shm files its processes held and left, removed once they were gone (shmleft)
+    shm_removed: list[str] = field(default_factory=list)
 
 
 async def stop_tree(tree: Tree, *, sig: int, timeout: float, kill_wait: float = 5.0) -> TreeStopped:
@@ -824,10 +826,28 @@ class OsHost:
         kill_group_now(child.pid)
 
     async def stop_tree(self, unit: str, child: Child, *, sig: int, timeout: float) -> TreeStopped:
+        # what its live processes hold in /dev/shm, noted before any of them is signalled
+        held = await asyncio.to_thread(self._shm_held, unit, child)
         stopped = await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
         if not stopped.survivors:
             self.enforcer.release(unit)
+            if held:
+                removed = await asyncio.to_thread(shmleft.remove_unheld, held)
+                if removed:
+                    log.info("unit.shm_removed", unit=unit, files=[str(p) for p in removed],
+                             why="held by its processes, which are gone; held by no one now")
+                    stopped = replace(stopped, shm_removed=[str(p) for p in removed])
         return stopped
+
+    def _shm_held(self, unit: str, child: Child) -> set[Path]:
+        """The /dev/shm files the unit's live processes hold: its cgroup's (one file read
+        when the unit left no process, an exit's common case), or its process group's."""
+        cgroup = self.cgroup(unit)
+        if cgroup is not None:
+            pids = set(cgroups.procs(cgroup)) if cgroups.populated(cgroup) else set()
+        else:
+            pids = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
+        return shmleft.held(pid for pid in pids if not is_zombie(pid))
 
     def limits(self, unit: str) -> Plan | None:
         return self.enforcer.plans.get(unit)

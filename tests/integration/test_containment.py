@@ -1,8 +1,10 @@
 """Containment against real processes, with cgroup v2 and again with the fallback (process
 groups + markers + subreaper, forced with DYNAMOD_CONTAINMENT=pgroup): a descendant that
 double-forks, leaves its session, clears its environment and ignores SIGTERM is gone after
-its unit exits, after `restart UNIT` and after `down`; a SIGKILLed daemon leaves nothing;
-a dead guardian is restarted; a dead run's leftovers are swept by the next `down` or `up`."""
+its unit exits, after `restart UNIT` and after `down`; the /dev/shm files a killed unit's
+processes held are removed, and one another process holds is kept; a SIGKILLed daemon
+leaves nothing; a dead guardian is restarted; a dead run's leftovers are swept by the next
+`down` or `up`."""
 
 from __future__ import annotations
 
@@ -53,17 +55,25 @@ def _run(dm: Dynamod) -> RunRecord | None:
     return runrecord.read(dm.state_dir)
 
 
-def _stack(stack_file: Any, pidfile: Path) -> Path:
+def _one_unit(stack_file: Any, name: str, args: list[str], ready: str, more: str = "") -> Path:
+    """A stack whose unit `name` runs the test program with `args`, is ready at the log
+    line `ready`, restarts at once and is stopped within 0.5 s; `more`: more units."""
     path: Path = stack_file(f"""
-        [units.escaper]
-        command = ["{{python}}", "@PROC@", "escape", "{pidfile}"]
-        ready = {{ kind = "log", pattern = "left an escaped descendant", deadline = 10 }}
+        [units.{name}]
+        command = ["{{python}}", "@PROC@", {", ".join(f'"{a}"' for a in args)}]
+        ready = {{ kind = "log", pattern = "{ready}", deadline = 10 }}
         restart = {{ first_delay = 0, backoff_initial = 0.05, jitter = 0 }}
         stop = {{ timeout = 0.5 }}
+    """ + more)
+    return path
+
+
+def _stack(stack_file: Any, pidfile: Path) -> Path:
+    return _one_unit(stack_file, "escaper", ["escape", str(pidfile)],
+                     "left an escaped descendant", more="""
         [units.other]
         command = ["sleep", "600"]
     """)
-    return path
 
 
 def _stray(pidfile: Path, strays: list[int], timeout: float = 10) -> int:
@@ -129,6 +139,53 @@ def test_escaped_descendant_is_gone_after_exit_restart_and_down(
     assert wait_dead([third, unit["pid"], other["pid"]], timeout=5) == []
     if containment == "cgroup":
         assert run.cgroup and not Path(run.cgroup).exists()  # emptied and removed
+
+
+def _shm_files(names: Path, instances: int, timeout: float = 10) -> list[dict[str, Path]]:
+    """The /dev/shm files each instance of the `shm` unit made, by kind, once `instances`
+    of them have said."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = names.read_text().splitlines() if names.exists() else []
+        if len(lines) >= 3 * instances:
+            break
+        assert time.monotonic() < deadline, f"{instances} instance(s) never wrote {names}"
+        time.sleep(0.02)
+    pairs = [line.split(" ", 1) for line in lines]
+    return [{k: Path(p) for k, p in pairs[i:i + 3]} for i in range(0, len(pairs), 3)]
+
+
+def test_shared_memory_a_killed_units_processes_held_is_removed_and_what_another_holds_kept(
+    dm: Dynamod, stack_file: Any, tmp_path: Path, containment: str
+) -> None:
+    names = tmp_path / "shm-names"
+    stack = _one_unit(stack_file, "holder", ["shm", str(names)], "holding shared memory")
+    ours = -1
+    try:
+        dm.run("up", str(stack), "--detach", check=True)
+        unit = dm.unit("holder")
+        (first,) = _shm_files(names, 1)
+        ours = os.open(first["shared"], os.O_RDWR)  # another process holding one of them
+
+        # 1. the main process is killed: what its child held goes when the child is ended
+        os.kill(unit["pid"], signal.SIGKILL)
+        unit = dm.wait_ready_again("holder", unit["pid"], what="holder restarted after kill")
+        assert not first["fd"].exists(), "a file held open by the unit's processes was left"
+        assert not first["mapped"].exists(), "a file the unit's processes mapped was left"
+        assert first["shared"].exists(), "a file another process holds was removed"
+        log = (dm.state_dir / "daemon.log").read_text()
+        assert "unit.shm_removed" in log and str(first["fd"]) in log
+
+        # 2. down: the new instance's files (SIGTERM ends it without its own clean-up)
+        _, second = _shm_files(names, 2)
+        dm.run("down", check=True)
+        assert [p for p in second.values() if p.exists()] == []
+        assert first["shared"].exists()  # still held by this test
+    finally:  # whatever every instance made, whatever happened
+        if ours >= 0:
+            os.close(ours)
+        for line in names.read_text().splitlines() if names.exists() else []:
+            Path(line.split(" ", 1)[1]).unlink(missing_ok=True)
 
 
 def test_status_shows_the_containment_in_force(

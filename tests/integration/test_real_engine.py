@@ -45,7 +45,7 @@ from dynamod.chaos import model, runner
 from dynamod.chaos.journal import summary
 from dynamod.client import Client
 from dynamod.cluster import exposure
-from dynamod.core import cgroups, paths
+from dynamod.core import cgroups, paths, shmleft
 from dynamod.core.ports import listening
 from dynamod.core.proctable import descendants
 from tests.conftest import ROOT, Dynamod, extra_venv, unit_by_name, wait_dead
@@ -291,6 +291,10 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     assert any(n.startswith("VLLM::EngineCor") for n in names.values()), names
     assert any(n == "VLLM::Worker" for n in names.values()), names
     assert any(f"{instance:x}" in k for k in etcd_keys(etcd, "v1/instances/vllm-cpu/"))
+    # vLLM's message queues between its engine and its workers live in /dev/shm, held by
+    # the processes the kill leaves for dynamod to end: what they hold must not outlive them
+    shm = shmleft.held(set(tree) - {shard["pid"]})
+    assert shm, "the engine's processes hold nothing in /dev/shm: nothing is checked"
     killed_at = time.monotonic()
     os.kill(shard["pid"], signal.SIGKILL)
     assert wait_dead(tree, timeout=15) == [], {p: comm(p) for p in tree}
@@ -307,6 +311,7 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     # Back, replayed to the current version and verified before it is admitted.
     back = dm.wait_ready_again("worker@0", shard["pid"], timeout=1800)
     assert engine(back, "get_weight_version")["version"] == STEPS
+    assert [str(p) for p in shm if p.exists()] == [], "the killed engine's /dev/shm files"
     assert instance_of(back) != instance
     # The restarted Worker keeps torch inductor's kernels where the start before it left
     # them, not in its TMPDIR (emptied at every spawn): its replay does not compile them
