@@ -12,11 +12,14 @@ say how long a thread waited; this says behind whom, and it sees the threads tha
 in the window too (their wait is in the trace, not in any file left to read).
 
 Only root may trace; where tracefs is not mounted, it is mounted for the trace and taken
-down after. The instance and its buffers are removed when the trace is closed."""
+down after, by the last trace of any bench to close (`LOCK`: a trace holds it shared while
+it lives, and says in it that a bench mounted tracefs). The instance and its buffers are
+removed when the trace is closed."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import subprocess
@@ -34,6 +37,10 @@ FILESYSTEMS = Path("/proc/filesystems")
 EVENTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new", "sched_migrate_task")
 BUFFER_KB = 16384  # per core: an 8 x 32 stall of ~0.2 s writes a few MB on each
 PREFIX = "dynamod-bench-"  # an instance's name, before the pid of the bench it is for
+# Held shared by every live trace, exclusively while one mounts tracefs or takes it down;
+# "mounted" in it: a bench mounted tracefs, and the last trace to close takes it down
+# (concurrent traces, the suite's two workers at once, left it mounted before)
+LOCK = Path("/run/dynamod-bench-tracefs.lock")
 IDLE = "idle (the wake-up's latency)"
 OWN = "its own threads"  # `its own threads: <their name>` in `behind`
 
@@ -77,29 +84,47 @@ class SchedTrace:
     each event with its task's process id). Made before a window, so that the window
     holds only the two writes that switch it on and off."""
 
-    def __init__(self, root: Path = TRACEFS, buffer_kb: int = BUFFER_KB) -> None:
+    def __init__(self, root: Path = TRACEFS, buffer_kb: int = BUFFER_KB,
+                 lock: Path = LOCK) -> None:
         self.root = root
-        self.mounted = False
-        if not (root / "instances").is_dir():
-            done = subprocess.run(["mount", "-t", "tracefs", "nodev", str(root)],
-                                  capture_output=True, text=True, timeout=10)  # fmt: skip
-            if done.returncode != 0:
-                raise TraceError(f"cannot mount tracefs on {root}: {done.stderr.strip()}")
-            self.mounted = True
+        self.lock = lock
         self.dir = root / "instances" / f"{PREFIX}{os.getpid()}"
         self.began = self.ended = 0.0
+        self._made = False  # its instance
+        self._held = locked(lock, fcntl.LOCK_SH)  # shared with every other live trace
         try:
+            if not (root / "instances").is_dir():
+                fcntl.flock(self._held, fcntl.LOCK_EX)  # alone while it mounts
+                self._mount()
             sweep(root)
             self.dir.mkdir()
+            self._made = True
             self._write("tracing_on", "0")
             self._write("trace_clock", "mono")  # time.monotonic()'s clock
             self._write("options/record-tgid", "1")
             self._write("buffer_size_kb", str(buffer_kb))
             for event in EVENTS:
                 self._write(f"events/sched/{event}/enable", "1")
+            # shared again (if it mounted): its instance is there already, so a close that
+            # slips in while the lock changes hands leaves tracefs mounted
+            fcntl.flock(self._held, fcntl.LOCK_SH)
         except BaseException:
             self.close()
             raise
+
+    def _mount(self) -> None:
+        """Mount tracefs (unless another trace did, just before), and say in the lock
+        that a bench did."""
+        if (self.root / "instances").is_dir():
+            return
+        done = subprocess.run(["mount", "-t", "tracefs", "nodev", str(self.root)],
+                              capture_output=True, text=True, timeout=10)  # fmt: skip
+        if done.returncode != 0:
+            raise TraceError(f"cannot mount tracefs on {self.root}: {done.stderr.strip()}")
+        self._held.seek(0)
+        self._held.truncate()
+        self._held.write("mounted\n")
+        self._held.flush()
 
     def _write(self, name: str, value: str) -> None:
         write(self.dir, name, value)
@@ -117,13 +142,30 @@ class SchedTrace:
         return (self.dir / "trace").read_text(errors="replace")
 
     def close(self) -> None:
-        """Remove the instance (its buffers with it) and take tracefs down if it was
-        mounted for this trace."""
-        remove(self.dir)
-        if self.mounted:
-            subprocess.run(["umount", str(self.root)], check=False, capture_output=True,
-                           timeout=10)  # fmt: skip
-            self.mounted = False
+        """Remove the instance (its buffers with it); the last trace to close takes
+        tracefs down if a bench mounted it, and removes the lock."""
+        if self._made:
+            remove(self.dir)
+            self._made = False
+        if self._held.closed:
+            return
+        try:
+            fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another trace lives: the last one takes it down
+            self._held.close()
+            return
+        try:
+            others = [i for i in (self.root / "instances").glob(f"{PREFIX}*")
+                      if Path(f"/proc/{i.name[len(PREFIX):]}").exists()]  # live benches
+            self._held.seek(0)
+            if not others and self._held.read().strip() == "mounted":
+                subprocess.run(["umount", str(self.root)], check=False, capture_output=True,
+                               timeout=10)  # fmt: skip
+            if not others:
+                with contextlib.suppress(FileNotFoundError):
+                    self.lock.unlink()
+        finally:
+            self._held.close()
 
     def __enter__(self) -> SchedTrace:
         return self
@@ -134,6 +176,18 @@ class SchedTrace:
 
 def write(instance: Path, name: str, value: str) -> None:
     (instance / name).write_text(value)
+
+
+def locked(path: Path, how: int) -> Any:
+    """`path` opened (made if missing) and flock'ed `how`; opened again when the file
+    locked was removed meanwhile (a last trace's close removes it)."""
+    while True:
+        held = open(path, "a+")  # noqa: SIM115 - kept open for the trace's life
+        fcntl.flock(held, how)
+        with contextlib.suppress(FileNotFoundError):
+            if os.fstat(held.fileno()).st_ino == os.stat(path).st_ino:
+                return held
+        held.close()
 
 
 def remove(instance: Path) -> None:

@@ -177,6 +177,11 @@ def test_a_task_of_no_known_process_is_named_by_its_task() -> None:
 
 # -- on this machine's scheduler
 
+# tracefs's mount and its instances are the machine's: a trace taken in the suite's other
+# worker at the same time (the fleet's smoke, `--sched-trace`) mounts it under this one's
+# checks, so these run in that smoke's group, one at a time (CI at 810a37c failed so)
+ONE_TRACE_AT_A_TIME = pytest.mark.xdist_group("netns")
+
 
 def traceable() -> None:
     why = fleet_sched.missing()
@@ -188,6 +193,7 @@ def mounts() -> str:
     return "\n".join(m for m in Path("/proc/mounts").read_text().splitlines() if "tracefs" in m)
 
 
+@ONE_TRACE_AT_A_TIME
 def test_a_process_sharing_one_core_waits_behind_the_other_and_the_trace_leaves_nothing() -> None:
     traceable()
     core = min(os.sched_getaffinity(0))
@@ -213,6 +219,7 @@ def test_a_process_sharing_one_core_waits_behind_the_other_and_the_trace_leaves_
     assert not instance.exists() and mounts() == before
 
 
+@ONE_TRACE_AT_A_TIME
 def test_two_threads_of_this_process_on_one_core_wait_behind_each_other() -> None:
     traceable()
     core = min(os.sched_getaffinity(0))
@@ -257,10 +264,46 @@ def test_a_mount_that_fails_says_where_in_one_error(tmp_path: Path) -> None:
     traceable()
     where = tmp_path / "not-a-dir"
     where.write_text("")
+    lock = tmp_path / "lock"
     with pytest.raises(fleet_sched.TraceError, match=f"cannot mount tracefs on {where}"):
-        SchedTrace(where)
+        SchedTrace(where, lock=lock)
+    assert not lock.exists()  # the failed trace took its lock away with it
 
 
+SECOND_TRACE = """
+import sys
+from bench.fleet_sched import SchedTrace
+with SchedTrace():
+    print("tracing", flush=True)
+    sys.stdin.readline()  # until the test says
+"""
+
+
+@ONE_TRACE_AT_A_TIME
+def test_tracefs_is_taken_down_by_the_last_trace_to_close_not_under_another() -> None:
+    """Two benches' traces at once (the suite's two workers once): the one that mounted
+    tracefs closes first, and the other's instance must stay; the last to close takes
+    tracefs down, as it found it, and the lock with it."""
+    traceable()
+    before = mounts()
+    first = SchedTrace()
+    second = subprocess.Popen([sys.executable, "-c", SECOND_TRACE], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    try:
+        assert second.stdout is not None and second.stdout.readline().strip() == "tracing"
+        theirs = first.root / "instances" / f"{fleet_sched.PREFIX}{second.pid}"
+        first.close()
+        assert theirs.is_dir(), "the other trace's instance went with the first's close"
+        assert fleet_sched.LOCK.exists()
+    finally:
+        assert second.stdin is not None
+        second.stdin.close()
+        assert second.wait(timeout=30) == 0
+    assert not theirs.exists() and mounts() == before and not fleet_sched.LOCK.exists()
+
+
+@ONE_TRACE_AT_A_TIME
 def test_an_instance_left_by_a_killed_bench_is_removed_by_the_next_trace() -> None:
     traceable()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
