@@ -826,8 +826,13 @@ class OsHost:
         kill_group_now(child.pid)
 
     async def stop_tree(self, unit: str, child: Child, *, sig: int, timeout: float) -> TreeStopped:
-        # what its live processes hold in /dev/shm, noted before any of them is signalled
-        held = await asyncio.to_thread(self._shm_held, unit, child)
+        # what its live processes hold in /dev/shm, noted before any of them is signalled;
+        # an exit that left no process in its cgroup (the common case) costs one file read
+        # here, on the loop, as the stop below does
+        cgroup = self.cgroup(unit)
+        held: set[Path] = set()
+        if cgroup is None or cgroups.populated(cgroup):
+            held = await asyncio.to_thread(self._shm_held, unit, child)
         stopped = await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
         if not stopped.survivors:
             self.enforcer.release(unit)
@@ -840,11 +845,11 @@ class OsHost:
         return stopped
 
     def _shm_held(self, unit: str, child: Child) -> set[Path]:
-        """The /dev/shm files the unit's live processes hold: its cgroup's (one file read
-        when the unit left no process, an exit's common case), or its process group's."""
+        """The /dev/shm files the unit's live processes hold: its cgroup's, or its
+        process group's. Blocking: /proc reads."""
         cgroup = self.cgroup(unit)
         if cgroup is not None:
-            pids = set(cgroups.procs(cgroup)) if cgroups.populated(cgroup) else set()
+            pids = set(cgroups.procs(cgroup))
         else:
             pids = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
         return shmleft.held(pid for pid in pids if not is_zombie(pid))
