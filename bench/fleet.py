@@ -104,6 +104,7 @@ from dynamod.chaos.node_loss import lost_by, make_checkpoint
 from dynamod.client import Client
 from dynamod.core import paths
 from dynamod.core.errors import DynamodError
+from dynamod.rollout.dynamo import metric_samples
 from dynamod.workers.cpu.args import MODELED_RESET_MAX_S
 
 STACK = paths.units_dir() / "stacks" / "cluster.toml"
@@ -700,7 +701,8 @@ def writes_by_key(
 def etcd_counters(rig: ClusterRig) -> dict[str, float]:
     """etcd's counters: the store's (keys, revision, writes: every member applies each) from
     the head's member, what each member serves its own clients (watchers, reads) summed."""
-    each = [prometheus(member_metrics(rig, m), ETCD_METRICS) for m in members(rig.names)]
+    each = [prometheus(metric_samples(member_metrics(rig, m)), ETCD_METRICS)
+            for m in members(rig.names)]  # fmt: skip
     served = ("watchers", "watch_streams", "ranges")
     return {k: sum(e[k] for e in each) if k in served else each[0][k] for k in each[0]}
 

@@ -10,8 +10,6 @@ from typing import Any
 
 from prometheus_client.samples import Sample
 
-from dynamod.rollout.dynamo import metric_samples
-
 # etcd's own counters: keys in the store, live watchers, the store's revision (one per
 # write transaction), the reads (ranges) and the keys written (put or deleted) since it started
 ETCD_METRICS = {
@@ -73,12 +71,13 @@ def faster_than_linear(points: Sequence[tuple[float, float | None]], margin: flo
     return not math.isnan(b) and b > 1 + margin
 
 
-def prometheus(text: str | list[Sample], names: dict[str, str]) -> dict[str, float]:
-    """The named unlabelled (or summed over labels) samples of a /metrics text (or its
-    `metric_samples`): {our name: value}; a metric the text lacks is NaN."""
+def prometheus(samples: list[Sample], names: dict[str, str]) -> dict[str, float]:
+    """The named unlabelled (or summed over labels) samples of a /metrics text (its
+    `metric_samples`, parsed once by the caller): {our name: value}; a metric the text
+    lacks is NaN."""
     wanted = {metric: ours for ours, metric in names.items()}
     found = {ours: math.nan for ours in names}
-    for sample in metric_samples(text) if isinstance(text, str) else text:
+    for sample in samples:
         if sample.name in wanted:
             ours = wanted[sample.name]
             base = 0.0 if math.isnan(found[ours]) else found[ours]

@@ -43,6 +43,7 @@ from bench.fleet_stack import (
 )
 from bench.fleet_threads import ENDED, by_thread, group, threads_of
 from dynamod.core import paths
+from dynamod.rollout.dynamo import metric_samples
 
 NODES = [1, 2, 4, 8]
 
@@ -93,7 +94,7 @@ etcd_mvcc_put_total_other 999
 
 
 def test_prometheus_reads_and_sums_labelled_samples() -> None:
-    found = prometheus(METRICS, ETCD_METRICS)
+    found = prometheus(metric_samples(METRICS), ETCD_METRICS)
     assert found["keys"] == 64 and found["watchers"] == 14 and found["revision"] == 1200
     assert found["puts"] == 300  # not the metric whose name merely starts the same
     assert found["deletes"] == 5
