@@ -589,6 +589,11 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+def _group_pids(pgid: int) -> set[int]:
+    """The processes of process group `pgid` now (one pass over /proc)."""
+    return {pid for pid, info in proctable.snapshot().items() if info.pgid == pgid}
+
+
 def _younger(info: ProcInfo, since: int | None) -> bool:
     return since is None or info.started >= since
 
@@ -848,10 +853,7 @@ class OsHost:
         """The /dev/shm files the unit's live processes hold: its cgroup's, or its
         process group's. Blocking: /proc reads."""
         cgroup = self.cgroup(unit)
-        if cgroup is not None:
-            pids = set(cgroups.procs(cgroup))
-        else:
-            pids = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
+        pids = set(cgroups.procs(cgroup)) if cgroup is not None else _group_pids(child.pid)
         return shmleft.held(pid for pid in pids if not is_zombie(pid))
 
     def limits(self, unit: str) -> Plan | None:
@@ -874,8 +876,7 @@ class OsHost:
         cgroup = self.cgroup(unit)
         if cgroup is not None:
             return set(cgroups.procs(cgroup)) | {child.pid}
-        in_group = {pid for pid, info in proctable.snapshot().items() if info.pgid == child.pid}
-        return in_group | set(marked_pids(self.run_id, unit)) | {child.pid}
+        return _group_pids(child.pid) | set(marked_pids(self.run_id, unit)) | {child.pid}
 
     def port_in_use(self, port: int) -> bool:
         return ports.in_use(port)

@@ -22,8 +22,9 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _proc_pids() -> Iterator[int]:
-    for entry in os.scandir("/proc"):
+def proc_pids(proc: str = "/proc") -> Iterator[int]:
+    """Every process `proc` (/proc) lists now."""
+    for entry in os.scandir(proc):
         if entry.name.isdigit():
             yield int(entry.name)
 
@@ -54,7 +55,7 @@ def marked_pids(
     unit_mark = f"{MARK_UNIT}={unit}".encode() if unit is not None else None
     me = os.getpid()
     found = []
-    for pid in among if among is not None else _proc_pids():
+    for pid in among if among is not None else proc_pids():
         if pid == me:
             continue
         env = _environ(pid)
@@ -108,7 +109,7 @@ def snapshot() -> dict[int, ProcInfo]:
     /proc/PID/stat each, so one pass answers "in this group", "children of" and "younger
     than" together."""
     found: dict[int, ProcInfo] = {}
-    for pid in _proc_pids():
+    for pid in proc_pids():
         info = _info(pid)
         if info is not None:
             found[pid] = info

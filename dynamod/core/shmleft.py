@@ -23,6 +23,8 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from dynamod.core import proctable
+
 SHM = Path("/dev/shm")
 PROC = Path("/proc")
 _DELETED = " (deleted)"  # how /proc names a file that was unlinked while held
@@ -57,11 +59,6 @@ def _held_by(root: Path, prefix: str) -> set[Path]:
     return found
 
 
-def all_pids(proc: Path = PROC) -> list[int]:
-    """Every process /proc lists now."""
-    return [int(e.name) for e in os.scandir(proc) if e.name.isdigit()]
-
-
 def remove_unheld(paths: Iterable[Path], *, shm: Path = SHM, proc: Path = PROC,
                   owner: int | None = None) -> list[Path]:
     """Remove each of `paths` that still exists, is owned by `owner` (default: this
@@ -76,7 +73,7 @@ def remove_unheld(paths: Iterable[Path], *, shm: Path = SHM, proc: Path = PROC,
                 candidates.add(path)
     if not candidates:
         return []
-    candidates -= held(all_pids(proc), shm=shm, proc=proc)
+    candidates -= held(proctable.proc_pids(str(proc)), shm=shm, proc=proc)
     removed = []
     for path in sorted(candidates):
         with contextlib.suppress(FileNotFoundError):
