@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from bench.fleet_threads import group as thread_group
 
@@ -178,7 +178,7 @@ def write(instance: Path, name: str, value: str) -> None:
     (instance / name).write_text(value)
 
 
-def locked(path: Path, how: int) -> Any:
+def locked(path: Path, how: int) -> TextIO:
     """`path` opened (made if missing) and flock'ed `how`; opened again when the file
     locked was removed meanwhile (a last trace's close removes it)."""
     while True:
