@@ -92,8 +92,9 @@ def test_a_shard_live_timeout_changes_the_workers_liveness_timeout_alone() -> No
 def test_a_modeled_reset_is_one_more_flag_of_the_workers_alone() -> None:
     stock = tomllib.loads(STACK.read_text())
     stack = tomllib.loads(with_modeled_reset(STACK.read_text(), 0.05))
-    command = stack["units"]["worker"]["command"]
-    assert command == [*stock["units"]["worker"]["command"], "--modeled-reset-s", "0.05"]
+    command, before = stack["units"]["worker"]["command"], stock["units"]["worker"]["command"]
+    at = before.index("{vars.worker_engine}") + 1  # right after the engine it models
+    assert command == [*before[:at], "--modeled-reset-s", "0.05", *before[at:]]
     for name, unit in stack["units"].items():
         if name != "worker":
             assert unit == stock["units"][name], name
