@@ -608,6 +608,8 @@ class PolicyManager(Extension):
         if target is None:
             version, digest = self.spec.initial_version, None
             await step("load", "set_weight_version", {"weight_version": version})
+        elif await self._holds_published(unit, step, target):
+            version, digest = target.version, target.digest
         else:
             version, digest = target.version, target.digest
             loaded = await step(
@@ -641,6 +643,26 @@ class PolicyManager(Extension):
             await self.routed(unit, version)
             timings["route"] = (time.monotonic() - started) * 1000
         return ShardAck(unit.name, version, seen.get("digest"), timings)
+
+    async def _holds_published(
+        self,
+        unit: Unit,
+        step: Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]],
+        target: PolicyVersion,
+    ) -> bool:
+        """Whether the shard holds a published step already, so that no load is needed:
+        on a cluster, the trainer's ranks on the shard's own node fed it (verl's colocated
+        path) while another node's dynamod published it. It must report the step's version
+        and the ledger's digest (what the trainer's acknowledgements agreed on); a pushed
+        step, a step without a digest or any other answer loads the checkpoint."""
+        if target.how != "publish" or not target.digest:
+            return False
+        seen = await step("check", "get_weight_version", {})
+        if seen.get("version") != target.version or seen.get("digest") != target.digest:
+            return False
+        log.info("policy.holds_published", unit=unit.name, version=target.version,
+                 digest=target.digest)  # fmt: skip
+        return True
 
     def _frontend(self) -> tuple[str, str] | None:
         """(url, model) of a ready Dynamo frontend of this stack, or None."""
@@ -1012,10 +1034,13 @@ class PolicyManager(Extension):
         self, step: int, path: str, acks: Mapping[str, str | None] | None = None
     ) -> dict[str, Any]:
         """The trainer loaded `step` into the shards itself (`path`: where a replay loads it
-        from). With `acks` (shard -> the digest it computed, from the trainer's transfer),
-        an admitted shard without one missed the update, and one whose digest differs from
-        the others' (or from what it reports) is stale; the agreed digest is the ledger's.
-        Each shard that passes is tainted with the step, resumed and router-verified."""
+        from). With `acks` (shard, named as the ledger names it, -> the digest it computed
+        from the trainer's transfer), an admitted shard without one missed the update, and
+        one whose digest differs from the others' (or from what it reports) is stale; the
+        agreed digest is the ledger's. Each shard of this node that passes is tainted with
+        the step, resumed and router-verified; on a cluster the other nodes' daemons follow
+        the ledger (`_holds_published`: no load where their own node's ranks fed the step)
+        and the answer waits for them."""
         started = time.monotonic()
         digest = agreed_digest(acks)
         async with self.lock:
@@ -1119,11 +1144,12 @@ class PolicyManager(Extension):
         self, unit: Unit, step: int, digest: str | None, acks: Mapping[str, str | None] | None
     ) -> ShardAck:
         timings: dict[str, float] = {}
-        if acks is not None and unit.name not in acks:
+        named = self.ledger_name(unit.name)  # as the trainer names it: <node>/<unit> on a cluster
+        if acks is not None and named not in acks:
             raise ShardError(
                 unit.name, "acknowledge", "missed the update: the trainer has no acknowledgement"
             )
-        acked = acks.get(unit.name) if acks is not None else None
+        acked = acks.get(named) if acks is not None else None
         if digest and acked and acked != digest:
             raise ShardError(
                 unit.name, "acknowledge", f"acknowledged digest {acked}, the others {digest}"

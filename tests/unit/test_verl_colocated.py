@@ -13,7 +13,7 @@ from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.config import parse_settings
 from dynamod.integrations.verl.errors import RolloutConfigError
 from dynamod.integrations.verl.ipc import WeightTransferError, socket_address, transfer_digest
-from dynamod.integrations.verl.stack import Shard
+from dynamod.integrations.verl.stack import Shard, parse_status
 from dynamod.integrations.verl.validate import judge_updates
 from dynamod.rollout.policy import agreed_digest
 
@@ -58,6 +58,25 @@ def test_each_trainer_rank_feeds_its_own_shards(tmp_path: Path) -> None:
 
     assert owned(0, 1) == ["worker@0", "worker@1", "worker@2", "worker@3"]
     assert owned(0, 2) == ["worker@0", "worker@2"] and owned(1, 2) == ["worker@1", "worker@3"]
+
+
+def test_on_a_cluster_each_node_s_ranks_share_that_node_s_shards(tmp_path: Path) -> None:
+    """Ranks 0-1 on the head, 2-3 on n1: each node's dynamod lists only its own shards
+    (every node has a worker@0), so rank 2 is n1's first rank, not a third of a list."""
+    shards = [shard(f"worker@{i}") for i in (1, 0)]
+
+    def owned(rank: int) -> list[str]:
+        sync = ColocatedSync(tmp_path, tmp_path / "c", tmp_path / "i", rank=rank, world=4,
+                             local_world=2)
+        return [s.name for s in sync.owned(shards)]
+
+    assert [owned(r) for r in range(4)] == [["worker@0"], ["worker@1"]] * 2
+
+
+def test_a_cluster_node_names_its_shards_as_the_ledger_does() -> None:
+    status = {"phase": "up", "units": [], "cluster": {"this_node": "n1", "head": "head"}}
+    assert parse_status(status).ledger_name("worker@0") == "n1/worker@0"
+    assert parse_status({"phase": "up", "units": []}).ledger_name("worker@0") == "worker@0"
 
 
 def test_agreed_digest_is_the_majoritys() -> None:

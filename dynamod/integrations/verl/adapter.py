@@ -36,6 +36,16 @@ from dynamod.integrations.verl.versions import StepVersions, new_run_id
 log = structlog.get_logger("dynamod.integrations.verl")
 
 
+def local_world_size() -> int:
+    """Trainer ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the one verl's Ray
+    worker groups set (RAY_LOCAL_WORLD_SIZE); 0 when neither says (all ranks local)."""
+    for name in ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE"):
+        text = os.environ.get(name, "")
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 0
+
+
 class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
     def __init__(self, config: Any, model_config: Any, device_mesh: Any, *args: Any,
                  **kwargs: Any) -> None:
@@ -63,6 +73,7 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
                 ipc_dir=self.settings.ipc_dir or self.state_dir / "weight-ipc",
                 rank=self.rank,
                 world=int(os.environ.get("WORLD_SIZE", "1")),
+                local_world=local_world_size(),
                 keep=self.settings.checkpoint_keep,
                 bucket_bytes=self.settings.ipc_bucket_mb << 20,
                 background_write=self.settings.checkpoint_write == "background",

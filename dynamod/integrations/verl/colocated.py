@@ -1,9 +1,9 @@
 """The colocated weight update under dynamod: the trainer's own IPC transfer, then `publish`.
 
 One update of step N from trainer rank r of `world` (verl calls `update_weights` on every
-rank; rank r owns the admitted shards whose index in name order is r modulo `world`, so
-with colocated GPUs rank r feeds the shard on its GPU, and a single trainer process
-feeds them all):
+rank; rank r owns the admitted shards of its own node's dynamod whose index in name order
+is r modulo `local_world`, the ranks on one node, so with colocated GPUs rank r feeds the
+shard on its GPU, and a single trainer process feeds them all):
 
 1. pause each owned shard (`pause_generation`, mode keep), as a disk update requires;
 2. send the tensors over the transport (`ipc.WeightSender`) to every owned shard at once;
@@ -14,6 +14,13 @@ feeds them all):
    `policy publish N` with the checkpoint's path and each shard's digest: dynamod
    records it (how = "publish"), verifies, taints and resumes the shards, and holds the
    ones that missed it (no acknowledgement, other digest) to replay them from the file.
+
+On a cluster stack every node's dynamod lists its own shards, so each node's ranks feed
+that node's shards; acknowledgements name a shard as the ledger does (`<node>/<unit>`),
+and the acks folder and the checkpoint must be on storage every node reads. The other
+nodes' daemons follow the published step: a shard that already holds it (the step's
+version and digest, from its own node's ranks) is verified, tainted and resumed without a
+load; one that does not replays the checkpoint.
 
 Every update appends one line to `<state_dir>/verl/updates.jsonl` (step, owned shards,
 acknowledgements, what publish held, timings), which scripts/validate-gpu.sh judges.
@@ -54,6 +61,7 @@ class ColocatedSync:
     ipc_dir: Path
     rank: int = 0
     world: int = 1
+    local_world: int = 0  # trainer ranks on this node (0: all `world` of them)
     keep: int = 2
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     background_write: bool = True
@@ -64,8 +72,11 @@ class ColocatedSync:
         self.writer = CheckpointWriter(self.checkpoint_dir, self.keep)
 
     def owned(self, shards: Iterable[Shard]) -> list[Shard]:
+        """This rank's share of its node's shards (ranks are numbered node after node, as
+        verl's worker groups and torchrun number them)."""
+        local = self.local_world or self.world
         ordered = sorted(shards, key=lambda s: s.name)
-        return [s for i, s in enumerate(ordered) if i % self.world == self.rank]
+        return [s for i, s in enumerate(ordered) if i % local == self.rank % local]
 
     async def update(self, weights: Iterable[tuple[str, Any]], step: int,
                      origin: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -76,6 +87,8 @@ class ColocatedSync:
         copy = HostCopy() if self.rank == 0 else None
         acks, sender, send_s = await self._deliver(targets, addresses, weights, step, copy,
                                                    errors)
+        acks = {view.ledger_name(name): digest for name, digest in acks.items()}
+        errors = {view.ledger_name(name): error for name, error in errors.items()}
         if self.rank != 0:
             self._leave_acks(step, acks, errors)
             return {"step": step, "acks": acks, "errors": errors}
@@ -95,7 +108,7 @@ class ColocatedSync:
         record = {
             "step": step,
             **(origin or {}),
-            "shards": sorted(s.name for s in view.admitted),
+            "shards": sorted(view.ledger_name(s.name) for s in view.admitted),
             "acks": acks,
             "errors": errors,
             "stale": published.get("stale", []),

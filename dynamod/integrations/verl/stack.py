@@ -53,10 +53,16 @@ class StackView:
     ray_address: str | None
     ray_cpus: float | None = None  # what the `ray-head` unit offers (--num-cpus/--num-gpus)
     ray_gpus: float | None = None
+    node: str | None = None  # this node's name in a cluster stack (None: a single node)
 
     @property
     def admitted(self) -> list[Shard]:
         return [s for s in self.shards if s.admitted]
+
+    def ledger_name(self, shard: str) -> str:
+        """The shard's name in the policy ledger, as dynamod's publish takes it:
+        `<node>/<unit>` in a cluster stack (every node has a `worker@0`), else the unit's."""
+        return f"{self.node}/{shard}" if self.node is not None else shard
 
     def shard_named(self, name: str) -> Shard:
         for shard in self.shards:
@@ -121,6 +127,7 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         ray_address=f"127.0.0.1:{gcs}" if gcs else None,
         ray_cpus=_number(flag_value(ray_command, "--num-cpus")),
         ray_gpus=_number(flag_value(ray_command, "--num-gpus")),
+        node=(status.get("cluster") or {}).get("this_node"),
     )
 
 

@@ -1,0 +1,54 @@
+"""The policy manager's check, before a replay, of whether a shard already holds a
+published step (fed by its own node's trainer ranks on a cluster): only a published step
+with a digest, and only a shard reporting both its version and that digest, skips the load.
+Pure logic (the shard's answer is a stand-in); tests/integration/test_cluster_colocated.py
+runs it on two network-namespace nodes with real shards."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dynamod.rollout.ledger import PolicyVersion
+from dynamod.rollout.policy import PolicyManager
+from dynamod.rollout.policy_table import PolicySpec
+from dynamod.rollout.registrations import DynamoRegistrations
+
+
+def _holds(how: str, digest: str | None, reports: dict[str, Any]) -> tuple[bool, list[str]]:
+    service = PolicyManager(PolicySpec(shards=["worker"]), DynamoRegistrations())
+    asked: list[str] = []
+
+    async def step(name: str, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        asked.append(route)
+        return reports
+
+    target = PolicyVersion(7, "/ckpt/step-7", digest, 0.0, how)
+    unit = SimpleNamespace(name="worker@0")
+    held = asyncio.run(service._holds_published(unit, step, target))  # type: ignore[arg-type]
+    return held, asked
+
+
+def test_a_shard_reporting_the_published_step_and_digest_needs_no_load() -> None:
+    assert _holds("publish", "d7", {"version": 7, "digest": "d7"}) == (
+        True, ["get_weight_version"])  # fmt: skip
+
+
+@pytest.mark.parametrize("reports", [
+    {"version": 6, "digest": "d6"},     # it missed the step
+    {"version": 7, "digest": "other"},  # fed other weights under the step's number
+    {"version": 7, "digest": None},     # says nothing of what it holds
+    {"version": 7},
+])  # fmt: skip
+def test_any_other_answer_loads_the_checkpoint(reports: dict[str, Any]) -> None:
+    assert _holds("publish", "d7", reports) == (False, ["get_weight_version"])
+
+
+@pytest.mark.parametrize(("how", "digest"), [("push", "d7"), ("publish", None)])
+def test_a_pushed_step_or_one_without_a_digest_is_loaded_without_asking(
+    how: str, digest: str | None
+) -> None:
+    assert _holds(how, digest, {"version": 7, "digest": "d7"}) == (False, [])
