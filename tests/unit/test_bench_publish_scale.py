@@ -14,5 +14,5 @@ def test_rising_counts_from_one_are_taken() -> None:
 
 @pytest.mark.parametrize("text", ["", "8,32", "1,1,8", "1,32,8", "1,x", "0,1"])
 def test_anything_else_is_refused_naming_the_flag(text: str) -> None:
-    with pytest.raises(ValueError, match=r"--shards .*rising shard counts starting at 1"):
+    with pytest.raises(ValueError, match=r"--shards .*rising counts starting at 1"):
         shard_counts(text)
