@@ -63,6 +63,13 @@ READ_GAP_S = 0.5
 # With the copy kept by the watch (PrefixMirror) a look costs etcd nothing: a put is looked
 # at this soon (a push waits for the other nodes' entries to show its version).
 MIRROR_GAP_S = 0.1
+# ... and this soon in the first AWAITED_FOR_S of a push's or a publish's wait for the
+# other nodes' entries to show its step (`await_other_nodes`): with the 0.1 s gap a 2-node
+# publish answered ~100 ms after the other node's shards held the step (bench.publish_nodes).
+# A longer wait (a big fleet's push on shared cores, 17 s at 8 x 32) looks at 0.1 s again,
+# so that its looks cost the daemon no more than they did.
+AWAITED_GAP_S = 0.02
+AWAITED_FOR_S = 1.0
 # The copy is read whole again this often even while its watch looks healthy: a stream
 # that went silent without an error (a cut link, before gRPC's keepalive notices) leaves
 # it stale for no longer than this.
@@ -143,6 +150,8 @@ class Membership(Extension):
         self._changed = asyncio.Event()  # the watch saw a change under the registry prefix
         self._urgent = asyncio.Event()  # ... and it was a delete (or the watch broke)
         self._fresh = asyncio.Event()  # a read ended (a push waits on the other nodes' entries)
+        self._awaiting = 0  # pushes or publishes waiting on the other nodes' entries
+        self._awaited_until = 0.0  # monotonic: until then the read loop looks sooner
         self._ledger_moved = asyncio.Event()  # the watch saw the ledger's current version move
         self._ledger_watched = False  # a ledger watch is open (the follower waits longer)
         self._ledger_resync = asyncio.Event()  # this daemon's own calls failed: watch anew
@@ -675,11 +684,20 @@ class Membership(Extension):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(READ_FALLBACK_S):
                     await self._changed.wait()
-            gap = began + (READ_GAP_S if self._mirror is None else MIRROR_GAP_S) - time.monotonic()
+            gap = began + self._read_gap() - time.monotonic()
             if gap > 0 and not self._urgent.is_set():  # a put: not before the gap, unless a
                 with contextlib.suppress(TimeoutError):  # delete comes meanwhile
                     async with asyncio.timeout(gap):
                         await self._urgent.wait()
+
+    def _read_gap(self) -> float:
+        """Between a read and the next one after a put: etcd's reads are the costly ones;
+        a look at the watch's copy costs etcd nothing, and a push that began waiting on
+        the other nodes less than AWAITED_FOR_S ago looks soonest."""
+        if self._mirror is None:
+            return READ_GAP_S
+        soon = self._awaiting and time.monotonic() < self._awaited_until
+        return AWAITED_GAP_S if soon else MIRROR_GAP_S
 
     async def read(self) -> None:
         """Everything under the stack's registry prefix, into the fields above: from the
@@ -1099,19 +1117,24 @@ class Membership(Extension):
         route_timeout. Returns `nodes` (node -> its shards' versions) and `behind`."""
         assert self.policy is not None
         deadline = time.monotonic() + self.policy.spec.route_timeout
-        while True:
-            others = {n: e for n, e in self.entries.items() if n != self.cluster.node}
-            late = registry.behind(others, step)
-            unseen = self.unseen()
-            left = deadline - time.monotonic()
-            if (not late and not unseen) or left <= 0:
-                break
-            # the read loop's next read (its own reads every 0.1 s, on top, cost etcd
-            # ~2.6 MB/s at 8 x 32 for as long as a push waited)
-            self._fresh.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(left, READ_FALLBACK_S + READ_GAP_S)):
-                    await self._fresh.wait()
+        self._awaiting += 1  # the read loop looks at each change sooner for a while
+        self._awaited_until = max(self._awaited_until, time.monotonic() + AWAITED_FOR_S)
+        try:
+            while True:
+                others = {n: e for n, e in self.entries.items() if n != self.cluster.node}
+                late = registry.behind(others, step)
+                unseen = self.unseen()
+                left = deadline - time.monotonic()
+                if (not late and not unseen) or left <= 0:
+                    break
+                # the read loop's next read (its own reads every 0.1 s, on top, cost etcd
+                # ~2.6 MB/s at 8 x 32 for as long as a push waited)
+                self._fresh.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, READ_FALLBACK_S + READ_GAP_S)):
+                        await self._fresh.wait()
+        finally:
+            self._awaiting -= 1
         return {
             "nodes": {
                 name: {registry.shard_id(name, u.name): u.policy_version for u in e.shards()}

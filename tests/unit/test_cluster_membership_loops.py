@@ -677,3 +677,30 @@ async def test_a_broken_watch_or_a_failed_keepalive_reads_the_registry_whole_aga
         member._stopping = True
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def test_a_waiting_push_looks_at_the_watch_s_copy_sooner_and_etcd_is_never_read_faster(
+) -> None:
+    """The gap between reads after a put: etcd's own reads stay 0.5 s apart whatever
+    waits; the watch's copy is looked at every 0.1 s, and every 0.02 s in the first second
+    of a push's or a publish's wait for the other nodes' entries (a 2-node publish
+    answered ~100 ms after the other node held the step)."""
+    member = _membership()
+    assert member._read_gap() == membership.READ_GAP_S == 0.5  # no copy: etcd is read
+    member._awaiting, member._awaited_until = 1, time.monotonic() + 1.0
+    assert member._read_gap() == membership.READ_GAP_S
+    member._mirror = object()  # type: ignore[assignment]
+    assert member._read_gap() == membership.AWAITED_GAP_S == 0.02
+    member._awaited_until = time.monotonic() - 0.001  # a wait of more than a second
+    assert member._read_gap() == membership.MIRROR_GAP_S == 0.1
+    member._awaiting, member._awaited_until = 0, time.monotonic() + 1.0
+    assert member._read_gap() == membership.MIRROR_GAP_S
+
+
+async def test_a_push_s_wait_on_the_other_nodes_is_counted_while_it_lasts() -> None:
+    member = _membership()
+    member.policy = SimpleNamespace(spec=SimpleNamespace(route_timeout=5.0))  # type: ignore[assignment]
+    before = time.monotonic()
+    answer = await member.await_other_nodes(3)  # no other node: nothing to wait for
+    assert answer["behind"] == [] and member._awaiting == 0
+    assert member._awaited_until >= before + membership.AWAITED_FOR_S
