@@ -138,9 +138,8 @@ class Membership(Extension):
         self.renewed_at: float | None = None  # monotonic, the lease's last renewal (or grant)
         self._lease_gone = False  # the keepalive found the lease expired: a publish reports it
         self._away = False  # the keepalive went through again after more than a lease
-        # each key of the entry as last put on this lease, and the store's revision after
-        # the put; and the keys a read found gone or not as put (put again by the next
-        # publish round)
+        # each key of the entry as last put on this lease, and the store's revision after the
+        # put; and the keys a read found gone or not as put (put again by the next publish)
         self._written: dict[str, tuple[str, int]] | None = None
         self._not_as_written: set[str] = set()
         self._read_once = False
@@ -150,8 +149,7 @@ class Membership(Extension):
         self._changed = asyncio.Event()  # the watch saw a change under the registry prefix
         self._urgent = asyncio.Event()  # ... and it was a delete (or the watch broke)
         self._fresh = asyncio.Event()  # a read ended (a push waits on the other nodes' entries)
-        self._awaiting = 0  # pushes or publishes waiting on the other nodes' entries
-        self._awaited_until = 0.0  # monotonic: until then the read loop looks sooner
+        self._awaiting, self._awaited_until = 0, 0.0  # waits on other nodes; looks sooner till
         self._ledger_moved = asyncio.Event()  # the watch saw the ledger's current version move
         self._ledger_watched = False  # a ledger watch is open (the follower waits longer)
         self._ledger_resync = asyncio.Event()  # this daemon's own calls failed: watch anew
