@@ -100,6 +100,7 @@ def one_update(record: dict[str, Any], nodes: list[str]) -> dict[str, Any]:
                            f"stale {record['stale']}, behind {published.get('behind')}, {at}")
     slowest = max(published["acks"].values(), key=lambda a: a["total_ms"])
     return {"step": step, "stall_s": record["wall_s"], "send_s": record["send_s"],
+            "acks_wait_s": record["acks_wait_s"],
             "publish_s": published["seconds"], "acked": len(record["acks"]),
             "other_nodes_shards": len(at), "head_slowest_ms": slowest["total_ms"],
             "checkpoint": record["checkpoint"]}  # fmt: skip
@@ -158,8 +159,8 @@ def stall_table(clusters: list[dict[str, Any]]) -> Table:
         "The colocated update across nodes: rank 0's stall and its parts, s (median over "
         "the timed updates)",
         ["nodes", "shards", "updates", "stall", "slowest", "x 1 node", "send",
-         "publish (head's daemon)", "cores busy %", "push (head's daemon)",
-         "push x 1 node"],
+         "the other ranks' acks", "publish (head's daemon)", "cores busy %",
+         "push (head's daemon)", "push x 1 node"],
         digits=3,
     )
     ref = clusters[0]
@@ -169,7 +170,8 @@ def stall_table(clusters: list[dict[str, Any]]) -> Table:
             c["nodes"], c["shards"], len(ups), median(ups, "stall_s"),
             max(u["stall_s"] for u in ups),
             ratio(median(ups, "stall_s"), median(ref["updates"], "stall_s")),
-            median(ups, "send_s"), median(ups, "publish_s"), c["busy_pct"],
+            median(ups, "send_s"), median(ups, "acks_wait_s"), median(ups, "publish_s"),
+            c["busy_pct"],
             statistics.median(c["pushes_s"]),
             ratio(statistics.median(c["pushes_s"]), statistics.median(ref["pushes_s"])),
         ])

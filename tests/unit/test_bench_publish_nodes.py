@@ -17,14 +17,16 @@ def record(step: int = 3, **publish: Any) -> dict[str, Any]:
     answer = {"ok": True, "seconds": 0.1, "behind": [],
               "acks": {"worker@0": {"total_ms": 12.0}},
               "nodes": {"n1": {"n1/worker@0": step}}, **publish}  # fmt: skip
-    return {"step": step, "wall_s": 0.4, "send_s": 0.2, "errors": {}, "stale": [],
+    return {"step": step, "wall_s": 0.4, "send_s": 0.2, "acks_wait_s": 0.05, "errors": {},
+            "stale": [],
             "acks": {"head/worker@0": "d", "n1/worker@0": "d"}, "checkpoint": "/c/step-3",
             "publish": answer}  # fmt: skip
 
 
 def test_a_step_every_shard_holds_is_taken() -> None:
     update = one_update(record(), ["head", "n1"])
-    assert update == {"step": 3, "stall_s": 0.4, "send_s": 0.2, "publish_s": 0.1, "acked": 2,
+    assert update == {"step": 3, "stall_s": 0.4, "send_s": 0.2, "acks_wait_s": 0.05,
+                      "publish_s": 0.1, "acked": 2,
                       "other_nodes_shards": 1, "head_slowest_ms": 12.0,
                       "checkpoint": "/c/step-3"}  # fmt: skip
 

@@ -50,6 +50,7 @@ from dynamod.integrations.verl.stack import Shard, StackView, read_stack
 log = structlog.get_logger("dynamod.integrations.verl")
 
 ACK_WAIT_S = 300.0
+ACK_POLL_S = 0.05  # rank 0 looks for the other ranks' acknowledgement files this often
 
 
 @dataclass
@@ -99,7 +100,9 @@ class ColocatedSync:
         else:
             path = await asyncio.to_thread(self.writer.write, copy.tensors, step)
         write_stall_s = time.monotonic() - written_at
+        gathered_at = time.monotonic()
         acks.update(await self._gather_acks(step, errors))
+        acks_wait_s = time.monotonic() - gathered_at
         from dynamod.client import Client
 
         published = await asyncio.to_thread(
@@ -120,6 +123,7 @@ class ColocatedSync:
             "send_s": round(send_s, 3),
             "host_copy_s": round(copy.seconds, 3),
             "write_stall_s": round(write_stall_s, 3),
+            "acks_wait_s": round(acks_wait_s, 3),  # for the other ranks' acknowledgements
             "seconds": round(time.monotonic() - started, 3),
         }
         updates.log_update(self.state_dir, record)
@@ -218,7 +222,7 @@ class ColocatedSync:
                     errors.update(data["errors"])
                     waiting.discard(rank)
             if waiting:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(ACK_POLL_S)
         for rank in waiting:
             errors[f"rank{rank}"] = f"no acknowledgement file within {ACK_WAIT_S:g}s"
         shutil.rmtree(folder, ignore_errors=True)
