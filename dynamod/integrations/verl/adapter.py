@@ -31,19 +31,10 @@ from dynamod.integrations.verl.attach import state_dir_of
 from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.config import parse_settings
 from dynamod.integrations.verl.errors import VerlIntegrationError
+from dynamod.integrations.verl.ranks import local_world_size, node_replica
 from dynamod.integrations.verl.versions import StepVersions, new_run_id
 
 log = structlog.get_logger("dynamod.integrations.verl")
-
-
-def local_world_size() -> int:
-    """Trainer ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the one verl's Ray
-    worker groups set (RAY_LOCAL_WORLD_SIZE); 0 when neither says (all ranks local)."""
-    for name in ("LOCAL_WORLD_SIZE", "RAY_LOCAL_WORLD_SIZE"):
-        text = os.environ.get(name, "")
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return 0
 
 
 class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
@@ -83,17 +74,20 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
         """verl's trainer sleeps the replicas after each generation (`free_cache_engine`)
         and calls this on every rank before `update_weights` (tags ["weights"]) and after
         it (["kv_cache"]). A sleeping shard refuses new weights, so the leader rank of each
-        replica wakes that replica's shards; waking an awake shard is a no-op."""
+        replica wakes that replica's shards, its share of its own node's (`node_replica`);
+        waking an awake shard is a no-op."""
         if not self.is_leader_rank:
             return None
         import aiohttp
 
         from dynamod.integrations.verl import engine
 
-        replicas = max(1, int(os.environ.get("WORLD_SIZE", "1")) // self.replica_world)
+        replica, replicas = node_replica(self.rank, self.replica_world,
+                                         int(os.environ.get("WORLD_SIZE", "1")),
+                                         local_world_size())  # fmt: skip
         async with aiohttp.ClientSession() as session:
             answers = await engine.replica_call(
-                session, self.state_dir, self.replica_rank, replicas, "wake_up"
+                session, self.state_dir, replica, replicas, "wake_up"
             )
         log.info("verl.resume", tags=tags, replica=self.replica_rank,
                  shards=[a["shard"] for a in answers])

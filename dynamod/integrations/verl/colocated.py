@@ -45,6 +45,7 @@ from dynamod.integrations.verl.checkpoint import CheckpointWriter, HostCopy
 from dynamod.integrations.verl.engine import call_route
 from dynamod.integrations.verl.errors import EngineCallError, StackNotReadyError
 from dynamod.integrations.verl.ipc import DEFAULT_BUCKET_BYTES, WeightSender, socket_address
+from dynamod.integrations.verl.ranks import node_replica
 from dynamod.integrations.verl.stack import Shard, StackView, read_stack
 
 log = structlog.get_logger("dynamod.integrations.verl")
@@ -75,9 +76,9 @@ class ColocatedSync:
     def owned(self, shards: Iterable[Shard]) -> list[Shard]:
         """This rank's share of its node's shards (ranks are numbered node after node, as
         verl's worker groups and torchrun number them)."""
-        local = self.local_world or self.world
+        mine, ranks_here = node_replica(self.rank, 1, self.world, self.local_world)
         ordered = sorted(shards, key=lambda s: s.name)
-        return [s for i, s in enumerate(ordered) if i % local == self.rank % local]
+        return [s for i, s in enumerate(ordered) if i % ranks_here == mine]
 
     async def update(self, weights: Iterable[tuple[str, Any]], step: int,
                      origin: dict[str, Any] | None = None) -> dict[str, Any]:
