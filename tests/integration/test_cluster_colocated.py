@@ -67,8 +67,8 @@ def rig() -> Iterator[ClusterRig]:
 
 @pytest.fixture
 def shared() -> Iterator[Path]:
-    """The checkpoint folder every node reads (here one filesystem; on machines, shared
-    storage), outside the rig so that a failure leaves no checkpoint in the daemons' logs."""
+    """The checkpoint folder every node reads (the replay source and the acks; here the
+    nodes share one filesystem, on machines it is shared storage), removed after the test."""
     path = Path(tempfile.mkdtemp(prefix="dmc-ckpt-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
