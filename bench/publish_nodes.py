@@ -86,10 +86,10 @@ def run_ranks(rig: ClusterRig, shared: Path, first: int, last: int
                                f"{stderr.decode(errors='replace').strip().splitlines()[-1:]}")
         outs.append(json.loads(stdout.decode().strip().splitlines()[-1]))
     busy = outs[0][-1].get("busy_pct_after_first", float("nan"))
-    return [one_update(r, rig.names) for r in outs[0]], busy
+    return [one_update(r) for r in outs[0]], busy
 
 
-def one_update(record: dict[str, Any], nodes: list[str]) -> dict[str, Any]:
+def one_update(record: dict[str, Any]) -> dict[str, Any]:
     """Rank 0's record of a step, checked: every node's every shard at the step, none
     stale or behind."""
     step, published = record["step"], record["publish"]

@@ -24,7 +24,7 @@ def record(step: int = 3, **publish: Any) -> dict[str, Any]:
 
 
 def test_a_step_every_shard_holds_is_taken() -> None:
-    update = one_update(record(), ["head", "n1"])
+    update = one_update(record())
     assert update == {"step": 3, "stall_s": 0.4, "send_s": 0.2, "acks_wait_s": 0.05,
                       "publish_s": 0.1, "acked": 2,
                       "other_nodes_shards": 1, "head_slowest_ms": 12.0,
@@ -38,7 +38,7 @@ def test_a_step_every_shard_holds_is_taken() -> None:
 ])  # fmt: skip
 def test_a_step_a_shard_missed_is_refused(publish: dict[str, Any]) -> None:
     with pytest.raises(RuntimeError, match="did not reach every shard"):
-        one_update(record(**publish), ["head", "n1"])
+        one_update(record(**publish))
 
 
 @pytest.mark.parametrize(("args", "says"), [
