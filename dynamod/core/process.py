@@ -523,12 +523,17 @@ async def stop_tree(tree: Tree, *, sig: int, timeout: float, kill_wait: float = 
     return await _stop_group(tree, sig=sig, timeout=timeout, kill_wait=kill_wait)
 
 
+def _emptied(path: Path) -> TreeStopped:
+    """A unit's cgroup with no process left: removed, nothing to stop."""
+    cgroups.remove(path)
+    return TreeStopped(escalated=False, killed_outside_group=0, survivors=[])
+
+
 async def _stop_cgroup(
     path: Path, pgid: int, *, sig: int, timeout: float, kill_wait: float
 ) -> TreeStopped:
     if not cgroups.populated(path):  # the common case after an exit: one file read
-        cgroups.remove(path)
-        return TreeStopped(escalated=False, killed_outside_group=0, survivors=[])
+        return _emptied(path)
     outside = 0
     if timeout > 0 and sig != signal.SIGKILL:
         members = cgroups.procs(path)
@@ -831,14 +836,16 @@ class OsHost:
         kill_group_now(child.pid)
 
     async def stop_tree(self, unit: str, child: Child, *, sig: int, timeout: float) -> TreeStopped:
-        # what its live processes hold in /dev/shm, noted before any of them is signalled;
-        # an exit that left no process in its cgroup (the common case) costs one file read
-        # here, on the loop, as the stop below does
+        # an exit that left no process in its cgroup (the common case): one file read, on
+        # the loop; else what its live processes hold in /dev/shm, noted before any of them
+        # is signalled, then the stop
         cgroup = self.cgroup(unit)
         held: set[Path] = set()
-        if cgroup is None or cgroups.populated(cgroup):
-            held = await asyncio.to_thread(self._shm_held, unit, child)
-        stopped = await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
+        if cgroup is not None and not cgroups.populated(cgroup):
+            stopped = _emptied(cgroup)
+        else:
+            held = await asyncio.to_thread(self._shm_held, cgroup, child)
+            stopped = await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
         if not stopped.survivors:
             self.enforcer.release(unit)
             if held:
@@ -849,10 +856,10 @@ class OsHost:
                     stopped = replace(stopped, shm_removed=[str(p) for p in removed])
         return stopped
 
-    def _shm_held(self, unit: str, child: Child) -> set[Path]:
+    @staticmethod
+    def _shm_held(cgroup: Path | None, child: Child) -> set[Path]:
         """The /dev/shm files the unit's live processes hold: its cgroup's, or its
         process group's. Blocking: /proc reads."""
-        cgroup = self.cgroup(unit)
         pids = set(cgroups.procs(cgroup)) if cgroup is not None else _group_pids(child.pid)
         return shmleft.held(pid for pid in pids if not is_zombie(pid))
 
