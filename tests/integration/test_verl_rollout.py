@@ -22,42 +22,19 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray
-from omegaconf import OmegaConf
 
 from dynamod.client import Client
 from dynamod.core.proctable import marked_pids
 from dynamod.integrations.verl.attach import ray_init_kwargs
 from dynamod.integrations.verl.errors import StackNotReadyError
 from tests.conftest import Dynamod, pid_alive, unit_by_name, wait_dead
+from tests.integration.verl_rig import verl_config
 
 pytestmark = pytest.mark.slow
 
 SHARDS = 2
 ISSUE_12 = ("the CPU worker returns no logprobs until issue 12 (real tokens with logprobs "
             "from the tiny Llama) is merged")
-
-
-def verl_config(state_dir: Path, n_gpus: int = SHARDS) -> Any:
-    import verl
-
-    base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
-    config = OmegaConf.load(base)
-    from dynamod.core.paths import cache_dir
-
-    config.actor_rollout_ref.model.path = str(cache_dir() / "models" / "tiny-cpu")
-    rollout = config.actor_rollout_ref.rollout
-    rollout.name = "dynamod"
-    rollout.mode = "async"
-    rollout.nnodes = 1
-    rollout.n_gpus_per_node = n_gpus
-    rollout.tensor_model_parallel_size = 1
-    rollout.data_parallel_size = 1
-    rollout.pipeline_model_parallel_size = 1
-    rollout.prompt_length = 32
-    rollout.response_length = 8
-    rollout.engine_kwargs = {"dynamod": {"state_dir": str(state_dir)}}
-    rollout.checkpoint_engine.backend = "naive"
-    return config
 
 
 @pytest.fixture(scope="module")
