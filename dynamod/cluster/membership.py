@@ -370,6 +370,7 @@ class Membership(Extension):
             units=units,
             policy_current=self.policy.current_version if self.policy else None,
             heartbeat_port=responder.port if (responder := self._hearing.responder) else None,
+            state_dir=str(self.host.state_dir),
         )
 
     async def _publish_loop(self) -> None:

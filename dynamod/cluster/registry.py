@@ -122,6 +122,7 @@ class NodeEntry:
     units: list[UnitEntry]
     policy_current: int | None = None
     heartbeat_port: int | None = None  # where its daemon echoes heartbeats (None: it does not)
+    state_dir: str | None = None  # its daemon's, on that node: where a process there reaches it
 
     def records(self, stack: str) -> dict[str, str]:
         """The keys this entry is written as, with their values: its header at
@@ -418,6 +419,7 @@ def view(
                 "head": name == head,
                 "state": str(state),
                 "daemon_pid": entry.daemon_pid if entry else None,
+                "state_dir": entry.state_dir if entry else None,
                 "phase": entry.phase if entry else None,
                 "units": list(entry.unit_rows) if entry else [],
                 "behind": late.get(name, []),

@@ -20,6 +20,7 @@ ACCEPTED = {
     "count": [0, 3, "0", "12"],
     "seconds": [1, 300, "30"],
     "port": [1, 2379, "65535"],
+    "address": ["127.0.0.1", "0.0.0.0", "10.77.0.2", "::1"],
 }
 REFUSED = {
     # a fullwidth 1, an Arabic-Indic 3: digits to str.isdigit, not to etcd
@@ -27,6 +28,7 @@ REFUSED = {
     "count": [-1, "-1", "1.5", 1.5, "three", "", True, "\u0663"],
     "seconds": [0, "0", -5, 1.5, "30s", "", False],
     "port": [0, 65536, "70000", "http", -1, 80.0, True],
+    "address": ["localhost", "", "10.77.0", "256.0.0.1", 0, "0.0.0.0:80", None],
 }
 
 
@@ -123,7 +125,7 @@ def test_an_included_files_format_holds_for_the_stacks_own_default(tmp_path: Pat
 
 
 @pytest.mark.parametrize("formats, expect", [
-    ('history = "hours"', "unknown format 'hours' (one of: duration, count, seconds, port)"),
+    ('history = "hours"', "unknown format 'hours' (one of: duration, count, seconds, port, address)"),
     ("history = 3", "unknown format 3"),
     ('other = "count"', "a format for 'other', which this file's [vars] does not declare"),
 ])

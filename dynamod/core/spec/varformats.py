@@ -16,10 +16,12 @@ The formats, each for a kind of value the stock units pass on:
   count     a whole number, 0 or more
   seconds   a whole number of seconds above 0 (Dynamo's ETCD_LEASE_TTL is one)
   port      a TCP port, 1-65535
+  address   an IP address to listen on: 127.0.0.1, 0.0.0.0 (every interface), 10.0.0.5, ::1
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -65,12 +67,21 @@ def _is_port(value: Any) -> bool:
     return port is not None and 1 <= port <= _PORT_MAX
 
 
+def _is_address(value: Any) -> bool:
+    try:
+        ipaddress.ip_address(value if isinstance(value, str) else "")
+    except ValueError:
+        return False
+    return True
+
+
 # format -> (check, what it expects, in words)
 FORMATS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "duration": (_is_duration, "a duration such as 1h, 10m or 90s, or a whole number"),
     "count": (_is_count, "a whole number, 0 or more"),
     "seconds": (_is_seconds, "a whole number of seconds above 0"),
     "port": (_is_port, f"a TCP port, 1-{_PORT_MAX}"),
+    "address": (_is_address, "an IP address such as 127.0.0.1 or 0.0.0.0"),
 }
 
 

@@ -83,8 +83,10 @@ async def replica_call(
     session: aiohttp.ClientSession, state_dir: Path, replica_rank: int, replicas: int,
     call: str,
 ) -> list[dict[str, Any]]:
-    """verl's `call` on the shards replica `replica_rank` of `replicas` owns, read afresh."""
+    """verl's `call` on the shards replica `replica_rank` of `replicas` owns on the node of
+    the daemon at `state_dir`, read afresh; each answer names its shard as the ledger does
+    (`<node>/<unit>` on a cluster)."""
     view = await asyncio.to_thread(read_stack, state_dir)
     shards = view.shards_of_replica(replica_rank, replicas)
     answers = await fan_out(session, shards, call)
-    return [{"shard": a.shard, "route": a.route, **a.body} for a in answers]
+    return [{"shard": view.ledger_name(a.shard), "route": a.route, **a.body} for a in answers]

@@ -4,9 +4,11 @@ It spawns nothing. `init_hybrid` (the trainer's worker group, colocated) and
 `init_standalone` record the mode and go straight to `launch_servers`, which reads the
 stack from dynamod, refuses it with a diagnosis when it is not up or has fewer admitted
 shards than verl's layout has replicas (one shard at least per replica), refuses settings
-that disagree with it, and starts this replica's `DynamodRolloutServer` actor. The
-server handle is what verl's load balancer and agent loop call; the server address is the
-frontend's, the same for every replica: Dynamo's router balances, not verl's.
+that disagree with it, and starts this replica's `DynamodRolloutServer` actor: on a
+cluster, on the Ray node at the address of its shards' node (`layout.py`), refused when
+Ray runs none there. The server handle is what verl's load balancer and agent loop call;
+the server address is the frontend's, the same for every replica: Dynamo's router
+balances, not verl's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from dynamod.integrations.verl.attach import state_dir_of
 from dynamod.integrations.verl.config import SECTIONS, parse_settings
+from dynamod.integrations.verl.errors import StackNotReadyError
+from dynamod.integrations.verl.layout import Placement, place
 from dynamod.integrations.verl.server import DynamodRolloutServer
 from dynamod.integrations.verl.stack import check_settings, diagnose, read_stack
 
@@ -58,24 +62,42 @@ class DynamodReplica(RolloutReplica):  # type: ignore[misc]
         view = read_stack(self.state_dir)
         diagnose(view, needed_shards=self.replicas)
         check_settings(view, self.settings, self.section)
-        assert view.frontend_url is not None  # diagnose() guarantees it
+        where = place(view, self.replica_rank, self.replicas)
         model = self.settings.served_model_name or view.model
         if model is None:
             raise RuntimeError(f"stack {view.stack!r}: cannot tell which model its shards serve")
-        actor: Any = ray.remote(DynamodRolloutServer).options(
-            num_cpus=0, max_concurrency=self.max_concurrency
-        )
+        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": self.max_concurrency}
+        if where.node is not None:
+            options["scheduling_strategy"] = _on_node(where, self.replica_rank)
+        actor: Any = ray.remote(DynamodRolloutServer).options(**options)
         server: Any = actor.remote(
-            str(self.state_dir), self.settings, self.replica_rank, self.replicas, model,
-            view.frontend_url, self.config.prompt_length, self.config.response_length,
-            bool(self.config.free_cache_engine),
+            str(where.state_dir), self.settings, where.replica, where.replicas, model,
+            where.frontend_url, self.config.prompt_length, self.config.response_length,
+            bool(self.config.free_cache_engine), where.node,
         )
+        await server.reach.remote()
         self.servers = [server]
         self._server_handle = server
-        self._server_address = view.frontend_url.removeprefix("http://")
+        self._server_address = where.frontend_url.removeprefix("http://")
         log.info(
             "verl.replica_attached", replica=self.replica_rank, replicas=self.replicas,
-            mode=str(self.rollout_mode), stack=view.stack, frontend=view.frontend_url,
-            shards=[s.name for s in view.shards_of_replica(self.replica_rank, self.replicas)],
+            mode=str(self.rollout_mode), stack=view.stack, frontend=where.frontend_url,
+            node=where.node, state_dir=str(where.state_dir),
             policy_version=view.current_version,
         )
+
+
+def _on_node(where: Placement, replica_rank: int) -> Any:
+    """Ray's strategy that runs an actor on the live Ray node at `where`'s address."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]  # type: ignore[no-untyped-call]
+    for node in alive:
+        if node.get("NodeManagerAddress") == where.address:
+            return NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
+    raise StackNotReadyError(
+        f"rollout replica {replica_rank}'s shards are on cluster node {where.node} "
+        f"({where.address}), where Ray runs no live node (Ray's: "
+        f"{', '.join(sorted(str(n.get('NodeManagerAddress')) for n in alive)) or 'none'}); "
+        "its server must run there: start units/ray-worker.toml on that node"
+    )

@@ -7,7 +7,9 @@ reason, and the serving shard's weight version as `global_steps`). A 500 with a 
 taint means no admitted shard holds the version yet (an update is landing, or the shard
 is being replayed) and a refused connection that the frontend is restarting: the request
 is sent again at the version read then, until `retry_window_s` (default 60 s) has passed.
-Lifecycle calls fan out to this replica's shards (`engine.py`). Counters keep completed,
+Lifecycle calls fan out to this replica's shards (`engine.py`), on the node the actor runs
+on (`layout.py`); `reach` checks, before verl uses the actor, that the frontend answers
+from there. Counters keep completed,
 aborted, retried and failed attempts apart, for the validation's first boundary.
 """
 
@@ -24,7 +26,7 @@ import structlog
 
 from dynamod.integrations.verl import completions, engine
 from dynamod.integrations.verl.config import RolloutSettings
-from dynamod.integrations.verl.errors import GenerationError
+from dynamod.integrations.verl.errors import GenerationError, StackNotReadyError
 
 log = structlog.get_logger("dynamod.integrations.verl")
 
@@ -48,12 +50,15 @@ class DynamodRolloutServer:
         prompt_length: int,
         response_length: int,
         free_cache_engine: bool = True,
+        node: str | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.settings = settings
         self.replica_rank = replica_rank
         self.replicas = replicas
         self.model = model
+        self.node = node  # the cluster node this actor was placed on (None: one node)
+        self.frontend_url = frontend_url
         self.url = f"{frontend_url}/v1/completions"
         self.prompt_length = prompt_length
         self.response_length = response_length
@@ -66,6 +71,24 @@ class DynamodRolloutServer:
             timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
             self._session = aiohttp.ClientSession(timeout=timeout)
         return self._session
+
+    async def reach(self) -> None:
+        """StackNotReadyError unless the frontend answers `/live` from where this runs."""
+        url = f"{self.frontend_url}/live"
+        try:
+            async with self._http().get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status == 200:
+                    return
+                why = f"HTTP {resp.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        on = f" of node {self.node}" if self.node is not None else ""
+        raise StackNotReadyError(
+            f"rollout replica {self.replica_rank}{on}: the frontend at {url} does not answer "
+            f"({why}); a replica on another node than the head reaches the head's frontend "
+            "only where it listens beyond loopback: start the cluster with "
+            "--var frontend_host=0.0.0.0"
+        )
 
     async def current_version(self) -> int:
         from dynamod.client import Client

@@ -3,7 +3,9 @@
 Everything comes from the daemon's `status --json` object (`Client.status()`): the
 frontend's address and router mode (its unit's port and command line), the served model,
 each rollout shard's system URL, state and applied policy version, whether the shard is
-admitted (not held), the ledger's current version and the Ray head's GCS port. `attach`
+admitted (not held), the ledger's current version and the Ray head's GCS port; on a cluster
+node, every node's shards and state dir (status's `cluster` rows) and the head's frontend
+as this node reaches it (`layout.py` places verl's replicas on them). `attach`
 refuses a stack that is not up, or that has fewer admitted shards than verl's rollout
 layout needs, with a diagnosis naming what is missing. Parsing is pure; only `read_stack`
 talks to the daemon.
@@ -37,6 +39,24 @@ class Shard:
 
 
 @dataclass(frozen=True)
+class Node:
+    """A node of a cluster stack, from status's `cluster` rows. Another node's shards have
+    no system URL here (their system ports are on that node's loopback) and count as
+    admitted when serving at the ledger's version (that node's daemon holds the others)."""
+
+    name: str
+    address: str
+    head: bool
+    state: str  # up, lost, unknown, forgotten
+    state_dir: str | None  # its daemon's, on that node
+    shards: tuple[Shard, ...]
+
+    @property
+    def admitted(self) -> list[Shard]:
+        return [s for s in self.shards if s.admitted]
+
+
+@dataclass(frozen=True)
 class StackView:
     state_dir: Path
     stack: str
@@ -54,6 +74,8 @@ class StackView:
     ray_cpus: float | None = None  # what the `ray-head` unit offers (--num-cpus/--num-gpus)
     ray_gpus: float | None = None
     node: str | None = None  # this node's name in a cluster stack (None: a single node)
+    nodes: tuple[Node, ...] = ()  # a cluster's nodes in its order, this one included
+    frontend_port: int | None = None
 
     @property
     def admitted(self) -> list[Shard]:
@@ -83,7 +105,9 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
     policy: Mapping[str, Any] = status.get("policy") or {}
     held = set(policy.get("held") or [])
     by_name = {str(u["name"]): u for u in units}
-    frontend = by_name.get(FRONTEND_UNIT)
+    cluster: Mapping[str, Any] = status.get("cluster") or {}
+    this_node = cluster.get("this_node")
+    frontend, frontend_host = _frontend(by_name, cluster)
     router = next(
         (u for u in units if THUNDERAGENT_MODULE in (u.get("command") or [])), None
     )
@@ -108,6 +132,8 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         (u["dynamo"].get("namespace") for u in units if u.get("dynamo")), None
     )
     http = (frontend or {}).get("ports", {}).get("http")
+    shards.sort(key=lambda s: s.name)
+    nodes = tuple(_node(row, this_node, shards) for row in cluster.get("nodes") or [])
     ray_head = by_name.get(RAY_HEAD_UNIT) or {}
     gcs = ray_head.get("ports", {}).get("gcs")
     ray_command = ray_head.get("command") or []
@@ -115,20 +141,54 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         state_dir=Path(str(status.get("state_dir", "."))),
         stack=str(status.get("stack", "?")),
         phase=str(status.get("phase", "?")),
-        frontend_url=f"http://127.0.0.1:{http}" if http else None,
+        frontend_url=f"http://{frontend_host}:{http}" if http else None,
         frontend_state=str(frontend["state"]) if frontend else None,
         router_mode=flag_value((frontend or {}).get("command") or [], "--router-mode"),
         model=model,
         model_path=model_path,
         namespace=namespace,
         thunderagent=router is not None,
-        shards=tuple(sorted(shards, key=lambda s: s.name)),
+        shards=tuple(shards),
         current_version=int(policy.get("current") or 0),
         ray_address=f"127.0.0.1:{gcs}" if gcs else None,
         ray_cpus=_number(flag_value(ray_command, "--num-cpus")),
         ray_gpus=_number(flag_value(ray_command, "--num-gpus")),
-        node=(status.get("cluster") or {}).get("this_node"),
+        node=this_node,
+        nodes=nodes,
+        frontend_port=int(http) if http else None,
     )
+
+
+def _frontend(
+    by_name: Mapping[str, Mapping[str, Any]], cluster: Mapping[str, Any]
+) -> tuple[Mapping[str, Any] | None, str]:
+    """The frontend unit's row and the host this node reaches it at: its own on loopback,
+    else the one on another node's registry entry (the head's) at that node's address."""
+    if FRONTEND_UNIT in by_name:
+        return by_name[FRONTEND_UNIT], "127.0.0.1"
+    for row in cluster.get("nodes") or []:
+        found = next((u for u in row.get("units") or [] if u["name"] == FRONTEND_UNIT), None)
+        if found is not None:
+            return found, str(row["address"])
+    return None, "127.0.0.1"
+
+
+def _node(row: Mapping[str, Any], this_node: str | None, local: list[Shard]) -> Node:
+    """A `cluster` row; this node's shards are the daemon's own (held ones known)."""
+    name = str(row["name"])
+    behind = set(row.get("behind") or [])
+    shards = tuple(local) if name == this_node else tuple(
+        Shard(
+            name=str(u["name"]), state=str(u["state"]), system_url=None,
+            policy_version=u.get("policy_version"),
+            admitted=str(u["state"]) in SERVING_STATES and f"{name}/{u['name']}" not in behind,
+            instance_ids=tuple(int(i) for i in u.get("instance_ids") or []),
+        )
+        for u in sorted(row.get("units") or [], key=lambda u: str(u["name"]))
+        if u.get("shard")
+    )  # fmt: skip
+    return Node(name=name, address=str(row["address"]), head=bool(row.get("head")),
+                state=str(row.get("state")), state_dir=row.get("state_dir"), shards=shards)
 
 
 def _model(
@@ -160,7 +220,8 @@ def _number(text: str | None) -> float | None:
 
 
 def diagnose(view: StackView, needed_shards: int) -> None:
-    """StackNotReadyError unless the stack can serve a layout of `needed_shards` shards."""
+    """StackNotReadyError unless the stack can serve a layout of `needed_shards` shards
+    (on a cluster, counted across its nodes; `layout.place` then judges each node)."""
     where = f"dynamod stack {view.stack!r} (state dir {view.state_dir})"
     if view.phase != "up":
         raise StackNotReadyError(
@@ -174,21 +235,28 @@ def diagnose(view: StackView, needed_shards: int) -> None:
             f"{where}: the frontend is {view.frontend_state}, not ready "
             "(`dynamod logs frontend`)"
         )
-    if not view.shards:
+    every: list[tuple[str | None, Shard]] = [
+        (n.name, s) for n in view.nodes for s in n.shards] or [
+        (None, s) for s in view.shards]  # fmt: skip
+    if not every:
         raise StackNotReadyError(
             f"{where} has no rollout shards under its [policy] table; use a stack for verl "
             "(units/stacks/verl-cpu.toml, verl-native.toml, verl-thunderagent.toml)"
         )
-    admitted = view.admitted
+
+    def named(node: str | None, shard: Shard) -> str:
+        return f"{node}/{shard.name}" if node is not None else shard.name
+
+    admitted = [named(n, s) for n, s in every if s.admitted]
     if len(admitted) < needed_shards:
         others = ", ".join(
-            f"{s.name} {s.state}{' held' if not s.admitted and s.state in SERVING_STATES else ''}"
-            for s in view.shards
+            f"{named(n, s)} {s.state}{' held' if s.state in SERVING_STATES else ''}"
+            for n, s in every
             if not s.admitted
         )
         raise StackNotReadyError(
             f"{where} has {len(admitted)} admitted rollout shard(s) "
-            f"({', '.join(s.name for s in admitted) or 'none'}) but verl's rollout layout "
+            f"({', '.join(admitted) or 'none'}) but verl's rollout layout "
             f"needs {needed_shards} (one per replica: n_gpus_per_node x nnodes / "
             f"(tensor x data x pipeline parallel)); "
             + (f"not admitted: {others}; " if others else "")
