@@ -125,7 +125,8 @@ def test_an_included_files_format_holds_for_the_stacks_own_default(tmp_path: Pat
 
 
 @pytest.mark.parametrize("formats, expect", [
-    ('history = "hours"', "unknown format 'hours' (one of: duration, count, seconds, port, address)"),
+    ('history = "hours"',
+     "unknown format 'hours' (one of: duration, count, seconds, port, address)"),
     ("history = 3", "unknown format 3"),
     ('other = "count"', "a format for 'other', which this file's [vars] does not declare"),
 ])
