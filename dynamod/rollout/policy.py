@@ -155,6 +155,18 @@ def agreed_digest(acks: Mapping[str, str | None] | None) -> str | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
+async def on_this_node(target: PolicyVersion) -> None:
+    """PolicyError unless `target`'s checkpoint is on this node's storage, read before the
+    shard is asked to load it: a replay on another node than the one that wrote it finds
+    it only on storage both read. Off the loop: a hung network mount hangs a thread."""
+    if not await asyncio.to_thread(os.path.exists, target.path):
+        raise PolicyError(
+            f"version {target.version}'s checkpoint {target.path} is not on this node's "
+            "storage: removed, or written on another node's own disk (a cluster's "
+            "checkpoints must be on storage every node reads; docs/multi-node.md)"
+        )
+
+
 class PolicyManager(Extension):
     """Daemon extension + engine hook: the ledger, pushes, publishes and rejoins.
 
@@ -612,6 +624,7 @@ class PolicyManager(Extension):
             version, digest = target.version, target.digest
         else:
             version, digest = target.version, target.digest
+            await on_this_node(target)
             loaded = await step(
                 "load",
                 "update_weights_from_disk",

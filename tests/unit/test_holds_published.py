@@ -1,19 +1,21 @@
 """The policy manager's check, before a replay, of whether a shard already holds a
 published step (fed by its own node's trainer ranks on a cluster): only a published step
-with a digest, and only a shard reporting both its version and that digest, skips the load.
+with a digest, and only a shard reporting both its version and that digest, skips the load;
+a load first checks the checkpoint is on this node's storage.
 Pure logic (the shard's answer is a stand-in); tests/integration/test_cluster_colocated.py
 runs it on two network-namespace nodes with real shards."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from dynamod.rollout.ledger import PolicyVersion
-from dynamod.rollout.policy import PolicyManager
+from dynamod.rollout.policy import PolicyError, PolicyManager, on_this_node
 from dynamod.rollout.policy_table import PolicySpec
 from dynamod.rollout.registrations import DynamoRegistrations
 
@@ -52,3 +54,13 @@ def test_a_pushed_step_or_one_without_a_digest_is_loaded_without_asking(
     how: str, digest: str | None
 ) -> None:
     assert _holds(how, digest, {"version": 7, "digest": "d7"}) == (False, [])
+
+
+def test_a_checkpoint_missing_from_this_node_is_named_before_the_load(tmp_path: Path) -> None:
+    here = tmp_path / "step-7"
+    here.mkdir()
+    asyncio.run(on_this_node(PolicyVersion(7, str(here), "d7", 0.0, "publish")))
+    gone = PolicyVersion(8, str(tmp_path / "step-8"), "d8", 0.0, "push")
+    with pytest.raises(PolicyError, match=r"version 8's checkpoint .*step-8 is not on this "
+                       r"node's storage: .*storage every node reads"):
+        asyncio.run(on_this_node(gone))
