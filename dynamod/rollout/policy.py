@@ -193,6 +193,8 @@ class PolicyManager(Extension):
         self.lock = asyncio.Lock()  # one push, publish or admission at a time
         self._rejoins: dict[str, asyncio.Task[None]] = {}
         self.current_version: int | None = None  # None until the ledger was first read
+        # the ledger's record this node last brought its shards to, or committed itself
+        self._noted: PolicyVersion | None = None
         self._etcd: EtcdClient | None = None
         self._closing: set[asyncio.Task[None]] = set()  # etcd clients left for a moved port
         self._file: FileLedger | None = None
@@ -497,6 +499,7 @@ class PolicyManager(Extension):
         self._rejoins[unit.name] = asyncio.get_running_loop().create_task(rejoin())
 
     def note_current(self, current: PolicyVersion | None) -> None:
+        self._noted = current
         self.current_version = current.version if current else self.spec.initial_version
         for name in self.shard_names:
             self._shard_policy(name).current = self.current_version
@@ -1260,16 +1263,30 @@ class PolicyManager(Extension):
         if self.lock.locked():  # a push or an admission here: it reads the ledger itself
             return self.current_version
         current = read[0] if read is not None else await self.ledger().current()
-        version = current.version if current else None
-        if version is None or version == self.current_version:
-            return version
+        if current is None or current == self._noted:
+            return current.version if current else None
+        version, again = current.version, current.version == self.current_version
         self.note_current(current)
         for unit in self.admitted_shards():
             if self.shard_version(unit) != version:
                 self._start_rejoin(
                     unit, f"behind the ledger, which is at version {version}", current
                 )
+            elif again and not self._holds_record(unit, current):
+                self._start_rejoin(unit, (
+                    f"the ledger's version {version} is a new {current.how} "
+                    f"(digest {current.digest}), not what it was admitted with"), current)
         return version
+
+    def _holds_record(self, unit: Unit, record: PolicyVersion) -> bool:
+        """Whether a shard at `record`'s version number holds `record` itself and needs
+        nothing: its verified digest is a pushed record's. A new record at the version this
+        node already holds is the first at the initial version (the shards hold the boot
+        weights), or the same step again. A published one is never held: the trainer's
+        ranks on this node paused the shards they fed (their weights may be the boot
+        weights, as verl's step 0 is), and only the replay's check resumes them."""
+        digest = self.shard_policy(unit).digest
+        return record.how != "publish" and record.digest is not None and digest == record.digest
 
     # ------------------------------------------------------------------ taints
 

@@ -64,3 +64,38 @@ def test_a_checkpoint_missing_from_this_node_is_named_before_the_load(tmp_path: 
     with pytest.raises(PolicyError, match=r"version 8's checkpoint .*step-8 is not on this "
                        r"node's storage: .*storage every node reads"):
         asyncio.run(on_this_node(gone))
+
+
+def _follow(records: list[PolicyVersion | None], held: tuple[int, str | None]) -> list[str]:
+    """The reasons the follower held its one shard for, as the ledger showed `records` in
+    turn; the shard holds version `held[0]` with digest `held[1]` throughout."""
+    service = PolicyManager(PolicySpec(shards=["worker"]), DynamoRegistrations())
+    unit = SimpleNamespace(name="worker@0")
+    shard = SimpleNamespace(version=held[0], digest=held[1])
+    rejoined: list[str] = []
+    service.admitted_shards = lambda: [unit]  # type: ignore[method-assign]
+    service.shard_policy = lambda u: shard  # type: ignore[method-assign,assignment,return-value]
+    service._start_rejoin = (  # type: ignore[method-assign]
+        lambda u, reason, known=None: rejoined.append(reason))
+    service.note_current(None)  # the ledger was empty when the shard was admitted
+    for record in records:
+        asyncio.run(service.follow_ledger((record,)))
+    return rejoined
+
+
+def test_a_first_record_at_the_initial_version_is_replayed_into_the_boot_weights() -> None:
+    """verl's first update is its step 0, which is the ledger's initial version 0: a node
+    that did not commit it saw no new version, and its shards kept the boot weights (a
+    push), or stayed paused where its ranks had fed them (a publish)."""
+    published = PolicyVersion(0, "/ckpt/step-0", "d0", 1.0, "publish")
+    reasons = _follow([published, published], held=(0, None))
+    assert len(reasons) == 1 and "version 0 is a new publish (digest d0)" in reasons[0]
+    # a publish fed the shard and paused it, even with the weights it had: checked again
+    assert len(_follow([published], held=(0, "d0"))) == 1
+    # the same record again, or a pushed one the shard already holds, holds nothing
+    pushed = PolicyVersion(0, "/ckpt/step-0", "d0", 1.0, "push")
+    assert _follow([pushed, pushed], held=(0, "d0")) == []
+    assert len(_follow([pushed], held=(0, None))) == 1
+    # a new version number is replayed as before
+    assert _follow([PolicyVersion(1, "/ckpt/step-1", "d1", 2.0, "push")], held=(0, "d0")) == [
+        "behind the ledger, which is at version 1"]
