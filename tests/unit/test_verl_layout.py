@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dynamod.integrations.verl import attach
 from dynamod.integrations.verl.config import RolloutSettings
 from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.layout import place
@@ -125,3 +127,15 @@ def test_a_server_whose_frontend_does_not_answer_says_to_listen_beyond_loopback(
                            r"frontend at http://127\.0\.0\.1:\d+/live does not answer .*"
                            r"--var frontend_host=0\.0\.0\.0"):
             asyncio.run(reach())
+
+
+def test_a_rank_finds_its_own_node_s_daemon_by_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl gives every rank the head's state dir; a rank on n1 must call n1's daemon."""
+    rows = [row("head", 2, frontend=True), row("n1", 2)]
+    monkeypatch.setattr(attach, "read_stack", lambda d: parse_status(cluster_status("head", rows)))
+    assert attach.node_state_dir(Path("/srv/head"), "10.77.0.2") == Path("/srv/n1")
+    assert attach.node_state_dir(Path("/srv/head"), "10.77.0.1") == Path("/srv/head")
+    assert attach.node_state_dir(Path("/srv/head"), "10.9.9.9") == Path("/srv/head")
+    single = {**cluster_status("head", []), "cluster": None}
+    monkeypatch.setattr(attach, "read_stack", lambda d: parse_status(single))
+    assert attach.node_state_dir(Path("/srv/x"), "10.77.0.2") == Path("/srv/x")

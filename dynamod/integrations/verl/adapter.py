@@ -27,7 +27,7 @@ import structlog
 from verl.workers.rollout.base import BaseRollout
 
 from dynamod.integrations.verl import checkpoint, updates
-from dynamod.integrations.verl.attach import state_dir_of
+from dynamod.integrations.verl.attach import node_state_dir, state_dir_of
 from dynamod.integrations.verl.colocated import ColocatedSync
 from dynamod.integrations.verl.config import parse_settings
 from dynamod.integrations.verl.errors import VerlIntegrationError
@@ -42,8 +42,9 @@ class DynamodServerAdapter(BaseRollout):  # type: ignore[misc]
                  **kwargs: Any) -> None:
         super().__init__(config, model_config, device_mesh)
         self.settings = parse_settings(dict(self.config.engine_kwargs or {}))
-        self.state_dir = state_dir_of(self.settings)
-        default_root = self.state_dir / "verl" / "checkpoints"
+        configured = state_dir_of(self.settings)
+        self.state_dir = node_state_dir(configured)  # this rank's node's daemon
+        default_root = configured / "verl" / "checkpoints"  # one folder for every node
         self.checkpoint_dir = self.settings.checkpoint_dir or default_root
         world = (
             self.config.tensor_model_parallel_size

@@ -34,6 +34,26 @@ def state_dir_of(settings: RolloutSettings) -> Path:
     )
 
 
+def node_state_dir(state_dir: Path, address: str | None = None) -> Path:
+    """The state dir of the dynamod daemon on this process's node: on a cluster stack the
+    one its node's registry entry names (the node at `address`, default this Ray worker's
+    node address), else `state_dir`. verl gives every rank one state dir, the head's; a
+    rank on another node must call its own node's daemon, which lists that node's shards
+    (their system ports are on that node's loopback)."""
+    view = read_stack(state_dir)
+    if not view.nodes:
+        return state_dir
+    if address is None:
+        import ray
+
+        if ray.is_initialized():
+            address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    for node in view.nodes:
+        if node.address == address and node.state_dir is not None:
+            return Path(node.state_dir)
+    return state_dir
+
+
 def ray_init_kwargs(state_dir: Path) -> dict[str, Any]:
     """`ray.init(**ray_init_kwargs(d))` joins the stack's Ray head (environment first)."""
     for key, value in RAY_LOOPBACK_ENV.items():
