@@ -104,6 +104,7 @@ def test_updates_check_passes_when_every_shard_acknowledged_every_step() -> None
     ([update(1, stale=["worker@1"])], "publish held ['worker@1']"),
     ([update(2), update(2)], "steps do not move forward"),
     ([update(1, shards=[])], "no admitted shard"),
+    ([update(1, behind=["n1/worker@0"])], "other nodes' shards not at the step ['n1/worker@0']"),
 ])
 def test_updates_check_fails(records: list[dict[str, Any]], why: str) -> None:
     ok, detail = judge_updates(records)

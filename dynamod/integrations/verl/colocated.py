@@ -116,6 +116,7 @@ class ColocatedSync:
             "acks": acks,
             "errors": errors,
             "stale": published.get("stale", []),
+            "behind": published.get("behind", []),  # other nodes' shards not at the step
             "digest": published.get("digest"),
             "checkpoint": str(path),
             "background_write": self.background_write,

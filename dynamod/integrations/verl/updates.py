@@ -47,6 +47,7 @@ def push_record(version: int, origin: Mapping[str, Any] | None, answer: Mapping[
         "acks": {name: a.get("digest") for name, a in acks.items() if a.get("ok")},
         "errors": {name: a.get("error") for name, a in acks.items() if not a.get("ok")},
         "stale": list(answer.get("stale") or []),
+        "behind": list(answer.get("behind") or []),  # other nodes' shards not at the step
         "digest": answer.get("digest"),
         "checkpoint": str(path),
         "seconds": answer.get("seconds"),

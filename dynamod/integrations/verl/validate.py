@@ -107,6 +107,8 @@ def judge_updates(records: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
             return False, f"{where}: shards acknowledged different digests {digests}"
         if record.get("stale"):
             return False, f"{where}: publish held {record['stale']}"
+        if record.get("behind"):
+            return False, f"{where}: other nodes' shards not at the step {record['behind']}"
     shards = sorted({n for r in records for n in r.get("shards") or []})
     return True, (f"{len(records)} updates (steps {records[0]['step']}..{previous}): every shard "
                   f"of {shards} acknowledged each step")
