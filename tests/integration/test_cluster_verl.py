@@ -1,15 +1,27 @@
-"""verl's rollout replicas on a cluster, for real: two network namespaces as nodes, one CPU
-shard each, the head's frontend listening beyond loopback (`frontend_host=0.0.0.0`), a
-Ray head on the head node and a Ray worker on n1 (the stock units' commands). verl's own
-LLMServerManager, run as a driver on the head, makes two `dynamod` replicas (nnodes 2): the
-first one's server actor runs on the head and reads the head's daemon, the second's runs
-on n1 and reads n1's; both send their requests to the head's frontend, and each puts its
-own node's shard to sleep and wakes it. A layout that does not divide among the nodes (one
-replica for shards on two nodes) is refused before any actor starts. Skipped, with the
-reason, where network namespaces cannot be made or Ray is not installed."""
+"""verl on a cluster, for real: two network namespaces as nodes, one CPU shard each hosting
+dynamod's worker extension, the head's frontend listening beyond loopback
+(`frontend_host=0.0.0.0`), a Ray head on the head node and a Ray worker on n1 (the stock
+units' commands, one logical GPU each, gloo on the nodes' own interface).
+
+* verl's own LLMServerManager, run as a driver on the head, makes two `dynamod` replicas
+  (nnodes 2): the first one's server actor runs on the head and reads the head's daemon,
+  the second's runs on n1 and reads n1's; both send their requests to the head's
+  frontend, and each puts its own node's shard to sleep and wakes it. A layout that does
+  not divide among the nodes (one replica for shards on two nodes) is refused before any
+  actor starts.
+* verl's own trainer (`main_ppo`, 2 GRPO steps, one FSDP rank a node over gloo) with the
+  colocated weight path (`weight_sync: ipc`): each rank feeds its own node's shard (the
+  rank on n1 finds n1's daemon by its node's address), rank 0 publishes, and n1's daemon
+  admits its fed shard after checking it, without a load, from verl's step 0 on (the
+  ledger's initial version, which a follower once took for no news, leaving the shard its
+  rank had paused paused, and the run hung).
+
+Skipped, with the reason, where network namespaces cannot be made or Ray is not
+installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,6 +38,11 @@ import pytest
 
 from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.netns import can_create_namespaces
+from dynamod.client import Client
+from dynamod.integrations.verl import dataset, run
+from dynamod.integrations.verl.stack import read_stack
+from dynamod.integrations.verl.updates import read_updates
+from dynamod.integrations.verl.validate import judge_updates
 from tests.integration.verl_rig import BIN, RAY_GCS_PORT, start_ray
 
 REASON = can_create_namespaces()
@@ -37,6 +54,8 @@ pytestmark = [
     pytest.mark.xdist_group("netns"),  # one simulated cluster at a time (make test runs -n 2)
 ]
 ROOT = Path(__file__).resolve().parents[2]
+EXTENSION = "dynamod.integrations.verl.worker_extension.DynamodWorkerExtension"
+STEPS = 2
 
 # verl's driver on the head: the head's state dir, Ray's GCS address. Prints one JSON line.
 DRIVER = textwrap.dedent("""
@@ -88,12 +107,13 @@ DRIVER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def rig() -> Iterator[ClusterRig]:
-    variables = {"workers": "1", "trainer_steps": "0", "frontend_host": "0.0.0.0"}
+    variables = {"workers": "1", "trainer_steps": "0", "frontend_host": "0.0.0.0",
+                 "worker_extension_cls": EXTENSION, "weight_ipc_dir": "{state_dir}/weight-ipc"}
     with running_cluster(2, variables=variables, timeout=300) as cluster:
         yield cluster
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_nodes(rig: ClusterRig) -> Iterator[list[subprocess.Popen[bytes]]]:
     """A Ray head on the head node and a worker on n1, ended (by their process groups)
     before the cluster stops."""
@@ -101,7 +121,8 @@ def ray_nodes(rig: ClusterRig) -> Iterator[list[subprocess.Popen[bytes]]]:
     work = Path(tempfile.mkdtemp(prefix="dr", dir="/tmp"))  # Ray's socket paths are short
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs = start_ray(rig.sandbox, work)
+        procs = start_ray(rig.sandbox, work, variables={"ray_num_gpus": "1"},
+                          env={"GLOO_SOCKET_IFNAME": "eth0"})  # the sandbox's interface
         yield procs
     finally:
         for proc in procs:
@@ -149,3 +170,39 @@ def test_each_replica_runs_on_its_shards_node_and_serves_through_the_head_s_fron
     assert [[a["shard"] for a in per] for per in out["woke"]] == [["head/worker@0"],
                                                                    ["n1/worker@0"]]
     assert all(a["message"] == "Engine already awake" for per in out["woke"] for a in per)
+
+
+def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(
+    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
+) -> None:
+    assert rig.sandbox is not None
+    state = rig.state_dir("head")
+    data = state / "verl" / "data"
+    dataset.write(data)
+    view = dataclasses.replace(read_stack(state),  # the Ray head runs beside the stack here
+                               ray_address=f"{rig.address('head')}:{RAY_GCS_PORT}")
+    cmd = [sys.executable, "-m", run.MAIN, *run.overrides(view, data, STEPS, ranks=2),
+           "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+           "+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc"]  # fmt: skip
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
+    proc = rig.sandbox.run(0, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           cwd=str(state))  # fmt: skip
+    output = proc.communicate(timeout=600)[0].decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    assert "verl.resume" in output and "n1/worker@0" in output  # n1's rank woke n1's shard
+    records = read_updates(state)
+    assert [r["verl_step"] for r in records] == list(range(STEPS + 1)), records
+    for record in records:  # each node's rank acknowledged its own node's shard
+        assert set(record["acks"]) == {"head/worker@0", "n1/worker@0"}, record
+        assert record["behind"] == [], record
+    ok, detail = judge_updates(records)
+    assert ok, detail
+    last = records[-1]
+    assert Client(state).policy_status()["current"] == last["step"]
+    for node in ("head", "n1"):
+        shard = next(u for u in rig.status(node)["units"] if u["name"] == "worker@0")
+        assert shard["state"] == "ready" and shard["policy_version"] == last["step"], shard
+        assert shard["policy"]["digest"] == last["digest"], shard
+    fed = next(u for u in rig.status("n1")["units"] if u["name"] == "worker@0")
+    assert "check" in fed["policy"]["last_ack_ms"], fed  # its rank fed it: no load
+    assert "load" not in fed["policy"]["last_ack_ms"], fed
