@@ -8,13 +8,15 @@ runs it on two network-namespace nodes with real shards."""
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from dynamod.rollout.ledger import PolicyVersion
+from dynamod.rollout.ledger import PolicyVersion, _version_from
 from dynamod.rollout.policy import PolicyError, PolicyManager, on_this_node
 from dynamod.rollout.policy_table import PolicySpec
 from dynamod.rollout.registrations import DynamoRegistrations
@@ -99,3 +101,20 @@ def test_a_first_record_at_the_initial_version_is_replayed_into_the_boot_weights
     # a new version number is replayed as before
     assert _follow([PolicyVersion(1, "/ckpt/step-1", "d1", 2.0, "push")], held=(0, "d0")) == [
         "behind the ledger, which is at version 1"]
+
+
+def test_the_node_that_committed_a_record_does_not_replay_it_as_read_back() -> None:
+    """The committing node notes the record it wrote; the ledger hands back an equal one
+    (the follow loop's every look), so no shard of it is replayed again, whatever its
+    engine reports of digests."""
+    written = PolicyVersion(0, "/ckpt/step-0", None, 1796663944.8818805, "push")
+    read_back = _version_from(json.loads(json.dumps(asdict(written))))
+    assert read_back == written
+    service = PolicyManager(PolicySpec(shards=["worker"]), DynamoRegistrations())
+    rejoined: list[str] = []
+    service.admitted_shards = lambda: [SimpleNamespace(name="worker@0")]  # type: ignore[method-assign]
+    service._start_rejoin = (  # type: ignore[method-assign]
+        lambda u, reason, known=None: rejoined.append(reason))
+    service.note_current(written)
+    asyncio.run(service.follow_ledger((read_back,)))
+    assert rejoined == []
