@@ -28,7 +28,7 @@ def shard(name: str, state: str = "ready", port: int = 21000) -> dict[str, Any]:
 
 
 def row(name: str, shards: int, state: str = "up", behind: tuple[str, ...] = (),
-        frontend: bool = False) -> dict[str, Any]:
+        frontend: bool = False, phase: str = "up") -> dict[str, Any]:
     units = [{"name": f"worker@{i}", "unit": "worker", "state": "ready", "pid": 1,
               "ports": {"system": 21000 + i}, "detail": "", "policy_version": 3,
               "instance_ids": [i], "shard": True} for i in range(shards)]  # fmt: skip
@@ -36,7 +36,7 @@ def row(name: str, shards: int, state: str = "up", behind: tuple[str, ...] = (),
         units.append({"name": "frontend", "unit": "frontend", "state": "ready", "pid": 2,
                       "ports": {"http": 24000}, "detail": "", "shard": False})  # fmt: skip
     return {"name": name, "address": ADDRESSES[name], "head": name == "head", "state": state,
-            "state_dir": f"/srv/{name}", "units": units if state == "up" else [],
+            "state_dir": f"/srv/{name}", "units": units if state == "up" else [], "phase": phase,
             "behind": list(behind)}  # fmt: skip
 
 
@@ -95,6 +95,8 @@ def test_the_count_is_across_the_cluster_and_names_other_nodes_shards() -> None:
      r"node\(s\) n1 \(lost\) not up"),
     ([row("head", 2, frontend=True), row("n1", 1, behind=("n1/worker@0",))], 2,
      r"node n1 has 0 admitted rollout shard\(s\) for its 1 replica\(s\) \(replicas 1-1\)"),
+    ([row("head", 2, frontend=True), row("n1", 2, phase="starting")], 2,
+     r"node\(s\) n1 \(starting\) not up"),
 ])  # fmt: skip
 def test_a_layout_the_nodes_cannot_take_is_refused(rows: list[dict[str, Any]], replicas: int,
                                                    why: str) -> None:
@@ -102,6 +104,13 @@ def test_a_layout_the_nodes_cannot_take_is_refused(rows: list[dict[str, Any]], r
     with pytest.raises(StackNotReadyError, match=why):
         for r in range(replicas):
             place(view, r, replicas)
+
+
+def test_no_shards_on_any_node_s_entry_is_refused() -> None:
+    view = parse_status(cluster_status("head", [row("head", 0, frontend=True), row("n1", 0)],
+                                       local=0))  # fmt: skip
+    with pytest.raises(StackNotReadyError, match=r"no node's registry entry lists rollout "):
+        place(view, 0, 2)
 
 
 def test_a_forgotten_node_takes_no_replica() -> None:

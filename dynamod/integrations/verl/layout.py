@@ -8,8 +8,9 @@ actor must run on the node of its shards: the cluster's nodes with shards, in it
 take R / N replicas each (replica r on node r // (R / N), as verl numbers its replicas
 node after node), and on its node the replica owns its share as on one node. Its requests
 go to the head's frontend at the head's address (`frontend_host` beyond loopback).
-A node not up, a layout that does not divide among the nodes, or a node with fewer
-admitted shards than its replicas is refused with what to change.
+A node not up (lost, or its stack still starting), a layout that does not divide among
+the nodes, or a node with fewer admitted shards than its replicas is refused with what to
+change.
 """
 
 from __future__ import annotations
@@ -41,13 +42,19 @@ def place(view: StackView, replica_rank: int, replicas: int) -> Placement:
     if not view.nodes:
         return Placement(None, None, view.state_dir, replica_rank, replicas, view.frontend_url)
     where = f"dynamod cluster stack {view.stack!r}"
-    absent = [f"{n.name} ({n.state})" for n in view.nodes if n.state not in ("up", "forgotten")]
+    absent = [f"{n.name} ({n.state if n.state != 'up' else n.phase})" for n in view.nodes
+              if n.state not in ("up", "forgotten") or (n.state == "up" and n.phase != "up")]
     if absent:
         raise StackNotReadyError(
             f"{where}: node(s) {', '.join(absent)} not up; verl's replicas are laid out over "
             "the cluster's nodes: bring them up, or `dynamod cluster forget` one gone for good"
         )
     hosts = [n for n in view.nodes if n.state == "up" and n.shards]
+    if not hosts:
+        raise StackNotReadyError(
+            f"{where}: no node's registry entry lists rollout shards yet; wait for the "
+            "nodes' `dynamod up` to finish (`dynamod status --cluster`)"
+        )
     if replicas % len(hosts):
         raise StackNotReadyError(
             f"{where} has rollout shards on {len(hosts)} node(s) "

@@ -9,8 +9,8 @@ is being replayed) and a refused connection that the frontend is restarting: the
 is sent again at the version read then, until `retry_window_s` (default 60 s) has passed.
 Lifecycle calls fan out to this replica's shards (`engine.py`), on the node the actor runs
 on (`layout.py`); `reach` checks, before verl uses the actor, that the frontend answers
-from there. Counters keep completed,
-aborted, retried and failed attempts apart, for the validation's first boundary.
+from there. Counters keep completed, aborted, retried and failed attempts apart, for the
+validation's first boundary.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ class Node:
     address: str
     head: bool
     state: str  # up, lost, unknown, forgotten
+    phase: str | None  # its daemon's (up once its stack is up)
     state_dir: str | None  # its daemon's, on that node
     shards: tuple[Shard, ...]
 
@@ -188,7 +189,8 @@ def _node(row: Mapping[str, Any], this_node: str | None, local: list[Shard]) -> 
         if u.get("shard")
     )  # fmt: skip
     return Node(name=name, address=str(row["address"]), head=bool(row.get("head")),
-                state=str(row.get("state")), state_dir=row.get("state_dir"), shards=shards)
+                state=str(row.get("state")), phase=row.get("phase"),
+                state_dir=row.get("state_dir"), shards=shards)
 
 
 def _model(
