@@ -60,13 +60,15 @@ chaos-real-engine-quick: install-vllm
 
 # The integration guide's validation on CPU: verl's own trainer against a dynamod stack
 # (2 FSDP2 ranks, 2 shards; STACK=verl-vllm-cpu for real dynamo.vllm shards), report in
-# validate-cpu-report.txt; then the trainer under faults (tests/integration/test_verl_faults.py).
+# validate-cpu-report.txt; then the trainer under faults (tests/integration/test_verl_faults.py,
+# and across two network-namespace nodes, tests/integration/test_cluster_verl.py).
 # CI runs the script's must-fail side only (tests/integration/test_verl_validate_cpu.py);
 # its passing --quick run is here (DYNAMOD_VERL_VALIDATE=1).
 validate-cpu: install
 	./scripts/validate-cpu.sh
 	DYNAMOD_VERL_VALIDATE=1 $(BIN)/pytest -q -ra tests/integration/test_verl_validate_cpu.py
-	DYNAMOD_VERL_FAULTS=1 $(BIN)/pytest -q -ra tests/integration/test_verl_faults.py
+	DYNAMOD_VERL_FAULTS=1 $(BIN)/pytest -q -ra tests/integration/test_verl_faults.py \
+		tests/integration/test_cluster_verl.py
 
 # The same validation against real dynamo.vllm shards (units/stacks/verl-vllm-cpu.toml), verl's
 # colocated weight path (weight_sync=ipc) into them: 2 ranks, 2 real shards (~8 GB), report in

@@ -15,6 +15,9 @@ units' commands, one logical GPU each, gloo on the nodes' own interface).
   admits its fed shard after checking it, without a load, from verl's step 0 on (the
   ledger's initial version, which a follower once took for no news, leaving the shard its
   rank had paused paused, and the run hung).
+* With DYNAMOD_VERL_FAULTS=1 (`make validate-cpu`), a third run: n1's shard killed -9
+  while verl's step 2 generates; n1's dynamod replays the step into the restarted shard
+  and the run finishes with every step's record right.
 
 Skipped, with the reason, where network namespaces cannot be made or Ray is not
 installed."""
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,37 +176,81 @@ def test_each_replica_runs_on_its_shards_node_and_serves_through_the_head_s_fron
     assert all(a["message"] == "Engine already awake" for per in out["woke"] for a in per)
 
 
-def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(
-    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
-) -> None:
+def _main_ppo(rig: ClusterRig, steps: int, extra: list[str] | None = None,
+              stdout: Any = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """verl's main_ppo on the head, one FSDP rank a node, the colocated weight path."""
     assert rig.sandbox is not None
     state = rig.state_dir("head")
     data = state / "verl" / "data"
-    dataset.write(data)
+    if not (data / "train.parquet").exists():
+        dataset.write(data)
     view = dataclasses.replace(read_stack(state),  # the Ray head runs beside the stack here
                                ray_address=f"{rig.address('head')}:{RAY_GCS_PORT}")
-    cmd = [sys.executable, "-m", run.MAIN, *run.overrides(view, data, STEPS, ranks=2),
+    cmd = [sys.executable, "-m", run.MAIN, *run.overrides(view, data, steps, ranks=2),
            "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-           "+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc"]  # fmt: skip
+           "+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc", *(extra or [])]
     env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
-    proc = rig.sandbox.run(0, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return rig.sandbox.run(0, cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT,
                            cwd=str(state))  # fmt: skip
+
+
+def _at_the_end(rig: ClusterRig, record: dict[str, Any]) -> None:
+    """The ledger and both nodes' shards at the run's last update, with its digest."""
+    assert Client(rig.state_dir("head")).policy_status()["current"] == record["step"]
+    for node in ("head", "n1"):
+        shard = rig.wait(f"{node}'s worker@0 at step {record['step']}", lambda n=node: next((
+            u for u in rig.status(n)["units"] if u["name"] == "worker@0"
+            and u["state"] == "ready" and u["policy_version"] == record["step"]), None),
+            timeout=60)  # fmt: skip
+        assert shard["policy"]["digest"] == record["digest"], shard
+
+
+def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(
+    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
+) -> None:
+    proc = _main_ppo(rig, STEPS)
     output = proc.communicate(timeout=600)[0].decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]
     assert "verl.resume" in output and "n1/worker@0" in output  # n1's rank woke n1's shard
-    records = read_updates(state)
+    records = read_updates(rig.state_dir("head"))
     assert [r["verl_step"] for r in records] == list(range(STEPS + 1)), records
     for record in records:  # each node's rank acknowledged its own node's shard
         assert set(record["acks"]) == {"head/worker@0", "n1/worker@0"}, record
         assert record["behind"] == [], record
     ok, detail = judge_updates(records)
     assert ok, detail
-    last = records[-1]
-    assert Client(state).policy_status()["current"] == last["step"]
-    for node in ("head", "n1"):
-        shard = next(u for u in rig.status(node)["units"] if u["name"] == "worker@0")
-        assert shard["state"] == "ready" and shard["policy_version"] == last["step"], shard
-        assert shard["policy"]["digest"] == last["digest"], shard
+    _at_the_end(rig, records[-1])
     fed = next(u for u in rig.status("n1")["units"] if u["name"] == "worker@0")
     assert "check" in fed["policy"]["last_ack_ms"], fed  # its rank fed it: no load
     assert "load" not in fed["policy"]["last_ack_ms"], fed
+
+
+@pytest.mark.skipif(not os.environ.get("DYNAMOD_VERL_FAULTS"),
+                    reason="a trainer run under a fault: `make validate-cpu` "
+                           "(DYNAMOD_VERL_FAULTS=1)")  # fmt: skip
+def test_a_shard_killed_on_the_other_node_mid_run_is_replayed_and_the_run_finishes(
+    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
+) -> None:
+    """n1's shard killed -9 just after verl's step-1 update, while step 2 generates: n1's
+    dynamod restarts it and replays the ledger's step into it before it serves again,
+    verl's requests go to the head's shard meanwhile, and the run finishes."""
+    state = rig.state_dir("head")
+    before = len(read_updates(state))
+    log = state / f"main_ppo-{time.monotonic_ns()}.log"
+    with log.open("wb") as out:
+        proc = _main_ppo(rig, 3, ["data.max_response_length=48"], stdout=out)
+    rig.wait("verl's step-1 update", lambda: any(
+        r.get("verl_step") == 1 for r in read_updates(state)[before:]) or proc.poll() is not None,
+        timeout=600, every=0.05)  # fmt: skip
+    assert proc.poll() is None, log.read_text(errors="replace")[-6000:]
+    shard = next(u for u in rig.status("n1")["units"] if u["name"] == "worker@0")
+    time.sleep(0.3)
+    os.kill(int(shard["pid"]), signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, log.read_text(errors="replace")[-6000:]
+    records = read_updates(state)[before:]
+    assert [r["verl_step"] for r in records] == [0, 1, 2, 3], records
+    ok, detail = judge_updates(records)
+    assert ok, detail
+    _at_the_end(rig, records[-1])
+    after = next(u for u in rig.status("n1")["units"] if u["name"] == "worker@0")
+    assert after["pid"] != shard["pid"] and after["restarts"] >= 1, after
