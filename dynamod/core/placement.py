@@ -1,9 +1,9 @@
 """Where units run in a multi-node stack: the `[cluster]` table (node name -> address, the
 head, the registry lease, the secrets dir, the store its registry lives in), each unit's
-`nodes` (`"all"` or a list of node names; without it the head only), the template context
-and environment every unit of a cluster stack gets, and the cluster-wide stop tiers
-(dependents first, across nodes). Pure logic: it knows that units run on nodes, nothing of
-what the nodes run or how they coordinate."""
+`nodes` (`"all"`, `"others"` (every node but the head) or a list of node names; without
+it the head only), the template context and environment every unit of a cluster stack
+gets, and the cluster-wide stop tiers (dependents first, across nodes). Pure logic: it
+knows that units run on nodes, nothing of what the nodes run or how they coordinate."""
 
 from __future__ import annotations
 
@@ -205,9 +205,16 @@ def unit_nodes(
         return [head]
     if value == "all":
         return list(nodes)
+    if value == "others" and len(nodes) > 1:
+        return [n for n in nodes if n != head]
+    if value == "others":
+        raise SpecError(
+            f'"others" leaves no node: the cluster has only its head {head!r}',
+            file=source, unit=unit, field="nodes",
+        )  # fmt: skip
     if not isinstance(value, list) or not value or not all(isinstance(n, str) for n in value):
         raise SpecError(
-            f'must be "all" or a non-empty list of node names, got {value!r}',
+            f'must be "all", "others" or a non-empty list of node names, got {value!r}',
             file=source,
             unit=unit,
             field="nodes",

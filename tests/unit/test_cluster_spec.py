@@ -125,3 +125,16 @@ def test_stop_tiers_put_dependents_first() -> None:
     tiers = placement.stop_tiers(edges)
     assert set(tiers[0]) == {"trainer", "model"}  # nothing depends on either: stop at once
     assert tiers[1:] == [["frontend"], ["worker"], ["etcd", "nats"]]
+
+
+def test_others_places_a_unit_on_every_node_but_the_head(tmp_path: Path) -> None:
+    text = STACK.replace('nodes = ["head"]', 'nodes = "others"').replace(
+        'depends_on = { frontend = "ready" }', "")
+    stack = load(tmp_path, text)
+    assert stack.cluster is not None and stack.cluster.placement["trainer"] == ["n1", "n2"]
+    assert "trainer" not in stack.units  # not on the head
+    assert "trainer" in load(tmp_path, text, node="n2").units
+    alone = text.replace('nodes = { head = "10.9.0.1", n1 = "10.9.0.2", n2 = "10.9.0.3" }',
+                         'nodes = { head = "10.9.0.1" }').replace(', "{cluster.nodes.n2}"', "")
+    assert "\"others\" leaves no node: the cluster has only its head 'head'" in one_error(
+        tmp_path, alone)
