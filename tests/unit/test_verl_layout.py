@@ -148,3 +148,15 @@ def test_a_rank_finds_its_own_node_s_daemon_by_its_address(monkeypatch: pytest.M
     single = {**cluster_status("head", []), "cluster": None}
     monkeypatch.setattr(attach, "read_stack", lambda d: parse_status(single))
     assert attach.node_state_dir(Path("/srv/x"), "10.77.0.2") == Path("/srv/x")
+
+
+def test_a_cluster_s_ray_head_is_reached_at_its_node_s_address() -> None:
+    status = cluster_status("head", [row("head", 2, frontend=True), row("n1", 2)])
+    status["units"].append({"name": "ray-head", "state": "ready", "ports": {"gcs": 6379},
+                            "command": ["ray", "start", "--head", "--node-ip-address",
+                                        "10.77.0.1", "--num-gpus", "1"]})  # fmt: skip
+    view = parse_status(status)
+    assert view.ray_address == "10.77.0.1:6379" and view.ray_gpus == 1.0
+    assert attach.ray_env(view.ray_address) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    assert attach.ray_env("127.0.0.1:25000") == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    assert attach.ray_env(None) == {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

@@ -71,6 +71,16 @@ def test_too_few_logical_gpus() -> None:
     assert "3 logical GPU(s)" in error.reason and "ray_num_gpus to 3" in error.reason
 
 
+def test_a_layout_across_nodes_is_judged_by_what_each_node_offers() -> None:
+    """A cluster's Ray head and workers each offer the stack's ray_num_gpus: 2 nodes of 1
+    rank need 1 logical GPU a node, not 2 from the head."""
+    one_a_node = RayOffer(4, 1, "the stack's var ray_num_cpus", "the stack's var ray_num_gpus")
+    check(config(trainer__n_gpus_per_node=1, trainer__nnodes=2), one_a_node)
+    error = refused(config(trainer__n_gpus_per_node=2, trainer__nnodes=2), one_a_node)
+    assert "2 trainer rank(s) a node need 2 logical GPU(s)" in error.reason
+    assert "it offers 1 a node" in error.reason
+
+
 def test_local_ray_offer_comes_from_ray_init() -> None:
     cfg = config(ray_kwargs__ray_init={"num_cpus": 3, "num_gpus": 1})
     offer = offer_of(cfg, cpu_count=2, stack_offer=None)

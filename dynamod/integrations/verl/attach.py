@@ -5,7 +5,10 @@ The Ray head unit runs with DYNAMOD_STATE_DIR set, so every actor verl starts on
 the stack without configuration; a driver outside it names the state dir in
 `engine_kwargs.dynamod.state_dir` or the environment. Ray turns a loopback address into
 the host's routable one unless "clusters" are off, so a driver must set
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before it imports ray, as the head unit does.
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before it imports ray, as the head unit does; a
+cluster's Ray head (units/cluster/ray-head.toml) is on its node's address, with "clusters"
+on (`ray_env`). On a cluster every node's daemon has a state dir of its own, and a process
+on a node finds its own by its address (`node_state_dir`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.stack import read_stack
 
 RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+
+def ray_env(ray_address: str | None) -> dict[str, str]:
+    """What a driver sets before it imports ray: loopback for a stack's loopback head, the
+    node's address for a cluster's head (units/cluster/ray-head.toml), as its units do."""
+    host = (ray_address or "127.0.0.1").rsplit(":", 1)[0]
+    return RAY_LOOPBACK_ENV if host.startswith("127.") else RAY_CLUSTER_ENV
 
 
 def state_dir_of(settings: RolloutSettings) -> Path:
@@ -56,9 +67,9 @@ def node_state_dir(state_dir: Path, address: str | None = None) -> Path:
 
 def ray_init_kwargs(state_dir: Path) -> dict[str, Any]:
     """`ray.init(**ray_init_kwargs(d))` joins the stack's Ray head (environment first)."""
-    for key, value in RAY_LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
     view = read_stack(state_dir)
+    for key, value in ray_env(view.ray_address).items():
+        os.environ.setdefault(key, value)
     if view.ray_address is None:
         raise StackNotReadyError(
             f"dynamod stack {view.stack!r} has no `ray-head` unit; use units/stacks/verl-cpu.toml"

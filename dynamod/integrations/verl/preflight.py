@@ -47,7 +47,10 @@ def get(config: Any, dotted: str, default: Any = None) -> Any:
 
 
 def ranks_of(config: Any) -> int:
-    return int(get(config, "trainer.n_gpus_per_node", 1)) * int(get(config, "trainer.nnodes", 1))
+    """The trainer ranks on one node: Ray offers its resources node by node (a cluster
+    stack's Ray head and workers each offer the stack's `ray_num_gpus`), and verl asks
+    each node for `n_gpus_per_node` of them."""
+    return int(get(config, "trainer.n_gpus_per_node", 1))
 
 
 def check(config: Any, ray: RayOffer | None) -> None:
@@ -77,19 +80,20 @@ def check(config: Any, ray: RayOffer | None) -> None:
     if ray is None:
         return
     ranks = ranks_of(config)
+    on = " a node" if int(get(config, "trainer.nnodes", 1)) > 1 else ""
     if ray.gpus < ranks:
         raise RolloutConfigError(
             "trainer.n_gpus_per_node",
-            f"{ranks} trainer rank(s) need {ranks} logical GPU(s) from Ray (one per rank, "
-            f"even on CPU), but it offers {ray.gpus:g}; set {ray.gpus_where} to {ranks} or "
-            "lower trainer.n_gpus_per_node",
+            f"{ranks} trainer rank(s){on} need {ranks} logical GPU(s) from Ray (one per "
+            f"rank, even on CPU), but it offers {ray.gpus:g}{on}; set {ray.gpus_where} to "
+            f"{ranks} or lower trainer.n_gpus_per_node",
         )
     needed = ranks * CPUS_PER_RANK + DRIVER_CPUS
     if ray.cpus < needed:
         raise RolloutConfigError(
             "trainer.n_gpus_per_node",
-            f"{ranks} trainer rank(s) need {needed} Ray CPUs ({CPUS_PER_RANK} per rank + "
-            f"{DRIVER_CPUS} for verl's TaskRunner), but Ray offers {ray.cpus:g}; set "
+            f"{ranks} trainer rank(s){on} need {needed} Ray CPUs ({CPUS_PER_RANK} per rank + "
+            f"{DRIVER_CPUS} for verl's TaskRunner), but Ray offers {ray.cpus:g}{on}; set "
             f"{ray.where} to {needed} (Ray's CPUs are logical) or lower trainer.n_gpus_per_node",
         )
 

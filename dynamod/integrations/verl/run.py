@@ -8,7 +8,8 @@ tiny dataset under DIR when it is not there (`dataset.py`), and runs `main_ppo` 
 GRPO, FSDP2, rollout `dynamod` and the given number of steps and trainer ranks; the
 overrides after `--` come last, so any of these can be changed. The stack may be any
 that has rollout shards under its [policy] table and a `ray-head` unit (verl-cpu.toml,
-or a stack of real `dynamo.vllm` shards): nothing here knows which engine serves.
+a stack of real `dynamo.vllm` shards, or a cluster stack with the Ray units, run on its
+head): nothing here knows which engine serves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from pathlib import Path
 
 from dynamod.integrations.verl import ROLLOUT_NAME, reward
-from dynamod.integrations.verl.attach import RAY_LOOPBACK_ENV
+from dynamod.integrations.verl.attach import ray_env
 from dynamod.integrations.verl.errors import StackNotReadyError
 from dynamod.integrations.verl.stack import StackView, read_stack
 
@@ -92,9 +93,11 @@ def command(state_dir: Path, data_dir: Path, steps: int, ranks: int, val_only: b
             *overrides(view, data_dir, steps, ranks, val_only), *(extra or [])]
 
 
-def environment(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The driver's environment: Ray on loopback (read when ray is imported)."""
-    return {**(os.environ if base is None else base), **RAY_LOOPBACK_ENV}
+def environment(base: dict[str, str] | None = None,
+                ray_address: str | None = None) -> dict[str, str]:
+    """The driver's environment: Ray on loopback, or on a cluster's head at `ray_address`
+    (read when ray is imported)."""
+    return {**(os.environ if base is None else base), **ray_env(ray_address)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not (data_dir / "train.parquet").exists():
         dataset.write(data_dir)
-    os.execve(cmd[0], cmd, environment())
+    os.execve(cmd[0], cmd, environment(ray_address=read_stack(args.state_dir).ray_address))
     return 0  # not reached
 
 

@@ -151,7 +151,9 @@ def parse_status(status: Mapping[str, Any]) -> StackView:
         thunderagent=router is not None,
         shards=tuple(shards),
         current_version=int(policy.get("current") or 0),
-        ray_address=f"127.0.0.1:{gcs}" if gcs else None,
+        # a cluster's Ray head listens on its node's address (--node-ip-address)
+        ray_address=(f"{flag_value(ray_command, '--node-ip-address') or '127.0.0.1'}:{gcs}"
+                     if gcs else None),
         ray_cpus=_number(flag_value(ray_command, "--num-cpus")),
         ray_gpus=_number(flag_value(ray_command, "--num-gpus")),
         node=this_node,
