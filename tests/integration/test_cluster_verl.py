@@ -1,7 +1,8 @@
-"""verl on a cluster, for real: two network namespaces as nodes, one CPU shard each hosting
-dynamod's worker extension, the head's frontend listening beyond loopback
-(`frontend_host=0.0.0.0`), a Ray head on the head node and a Ray worker on n1 (the stock
-units' commands, one logical GPU each, gloo on the nodes' own interface).
+"""verl on a cluster, for real: two network namespaces as nodes, the stock cluster stack
+with the stock Ray units added (units/cluster/ray-head.toml on the head, units/ray-worker.toml
+on n1, one logical GPU each), one CPU shard a node hosting dynamod's worker extension, the
+head's frontend listening beyond loopback (`frontend_host=0.0.0.0`); verl's ranks meet
+over gloo on the nodes' own interface (GLOO_SOCKET_IFNAME in the job's runtime env).
 
 * verl's own LLMServerManager, run as a driver on the head, makes two `dynamod` replicas
   (nnodes 2): the first one's server actor runs on the head and reads the head's daemon,
@@ -24,9 +25,9 @@ installed."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,11 +44,12 @@ import pytest
 from dynamod.chaos.cluster import ClusterRig, running_cluster
 from dynamod.chaos.netns import can_create_namespaces
 from dynamod.client import Client
+from dynamod.core import paths
 from dynamod.integrations.verl import dataset, run
 from dynamod.integrations.verl.stack import read_stack
 from dynamod.integrations.verl.updates import read_updates
 from dynamod.integrations.verl.validate import judge_updates
-from tests.integration.verl_rig import BIN, RAY_GCS_PORT, start_ray
+from tests.integration.verl_rig import BIN
 
 REASON = can_create_namespaces()
 pytestmark = [
@@ -70,7 +72,7 @@ DRIVER = textwrap.dedent("""
     from tests.integration.verl_rig import verl_config
 
     state, gcs = Path(sys.argv[1]), sys.argv[2]
-    ray.init(address=gcs, log_to_driver=False)
+    ray.init(address=gcs, log_to_driver=False)  # the stack's Ray head, a dynamod unit
     PARAMS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": False,
               "max_tokens": 4}
 
@@ -109,39 +111,40 @@ DRIVER = textwrap.dedent("""
 """)
 
 
+def with_ray(text: str, units: Path) -> str:
+    """The stock cluster stack's text with the stock Ray units in its include, its
+    includes made absolute (the file is written outside units/)."""
+    text = text.replace('"../', f'"{units}/')
+    ray = f'"{units}/cluster/ray-head.toml", "{units}/ray-worker.toml"'
+    text, count = re.subn(r"^include = \[(.*)\]$", f"include = [\\1, {ray}]", text,
+                          count=1, flags=re.MULTILINE)  # fmt: skip
+    assert count == 1, "units/stacks/cluster.toml has no `include = [...]` line"
+    return text
+
+
 @pytest.fixture(scope="module")
 def rig() -> Iterator[ClusterRig]:
+    units = paths.units_dir()
+    folder = Path(tempfile.mkdtemp(prefix="dmcv", dir="/tmp"))
+    stack = folder / "cluster-verl.toml"
+    stack.write_text(with_ray((units / "stacks" / "cluster.toml").read_text(), units))
     variables = {"workers": "1", "trainer_steps": "0", "frontend_host": "0.0.0.0",
-                 "worker_extension_cls": EXTENSION, "weight_ipc_dir": "{state_dir}/weight-ipc"}
-    with running_cluster(2, variables=variables, timeout=300) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def ray_nodes(rig: ClusterRig) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """A Ray head on the head node and a worker on n1, ended (by their process groups)
-    before the cluster stops."""
-    assert rig.sandbox is not None
-    work = Path(tempfile.mkdtemp(prefix="dr", dir="/tmp"))  # Ray's socket paths are short
-    procs: list[subprocess.Popen[bytes]] = []
+                 "worker_extension_cls": EXTENSION, "weight_ipc_dir": "{state_dir}/weight-ipc",
+                 "ray_num_gpus": "1", "ray_num_cpus": "8"}  # fmt: skip
     try:
-        procs = start_ray(rig.sandbox, work, variables={"ray_num_gpus": "1"},
-                          env={"GLOO_SOCKET_IFNAME": "eth0"})  # the sandbox's interface
-        yield procs
+        with running_cluster(2, stack=stack, variables=variables, timeout=300) as cluster:
+            yield cluster
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _driver(rig: ClusterRig) -> dict[str, Any]:
     assert rig.sandbox is not None
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
+    view = read_stack(rig.state_dir("head"))
+    assert view.ray_address == f"{rig.address('head')}:6379", view.ray_address
+    env = run.environment(dict(os.environ, PYTHONPATH=str(ROOT)), view.ray_address)
     proc = rig.sandbox.run(
-        0, [sys.executable, "-c", DRIVER, str(rig.state_dir("head")),
-            f"{rig.address('head')}:{RAY_GCS_PORT}"],
+        0, [sys.executable, "-c", DRIVER, str(rig.state_dir("head")), view.ray_address],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(ROOT),
     )  # fmt: skip
     stdout, stderr = proc.communicate(timeout=300)
@@ -151,7 +154,7 @@ def _driver(rig: ClusterRig) -> dict[str, Any]:
 
 
 def test_each_replica_runs_on_its_shards_node_and_serves_through_the_head_s_frontend(
-    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
+    rig: ClusterRig,
 ) -> None:
     head, n1 = rig.address("head"), rig.address("n1")
     port = next(u for u in rig.status("head")["units"] if u["name"] == "frontend")["ports"]["http"]
@@ -178,18 +181,20 @@ def test_each_replica_runs_on_its_shards_node_and_serves_through_the_head_s_fron
 
 def _main_ppo(rig: ClusterRig, steps: int, extra: list[str] | None = None,
               stdout: Any = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    """verl's main_ppo on the head, one FSDP rank a node, the colocated weight path."""
+    """verl's main_ppo on the head as `python -m dynamod.integrations.verl.run` builds it
+    (the stack's Ray head found from its unit), one FSDP rank a node, the colocated weight
+    path, gloo on the sandbox's interface."""
     assert rig.sandbox is not None
     state = rig.state_dir("head")
     data = state / "verl" / "data"
     if not (data / "train.parquet").exists():
         dataset.write(data)
-    view = dataclasses.replace(read_stack(state),  # the Ray head runs beside the stack here
-                               ray_address=f"{rig.address('head')}:{RAY_GCS_PORT}")
-    cmd = [sys.executable, "-m", run.MAIN, *run.overrides(view, data, steps, ranks=2),
-           "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-           "+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc", *(extra or [])]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
+    cmd = run.command(state, data, steps, 2, extra=[
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+        "+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.GLOO_SOCKET_IFNAME=eth0", *(extra or [])])
+    env = run.environment(dict(os.environ, PYTHONUNBUFFERED="1"),
+                          read_stack(state).ray_address)  # fmt: skip
     return rig.sandbox.run(0, cmd, env=env, stdout=stdout, stderr=subprocess.STDOUT,
                            cwd=str(state))  # fmt: skip
 
@@ -205,9 +210,7 @@ def _at_the_end(rig: ClusterRig, record: dict[str, Any]) -> None:
         assert shard["policy"]["digest"] == record["digest"], shard
 
 
-def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(
-    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
-) -> None:
+def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(rig: ClusterRig) -> None:
     proc = _main_ppo(rig, STEPS)
     output = proc.communicate(timeout=600)[0].decode(errors="replace")
     assert proc.returncode == 0, output[-6000:]
@@ -229,7 +232,7 @@ def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(
                     reason="a trainer run under a fault: `make validate-cpu` "
                            "(DYNAMOD_VERL_FAULTS=1)")  # fmt: skip
 def test_a_shard_killed_on_the_other_node_mid_run_is_replayed_and_the_run_finishes(
-    rig: ClusterRig, ray_nodes: list[subprocess.Popen[bytes]]
+    rig: ClusterRig,
 ) -> None:
     """n1's shard killed -9 just after verl's step-1 update, while step 2 generates: n1's
     dynamod restarts it and replays the ledger's step into it before it serves again,

@@ -63,25 +63,21 @@ def render(path: Path, unit: str, context: dict[str, Any]) -> tuple[list[str], d
     return command, {k: fill(v) for k, v in table.get("env", {}).items()}
 
 
-def start_ray(box: Sandbox, work: Path, head: int = 0, worker: int = 1, timeout: float = 240,
-              variables: dict[str, str] | None = None,
-              env: dict[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
+def start_ray(box: Sandbox, work: Path, head: int = 0, worker: int = 1,
+              timeout: float = 240) -> list[subprocess.Popen[bytes]]:  # fmt: skip
     """The stock Ray head on node `head` and a Ray worker on node `worker` (their commands
     from units/cluster/ray-head.toml and units/ray-worker.toml; logs and temp dirs under
     `work`, short enough for Ray's socket paths), returned once the head's GCS counts both
     nodes alive; AssertionError with `ray status` and the logs when it does not in
-    `timeout`; `variables` replace the units' vars (`ray_num_gpus`: what each node offers),
-    `env` adds to both nodes' environment (and so to their Ray workers').
-    The sandbox's close ends them (each runs in a process group of its own)."""
-    given = {f"vars.{k}": v for k, v in (variables or {}).items()}
+    `timeout`. The sandbox's close ends them (each runs in a process group of its own)."""
     head_address, worker_address = box.address(head), box.address(worker)
-    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {}))
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
     head_cmd, head_env = render(UNITS / "cluster" / "ray-head.toml", "ray-head", {
-        "node.address": head_address, "node.name": "head", "state_dir": str(work / "h"), **given,
+        "node.address": head_address, "node.name": "head", "state_dir": str(work / "h"),
     })  # fmt: skip
     worker_cmd, worker_env = render(UNITS / "ray-worker.toml", "ray-worker", {
         "node.address": worker_address, "node.name": "n1", "cluster.head_address": head_address,
-        "state_dir": str(work / "w"), **given,
+        "state_dir": str(work / "w"),
     })  # fmt: skip
     head_log, worker_log = work / "head.log", work / "worker.log"
     with head_log.open("wb") as out:
