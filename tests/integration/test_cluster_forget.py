@@ -177,7 +177,7 @@ def _new_run(etcd: EtcdClient, stack: str, node: str) -> Membership:
     member = _member(etcd, stack, node)
     member.host = SimpleNamespace(  # type: ignore[assignment]
         phase=Phase.UP, stack=SimpleNamespace(name=stack, tables={}), events=Events(),
-        engine=SimpleNamespace(units={}), run_id="new-machine",
+        engine=SimpleNamespace(units={}), run_id="new-machine", state_dir=f"/srv/{node}",
     )  # fmt: skip
     return member
 
