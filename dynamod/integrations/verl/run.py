@@ -88,7 +88,12 @@ def overrides(view: StackView, data_dir: Path, steps: int, ranks: int,
 def command(state_dir: Path, data_dir: Path, steps: int, ranks: int, val_only: bool = False,
             extra: list[str] | None = None) -> list[str]:
     """The main_ppo command line (this interpreter) for the stack at `state_dir`."""
-    view = read_stack(state_dir)
+    return command_of(read_stack(state_dir), data_dir, steps, ranks, val_only, extra)
+
+
+def command_of(view: StackView, data_dir: Path, steps: int, ranks: int,
+               val_only: bool = False, extra: list[str] | None = None) -> list[str]:
+    """The main_ppo command line for the stack `view` shows."""
     return [sys.executable, "-m", MAIN,
             *overrides(view, data_dir, steps, ranks, val_only), *(extra or [])]
 
@@ -119,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     from dynamod.integrations.verl import dataset
 
     data_dir = args.data or args.state_dir / "verl" / "data"
-    try:
-        cmd = command(args.state_dir, data_dir, args.steps, args.ranks, args.val_only, extra)
+    try:  # one read of the stack: the command and where its Ray is
+        view = read_stack(args.state_dir)
+        cmd = command_of(view, data_dir, args.steps, args.ranks, args.val_only, extra)
     except StackNotReadyError as exc:
         print(f"dynamod.integrations.verl.run: {exc}", file=sys.stderr)
         return 2
     if not (data_dir / "train.parquet").exists():
         dataset.write(data_dir)
-    os.execve(cmd[0], cmd, environment(ray_address=read_stack(args.state_dir).ray_address))
+    os.execve(cmd[0], cmd, environment(ray_address=view.ray_address))
     return 0  # not reached
 
 
