@@ -42,8 +42,9 @@ def place(view: StackView, replica_rank: int, replicas: int) -> Placement:
     if not view.nodes:
         return Placement(None, None, view.state_dir, replica_rank, replicas, view.frontend_url)
     where = f"dynamod cluster stack {view.stack!r}"
-    absent = [f"{n.name} ({n.state if n.state != 'up' else n.phase})" for n in view.nodes
-              if n.state not in ("up", "forgotten") or (n.state == "up" and n.phase != "up")]
+    # a node counts once it is up with its stack up; a forgotten one takes no replica
+    absent = [f"{n.name} ({n.phase if n.state == 'up' else n.state})" for n in view.nodes
+              if n.state != "forgotten" and (n.state, n.phase) != ("up", "up")]
     if absent:
         raise StackNotReadyError(
             f"{where}: node(s) {', '.join(absent)} not up; verl's replicas are laid out over "
