@@ -56,9 +56,10 @@ def spec_key(stack: str) -> str:
 def bundle(
     path: Path, stack: str, variables: Mapping[str, Any], nodes: Mapping[str, str]
 ) -> StackBundle:
-    """The stack file and the files it includes by a relative path (`[stack] include`,
-    relative to the including file), as paths relative to the folder they all share. An
-    include by an absolute path is not carried: the joining node reads its own copy."""
+    """The stack file and the files it includes or bases itself on by a relative path
+    (`[stack] include` and `base`, relative to the naming file), as paths relative to the
+    folder they all share. A file named by an absolute path is not carried: the joining
+    node reads its own copy."""
     found: dict[Path, str] = {}
     pending = [path.resolve()]
     while pending and len(found) < MAX_FILES:
@@ -67,9 +68,10 @@ def bundle(
             continue
         text = file.read_text()
         found[file] = text
-        includes = tomllib.loads(text).get("stack", {}).get("include", [])
+        header = tomllib.loads(text).get("stack", {})
+        named = [*header.get("include", []), *([header["base"]] if "base" in header else [])]
         pending += [
-            (file.parent / i).resolve() for i in map(str, includes) if not Path(i).is_absolute()
+            (file.parent / i).resolve() for i in map(str, named) if not Path(i).is_absolute()
         ]
     root = Path(os.path.commonpath([p.parent for p in found]))
     return StackBundle(
@@ -108,7 +110,7 @@ def unpack(bundle_: StackBundle, into: Path) -> Path:
     main_text = bundle_.files.get(bundle_.main)
     if main_text is None:
         raise JoinError(f"the published stack {bundle_.stack!r} lacks its own file")
-    if "secrets" in tomllib.loads(main_text).get("cluster", {}):
+    if any(map(_keeps_secrets, bundle_.files.values())):
         raise JoinError(
             f"stack {bundle_.stack!r} keeps its credentials in a secrets directory, which is "
             "never published: start this node from its own copy of the stack and its "
@@ -122,6 +124,16 @@ def unpack(bundle_: StackBundle, into: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(bundle_.files[relative])
     return into / bundle_.main
+
+
+def _keeps_secrets(text: str) -> bool:
+    """Whether a published file's `[cluster]` names a secrets directory (the stack file's,
+    or its base's); one that is not TOML is refused when the stack is read."""
+    try:
+        cluster = tomllib.loads(text).get("cluster")
+    except tomllib.TOMLDecodeError:
+        return False
+    return isinstance(cluster, dict) and "secrets" in cluster
 
 
 def this_node(bundle_: StackBundle) -> str:

@@ -39,18 +39,20 @@ def resolve(path: Path, *, referenced_from: Path | None = None, field: str | Non
         raise SpecError(message, file=where, field=field) from None
 
 
-def read(path: Path, *, included_from: Path | None = None) -> dict[str, Any]:
+def read(
+    path: Path, *, referenced_from: Path | None = None, field: str = "stack.include"
+) -> dict[str, Any]:
     """The file's tables. Raises SpecError naming the file; when it cannot be read at all
-    and another file includes it, naming the including file's `stack.include`."""
+    and another file names it (`stack.include` or `stack.base`), naming that file's field."""
     try:
         raw = _read_bytes(path)
     except SpecError as exc:
-        if included_from is None:
+        if referenced_from is None:
             raise
         raise SpecError(
-            f"include {shown(str(path))}: {exc.message}",
-            file=included_from,
-            field="stack.include",
+            f"{field.removeprefix('stack.')} {shown(str(path))}: {exc.message}",
+            file=referenced_from,
+            field=field,
         ) from None
     data = _decode(path, raw)
     try:

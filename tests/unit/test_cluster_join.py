@@ -53,3 +53,21 @@ def test_this_node_is_the_one_whose_address_this_machine_holds() -> None:
     none = StackBundle("c", "c.toml", {}, {}, {"head": "203.0.113.1", "n1": "203.0.113.2"})
     with pytest.raises(JoinError, match="holds none of them: say which with --node"):
         join.this_node(none)
+
+
+def test_a_stack_on_a_base_carries_the_base_and_its_base_s_secrets_refuse_it(
+    tmp_path: Path,
+) -> None:
+    base = _stack(tmp_path / "src")
+    mine = base.parent / "mine.toml"
+    mine.write_text('[stack]\nbase = "c.toml"\ninclude = ["../ray.toml"]\n')
+    (tmp_path / "src" / "ray.toml").write_text("[vars]\nray = 1\n")
+    bundle = join.bundle(mine, "mine", {}, {"head": "10.0.0.1"})
+    assert bundle.main == "stacks/mine.toml"
+    assert sorted(bundle.files) == ["parts/infra.toml", "ray.toml", "stacks/c.toml",
+                                    "stacks/mine.toml", "trainer.toml"]
+    assert join.unpack(bundle, tmp_path / "joined") == tmp_path / "joined" / "stacks" / "mine.toml"
+    base.write_text(base.read_text() + 'secrets = "c.secrets"\n')  # in the base's [cluster]
+    with pytest.raises(JoinError, match="secrets directory, which is never published"):
+        join.unpack(join.bundle(mine, "mine", {}, {}), tmp_path / "joined-2")
+    assert not (tmp_path / "joined-2").exists()

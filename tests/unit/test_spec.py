@@ -277,3 +277,89 @@ def test_spares_need_one_shard_unit_with_replicas(tmp_path: Path) -> None:
     single = SPARES_STACK.replace('replicas = "{vars.workers}"', "")
     (error,) = errors_of(tmp_path, single)
     assert "to have replicas" in error.message
+
+
+def _based(tmp_path: Path) -> None:
+    """A base stack file (cluster-like: vars, [cluster], an include, a unit)."""
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "etcd.toml").write_text(
+        '[vars]\nport = 2379\n[units.etcd]\ncommand = ["etcd", "{vars.port}"]\n')
+    (tmp_path / "base.toml").write_text(textwrap.dedent("""
+        [stack]
+        name = "base"
+        max_starting = 2
+        include = ["parts/etcd.toml"]
+        [cluster]
+        nodes = { head = "10.0.0.1" }
+        [vars]
+        workers = 1
+        host = "127.0.0.1"
+        etcd_client_port = 2379
+        [units.worker]
+        replicas = "{vars.workers}"
+        command = ["w", "{vars.host}"]
+    """))
+
+
+def test_a_stack_on_a_base_takes_its_units_and_tables_and_overrides_its_vars(
+    tmp_path: Path,
+) -> None:
+    _based(tmp_path)
+    (tmp_path / "ray.toml").write_text('[units.ray]\ncommand = ["ray", "{vars.host}"]\n')
+    stack = load(tmp_path, """
+        [stack]
+        base = "base.toml"
+        include = ["ray.toml"]
+        [vars]
+        host = "0.0.0.0"
+        workers = 2
+    """)
+    assert list(stack.units) == ["etcd", "worker@0", "worker@1", "ray"]
+    assert stack.units["worker@1"].command == ["w", "0.0.0.0"]
+    assert stack.units["ray"].command == ["ray", "0.0.0.0"]
+    assert stack.units["etcd"].command == ["etcd", "2379"]
+    assert stack.name == "stack"  # its own (the file's name), not the base's
+    assert stack.cluster is not None and stack.cluster.nodes == {"head": "10.0.0.1"}
+    assert stack.max_starting == 2
+    # --var still overrides both
+    assert load(tmp_path, '[stack]\nbase = "base.toml"\n', host="10.0.0.9").units[
+        "worker@0"].command == ["w", "10.0.0.9"]
+
+
+def test_a_root_table_of_the_stack_file_replaces_its_base_s(tmp_path: Path) -> None:
+    _based(tmp_path)
+    stack = load(tmp_path, """
+        [stack]
+        name = "mine"
+        base = "base.toml"
+        [cluster]
+        nodes = { head = "10.0.0.1", n1 = "10.0.0.2" }
+    """)
+    assert stack.name == "mine"
+    assert stack.cluster is not None and set(stack.cluster.nodes) == {"head", "n1"}
+
+
+def test_a_base_refused_where_it_is_wrong(tmp_path: Path) -> None:
+    _based(tmp_path)
+    cases = {
+        # a unit both define: the stack file is named, with the base's file
+        '[stack]\nbase = "base.toml"\n[units.worker]\ncommand = ["x"]\n': (
+            "stack.toml", "also defined in"),
+        '[stack]\nbase = "nope.toml"\n': ("stack.toml", "base"),
+        '[stack]\nbase = 3\n': ("stack.toml", "must be a stack file's path"),
+        '[stack]\nbase = "stack.toml"\n': ("stack.toml", "base cycle"),
+    }
+    for text, (file, words) in cases.items():
+        with pytest.raises(SpecError) as info:
+            load(tmp_path, text)
+        assert Path(str(info.value.file)).name == file, text
+        assert words in str(info.value), (text, str(info.value))
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, '[stack]\nbase = "nope.toml"\n')
+    missing = str(info.value)
+    assert "nope.toml" in missing and "not found" in missing and "stack.base" in missing
+    # only a stack file has a base: an included file that names one is refused
+    (tmp_path / "part.toml").write_text('[stack]\nbase = "base.toml"\n')
+    with pytest.raises(SpecError) as info:
+        load(tmp_path, '[stack]\ninclude = ["part.toml"]\n')
+    assert info.value.file == str(tmp_path / "part.toml") and info.value.field == "stack.base"

@@ -1,7 +1,13 @@
 """Stack files on disk -> raw tables: a stack file and everything it includes, checked for
 shape (known top-level tables, unit names, include cycles and bounds) but not rendered or
 validated yet. The stack's `[vars]` override included files' vars and `--var` overrides
-both."""
+both.
+
+A stack file may name another stack file as its base (`[stack] base`): the stack is then
+the base (its vars, `[cluster]` and other root tables, includes and units) with this file
+on top: its vars override the base's, a root table it has replaces the base's whole table,
+and its includes and units are added (a unit name both define is refused, as for an
+include). Its name and id are its own, not the base's."""
 
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ class RawStack:
 
 
 _STACK_KEYS = ["stack", "vars", "var_formats", "units", "cluster"]
-_STACK_TABLE_KEYS = {"name", "id", "include", "description", "max_starting"}
+_STACK_TABLE_KEYS = {"name", "id", "include", "description", "max_starting", "base"}
 # Every stack has this variable: its identity in an etcd it shares (dynamod's keys live
 # under `dynamod/<stack_id>/`, and the stock units' Dynamo namespace is it). Its default is
 # `[stack] id`, else the stack's name ('.' made '-': a Dynamo namespace has no dots);
@@ -67,7 +73,7 @@ def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> Ra
     path = tomlfile.resolve(path)
     stack = RawStack(path=path, name=path.stem)
     included_vars: dict[str, Any] = {}
-    _load_file(path, stack, included_vars, chain=[])
+    _load_file(path, stack, included_vars, chain=[], based=[])
     builtin = {STACK_ID_VAR: stack.id or default_id(stack.name)}
     stack.defaults = {**builtin, **included_vars, **stack.vars}
     stack.vars = {**stack.defaults, **(var_overrides or {})}
@@ -75,17 +81,34 @@ def load_stack(path: Path, var_overrides: Mapping[str, Any] | None = None) -> Ra
 
 
 def _load_file(
-    path: Path, stack: RawStack, included_vars: dict[str, Any], chain: list[Path]
+    path: Path,
+    stack: RawStack,
+    included_vars: dict[str, Any],
+    chain: list[Path],
+    based: list[Path],
 ) -> None:
-    """One file: its header, vars and root-only tables, then its includes (depth first),
-    then its own units, so an included file's units come before the includer's."""
-    _enter(path, stack, chain)
-    data = tomlfile.read(path, included_from=chain[-1] if chain else None)
+    """One file: its base first (a stack file's), then its header, vars and root-only
+    tables, then its includes (depth first), then its own units, so an included file's
+    units come before the includer's. `chain`: the files that include this one; `based`:
+    the stack files whose base this one is."""
+    _enter(path, stack, chain, based)
+    if chain:
+        data = tomlfile.read(path, referenced_from=chain[-1], field="stack.include")
+    else:
+        data = tomlfile.read(path, referenced_from=based[-1] if based else None, field="stack.base")
     is_root = not chain
     header = _header(data, path)
-    if is_root and "name" in header:
+    if "base" in header:
+        if not is_root:
+            raise SpecError(
+                "only a stack file may have a base (an included file adds to one)",
+                file=path,
+                field="stack.base",
+            )
+        _load_file(_base(header, path), stack, included_vars, [], [*based, path])
+    if is_root and not based and "name" in header:
         stack.name = _stack_name(header["name"], path)
-    if is_root and "id" in header:
+    if is_root and not based and "id" in header:
         stack.id = check_id(header["id"], path, "stack.id")
     if "max_starting" in header:
         if not is_root:
@@ -102,27 +125,34 @@ def _load_file(
         if key in data:
             stack.tables[key] = _root_table(data, key, path, is_root=is_root)
     for target in _includes(header, path):
-        _load_file(target, stack, included_vars, [*chain, path])
+        _load_file(target, stack, included_vars, [*chain, path], based)
     _take_units(data, path, stack)
 
 
-def _enter(path: Path, stack: RawStack, chain: list[Path]) -> None:
-    """Refuse an include cycle, includes nested too deep, or too many files in all."""
-    if path in chain:
-        cycle = " -> ".join(str(p) for p in [*chain, path])
-        raise SpecError(f"include cycle: {cycle}", file=chain[-1], field="stack.include")
-    if len(chain) > limits.MAX_INCLUDE_DEPTH:
-        raise SpecError(
-            f"includes nest more than {limits.MAX_INCLUDE_DEPTH} levels deep",
-            file=chain[-1],
-            field="stack.include",
-        )
+def _enter(path: Path, stack: RawStack, chain: list[Path], based: list[Path]) -> None:
+    """Refuse an include or base cycle, includes or bases nested too deep, or too many
+    files in all."""
+    _refuse_loop(path, based, "base")
+    _refuse_loop(path, chain, "include")
     stack.files_read += 1
     if stack.files_read > limits.MAX_FILES:
         raise SpecError(
             f"the stack reads more than {limits.MAX_FILES} files (with its includes)",
             file=chain[-1] if chain else path,
             field="stack.include",
+        )
+
+
+def _refuse_loop(path: Path, naming: list[Path], what: str) -> None:
+    """`naming`: the files that named `path`, by `[stack] include` or `base` (`what`)."""
+    if path in naming:
+        cycle = " -> ".join(str(p) for p in [*naming, path])
+        raise SpecError(f"{what} cycle: {cycle}", file=naming[-1], field=f"stack.{what}")
+    if len(naming) > limits.MAX_INCLUDE_DEPTH:
+        raise SpecError(
+            f"{what}s nest more than {limits.MAX_INCLUDE_DEPTH} levels deep",
+            file=naming[-1],
+            field=f"stack.{what}",
         )
 
 
@@ -162,8 +192,8 @@ def _take_vars(
     if not isinstance(formats, dict):
         raise SpecError("must be a table", file=path, field="var_formats")
     varformats.check_declared(formats, file_vars, path)
-    if is_root:
-        stack.vars = dict(file_vars)
+    if is_root:  # a base's first, then the stack file's over them
+        stack.vars.update(file_vars)
         stack.formats.update(formats)
     else:
         for key, value in file_vars.items():
@@ -181,6 +211,13 @@ def _root_table(data: Mapping[str, Any], key: str, path: Path, *, is_root: bool)
     if not isinstance(table, dict):
         raise SpecError("must be a table", file=path, field=key)
     return table
+
+
+def _base(header: Mapping[str, Any], path: Path) -> Path:
+    base = header["base"]
+    if not isinstance(base, str) or not base:
+        raise SpecError("must be a stack file's path", file=path, field="stack.base")
+    return tomlfile.resolve(path.parent / base, referenced_from=path, field="stack.base")
 
 
 def _includes(header: Mapping[str, Any], path: Path) -> list[Path]:
