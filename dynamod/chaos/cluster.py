@@ -41,6 +41,7 @@ from dynamod.rollout.etcd import EtcdAuth, EtcdClient
 NODE_NAMES = ("head", *(f"n{i}" for i in range(1, 8)))  # up to 8 nodes (bench.fleet)
 _NODES_LINE = re.compile(r"^nodes = \{.*\}$", re.MULTILINE)
 _SECRETS_LINE = re.compile(r'^secrets = "([^"]+)"', re.MULTILINE)
+_BASE_LINE = re.compile(r'^base = "([^"]+)"$', re.MULTILINE)
 
 
 class ClusterError(DynamodError):
@@ -78,16 +79,13 @@ class ClusterRig:
         """The sandbox and the stack file with its addresses (no daemon yet)."""
         self.sandbox = Sandbox(len(self.names), prefix="dmc")
         nodes = ", ".join(f'{n} = "{self.address(n)}"' for n in self.names)
-        text = self.source.read_text()
-        if not _NODES_LINE.search(text):
+        texts = _rewritten(self.source, f"nodes = {{ {nodes} }}", self.stack_file)
+        if not any(_NODES_LINE.search(text) for text in texts):
             raise ClusterError(f"{self.source}: no `nodes = {{...}}` line to rewrite")
-        text = _NODES_LINE.sub(f"nodes = {{ {nodes} }}", text, count=1)
-        # includes are relative to the stock stack's folder
-        text = re.sub(r'"\.\./', f'"{self.source.parent.parent}/', text)
-        self.stack_file.write_text(text)
-        secrets_dir = _SECRETS_LINE.search(text)
-        if secrets_dir:  # relative to the stack file, as `up` reads it
-            self._init_secrets(self.work_dir / secrets_dir.group(1))
+        for text in texts:
+            secrets_dir = _SECRETS_LINE.search(text)
+            if secrets_dir:  # relative to the stack file, as `up` reads it
+                self._init_secrets(self.work_dir / secrets_dir.group(1))
         return self
 
     def _init_secrets(self, path: Path) -> None:
@@ -359,6 +357,23 @@ class ClusterRig:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rewritten(source: Path, nodes: str, target: Path) -> list[str]:
+    """`source` written to `target` with the sandbox's `nodes = {...}` line, the files it
+    includes by `../` made absolute (they are relative to the stock stack's folder), and
+    its base (`base = "FILE"`) rewritten the same way beside it; the texts written, the
+    stack file's first."""
+    text = _NODES_LINE.sub(nodes, source.read_text(), count=1)
+    text = re.sub(r'"\.\./', f'"{source.parent.parent}/', text)
+    bases: list[str] = []
+    base = _BASE_LINE.search(text)
+    if base:
+        copy = target.with_name(f"base-{target.name}")
+        bases = _rewritten(source.parent / base.group(1), nodes, copy)
+        text = _BASE_LINE.sub(f'base = "{copy}"', text, count=1)
+    target.write_text(text)
+    return [text, *bases]
 
 
 @contextlib.contextmanager

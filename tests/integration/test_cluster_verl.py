@@ -1,8 +1,8 @@
-"""verl on a cluster, for real: two network namespaces as nodes, the stock cluster stack
-with the stock Ray units added (units/cluster/ray-head.toml on the head, units/ray-worker.toml
-on n1, one logical GPU each), one CPU shard a node hosting dynamod's worker extension, the
-head's frontend listening beyond loopback (`frontend_host=0.0.0.0`); verl's ranks meet
-over gloo on the nodes' own interface (GLOO_SOCKET_IFNAME in the job's runtime env).
+"""verl on a cluster, for real: two network namespaces as nodes, the stock stack for it
+(units/stacks/cluster-verl.toml: cluster.toml with the stock Ray units, a head on the head
+and a worker on n1, one logical GPU each; one CPU shard a node hosting dynamod's worker
+extension; the head's frontend listening beyond loopback); verl's ranks meet over gloo on
+the nodes' own interface (GLOO_SOCKET_IFNAME in the job's runtime env).
 
 * verl's own LLMServerManager, run as a driver on the head, makes two `dynamod` replicas
   (nnodes 2): the first one's server actor runs on the head and reads the head's daemon,
@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -111,31 +108,11 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def with_ray(text: str, units: Path) -> str:
-    """The stock cluster stack's text with the stock Ray units in its include, its
-    includes made absolute (the file is written outside units/)."""
-    text = text.replace('"../', f'"{units}/')
-    ray = f'"{units}/cluster/ray-head.toml", "{units}/ray-worker.toml"'
-    text, count = re.subn(r"^include = \[(.*)\]$", f"include = [\\1, {ray}]", text,
-                          count=1, flags=re.MULTILINE)  # fmt: skip
-    assert count == 1, "units/stacks/cluster.toml has no `include = [...]` line"
-    return text
-
-
 @pytest.fixture(scope="module")
 def rig() -> Iterator[ClusterRig]:
-    units = paths.units_dir()
-    folder = Path(tempfile.mkdtemp(prefix="dmcv", dir="/tmp"))
-    stack = folder / "cluster-verl.toml"
-    stack.write_text(with_ray((units / "stacks" / "cluster.toml").read_text(), units))
-    variables = {"workers": "1", "trainer_steps": "0", "frontend_host": "0.0.0.0",
-                 "worker_extension_cls": EXTENSION, "weight_ipc_dir": "{state_dir}/weight-ipc",
-                 "ray_num_gpus": "1", "ray_num_cpus": "8"}  # fmt: skip
-    try:
-        with running_cluster(2, stack=stack, variables=variables, timeout=300) as cluster:
-            yield cluster
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with running_cluster(2, stack=paths.units_dir() / "stacks" / "cluster-verl.toml",
+                         timeout=300) as cluster:  # fmt: skip
+        yield cluster
 
 
 def _driver(rig: ClusterRig) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def test_wait_ready_refuses_a_bad_probe_in_one_line() -> None:
 def test_unknown_stock_stack_lists_the_stock_ones(tmp_path: Path) -> None:
     result = cli_inprocess.run(["--state-dir", str(tmp_path / "s"), "check", "nosuch"])
     assert result.code == 2
-    listed = "no stock stack 'nosuch' (stock stacks: cluster, cluster-ha, infra, local"
+    listed = "no stock stack 'nosuch' (stock stacks: cluster, cluster-ha, cluster-verl, infra"
     assert listed in result.stderr
 
 
