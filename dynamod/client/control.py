@@ -171,6 +171,20 @@ class Client:
         result: dict[str, Any] = self.request("GET", "/policy", timeout=30)
         return result
 
+    def policy_pause(self, shards: list[str], why: str) -> dict[str, Any]:
+        """Claim, as this process, the pause of `shards` (this node's unit names) it is about
+        to make: dynamod shows it and rejoins them if this process exits before they are
+        resumed (rollout/pause_claims.py)."""
+        body = {"shards": shards, "why": why}
+        result: dict[str, Any] = self.request("POST", "/policy/pause", body, timeout=30)
+        return result
+
+    def policy_release(self, shards: list[str] | None = None) -> dict[str, Any]:
+        """This process's pause claims on `shards` (None: all of them) end."""
+        body = {} if shards is None else {"shards": shards}
+        result: dict[str, Any] = self.request("POST", "/policy/release", body, timeout=30)
+        return result
+
     def policy_spares(self, sleep: bool) -> dict[str, Any]:
         """Put the spare shards to sleep (control/sleep level 1) or wake them."""
         result: dict[str, Any] = self.request(

@@ -147,6 +147,11 @@ def slot_lines(status: Mapping[str, Any]) -> list[str]:
             f"policy v{policy.get('current')}: answered early, still updating (no trainer "
             f"traffic until they serve it): {', '.join(policy['updating'])}"
         )
+    if policy.get("paused_outside"):  # verl paused them itself (rollout/pause_claims.py)
+        out.append(
+            "paused outside dynamod (served again when dynamod or the pauser resumes them, "
+            f"rejoined if the pauser exits first): {', '.join(policy['paused_outside'])}"
+        )
     return out
 
 
@@ -271,6 +276,8 @@ def _detail(unit: UnitStatus) -> str:
         parts.append(f"policy v{policy['version']} (current {policy.get('current')})")
         if policy.get("routed_version") is not None:  # a canary proved the router routes it
             parts.append(f"router-verified v{policy['routed_version']}")
+    for claim in (policy.get("paused_by") or []) if policy is not None else []:  # verl's
+        parts.append(f"PAUSED by pid {claim['pid']} ({claim['why']}) for {claim['for_s']:.0f}s")
     detail = unit.get("detail") or ""
     if detail:
         parts.append(detail.splitlines()[0][:120])

@@ -40,13 +40,27 @@ class Controlled(Protocol):
     async def apply(self, body: object) -> dict[str, Any]: ...
 
 
-def _peer_uid(request: web.Request) -> int | None:
+def _peer(request: web.Request) -> tuple[int, int] | None:
+    """The pid and uid of the process at the other end of the request's socket, as the
+    kernel recorded them at connect (SO_PEERCRED): not something the caller says."""
     sock = request.transport.get_extra_info("socket") if request.transport else None
     if sock is None:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def _peer_uid(request: web.Request) -> int | None:
+    peer = _peer(request)
+    return None if peer is None else peer[1]
+
+
+def peer_pid(request: web.Request) -> int | None:
+    """The calling process's pid (None where the socket has none, or the caller is in a
+    pid namespace this daemon cannot see: the kernel then says 0)."""
+    peer = _peer(request)
+    return peer[0] if peer is not None and peer[0] > 0 else None
 
 
 @web.middleware

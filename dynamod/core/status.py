@@ -22,6 +22,14 @@ class DynamoStatus(TypedDict):
     routed: bool | None  # the frontend routes to it (None: no frontend view yet)
 
 
+class PauseClaimStatus(TypedDict):
+    """A pause of the shard that a process outside dynamod claimed (rollout/pause_claims.py)."""
+
+    pid: int
+    why: str
+    for_s: float
+
+
 class PolicyStatus(TypedDict):
     """`policy`: a rollout shard's policy version (rollout/policy.py)."""
 
@@ -32,6 +40,7 @@ class PolicyStatus(TypedDict):
     last_ack_ms: dict[str, float]  # the last update's steps
     last_error: str | None
     routed_version: int | None  # the version a canary through the frontend proved routed
+    paused_by: NotRequired[list[PauseClaimStatus]]  # who outside dynamod holds it paused
 
 
 class SpareStatus(TypedDict):

@@ -15,6 +15,8 @@ from the loop's thread.
   dynamod_unit_last_recovery_seconds{unit}      last failure/exit -> ready again
   dynamod_probe_duration_seconds{unit,probe,result}   readiness/liveness probe latency
   dynamod_shards_held                           rollout shards held out of routing
+  dynamod_shards_paused_outside                 rollout shards a process outside dynamod
+                                                claimed paused (verl; rollout/pause_claims.py)
   dynamod_shard_policy_version_lag{unit}        ledger version - shard's applied version
   dynamod_spares_available                      hot spares ready to be promoted
   dynamod_spares_asleep                         hot spares sleeping (control/sleep)
@@ -177,7 +179,7 @@ class StackCollector(Collector):
             "Policy versions a rollout shard is behind the ledger",
             labels=["unit"],
         )
-        held = available = asleep = 0
+        held = available = asleep = paused_outside = 0
         promotions: dict[str, int] = {}
         for unit in units:
             extended = self.host.extension_status(unit)  # the rollout layer's keys, as in status
@@ -190,9 +192,15 @@ class StackCollector(Collector):
             if is_shard(unit, extended):
                 lag.add_metric([unit.name], policy_lag(extended))
                 held += unit.hold_reason is not None
+                paused_outside += bool(extended.get("policy", {}).get("paused_by"))
         yield lag
         yield GaugeMetricFamily(
             "dynamod_shards_held", "Rollout shards held out of routing (catching up)", value=held
+        )
+        yield GaugeMetricFamily(
+            "dynamod_shards_paused_outside",
+            "Rollout shards a process outside dynamod (verl) claimed paused",
+            value=paused_outside,
         )
         yield GaugeMetricFamily(
             "dynamod_spares_available", "Hot spare shards ready to be promoted", value=available

@@ -50,6 +50,7 @@ from dynamod.core.stopwatch import Stopwatch
 from dynamod.rollout import dynamo, policy_table
 from dynamod.rollout.etcd import EtcdAuth, EtcdClient, EtcdError, WatchEvent
 from dynamod.rollout.ledger import EtcdLedger, FileLedger, Ledger, PolicyVersion, ShardRecord
+from dynamod.rollout.pause_claims import Claim, PauseClaims
 from dynamod.rollout.policy_table import PolicySpec
 from dynamod.rollout.push_acks import Acks, Updates, collect
 from dynamod.rollout.registrations import DynamoRegistrations
@@ -201,6 +202,8 @@ class PolicyManager(Extension):
         self.shard_names: set[str] = set()
         self._shards: dict[str, ShardPolicy] = {}  # shard name -> what is known of its policy
         self.spares = SparePool(self, spec.spares)
+        # pauses made outside dynamod (verl's ranks and rollout servers), by whom
+        self.claims = PauseClaims(self._claimer_gone)
         self._removing: set[str] = set()  # the shards an apply in progress removes
         # `[policy] max_updating`: this node's shards applying an update at once
         self.update_slots = Slots(spec.max_updating, "max_updating", "updating")
@@ -257,6 +260,7 @@ class PolicyManager(Extension):
 
     async def stop(self) -> None:
         await self.spares.stop()
+        self.claims.close()
         if self._push_rest is not None:  # a push answered early: its shards' updates end
             rest, pending = self._push_rest
             for task in (rest, *pending):
@@ -373,6 +377,7 @@ class PolicyManager(Extension):
             web.post("/policy/push", push),
             web.post("/policy/publish", publish),
             *self.spares.routes(),
+            *self.claims.routes(lambda: self.shard_names),
         ]
 
     def status(self) -> dict[str, Any]:
@@ -428,6 +433,7 @@ class PolicyManager(Extension):
         task = self._rejoins.pop(unit.name, None)
         if task is not None:
             task.cancel()
+        self.claims.ended(unit.name)
         if unit.name in self.shard_names:
             self._shard_policy(unit.name).exited()
 
@@ -475,6 +481,16 @@ class PolicyManager(Extension):
             log.warning("policy.replay_failed", unit=unit.name, attempt=attempt, error=error)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.spec.replay_backoff_max)
+
+    def _claimer_gone(self, shard: str, claim: Claim) -> None:
+        """The process that paused `shard` exited before anyone resumed it: nobody will,
+        and it may have sent half the step's weights. Rejoin it."""
+        unit = self.engine.units.get(shard)
+        if unit is None or not unit.state.running:
+            return
+        self.event("shard.pause_orphaned", shard, pid=claim.pid, why=claim.why)
+        self.rejoin(unit, f"paused by pid {claim.pid} ({claim.why}), which exited before "
+                          "resuming it: replaying the current policy")  # fmt: skip
 
     def rejoin(self, unit: Unit, reason: str) -> None:
         """Hold a live shard, replay the current version into it and admit it again (the
@@ -536,6 +552,9 @@ class PolicyManager(Extension):
     def unit_status(self, unit: Unit) -> ExtensionUnitStatus:
         shard = self._shards.get(unit.name)
         status = shard.as_status() if shard else {}
+        claims = self.claims.of(unit.name)
+        if claims and "policy" in status:
+            status["policy"]["paused_by"] = claims
         status.update(self.spares.unit_status(unit))
         return status
 
@@ -556,6 +575,8 @@ class PolicyManager(Extension):
             raise ShardError(unit.name, route, str(exc)) from None
         if reply.get("status") != "ok":
             raise ShardError(unit.name, route, reply.get("message") or json.dumps(reply)[:300])
+        if route == "resume_generation":  # dynamod resumed it: no outside pause holds
+            self.claims.ended(unit.name)
         return reply
 
     async def apply(self, unit: Unit, target: PolicyVersion | None) -> ShardAck:
@@ -1235,6 +1256,8 @@ class PolicyManager(Extension):
             "min_ready_shards": self.spec.min_ready_shards,
             "serving": admitted >= max(1, self.spec.min_ready_shards),
             "held": [n for n in shards if self.engine.units[n].hold_reason is not None],
+            # paused by a process outside dynamod (verl), until dynamod or it resumes them
+            "paused_outside": self.claims.claimed(),
             "spares": self.spares.summary(),
             "update_slots": (
                 self.update_slots.as_dict() if self.update_slots.limit is not None else None

@@ -1,0 +1,163 @@
+"""Pauses made outside dynamod, on the real stack (etcd, NATS, the Dynamo frontend, CPU
+workers under a `[policy]`): a process claims a shard's pause through the control socket,
+as verl's ranks and rollout servers do (`dynamod.integrations.verl.engine.claim_pause`),
+then pauses the shard itself at its system port.
+
+* `status` names the pauser, and the shard's own liveness answer agrees it is paused.
+* The pauser killed -9 with its claim open: dynamod holds the shard, replays the ledger's
+  version into it and resumes it (the same process: rejoined, not restarted), and it
+  serves again.
+* A claim the pauser released, and one that a dynamod push ended by resuming the shard,
+  leave nothing to do when the pauser exits: the first shard stays paused (as its pauser
+  left it: the must-fail side of the watch), the second serves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Dynamod, unit_by_name
+from tests.integration.policystack import checkpoint, frontend, model_dir, push, write_stack
+from tests.integration.test_metrics import free_port, scrape, value
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+# argv: state dir, shard, its system URL, then "stay" or "release". Prints the claim's
+# answer and the pause's, then stays (or releases its claim and exits 0).
+PAUSER = textwrap.dedent("""
+    import json, sys, time, urllib.request
+    from pathlib import Path
+    from dynamod.client import Client
+    state, shard, url, then = sys.argv[1:5]
+    client = Client(Path(state))
+    print(json.dumps(client.policy_pause([shard], "test: weights half sent")), flush=True)
+    request = urllib.request.Request(url + "/engine/pause_generation", data=b'{"mode": "keep"}',
+                                     headers={"Content-Type": "application/json"})
+    print(urllib.request.urlopen(request, timeout=10).read().decode(), flush=True)
+    if then == "release":
+        print(json.dumps(client.policy_release([shard])), flush=True)
+        sys.exit(0)
+    time.sleep(600)
+""")
+
+
+def _system_url(unit: dict[str, Any]) -> str:
+    return f"http://127.0.0.1:{unit['ports']['system']}"
+
+
+def _engine(unit: dict[str, Any], route: str) -> dict[str, Any]:
+    request = urllib.request.Request(f"{_system_url(unit)}/engine/{route}", data=b"{}",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        body: dict[str, Any] = json.loads(answer.read())
+    return body
+
+
+def _pauser(dm: Dynamod, shard: str, then: str) -> tuple[subprocess.Popen[str], list[str]]:
+    unit = dm.unit(shard)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSER, str(dm.state_dir), shard, _system_url(unit), then],
+        stdout=subprocess.PIPE, text=True, cwd=str(ROOT),
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    lines = [proc.stdout.readline() for _ in range(3 if then == "release" else 2)]
+    assert all(lines), lines
+    claimed = json.loads(lines[0])
+    assert claimed == {"pid": proc.pid, "claimed": [shard]}, claimed
+    assert json.loads(lines[1])["status"] == "ok", lines
+    return proc, lines
+
+
+def _orphaned(dm: Dynamod) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in dm.daemon_log().splitlines()
+            if '"policy.pause_orphaned"' in line]  # fmt: skip
+
+
+def _completion(url: str, instance: int) -> int:
+    """The instance that answered a completion pinned to `instance`."""
+    body = json.dumps({"model": "tiny-cpu", "prompt": "after the pause", "max_tokens": 4,
+                       "nvext": {"backend_instance_id": instance,
+                                 "extra_fields": ["worker_id"]}}).encode()  # fmt: skip
+    request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        reply = json.loads(answer.read())
+    return int(reply["nvext"]["worker_id"]["decode_worker_id"])
+
+
+def test_a_pauser_that_dies_with_its_claim_open_has_its_shard_rejoined(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = write_stack(tmp_path / "pause-claims.toml", "pauseclaims", workers=2)
+    port = free_port()
+    dm.run("up", str(stack), "--detach", "--metrics-addr", f"127.0.0.1:{port}", timeout=300,
+           check=True)  # fmt: skip
+    before = dm.unit("worker@1")
+    proc, _ = _pauser(dm, "worker@1", "stay")
+    try:
+        shown = dm.unit("worker@1")
+        claims = shown["policy"]["paused_by"]
+        assert [(c["pid"], c["why"]) for c in claims] == [(proc.pid, "test: weights half sent")]
+        assert dm.status()["policy"]["paused_outside"] == ["worker@1"]
+        assert _engine(shown, "liveness_probe")["paused"] is True  # the engine agrees
+        human = dm.run("status", check=True).stdout
+        assert f"PAUSED by pid {proc.pid} (test: weights half sent)" in human, human
+        assert "paused outside dynamod" in human and "worker@1" in human
+        assert value(scrape(port)[0], "dynamod_shards_paused_outside") == 1
+        time.sleep(1.0)  # the claim alone changes nothing while its pauser lives
+        assert _engine(dm.unit("worker@1"), "liveness_probe")["paused"] is True
+        assert _orphaned(dm) == []
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    back = dm.wait_for(
+        lambda s: (u := unit_by_name(s, "worker@1"))["state"] == "ready"
+        and not u["policy"].get("paused_by") and u["policy"]["admitted"]
+        and _engine(u, "liveness_probe")["paused"] is False and u,
+        timeout=60, what="worker@1 rejoined after its pauser died",
+    )  # fmt: skip
+    assert back["pid"] == before["pid"] and back["restarts"] == 0  # rejoined, not restarted
+    assert dm.status()["policy"]["paused_outside"] == []
+    assert value(scrape(port)[0], "dynamod_shards_paused_outside") == 0
+    assert [(o["shard"], o["pid"]) for o in _orphaned(dm)] == [("worker@1", proc.pid)]
+    instance = back["dynamo"]["instance_ids"][0]
+    assert _completion(frontend(dm.status()), instance) == instance  # it serves again
+
+
+def test_a_released_claim_or_one_a_push_ended_leaves_nothing_to_do(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    stack = write_stack(tmp_path / "pause-claims.toml", "pauseclaims2", workers=2)
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    pushed, _ = _pauser(dm, "worker@1", "stay")
+    try:
+        assert dm.status()["policy"]["paused_outside"] == ["worker@1"]
+        # a push pauses, loads and resumes every admitted shard: worker@1's claim ends
+        status = dm.status()
+        assert push(dm, 1, checkpoint(model_dir(status), tmp_path / "step-1", 1.01))["ok"]
+        assert dm.status()["policy"]["paused_outside"] == []
+        assert "paused_by" not in dm.unit("worker@1")["policy"]
+    finally:
+        os.kill(pushed.pid, signal.SIGKILL)
+        pushed.wait(timeout=10)
+    released, _ = _pauser(dm, "worker@0", "release")
+    assert released.wait(timeout=30) == 0
+    assert dm.status()["policy"]["paused_outside"] == []
+    time.sleep(2.0)  # what a dead pauser's open claim would have set off by now
+    assert _orphaned(dm) == []
+    # the released pause was the pauser's to end: dynamod left worker@0 as it was
+    assert _engine(dm.unit("worker@0"), "liveness_probe")["paused"] is True
+    assert _engine(dm.unit("worker@1"), "liveness_probe")["paused"] is False
