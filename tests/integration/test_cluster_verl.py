@@ -16,9 +16,11 @@ the nodes' own interface (GLOO_SOCKET_IFNAME in the job's runtime env).
   admits its fed shard after checking it, without a load, from verl's step 0 on (the
   ledger's initial version, which a follower once took for no news, leaving the shard its
   rank had paused paused, and the run hung).
-* With DYNAMOD_VERL_FAULTS=1 (`make validate-cpu`), a third run: n1's shard killed -9
-  while verl's step 2 generates; n1's dynamod replays the step into the restarted shard
-  and the run finishes with every step's record right.
+* With DYNAMOD_VERL_FAULTS=1 (`make validate-cpu`), two more runs: the push path
+  (`weight_sync: push`), each step replayed into n1's shard by n1's dynamod from the
+  checkpoint rank 0 wrote; and n1's shard killed -9 while verl's step 2 generates, n1's
+  dynamod replays the step into the restarted shard and the run finishes with every
+  step's record right.
 
 Skipped, with the reason, where network namespaces cannot be made or Ray is not
 installed."""
@@ -157,10 +159,11 @@ def test_each_replica_runs_on_its_shards_node_and_serves_through_the_head_s_fron
 
 
 def _main_ppo(rig: ClusterRig, steps: int, extra: list[str] | None = None,
-              stdout: Any = subprocess.PIPE) -> subprocess.Popen[bytes]:
+              stdout: Any = subprocess.PIPE, weight_sync: str = "ipc",
+              ) -> subprocess.Popen[bytes]:  # fmt: skip
     """verl's main_ppo on the head as `python -m dynamod.integrations.verl.run` builds it
     (the stack's Ray head found from its unit), one FSDP rank a node, the colocated weight
-    path, gloo on the sandbox's interface."""
+    path unless `weight_sync` says push, gloo on the sandbox's interface."""
     assert rig.sandbox is not None
     state = rig.state_dir("head")
     data = state / "verl" / "data"
@@ -168,7 +171,7 @@ def _main_ppo(rig: ClusterRig, steps: int, extra: list[str] | None = None,
         dataset.write(data)
     cmd = run.command(state, data, steps, 2, extra=[
         "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-        "+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc",
+        f"+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync={weight_sync}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.GLOO_SOCKET_IFNAME=eth0", *(extra or [])])
     env = run.environment(dict(os.environ, PYTHONUNBUFFERED="1"),
                           read_stack(state).ray_address)  # fmt: skip
@@ -203,11 +206,50 @@ def test_verl_s_trainer_feeds_each_node_s_shard_from_its_own_rank(rig: ClusterRi
     fed = next(u for u in rig.status("n1")["units"] if u["name"] == "worker@0")
     assert "check" in fed["policy"]["last_ack_ms"], fed  # its rank fed it: no load
     assert "load" not in fed["policy"]["last_ack_ms"], fed
+    for node in ("head", "n1"):  # each rank claimed its pauses with its own node's dynamod,
+        claimed = _claims(rig, node)  # and every claim ended with the step's resume
+        assert any(c["why"].startswith("verl rank") and c["shards"] == ["worker@0"]
+                   for c in claimed), (node, claimed)  # fmt: skip
+        assert rig.status(node)["policy"]["paused_outside"] == [], node
+        assert "policy.pause_orphaned" not in (rig.state_dir(node) / "daemon.log").read_text()
 
 
-@pytest.mark.skipif(not os.environ.get("DYNAMOD_VERL_FAULTS"),
-                    reason="a trainer run under a fault: `make validate-cpu` "
-                           "(DYNAMOD_VERL_FAULTS=1)")  # fmt: skip
+def _claims(rig: ClusterRig, node: str) -> list[dict[str, Any]]:
+    """The pause claims `node`'s dynamod took (rollout/pause_claims.py), from its log."""
+    log = (rig.state_dir(node) / "daemon.log").read_text()
+    return [json.loads(line) for line in log.splitlines() if '"policy.pause_claimed"' in line]
+
+
+# the longer trainer runs: `make validate-cpu`, not the CI suite
+VALIDATE_CPU = pytest.mark.skipif(not os.environ.get("DYNAMOD_VERL_FAULTS"),
+                                  reason="a longer trainer run: `make validate-cpu` "
+                                         "(DYNAMOD_VERL_FAULTS=1)")  # fmt: skip
+
+
+@VALIDATE_CPU
+def test_verl_s_trainer_with_the_push_path_has_the_other_node_replay_each_step(
+    rig: ClusterRig,
+) -> None:
+    """`weight_sync: push`: rank 0 writes each step's checkpoint and pushes it through the
+    head's dynamod, which answers once n1's dynamod has replayed it into n1's shard (a
+    load from the file, nobody fed it)."""
+    state = rig.state_dir("head")
+    before = len(read_updates(state))
+    proc = _main_ppo(rig, STEPS, weight_sync="push")
+    output = proc.communicate(timeout=600)[0].decode(errors="replace")
+    assert proc.returncode == 0, output[-6000:]
+    records = read_updates(state)[before:]
+    assert [r["verl_step"] for r in records] == list(range(STEPS + 1)), records
+    for record in records:
+        assert record["acks"] and record["behind"] == [], record
+    ok, detail = judge_updates(records)
+    assert ok, detail
+    _at_the_end(rig, records[-1])
+    replayed = next(u for u in rig.status("n1")["units"] if u["name"] == "worker@0")
+    assert "load" in replayed["policy"]["last_ack_ms"], replayed
+
+
+@VALIDATE_CPU
 def test_a_shard_killed_on_the_other_node_mid_run_is_replayed_and_the_run_finishes(
     rig: ClusterRig,
 ) -> None:

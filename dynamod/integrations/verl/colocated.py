@@ -42,7 +42,7 @@ import structlog
 
 from dynamod.integrations.verl import updates
 from dynamod.integrations.verl.checkpoint import CheckpointWriter, HostCopy
-from dynamod.integrations.verl.engine import call_route
+from dynamod.integrations.verl.engine import call_route, claim_pause
 from dynamod.integrations.verl.errors import EngineCallError, StackNotReadyError
 from dynamod.integrations.verl.ipc import DEFAULT_BUCKET_BYTES, WeightSender, socket_address
 from dynamod.integrations.verl.ranks import node_replica
@@ -164,6 +164,8 @@ class ColocatedSync:
         """Pause `targets`, send them the weights, flush their KV cache and set their
         version: each shard that went through all of it, with its digest; the sender; the
         send's seconds."""
+        await claim_pause(self.state_dir, targets, f"verl rank {self.rank}: IPC update to "
+                                                   f"step {step}")  # fmt: skip
         async with aiohttp.ClientSession() as session:
             paused = await self._each(session, targets, "pause_generation", {"mode": "keep"},
                                       errors)

@@ -12,6 +12,11 @@ The system URLs come from dynamod's status (re-read for every fan-out, so a rest
 shard is addressed where it is now). A held shard is skipped: dynamod has it paused
 while it replays the current weights, and resuming it from here would admit it early.
 An answer other than `{"status": "ok"}` is an EngineCallError naming shard and route.
+
+A pause made here (`abort_all_requests`, and a rank's pause before its IPC update) is
+claimed with the node's dynamod first and released after `resume_generation`: dynamod
+shows who holds the shard paused, and rejoins it if this process exits first
+(rollout/pause_claims.py).
 """
 
 from __future__ import annotations
@@ -79,6 +84,29 @@ async def fan_out(
     return list(answers)
 
 
+async def claim_pause(state_dir: Path, shards: Sequence[Shard], why: str) -> None:
+    """Claim, as this process, the pause of `shards` about to be made. A claim dynamod
+    refuses (a daemon too old to know claims, a caller in another pid namespace) is
+    logged and the pause made anyway, unwatched, as before claims."""
+    if shards:
+        await _claims(state_dir, "policy_pause", [s.name for s in shards], why)
+
+
+async def release_pause(state_dir: Path, shards: Sequence[Shard]) -> None:
+    if shards:
+        await _claims(state_dir, "policy_release", [s.name for s in shards])
+
+
+async def _claims(state_dir: Path, call: str, *args: Any) -> None:
+    from dynamod.client import Client
+    from dynamod.core.errors import DaemonError
+
+    try:
+        await asyncio.to_thread(getattr(Client(state_dir), call), *args)
+    except DaemonError as exc:
+        log.warning("verl.pause_claim_failed", call=call, shards=args[0], error=str(exc))
+
+
 async def replica_call(
     session: aiohttp.ClientSession, state_dir: Path, replica_rank: int, replicas: int,
     call: str,
@@ -88,5 +116,10 @@ async def replica_call(
     (`<node>/<unit>` on a cluster)."""
     view = await asyncio.to_thread(read_stack, state_dir)
     shards = view.shards_of_replica(replica_rank, replicas)
+    if call == "abort_all_requests":  # a pause: verl resumes it after its update
+        admitted = [s for s in shards if s.admitted]
+        await claim_pause(state_dir, admitted, f"verl replica {replica_rank}: {call}")
     answers = await fan_out(session, shards, call)
+    if call == "resume_generation":  # every shard of the replica, admitted since or not
+        await release_pause(state_dir, shards)
     return [{"shard": view.ledger_name(a.shard), "route": a.route, **a.body} for a in answers]
