@@ -1,7 +1,9 @@
 """Faults under verl's own trainer (`main_ppo`, 1 FSDP2 rank, 2 CPU shards): a shard
 killed -9 in the middle of a rollout step, the frontend killed -9 in the middle of one,
 and the trainer itself killed -9 and resumed from its checkpoint. Each run must finish
-with every step's version right; the ledger never goes backwards.
+with every step's version right; the ledger never goes backwards. And the trainer rank
+killed -9 inside its IPC update (`weight_sync: ipc`), the shards it paused still paused:
+the run fails, and dynamod rejoins the shards at the ledger's version.
 
 Each is a full trainer run (two for the resume), several minutes on 2 shared cores, so
 they run with `make validate-cpu` (DYNAMOD_VERL_FAULTS=1), not in the CI suite; the
@@ -9,11 +11,13 @@ numbers are in docs/verl.md."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,3 +133,67 @@ def test_trainer_killed_and_resumed_from_its_checkpoint(stack: Dynamod) -> None:
     resumed = records[len(before):]
     # verl resumes from its step-2 checkpoint: steps 2 and 3 become the versions after
     assert [(r["verl_step"], r["step"]) for r in resumed] == [(2, current + 1), (3, current + 2)]
+
+
+def _claimed(stack: Dynamod, seen: int) -> tuple[dict[str, Any] | None, int]:
+    """The first pause claim a verl rank took after the daemon log's first `seen` bytes."""
+    log = stack.state_dir / "daemon.log"
+    with log.open("rb") as file:
+        file.seek(seen)
+        text = file.read()
+    for line in text.splitlines():
+        if b'"policy.pause_claimed"' in line and b"verl rank" in line:
+            return json.loads(line), seen
+    return None, seen + text.rfind(b"\n") + 1
+
+
+def _liveness(unit: dict[str, Any]) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{unit['ports']['system']}/engine/liveness_probe"
+    request = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        body: dict[str, Any] = json.loads(answer.read())
+    return body
+
+
+def test_trainer_rank_killed_in_its_ipc_update_leaves_no_shard_paused(stack: Dynamod) -> None:
+    """The rank is stopped (SIGSTOP) the moment its claim shows in dynamod's log, before its
+    update's publish, so the shards it paused are still paused; then killed -9."""
+    proc = start(stack, extra=["+actor_rollout_ref.rollout.engine_kwargs.dynamod.weight_sync=ipc"])
+    wait_update(stack, proc, 0)
+    current = Client(stack.state_dir).policy_status()["current"]
+    seen = (stack.state_dir / "daemon.log").stat().st_size
+    claim = None
+    deadline = time.monotonic() + 600
+    while claim is None:
+        assert proc.poll() is None and time.monotonic() < deadline, "no claim in the run"
+        claim, seen = _claimed(stack, seen)
+        if claim is None:
+            time.sleep(0.002)
+    rank = int(claim["pid"])
+    os.kill(rank, signal.SIGSTOP)  # ours: a Ray worker of the stack's ray-head unit
+    try:
+        shown = {u["name"]: u for u in stack.status()["units"] if u["name"].startswith("worker@")}
+        paused = [n for n, u in shown.items() if u["policy"].get("paused_by")]
+        assert paused == claim["shards"], (paused, claim)
+        assert all(u["policy"]["paused_by"][0]["pid"] == rank for n, u in shown.items()
+                   if n in paused)  # fmt: skip
+        ledger = Client(stack.state_dir).policy_status()
+    finally:
+        os.kill(rank, signal.SIGKILL)
+    assert proc.wait(timeout=300) != 0  # verl's run ends with its rank
+    last = ledger["current"]
+    assert last >= current  # its step's publish never came: the ledger kept what it had
+    back = stack.wait_for(
+        lambda s: all(u["state"] == "ready" and u.get("policy_version") == last
+                      and u["policy"]["admitted"] and not u["policy"].get("paused_by")
+                      for u in s["units"] if u["name"].startswith("worker@"))
+        and s["policy"]["paused_outside"] == [] and s,
+        timeout=120, what=f"every shard rejoined at version {last}",
+    )  # fmt: skip
+    for unit in (u for u in back["units"] if u["name"].startswith("worker@")):
+        assert _liveness(unit)["paused"] is False, unit["name"]  # the engine agrees
+        assert unit["policy"]["digest"] == ledger["current_digest"], unit
+    orphaned = [json.loads(line) for line in stack.daemon_log().splitlines()
+                if '"policy.pause_orphaned"' in line]  # fmt: skip
+    assert sorted(o["shard"] for o in orphaned) == sorted(claim["shards"]), orphaned
+    assert all(o["pid"] == rank for o in orphaned)
