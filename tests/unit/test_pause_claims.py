@@ -7,6 +7,8 @@ import asyncio
 import subprocess
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dynamod.core.errors import DynamodError
 from dynamod.rollout.pause_claims import Claim, ClaimError, PauseClaims, parse_body
@@ -90,3 +92,24 @@ def test_a_released_claimer_is_no_longer_watched_and_a_gone_one_cannot_claim() -
             claims.close()
 
     asyncio.run(main())
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+
+
+@given(body=st.one_of(JSON, st.fixed_dictionaries(
+    {"shards": st.lists(st.sampled_from([*SHARDS, "etcd", "n1/worker@0"]), max_size=3)},
+    optional={"why": st.text(max_size=300) | JSON})))  # fmt: skip
+def test_any_body_is_taken_or_refused_in_words(body: object) -> None:
+    """Whatever a caller sends, the answer is a claim's shards and reason, or one
+    DynamodError (a 400 with its line), never another exception."""
+    try:
+        shards, why = parse_body(body, SHARDS, claiming=True)
+    except DynamodError as exc:
+        assert str(exc)
+        return
+    assert shards is not None and set(shards) <= set(SHARDS) and len(why) <= 200
