@@ -331,6 +331,30 @@ def port_conflict_truthful(history: History, inv: Invariant) -> Verdict:
     return Verdict(inv.check, True, "; ".join(said), measured)
 
 
+def none_paused(history: History, inv: Invariant) -> Verdict:
+    """No shard dynamod admits is paused by its engine's own word at the end (a pause whose
+    pauser died is one nobody else will end)."""
+    status = history.final_status
+    if not status:
+        return Verdict(inv.check, False, "no final status was recorded")
+    admitted = {u["name"]: u for u in status["units"]
+                if "policy_version" in u and (u.get("policy") or {}).get("admitted")}  # fmt: skip
+    told = {n: bool(u["engine"]["paused"]) for n, u in admitted.items()
+            if isinstance(u.get("engine"), dict) and "paused" in u["engine"]}  # fmt: skip
+    claimed = (status.get("policy") or {}).get("paused_outside") or []
+    measured = {"admitted": sorted(admitted), "engine_paused": told, "paused_outside": claimed}
+    if not told:
+        return Verdict(inv.check, False, "no admitted shard's engine says whether it is paused "
+                       "(dynamo.vllm's liveness answer does not): nothing to judge", measured)
+    paused = sorted(n for n, p in told.items() if p)
+    if paused:
+        why = f" (claimed by a live pauser: {', '.join(claimed)})" if claimed else ""
+        return Verdict(inv.check, False, "admitted shards paused by their engine's own word: "
+                       f"{', '.join(paused)}{why}", measured)
+    return Verdict(inv.check, True, f"{len(told)} admitted shards, none paused by its "
+                   "engine's own word", measured)
+
+
 CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "shards_current": shards_current,
     "no_stale_serving": no_stale_serving,
@@ -342,6 +366,7 @@ CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {
     "up_fails_naming": up_fails_naming,
     "token_alignment": token_alignment,
     "port_conflict_truthful": port_conflict_truthful,
+    "none_paused": none_paused,
 }
 
 

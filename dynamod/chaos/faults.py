@@ -1,7 +1,8 @@
 """The method's actions, one function each: signals to a unit's process, pause and
-resume, policy pushes (good, corrupt, or with a shard killed mid-push), fault-proxy
-settings, the daemon killed and restarted, a unit's port taken before it binds again, and
-the waits and assertions between them.
+resume, a pause claimed outside dynamod whose pauser is killed, policy pushes (good,
+corrupt, or with a shard killed mid-push), fault-proxy settings, the daemon killed and
+restarted, a unit's port taken before it binds again, and the waits and assertions
+between them.
 Every fault is marked in the history and registers its healer, which the rollbacks run."""
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dynamod.chaos import pauser
 from dynamod.chaos.history import Fault, PortTake, UnitSeen
 from dynamod.chaos.model import (
     DaemonKillStep,
     DiskFullStep,
     KillStep,
+    OrphanPauseStep,
     PauseStep,
     ProxyStep,
     PushStep,
@@ -137,6 +140,30 @@ def resume(ctx: RunContext, step: ResumeStep) -> dict[str, Any]:
     if heal is None:
         raise StepFailed(f"{step.unit} was not paused by this run")
     return {"unit": step.unit, "resume": heal()}
+
+
+def orphan_pause(ctx: RunContext, step: OrphanPauseStep) -> dict[str, Any]:
+    """The fault is the pauser's death (marked then): from there nobody but dynamod will
+    resume the shard, which must leave ready (held), take the ledger's version and serve."""
+    url = (ctx.stack.unit(step.unit).get("dynamo") or {}).get("system_url")
+    if not url:
+        raise StepFailed(f"{step.unit} has no system URL in dynamod's status: not a shard")
+    try:
+        proc, _ = pauser.start(ctx.stack.state_dir, step.unit, url)
+    except RuntimeError as exc:
+        raise StepFailed(str(exc)) from None
+
+    def end() -> str:
+        proc.kill()
+        proc.wait(timeout=10)
+        return f"pauser pid {proc.pid} of {step.unit} killed"
+
+    ctx.healers[f"orphan_pause:{step.unit}"] = end
+    time.sleep(step.seconds)
+    at = ctx.now()
+    ctx.healers.pop(f"orphan_pause:{step.unit}")()
+    ctx.mark(f"the pauser of {step.unit} killed -9, its claim open", step.unit, at)
+    return {"unit": step.unit, "pauser": proc.pid, "held_s": step.seconds}
 
 
 def wait(ctx: RunContext, step: WaitStep) -> dict[str, Any]:
@@ -406,6 +433,7 @@ ACTIONS: dict[str, Callable[[RunContext, Any], dict[str, Any]]] = {
     "kill": kill,
     "pause": pause,
     "resume": resume,
+    "orphan_pause": orphan_pause,
     "wait": wait,
     "wait_state": wait_state,
     "push": push,

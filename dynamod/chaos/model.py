@@ -82,6 +82,16 @@ class ResumeStep(_Step):
     unit: str
 
 
+class OrphanPauseStep(_Step):
+    """A process outside dynamod (as verl's trainer) claims `unit`'s pause and pauses it at
+    its system port (`python -m dynamod.chaos.pauser`); after `seconds` it is killed -9
+    with its claim still open, and nothing but dynamod will resume the shard."""
+
+    action: Literal["orphan_pause"]
+    unit: str
+    seconds: float = Field(2.0, ge=0, description="how long the pauser holds it paused")
+
+
 class WaitStep(_Step):
     action: Literal["wait"]
     seconds: float = Field(gt=0)
@@ -165,6 +175,7 @@ Step = Annotated[
     KillStep
     | PauseStep
     | ResumeStep
+    | OrphanPauseStep
     | WaitStep
     | WaitStateStep
     | PushStep
@@ -219,6 +230,7 @@ class Invariant(_Model):
         "up_fails_naming",
         "token_alignment",
         "port_conflict_truthful",
+        "none_paused",
     ]
     traffic: Literal["all", "plain", "trainer"] = Field(
         "all", description="client_errors: which requests count (trainer = taint-constrained)")

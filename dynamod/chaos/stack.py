@@ -154,22 +154,22 @@ class Stack:
         return dead_registrations(found, status)
 
     def ask_shards(self, status: dict[str, Any]) -> dict[str, Any]:
-        """Each running shard's own answer to `get_weight_version` (not dynamod's claim)."""
-        import json
-        import urllib.request
-
+        """Each running shard's own answer to `get_weight_version` (not dynamod's claim),
+        with `paused` from its liveness answer where that says (the CPU worker's does)."""
         answers: dict[str, Any] = {}
         for unit in status.get("units", []):
             url = (unit.get("dynamo") or {}).get("system_url")
             if "policy_version" not in unit or not url or not unit.get("pid"):
                 continue
-            request = urllib.request.Request(f"{url}/engine/get_weight_version", data=b"{}",
-                                             headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=5) as resp:
-                    answers[unit["name"]] = json.loads(resp.read())
+                answer = _engine_call(url, "get_weight_version")
+                live = _engine_call(url, "liveness_probe")
             except (OSError, ValueError) as exc:
                 answers[unit["name"]] = {"error": str(exc)}
+                continue
+            if isinstance(answer, dict) and isinstance(live, dict) and "paused" in live:
+                answer["paused"] = live["paused"]
+            answers[unit["name"]] = answer
         return answers
 
     def live_leftovers(self, pids: set[int]) -> Teardown:
@@ -226,3 +226,13 @@ def _listening(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.2)
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _engine_call(url: str, route: str) -> Any:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(f"{url}/engine/{route}", data=b"{}",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return json.loads(resp.read())

@@ -1,7 +1,7 @@
 """Pauses made outside dynamod, on the real stack (etcd, NATS, the Dynamo frontend, CPU
 workers under a `[policy]`): a process claims a shard's pause through the control socket,
 as verl's ranks and rollout servers do (`dynamod.integrations.verl.engine.claim_pause`),
-then pauses the shard itself at its system port.
+then pauses the shard itself at its system port (`python -m dynamod.chaos.pauser`).
 
 * `status` names the pauser, and the shard's own liveness answer agrees it is paused.
 * The pauser killed -9 with its claim open: dynamod holds the shard, replays the ledger's
@@ -18,8 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -27,31 +25,12 @@ from typing import Any
 
 import pytest
 
+from dynamod.chaos import pauser
 from tests.conftest import Dynamod, unit_by_name
 from tests.integration.policystack import checkpoint, frontend, model_dir, push, write_stack
 from tests.integration.test_metrics import free_port, scrape, value
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[2]
-
-# argv: state dir, shard, its system URL, then "stay" or "release". Prints the claim's
-# answer and the pause's, then stays (or releases its claim and exits 0).
-PAUSER = textwrap.dedent("""
-    import json, sys, time, urllib.request
-    from pathlib import Path
-    from dynamod.client import Client
-    state, shard, url, then = sys.argv[1:5]
-    client = Client(Path(state))
-    print(json.dumps(client.policy_pause([shard], "test: weights half sent")), flush=True)
-    request = urllib.request.Request(url + "/engine/pause_generation", data=b'{"mode": "keep"}',
-                                     headers={"Content-Type": "application/json"})
-    print(urllib.request.urlopen(request, timeout=10).read().decode(), flush=True)
-    if then == "release":
-        print(json.dumps(client.policy_release([shard])), flush=True)
-        sys.exit(0)
-    time.sleep(600)
-""")
-
 
 def _system_url(unit: dict[str, Any]) -> str:
     return f"http://127.0.0.1:{unit['ports']['system']}"
@@ -66,15 +45,8 @@ def _engine(unit: dict[str, Any], route: str) -> dict[str, Any]:
 
 
 def _pauser(dm: Dynamod, shard: str, then: str) -> tuple[subprocess.Popen[str], list[str]]:
-    unit = dm.unit(shard)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", PAUSER, str(dm.state_dir), shard, _system_url(unit), then],
-        stdout=subprocess.PIPE, text=True, cwd=str(ROOT),
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
-    )  # fmt: skip
-    assert proc.stdout is not None
-    lines = [proc.stdout.readline() for _ in range(3 if then == "release" else 2)]
-    assert all(lines), lines
+    proc, lines = pauser.start(dm.state_dir, shard, _system_url(dm.unit(shard)),
+                               release=then == "release")  # fmt: skip
     claimed = json.loads(lines[0])
     assert claimed == {"pid": proc.pid, "claimed": [shard]}, claimed
     assert json.loads(lines[1])["status"] == "ok", lines
@@ -110,11 +82,11 @@ def test_a_pauser_that_dies_with_its_claim_open_has_its_shard_rejoined(
     try:
         shown = dm.unit("worker@1")
         claims = shown["policy"]["paused_by"]
-        assert [(c["pid"], c["why"]) for c in claims] == [(proc.pid, "test: weights half sent")]
+        assert [(c["pid"], c["why"]) for c in claims] == [(proc.pid, pauser.WHY)]
         assert dm.status()["policy"]["paused_outside"] == ["worker@1"]
         assert _engine(shown, "liveness_probe")["paused"] is True  # the engine agrees
         human = dm.run("status", check=True).stdout
-        assert f"PAUSED by pid {proc.pid} (test: weights half sent)" in human, human
+        assert f"PAUSED by pid {proc.pid} ({pauser.WHY})" in human, human
         assert "paused outside dynamod" in human and "worker@1" in human
         assert value(scrape(port)[0], "dynamod_shards_paused_outside") == 1
         time.sleep(1.0)  # the claim alone changes nothing while its pauser lives

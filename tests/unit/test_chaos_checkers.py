@@ -314,6 +314,39 @@ def test_port_conflict_truthful_fails(history: History, expect: str) -> None:
     assert not v.ok and expect in v.detail, v
 
 
+# ---------------------------------------------------------------- none_paused
+
+def _shards(**engine: dict[str, Any] | None) -> dict[str, Any]:
+    """A final status whose admitted shards' engines answered `engine` (None: no answer)."""
+    final = status(2, {name.replace("_", "@"): (2, True) for name in engine})
+    for unit in final["units"]:
+        answer = engine.get(unit["name"].replace("@", "_"))
+        if answer is not None:
+            unit["engine"] = answer
+    return final
+
+
+def test_none_paused_passes_when_every_engine_says_it_is_not() -> None:
+    final = _shards(worker_0={"version": 2, "paused": False},
+                    worker_1={"version": 2, "paused": False})  # fmt: skip
+    v = checkers.none_paused(History(final_status=final), inv("none_paused"))
+    assert v.ok and "2 admitted shards" in v.detail, v
+
+
+@pytest.mark.parametrize(("engine", "expect"), [
+    # the orphaned pause dynamod never ended, while it calls the shard admitted
+    ({"worker_0": {"version": 2, "paused": False}, "worker_1": {"version": 2, "paused": True}},
+     "paused by their engine's own word: worker@1"),
+    # an engine that does not say (dynamo.vllm): nothing to judge is not a pass
+    ({"worker_0": {"version": 2}}, "nothing to judge"),
+    ({"worker_0": None}, "nothing to judge"),
+])
+def test_none_paused_fails(engine: dict[str, Any], expect: str) -> None:
+    v = checkers.none_paused(History(final_status=_shards(**engine)), inv("none_paused"))
+    assert not v.ok and expect in v.detail, v
+    assert not checkers.none_paused(History(), inv("none_paused")).ok
+
+
 # ---------------------------------------------------------------- one broken run per checker
 
 # For every checker, the history a deliberately broken run records (the cheap broken
@@ -339,6 +372,8 @@ BROKEN: dict[str, tuple[History, dict[str, Any]]] = {
     "token_alignment": (History(requests=[aligned(1, 4, logprobs=0)]), {}),
     "port_conflict_truthful": (History(port_takes=[taken(
         (11.0, "backoff", "exited with status 1 (exited before it was ready)", 24000))]), {}),
+    # a shard left paused by a pauser that died, shown admitted
+    "none_paused": (History(final_status=_shards(worker_0={"version": 2, "paused": True})), {}),
 }
 
 
