@@ -228,6 +228,50 @@ def test_a_shard_killed_between_updates_is_replayed_before_verl_reaches_it(
     assert served & new_instance, "the replayed shard never served verl's traffic"
 
 
+def _paused_by(stack: Dynamod) -> dict[str, list[tuple[int, str]]]:
+    return {u["name"]: [(c["pid"], c["why"]) for c in u["policy"]["paused_by"]]
+            for u in stack.status()["units"] if (u.get("policy") or {}).get("paused_by")}
+
+
+def _engine_paused(unit: dict[str, Any]) -> bool:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{unit['ports']['system']}/engine/liveness_probe", data=b"{}",
+        headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return bool(json.loads(answer.read())["paused"])
+
+
+def test_verl_s_abort_is_claimed_by_its_server_whose_death_rejoins_the_shard(
+    stack: Dynamod, manager: Any
+) -> None:
+    """verl's abort_all_requests pauses a replica's shards from its server actor: dynamod
+    names that actor as their pauser until verl's resume_generation releases them. The
+    actor killed -9 between the two leaves nobody to resume them: dynamod rejoins them.
+    (Replica 0 is gone after; the tests after this one do not use the manager.)"""
+    replica = manager.get_replicas()[0]
+    pid = ray.get(replica.servers[0].__ray_call__.remote(lambda _: os.getpid()))
+    asyncio.run(replica.abort_all_requests())
+    assert _paused_by(stack) == {"worker@0": [(pid, "verl replica 0: abort_all_requests")]}
+    assert _engine_paused(unit_by_name(stack.status(), "worker@0"))
+    asyncio.run(replica.resume_generation())
+    assert _paused_by(stack) == {} and stack.status()["policy"]["paused_outside"] == []
+    assert not _engine_paused(unit_by_name(stack.status(), "worker@0"))
+    asyncio.run(replica.abort_all_requests())
+    before = unit_by_name(stack.status(), "worker@0")
+    os.kill(pid, signal.SIGKILL)  # a Ray worker of the stack's ray-head unit
+    back = stack.wait_for(
+        lambda s: s["policy"]["paused_outside"] == []
+        and (u := unit_by_name(s, "worker@0"))["state"] == "ready" and u["policy"]["admitted"]
+        and not _engine_paused(u) and u,
+        timeout=60, what="worker@0 rejoined after verl's server actor died")  # fmt: skip
+    assert back["pid"] == before["pid"] and back["restarts"] == before["restarts"]
+    assert f'"pid": {pid}' in next(line for line in stack.daemon_log().splitlines()
+                                   if '"policy.pause_orphaned"' in line)  # fmt: skip
+
+
 def test_too_few_shards_is_refused_with_its_diagnosis(stack: Dynamod) -> None:
     from verl.workers.rollout.llm_server import LLMServerManager
 
