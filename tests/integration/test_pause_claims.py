@@ -133,3 +133,27 @@ def test_a_released_claim_or_one_a_push_ended_leaves_nothing_to_do(
     # the released pause was the pauser's to end: dynamod left worker@0 as it was
     assert _engine(dm.unit("worker@0"), "liveness_probe")["paused"] is True
     assert _engine(dm.unit("worker@1"), "liveness_probe")["paused"] is False
+
+
+def test_a_spare_whose_pauser_dies_is_resumed_and_stays_a_spare(
+    dm: Dynamod, tmp_path: Path
+) -> None:
+    """A spare takes no traffic, so it is not rejoined: it is resumed as it is, and its
+    promotion checks its version (and replays it if behind) as for any spare."""
+    stack = write_stack(tmp_path / "pause-claims.toml", "pauseclaims3", spares=1)
+    dm.run("up", str(stack), "--detach", timeout=300, check=True)
+    spare = dm.wait_for(
+        lambda s: next((u for u in s["units"] if (u.get("spare") or {}).get("role") == "spare"
+                        and u["state"] == "ready"), None),
+        timeout=60, what="a ready spare")  # fmt: skip
+    proc, _ = _pauser(dm, spare["name"], "stay")
+    assert _engine(dm.unit(spare["name"]), "liveness_probe")["paused"] is True
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    back = dm.wait_for(
+        lambda s: s["policy"]["paused_outside"] == []
+        and not _engine(u := unit_by_name(s, spare["name"]), "liveness_probe")["paused"] and u,
+        timeout=30, what=f"{spare['name']} resumed after its pauser died")  # fmt: skip
+    assert back["spare"]["role"] == "spare" and not back["policy"]["admitted"]
+    assert back["pid"] == spare["pid"] and back["state"] == "ready"
+    assert [(o["shard"], o["pid"]) for o in _orphaned(dm)] == [(spare["name"], proc.pid)]
