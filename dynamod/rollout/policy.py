@@ -204,7 +204,6 @@ class PolicyManager(Extension):
         self.spares = SparePool(self, spec.spares)
         # pauses made outside dynamod (verl's ranks and rollout servers), by whom
         self.claims = PauseClaims(self._claimer_gone)
-        self._spare_resumes: set[asyncio.Task[None]] = set()  # a spare's resume in flight
         self._removing: set[str] = set()  # the shards an apply in progress removes
         # `[policy] max_updating`: this node's shards applying an update at once
         self.update_slots = Slots(spec.max_updating, "max_updating", "updating")
@@ -262,8 +261,6 @@ class PolicyManager(Extension):
     async def stop(self) -> None:
         await self.spares.stop()
         self.claims.close()
-        for resume in list(self._spare_resumes):
-            resume.cancel()
         if self._push_rest is not None:  # a push answered early: its shards' updates end
             rest, pending = self._push_rest
             for task in (rest, *pending):
@@ -492,22 +489,8 @@ class PolicyManager(Extension):
         if unit is None or not unit.state.running:
             return
         self.event("shard.pause_orphaned", shard, pid=claim.pid, why=claim.why)
-        if self.spares.role(unit) is Role.SPARE:  # not routed: resumed as it is, and its
-            self._resume_spare(unit)  # promotion checks its version (replays if behind)
-            return
         self.rejoin(unit, f"paused by pid {claim.pid} ({claim.why}), which exited before "
                           "resuming it: replaying the current policy")  # fmt: skip
-
-    def _resume_spare(self, unit: Unit) -> None:
-        async def resume() -> None:
-            try:
-                await self.call(unit, "resume_generation", {})
-            except ShardError as exc:
-                log.warning("policy.spare_resume_failed", unit=unit.name, error=str(exc))
-
-        task = asyncio.get_running_loop().create_task(resume())
-        self._spare_resumes.add(task)
-        task.add_done_callback(self._spare_resumes.discard)
 
     def rejoin(self, unit: Unit, reason: str) -> None:
         """Hold a live shard, replay the current version into it and admit it again (the

@@ -138,8 +138,8 @@ def test_a_released_claim_or_one_a_push_ended_leaves_nothing_to_do(
 def test_a_spare_whose_pauser_dies_is_resumed_and_stays_a_spare(
     dm: Dynamod, tmp_path: Path
 ) -> None:
-    """A spare takes no traffic, so it is not rejoined: it is resumed as it is, and its
-    promotion checks its version (and replays it if behind) as for any spare."""
+    """A spare is rejoined as any shard (its replay, check and resume), and its replay
+    carries no policy taint: it stays a spare, not admitted."""
     stack = write_stack(tmp_path / "pause-claims.toml", "pauseclaims3", spares=1)
     dm.run("up", str(stack), "--detach", timeout=300, check=True)
     spare = dm.wait_for(
