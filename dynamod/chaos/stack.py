@@ -163,10 +163,13 @@ class Stack:
                 continue
             try:
                 answer = _engine_call(url, "get_weight_version")
-                live = _engine_call(url, "liveness_probe")
             except (OSError, ValueError) as exc:
                 answers[unit["name"]] = {"error": str(exc)}
                 continue
+            try:  # apart: a liveness answer that fails leaves the version's as it was
+                live = _engine_call(url, "liveness_probe")
+            except (OSError, ValueError):
+                live = None
             if isinstance(answer, dict) and isinstance(live, dict) and "paused" in live:
                 answer["paused"] = live["paused"]
             answers[unit["name"]] = answer
