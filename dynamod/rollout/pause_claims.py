@@ -72,9 +72,11 @@ class PauseClaims:
 
     def claim(self, pid: int, shards: Iterable[str], why: str) -> list[str]:
         """`pid` holds `shards` paused (a claim it made before is renewed)."""
+        names = sorted(set(shards))
+        if not names:
+            return []
         self._watch(pid)
         now = time.monotonic()
-        names = sorted(set(shards))
         for shard in names:
             self._claims.setdefault(shard, {})[pid] = Claim(pid, why, now)
         log.info("policy.pause_claimed", pid=pid, shards=names, why=why)

@@ -80,6 +80,7 @@ def test_a_released_claimer_is_no_longer_watched_and_a_gone_one_cannot_claim() -
             claims.claim(proc.pid, SHARDS, "replica 1")
             assert claims.release(proc.pid) == SHARDS  # all of its claims
             assert claims._watched == {}
+            assert claims.claim(proc.pid, [], "nothing") == [] and claims._watched == {}
             proc.kill()
             proc.wait()
             await asyncio.sleep(0.2)
