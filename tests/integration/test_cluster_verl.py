@@ -59,7 +59,6 @@ pytestmark = [
     pytest.mark.xdist_group("netns"),  # one simulated cluster at a time (make test runs -n 2)
 ]
 ROOT = Path(__file__).resolve().parents[2]
-EXTENSION = "dynamod.integrations.verl.worker_extension.DynamodWorkerExtension"
 STEPS = 2
 
 # verl's driver on the head: the head's state dir, Ray's GCS address. Prints one JSON line.
