@@ -14,9 +14,9 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from dynamod.chaos.stack import engine_call
 from dynamod.client import Client
 from dynamod.core.errors import DaemonError
 
@@ -32,16 +32,11 @@ def main(argv: list[str]) -> int:
     client = Client(state_dir)
     try:
         print(json.dumps(client.policy_pause([unit], WHY)), flush=True)
-        request = urllib.request.Request(
-            f"{url}/engine/pause_generation", data=b'{"mode": "keep"}',
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            print(answer.read().decode(), flush=True)
+        print(json.dumps(engine_call(url, "pause_generation", {"mode": "keep"})), flush=True)
         if len(argv) == 4:
             print(json.dumps(client.policy_release([unit])), flush=True)
             return 0
-    except (DaemonError, OSError) as exc:
+    except (DaemonError, OSError, ValueError) as exc:
         print(f"pauser: {unit}: {exc}", file=sys.stderr)
         return 2
     while True:
@@ -51,7 +46,7 @@ def main(argv: list[str]) -> int:
 def start(state_dir: Path, unit: str, url: str, *, release: bool = False
           ) -> tuple[subprocess.Popen[str], list[str]]:  # fmt: skip
     """The pauser, started and past its pause, with the lines it printed; RuntimeError
-    with its output if it failed first (its own calls are bounded: 30 s, 10 s)."""
+    with its output if it failed first (its own calls are bounded: 30 s, 5 s)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "dynamod.chaos.pauser", str(state_dir), unit, url,
          *(["--release"] if release else [])],

@@ -162,12 +162,12 @@ class Stack:
             if "policy_version" not in unit or not url or not unit.get("pid"):
                 continue
             try:
-                answer = _engine_call(url, "get_weight_version")
+                answer = engine_call(url, "get_weight_version")
             except (OSError, ValueError) as exc:
                 answers[unit["name"]] = {"error": str(exc)}
                 continue
             try:  # apart: a liveness answer that fails leaves the version's as it was
-                live = _engine_call(url, "liveness_probe")
+                live = engine_call(url, "liveness_probe")
             except (OSError, ValueError):
                 live = None
             if isinstance(answer, dict) and isinstance(live, dict) and "paused" in live:
@@ -231,11 +231,12 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _engine_call(url: str, route: str) -> Any:
+def engine_call(url: str, route: str, body: dict[str, Any] | None = None) -> Any:
+    """A shard's own answer to `route` at its system URL (`/engine/<route>`), blocking."""
     import json
     import urllib.request
 
-    request = urllib.request.Request(f"{url}/engine/{route}", data=b"{}",
+    request = urllib.request.Request(f"{url}/engine/{route}", data=json.dumps(body or {}).encode(),
                                      headers={"Content-Type": "application/json"})  # fmt: skip
     with urllib.request.urlopen(request, timeout=5) as resp:
         return json.loads(resp.read())

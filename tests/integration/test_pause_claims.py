@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from dynamod.chaos import pauser
+from dynamod.chaos.stack import engine_call
 from tests.conftest import Dynamod, unit_by_name
 from tests.integration.policystack import checkpoint, frontend, model_dir, push, write_stack
 from tests.integration.test_metrics import free_port, scrape, value
@@ -37,11 +38,8 @@ def _system_url(unit: dict[str, Any]) -> str:
 
 
 def _engine(unit: dict[str, Any], route: str) -> dict[str, Any]:
-    request = urllib.request.Request(f"{_system_url(unit)}/engine/{route}", data=b"{}",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        body: dict[str, Any] = json.loads(answer.read())
-    return body
+    answer: dict[str, Any] = engine_call(_system_url(unit), route)
+    return answer
 
 
 def _pauser(dm: Dynamod, shard: str, then: str) -> tuple[subprocess.Popen[str], list[str]]:

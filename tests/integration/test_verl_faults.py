@@ -17,7 +17,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ if not os.environ.get("DYNAMOD_VERL_FAULTS"):
     pytest.skip("full trainer runs under faults: `make validate-cpu` (DYNAMOD_VERL_FAULTS=1)",
                 allow_module_level=True)
 
+from dynamod.chaos.stack import engine_call
 from dynamod.client import Client
 from dynamod.integrations.verl import dataset, run
 from dynamod.integrations.verl.updates import read_updates
@@ -148,11 +148,8 @@ def _claimed(stack: Dynamod, seen: int) -> tuple[dict[str, Any] | None, int]:
 
 
 def _liveness(unit: dict[str, Any]) -> dict[str, Any]:
-    url = f"http://127.0.0.1:{unit['ports']['system']}/engine/liveness_probe"
-    request = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        body: dict[str, Any] = json.loads(answer.read())
-    return body
+    answer: dict[str, Any] = engine_call(unit["dynamo"]["system_url"], "liveness_probe")
+    return answer
 
 
 def test_trainer_rank_killed_in_its_ipc_update_leaves_no_shard_paused(stack: Dynamod) -> None:

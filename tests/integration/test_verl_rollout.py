@@ -23,6 +23,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import ray
 
+from dynamod.chaos.stack import engine_call
 from dynamod.client import Client
 from dynamod.core.proctable import marked_pids
 from dynamod.integrations.verl.attach import ray_init_kwargs
@@ -234,14 +235,7 @@ def _paused_by(stack: Dynamod) -> dict[str, list[tuple[int, str]]]:
 
 
 def _engine_paused(unit: dict[str, Any]) -> bool:
-    import json
-    import urllib.request
-
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{unit['ports']['system']}/engine/liveness_probe", data=b"{}",
-        headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return bool(json.loads(answer.read())["paused"])
+    return bool(engine_call(unit["dynamo"]["system_url"], "liveness_probe")["paused"])
 
 
 def test_verl_s_abort_is_claimed_by_its_server_whose_death_rejoins_the_shard(
