@@ -61,7 +61,7 @@ class PortAllocator:
     def _pick(self, taken: set[int]) -> int:
         for _ in range(500):
             port = self.rng.randint(self.low, self.high)
-            if port in self.given or port in taken or in_use(port, self.host):
+            if port in self.given or port in taken or not bindable(port, self.host):
                 continue
             self.given.add(port)
             return port
@@ -146,6 +146,22 @@ def in_use(port: int, host: str = "127.0.0.1") -> bool:
         except OSError:
             return True
     return False
+
+
+def bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """True if a server that does not set SO_REUSEADDR could bind host:port now.
+
+    Stricter than `not in_use(port)`: a port whose earlier connections linger in TIME_WAIT
+    (up to 60 s after a server closed them) is refused to such a server. The allocator
+    hands out only these, so a unit need not set SO_REUSEADDR: CI once gave a port still
+    in TIME_WAIT to a listener that did not, and it failed five starts in a row.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def listening(port: int, host: str = "127.0.0.1", timeout: float = 0.2) -> bool:

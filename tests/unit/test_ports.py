@@ -72,3 +72,32 @@ def test_listener_pids_reads_the_fds_of_the_given_processes_or_of_all() -> None:
         assert listener_pids(port, among={os.getppid()}) == set()  # it holds no such socket
         assert listener_pids(port, among=set()) == set()
     assert listener_pids(port, among={os.getpid()}) == set()  # closed: nobody listens
+
+
+def test_a_port_left_in_time_wait_is_not_handed_out(tmp_path: Path) -> None:
+    """A server that closes its side first leaves the port in TIME_WAIT: a listener without
+    SO_REUSEADDR cannot bind it for up to 60 s, so the allocator must not give it out
+    (CI saw such a unit fail five starts in a row on `Address already in use`)."""
+    import socket
+
+    from dynamod.core.ports import bindable, in_use
+
+    port = HIGH + 11  # not one of the 20 the tests above need free
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server's side closes first: it is the one in TIME_WAIT
+        client.recv(1)
+        client.close()
+    assert not in_use(port)  # nothing listens, and SO_REUSEADDR binds through TIME_WAIT
+    assert not bindable(port)  # a plain bind does not
+    one = PortAllocator(low=port, high=port, registry=tmp_path)
+    try:
+        got = one()
+    except OSError as err:
+        assert "no free loopback port" in str(err)
+    else:
+        raise AssertionError(f"the allocator handed out {got}, still in TIME_WAIT")
