@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from dynamod.chaos.stack import engine_call
@@ -43,12 +44,14 @@ def main(argv: list[str]) -> int:
         time.sleep(3600)
 
 
-def start(state_dir: Path, unit: str, url: str, *, release: bool = False
-          ) -> tuple[subprocess.Popen[str], list[str]]:  # fmt: skip
+def start(state_dir: Path, unit: str, url: str, *, release: bool = False,
+          wrap: Sequence[str] = ()) -> tuple[subprocess.Popen[str], list[str]]:  # fmt: skip
     """The pauser, started and past its pause, with the lines it printed; RuntimeError
-    with its output if it failed first (its own calls are bounded: 30 s, 5 s)."""
+    with its output if it failed first (its own calls are bounded: 30 s, 5 s). `wrap`:
+    a command it runs under (`unshare --pid --fork --kill-child`: a container's pid
+    namespace)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dynamod.chaos.pauser", str(state_dir), unit, url,
+        [*wrap, sys.executable, "-m", "dynamod.chaos.pauser", str(state_dir), unit, url,
          *(["--release"] if release else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

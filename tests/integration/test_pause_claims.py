@@ -10,23 +10,34 @@ then pauses the shard itself at its system port (`python -m dynamod.chaos.pauser
 * A claim the pauser released, and one that a dynamod push ended by resuming the shard,
   leave nothing to do when the pauser exits: the first shard stays paused (as its pauser
   left it: the must-fail side of the watch), the second serves.
+* pid namespaces: a pauser in one of its own (a container's) is watched by its pid in the
+  daemon's; a caller the daemon cannot see (the daemon's side in a namespace of its own)
+  is refused in one line, and verl's claim then only warns.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from dynamod.chaos import pauser
 from dynamod.chaos.stack import engine_call
+from dynamod.client import Client
+from dynamod.core.errors import DaemonError
+from dynamod.core.paths import socket_path
+from dynamod.integrations.verl import engine as verl_engine
+from dynamod.integrations.verl.stack import Shard
 from tests.conftest import Dynamod, unit_by_name
 from tests.integration.policystack import checkpoint, frontend, model_dir, push, write_stack
 from tests.integration.test_metrics import free_port, scrape, value
@@ -105,6 +116,84 @@ def test_a_pauser_that_dies_with_its_claim_open_has_its_shard_rejoined(
     assert [(o["shard"], o["pid"]) for o in _orphaned(dm)] == [("worker@1", proc.pid)]
     instance = back["dynamo"]["instance_ids"][0]
     assert _completion(frontend(dm.status()), instance) == instance  # it serves again
+
+    # A pauser in a pid namespace of its own, as in a container: pid 1 there, but the
+    # kernel names it to the daemon by its pid here, so its claim is watched the same way.
+    boxed, lines = pauser.start(dm.state_dir, "worker@0", _system_url(dm.unit("worker@0")),
+                                wrap=UNSHARE)  # fmt: skip
+    claimer = json.loads(lines[0])["pid"]
+    try:
+        assert _nspids(claimer) == [claimer, 1]  # pid 1 in its own namespace
+        assert [c["pid"] for c in dm.unit("worker@0")["policy"]["paused_by"]] == [claimer]
+    finally:
+        os.kill(boxed.pid, signal.SIGKILL)  # unshare; --kill-child takes the pauser along
+        boxed.wait(timeout=10)
+    dm.wait_for(
+        lambda s: (u := unit_by_name(s, "worker@0"))["state"] == "ready"
+        and not u["policy"].get("paused_by") and u["policy"]["admitted"]
+        and _engine(u, "liveness_probe")["paused"] is False,
+        timeout=60, what="worker@0 rejoined after its boxed pauser died",
+    )  # fmt: skip
+    assert ("worker@0", claimer) in [(o["shard"], o["pid"]) for o in _orphaned(dm)]
+
+
+UNSHARE = ["unshare", "--pid", "--fork", "--kill-child"]
+
+
+def _nspids(pid: int) -> list[int]:
+    """The pid's number in each pid namespace it is in, outermost first (NSpid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(n) for n in line.split()[1:]]
+    raise AssertionError(f"no NSpid line for pid {pid}")
+
+
+_BOXED_DAEMON = """
+import asyncio, sys
+from pathlib import Path
+from dynamod.core.api import build_app, serve
+from dynamod.rollout.pause_claims import PauseClaims
+
+async def main() -> None:
+    app = build_app(None)  # only the claims' routes are called
+    claims = PauseClaims(on_orphaned=lambda shard, claim: None)
+    app.router.add_routes(claims.routes(lambda: ["worker@0"]))
+    await serve(app, Path(sys.argv[1]))
+    print("serving", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("caller", ["client", "verl"])
+def test_a_claimer_the_daemon_cannot_see_is_refused_and_verl_pauses_unwatched(
+    tmp_path: Path, caller: str
+) -> None:
+    """The other way round: the daemon's side in a pid namespace of its own, the claimer
+    outside it. The kernel gives the daemon pid 0 for such a peer: no process it can
+    watch, so the claim is refused in one line; verl's `claim_pause` logs that and lets
+    its pause go ahead, unwatched, as before claims."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    boxed = subprocess.Popen([*UNSHARE, sys.executable, "-c", _BOXED_DAEMON,
+                              str(socket_path(state))],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert boxed.stdout is not None and boxed.stdout.readline() == "serving\n"
+        if caller == "client":
+            with pytest.raises(DaemonError, match="another pid namespace"):
+                Client(state).policy_pause(["worker@0"], "outside the daemon's namespace")
+        else:
+            shard = Shard(name="worker@0", state="ready", system_url=None, policy_version=0,
+                          admitted=True, instance_ids=())  # fmt: skip
+            with capture_logs() as logs:  # it returns: the pause goes ahead
+                asyncio.run(verl_engine.claim_pause(state, [shard], "verl replica 0"))
+            [warned] = [e for e in logs if e["event"] == "verl.pause_claim_failed"]
+            assert "another pid namespace" in warned["error"], logs
+    finally:
+        boxed.kill()  # unshare; --kill-child takes the boxed daemon along
+        boxed.wait(timeout=10)
 
 
 def test_a_released_claim_or_one_a_push_ended_leaves_nothing_to_do(
