@@ -332,8 +332,10 @@ def port_conflict_truthful(history: History, inv: Invariant) -> Verdict:
 
 
 def none_paused(history: History, inv: Invariant) -> Verdict:
-    """No shard dynamod admits is paused by its engine's own word at the end (a pause whose
-    pauser died is one nobody else will end)."""
+    """No shard dynamod admits is paused at the end (a pause whose pauser died is one
+    nobody else will end), by its engine's own word (the CPU worker's liveness answer) or,
+    where the engine does not say (dynamo.vllm), by a 1-token completion pinned to it that
+    it did not answer in time (ChaosStack.ask_shards)."""
     status = history.final_status
     if not status:
         return Verdict(inv.check, False, "no final status was recorded")
@@ -341,18 +343,20 @@ def none_paused(history: History, inv: Invariant) -> Verdict:
                 if "policy_version" in u and (u.get("policy") or {}).get("admitted")}  # fmt: skip
     told = {n: bool(u["engine"]["paused"]) for n, u in admitted.items()
             if isinstance(u.get("engine"), dict) and "paused" in u["engine"]}  # fmt: skip
+    seen = {n: admitted[n]["engine"].get("paused_seen", "liveness") for n in told}
     claimed = (status.get("policy") or {}).get("paused_outside") or []
-    measured = {"admitted": sorted(admitted), "engine_paused": told, "paused_outside": claimed}
+    measured = {"admitted": sorted(admitted), "engine_paused": told, "seen": seen,
+                "paused_outside": claimed}  # fmt: skip
     if not told:
-        return Verdict(inv.check, False, "no admitted shard's engine says whether it is paused "
-                       "(dynamo.vllm's liveness answer does not): nothing to judge", measured)
+        return Verdict(inv.check, False, "no admitted shard's engine says whether it is paused, "
+                       "and none answered a pinned completion either way: nothing to judge",
+                       measured)  # fmt: skip
     paused = sorted(n for n, p in told.items() if p)
     if paused:
         why = f" (claimed by a live pauser: {', '.join(claimed)})" if claimed else ""
-        return Verdict(inv.check, False, "admitted shards paused by their engine's own word: "
-                       f"{', '.join(paused)}{why}", measured)
-    return Verdict(inv.check, True, f"{len(told)} admitted shards, none paused by its "
-                   "engine's own word", measured)
+        named = ", ".join(f"{n} ({seen[n]})" for n in paused)
+        return Verdict(inv.check, False, f"admitted shards paused: {named}{why}", measured)
+    return Verdict(inv.check, True, f"{len(told)} admitted shards, none paused", measured)
 
 
 CHECKERS: dict[str, Callable[[History, Invariant], Verdict]] = {

@@ -31,6 +31,11 @@ class StackError(DynamodError):
 # The flag that names the served model: our CPU worker's, then dynamo.vllm's.
 _MODEL_NAME_FLAGS = ("--model-name", "--served-model-name")
 
+# How long a shard whose liveness answer does not say whether it is paused has to answer a
+# pinned 1-token completion before it counts as paused: a warm real shard on this CPU
+# answers one in under a second; its first generation after a start can take tens.
+PAUSE_ANSWER_S = 30.0
+
 
 def served_model_name(command: list[str], default: str = "tiny-cpu") -> str:
     """The model a shard serves, from its command line (`default` if it names none)."""
@@ -153,10 +158,15 @@ class Stack:
             return [f"(could not list etcd registrations: {exc})"]
         return dead_registrations(found, status)
 
-    def ask_shards(self, status: dict[str, Any]) -> dict[str, Any]:
+    def ask_shards(self, status: dict[str, Any], answer_within: float = PAUSE_ANSWER_S
+                   ) -> dict[str, Any]:  # fmt: skip
         """Each running shard's own answer to `get_weight_version` (not dynamod's claim),
-        with `paused` from its liveness answer where that says (the CPU worker's does)."""
+        with `paused`: its liveness answer's where that says (the CPU worker's does);
+        otherwise (dynamo.vllm's does not) whether it answered a 1-token completion pinned
+        to it through the frontend within `answer_within` s (a paused engine holds it), and
+        `paused_seen` saying which."""
         answers: dict[str, Any] = {}
+        frontend = _frontend(status)
         for unit in status.get("units", []):
             url = (unit.get("dynamo") or {}).get("system_url")
             if "policy_version" not in unit or not url or not unit.get("pid"):
@@ -171,7 +181,9 @@ class Stack:
             except (OSError, ValueError):
                 live = None
             if isinstance(answer, dict) and isinstance(live, dict) and "paused" in live:
-                answer["paused"] = live["paused"]
+                answer["paused"], answer["paused_seen"] = live["paused"], "liveness"
+            elif isinstance(answer, dict) and isinstance(live, dict) and frontend:
+                answer.update(_answers_pinned(frontend, unit, answer_within))
             answers[unit["name"]] = answer
         return answers
 
@@ -229,6 +241,47 @@ def _listening(port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.2)
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _frontend(status: dict[str, Any]) -> tuple[str, str] | None:
+    """The frontend's URL and the model the shards serve, from the stack's status."""
+    units = status.get("units", [])
+    front = next((u for u in units if u["name"] == "frontend" and u.get("pid")), None)
+    shard = next((u for u in units if "policy_version" in u), None)
+    if front is None or shard is None or "http" not in (front.get("ports") or {}):
+        return None
+    return (f"http://127.0.0.1:{front['ports']['http']}",
+            served_model_name(shard.get("command") or []))  # fmt: skip
+
+
+def _answers_pinned(frontend: tuple[str, str], unit: dict[str, Any], within: float
+                    ) -> dict[str, Any]:  # fmt: skip
+    """`paused` by the shard's answer to a 1-token completion pinned to its instance: a
+    paused engine (pause_generation, mode keep) holds it unanswered; nothing is said of a
+    shard with no instance or whose answer is an error."""
+    import json
+    import urllib.request
+
+    instances = (unit.get("dynamo") or {}).get("instance_ids") or []
+    if not instances:
+        return {}
+    url, model = frontend
+    body = {"model": model, "prompt": "dynamod: are you paused?", "max_tokens": 1,
+            "nvext": {"backend_instance_id": instances[0]}}  # fmt: skip
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    silent = {"paused": True,
+              "paused_seen": f"no answer to a pinned 1-token completion within {within:g}s"}
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=within) as resp:
+            resp.read()
+    except TimeoutError:
+        return silent
+    except OSError as exc:  # URLError wraps a timeout while connecting; others: no word
+        return silent if isinstance(getattr(exc, "reason", None), TimeoutError) else {}
+    took = time.monotonic() - started
+    return {"paused": False, "paused_seen": f"answered a pinned 1-token completion in {took:.2f}s"}
 
 
 def engine_call(url: str, route: str, body: dict[str, Any] | None = None) -> Any:

@@ -19,8 +19,12 @@ file order against it, the last one tearing it down:
   `make real-engine-pgroup` runs it again under the process-group fallback
   (DYNAMOD_CONTAINMENT=pgroup), where the daemon's process group, markers and subreaper
   must find EngineCore and Worker (a second full module run, ~11 min: not in CI);
+* a shard paused at its system port is seen paused: dynamo.vllm's liveness answer does
+  not say, so the chaos runner asks a 1-token completion pinned to it, which a paused
+  engine holds past the bound and a resumed one answers;
 * the runbooks of runbooks/real-engine/ that restart no shard (CHAOS_IN_CI), quick
-  profile, on this stack: their verdicts must pass;
+  profile, on this stack: their verdicts must pass (real-pauser-dies: the shard's pauser
+  killed -9 with its claim open, rejoined and judged unpaused by that completion);
 * `down` stops the shard with SIGTERM inside its grace period (no SIGKILL needed) and
   leaves no process, port or file: each unit's private TMPDIR, which the engine filled
   (ZMQ sockets, `tmp*.json`), is removed.
@@ -43,6 +47,7 @@ import pytest
 
 from dynamod.chaos import model, runner
 from dynamod.chaos.journal import summary
+from dynamod.chaos.stack import Stack
 from dynamod.client import Client
 from dynamod.cluster import exposure
 from dynamod.core import cgroups, paths, shmleft
@@ -326,10 +331,32 @@ def test_kill_9_of_the_main_pid_leaves_no_engine_process_and_the_shard_comes_bac
     assert inductor.is_dir() and any(inductor.iterdir()), f"{inductor} holds no kernel"
 
 
+def test_a_paused_shard_is_seen_paused_by_the_completion_it_holds(dm: Dynamod) -> None:
+    """dynamo.vllm's liveness answer has no `paused`; the chaos runner's `ask_shards` then
+    sends a 1-token completion pinned to the shard through the frontend. Paused (mode
+    keep), the engine holds it past the bound: paused. Resumed, it answers: not paused."""
+    unit = dm.unit("worker@0")
+    assert "paused" not in engine(unit, "liveness_probe")  # why the completion is asked
+    stack = Stack("vllm-cpu", dm.state_dir, {})
+    before = stack.ask_shards(dm.status(), answer_within=30)["worker@0"]
+    assert engine(unit, "pause_generation", {"mode": "keep"})["status"] == "ok"
+    try:
+        held = stack.ask_shards(dm.status(), answer_within=5)["worker@0"]
+    finally:
+        assert engine(unit, "resume_generation")["status"] == "ok"
+    after = stack.ask_shards(dm.status(), answer_within=30)["worker@0"]
+    print(f"unpaused: {before['paused_seen']}; paused: {held['paused_seen']}; "
+          f"resumed: {after['paused_seen']}")
+    assert before["paused"] is False and before["paused_seen"].startswith("answered"), before
+    assert held["paused"] is True, held
+    assert held["paused_seen"] == "no answer to a pinned 1-token completion within 5s", held
+    assert after["paused"] is False and after["paused_seen"].startswith("answered"), after
+
+
 # The CI subset of runbooks/real-engine/ (`make chaos-real-engine-quick` runs them all, on
 # stacks of their own): those that restart no shard (a real start is minutes), run on this
 # module's stack rather than on one more.
-CHAOS_IN_CI = ["real-cache-reuse-after-update"]
+CHAOS_IN_CI = ["real-cache-reuse-after-update", "real-pauser-dies"]
 
 
 def test_chaos_runbooks_on_the_real_shard(dm: Dynamod, tmp_path: Path) -> None:

@@ -331,13 +331,22 @@ def test_none_paused_passes_when_every_engine_says_it_is_not() -> None:
                     worker_1={"version": 2, "paused": False})  # fmt: skip
     v = checkers.none_paused(History(final_status=final), inv("none_paused"))
     assert v.ok and "2 admitted shards" in v.detail, v
+    answered = _shards(worker_0={"version": 2, "paused": False, "paused_seen":
+                                 "answered a pinned 1-token completion in 0.31s"})
+    v = checkers.none_paused(History(final_status=answered), inv("none_paused"))
+    assert v.ok and v.measured["seen"] == {"worker@0": answered["units"][0]["engine"][
+        "paused_seen"]}, v
 
 
 @pytest.mark.parametrize(("engine", "expect"), [
     # the orphaned pause dynamod never ended, while it calls the shard admitted
     ({"worker_0": {"version": 2, "paused": False}, "worker_1": {"version": 2, "paused": True}},
-     "paused by their engine's own word: worker@1"),
-    # an engine that does not say (dynamo.vllm): nothing to judge is not a pass
+     "admitted shards paused: worker@1 (liveness)"),
+    # dynamo.vllm's liveness does not say: a pinned completion it did not answer does
+    ({"worker_0": {"version": 2, "paused": True,
+                   "paused_seen": "no answer to a pinned 1-token completion within 30s"}},
+     "paused: worker@0 (no answer to a pinned 1-token completion within 30s)"),
+    # an engine that does not say, and was not asked: nothing to judge is not a pass
     ({"worker_0": {"version": 2}}, "nothing to judge"),
     ({"worker_0": None}, "nothing to judge"),
 ])

@@ -73,8 +73,8 @@ def test_the_real_engine_runbooks_share_three_stacks() -> None:
 
     found = groups(model.load_all(model.runbooks_dir() / "real-engine"))
     assert [[b.name for b in g] for g in found] == [
-        ["real-cache-reuse-after-update", "real-token-alignment", "real-worker-hang",
-         "real-worker-sigkill"],
+        ["real-cache-reuse-after-update", "real-pauser-dies", "real-token-alignment",
+         "real-worker-hang", "real-worker-sigkill"],
         ["real-shutdown-leaves-nothing"],
         ["real-stale-shard", "real-two-shards-sigkill", "real-worker-dies-during-update"],
     ]
