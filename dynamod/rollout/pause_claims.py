@@ -125,7 +125,8 @@ class PauseClaims:
             pid = peer_pid(request)
             if pid is None:
                 raise ClaimError("the calling process cannot be seen from this daemon (another "
-                                 "pid namespace): its pause cannot be watched")  # fmt: skip
+                                 "pid namespace): its pause cannot be watched; run dynamod on "
+                                 "the host or in the caller's pid namespace")  # fmt: skip
             return pid
 
         async def pause(request: web.Request) -> web.Response:
