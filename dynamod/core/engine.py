@@ -509,6 +509,7 @@ class Engine:
         if not child.alive:  # exited as the last probe or hook finished: already recorded
             return False
         unit.ready_at = time.monotonic()
+        await self.host.note_shm(unit.name, child)
         if unit.hold_reason is not None:
             self.admit(unit, None)
         elif spec.ready is None:

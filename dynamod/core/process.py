@@ -512,6 +512,41 @@ class TreeStopped:
     shm_removed: list[str] = field(default_factory=list)
 
 
+# How long a unit's Python resource trackers get to clean up and exit by themselves once
+# every other process of the unit is gone (they unlink what their program registered).
+TRACKER_WAIT = 2.0
+_TRACKER = b"from multiprocessing.resource_tracker import main"
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return _TRACKER in fh.read()
+    except OSError:
+        return False
+
+
+async def _trackers_last(pids: Iterable[int], kill_wait: float) -> set[int]:
+    """SIGKILL `pids` but the Python resource trackers among them; once the rest are gone,
+    let the trackers end by themselves (within TRACKER_WAIT): the pids that did.
+
+    A program that uses multiprocessing (vLLM, Ray's workers) registers its named
+    semaphores and shared memory with a tracker process, which ignores SIGTERM and, once
+    every other process of the program has closed its pipe, unlinks whatever is left
+    registered and exits. A kill -9 of the whole tree takes the tracker too, and what it
+    would have removed stays in /dev/shm (a real shard's `sem.mp-*`, which no process maps,
+    so shmleft cannot know it)."""
+    members = set(pids)
+    trackers = {pid for pid in members if _is_resource_tracker(pid)}
+    if not trackers:
+        return set()
+    for pid in members - trackers:
+        _signal_pid(pid, signal.SIGKILL)
+    await wait_gone(members - trackers, kill_wait)
+    left = set(await wait_gone(trackers, TRACKER_WAIT))
+    return trackers - left
+
+
 async def stop_tree(tree: Tree, *, sig: int, timeout: float, kill_wait: float = 5.0) -> TreeStopped:
     """Send `sig` to the unit's processes; after `timeout`, SIGKILL whatever is left;
     return whom that reached and anything that still survives. timeout=0: the main
@@ -545,7 +580,9 @@ async def _stop_cgroup(
             await wait_gone(cgroups.procs(path), left)
     killed: list[int] = []
     if cgroups.populated(path):
-        killed = cgroups.procs(path)
+        members = cgroups.procs(path)
+        ended = await _trackers_last(members, kill_wait)  # they clean up, then go
+        killed = [pid for pid in members if pid not in ended]
         cgroups.kill(path)
         deadline = time.monotonic() + kill_wait
         while cgroups.populated(path) and (left := deadline - time.monotonic()) > 0:
@@ -605,8 +642,13 @@ def _younger(info: ProcInfo, since: int | None) -> bool:
 
 async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float) -> TreeStopped:
     pgid = tree.pgid
+    claimed: list[int] = []  # orphans this stop claimed already (a claim is made once)
+    if sig == signal.SIGKILL:  # at once: the resource trackers after the rest
+        group, claimed = await _members(tree)
+        await _trackers_last(group | set(claimed), kill_wait)
     _signal_group(pgid, sig)
     group, strays = await _members(tree)
+    strays = sorted(set(strays) | set(claimed))
     for pid in strays:
         _signal_pid(pid, sig)
     targets = group | set(strays) | {pgid}
@@ -619,7 +661,8 @@ async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float)
     left = sorted(pid for pid in set(left) | group | set(more) if not is_zombie(pid))
     if left:
         escalated = sig != signal.SIGKILL
-        killed = left
+        ended = await _trackers_last(left, kill_wait)  # they clean up, then go
+        killed = [pid for pid in left if pid not in ended]
         _signal_group(pgid, signal.SIGKILL)
         for pid in left:
             _signal_pid(pid, signal.SIGKILL)
@@ -758,6 +801,11 @@ class ProcessHost(Protocol):
         """The unit's processes now: its cgroup's, or its group's and marked ones."""
         ...
 
+    async def note_shm(self, unit: str, child: Child) -> None:
+        """Note the /dev/shm files the unit's processes hold now (it turned ready): at its
+        stop, those left are removed even where the process that held them died first."""
+        ...
+
     def port_in_use(self, port: int) -> bool:
         """Whether something listens on (or holds) the local TCP port."""
         ...
@@ -794,6 +842,7 @@ class OsHost:
         self.spawner = spawner or Spawner()
         self.enforcer = enforce.Enforcer(run_id, self.containment)
         self._ports: ports.PortAllocator | None = None  # made when a port first moves
+        self._shm_noted: dict[str, dict[Path, int]] = {}  # unit -> at its readiness (shmleft)
 
     @property
     def reaper(self) -> Reaper:
@@ -841,6 +890,7 @@ class OsHost:
         # is signalled, then the stop
         cgroup = self.cgroup(unit)
         held: set[Path] = set()
+        noted = self._shm_noted.pop(unit, {})
         if cgroup is not None and not cgroups.populated(cgroup):
             stopped = _emptied(cgroup)
         else:
@@ -848,6 +898,8 @@ class OsHost:
             stopped = await stop_tree(self._tree(unit, child), sig=sig, timeout=timeout)
         if not stopped.survivors:
             self.enforcer.release(unit)
+            if noted:  # what it held at its readiness, if still the same files
+                held |= await asyncio.to_thread(shmleft.same, noted)
             if held:
                 removed = await asyncio.to_thread(shmleft.remove_unheld, held)
                 if removed:
@@ -855,6 +907,12 @@ class OsHost:
                              why="held by its processes, which are gone; held by no one now")
                     stopped = replace(stopped, shm_removed=[str(p) for p in removed])
         return stopped
+
+    async def note_shm(self, unit: str, child: Child) -> None:
+        def note() -> dict[Path, int]:
+            return shmleft.identities(self._shm_held(self.cgroup(unit), child))
+
+        self._shm_noted[unit] = await asyncio.to_thread(note)
 
     @staticmethod
     def _shm_held(cgroup: Path | None, child: Child) -> set[Path]:

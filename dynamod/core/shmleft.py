@@ -8,11 +8,13 @@ removes it. A real `dynamo.vllm` shard killed -9 left two segments (160 and 240 
 sparse) and a semaphore behind at each kill.
 
 So before dynamod ends what is left of a unit (`process.OsHost.stop_tree`), it notes the
-/dev/shm files the unit's live processes hold, open or mapped (`held`). Once they are all
-gone, it removes each of those files that still exists, belongs to dynamod's own user and
-that no live process holds (`remove_unheld`). A file that only a process already dead
-held (the main process, when it died first) is not known, and is left. Standard library
-only; blocking (the daemon calls it in a worker thread).
+/dev/shm files the unit's live processes hold, open or mapped (`held`). It noted them
+once before too, when the unit turned ready (`identities`): a file that only a process
+already dead held (the main process, killed first; a real shard's main holds a named
+semaphore alone) is known from then, as long as it is still the same file (`same`). Once
+the unit's processes are all gone, it removes each of those files that still exists,
+belongs to dynamod's own user and that no live process holds (`remove_unheld`). Standard
+library only; blocking (the daemon calls it in a worker thread).
 """
 
 from __future__ import annotations
@@ -57,6 +59,26 @@ def _held_by(root: Path, prefix: str) -> set[Path]:
                 if not path.endswith(_DELETED):
                     found.add(Path(path))
     return found
+
+
+def identities(paths: Iterable[Path]) -> dict[Path, int]:
+    """Each of `paths` that exists, with its inode: what `same` compares with later."""
+    found: dict[Path, int] = {}
+    for path in paths:
+        with contextlib.suppress(OSError):
+            found[path] = os.lstat(path).st_ino
+    return found
+
+
+def same(noted: dict[Path, int]) -> set[Path]:
+    """The noted files that are still the files noted (same inode): one removed and made
+    again since, by whoever, is not the unit's."""
+    kept: set[Path] = set()
+    for path, inode in noted.items():
+        with contextlib.suppress(OSError):
+            if os.lstat(path).st_ino == inode:
+                kept.add(path)
+    return kept
 
 
 def remove_unheld(paths: Iterable[Path], *, shm: Path = SHM, proc: Path = PROC,

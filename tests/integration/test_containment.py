@@ -2,7 +2,9 @@
 groups + markers + subreaper, forced with DYNAMOD_CONTAINMENT=pgroup): a descendant that
 double-forks, leaves its session, clears its environment and ignores SIGTERM is gone after
 its unit exits, after `restart UNIT` and after `down`; the /dev/shm files a killed unit's
-processes held are removed, and one another process holds is kept; a SIGKILLed daemon
+processes held are removed (one its killed main held alone, noted at its readiness; a
+semaphore no one maps, removed by the unit's resource tracker, which dynamod kills last),
+and one another process holds is kept; a SIGKILLed daemon
 leaves nothing; a dead guardian is restarted; a dead run's leftovers are swept by the next
 `down` or `up`."""
 
@@ -147,12 +149,12 @@ def _shm_files(names: Path, instances: int, timeout: float = 10) -> list[dict[st
     deadline = time.monotonic() + timeout
     while True:
         lines = names.read_text().splitlines() if names.exists() else []
-        if len(lines) >= 3 * instances:
+        if len(lines) >= 5 * instances:
             break
         assert time.monotonic() < deadline, f"{instances} instance(s) never wrote {names}"
         time.sleep(0.02)
     pairs = [line.split(" ", 1) for line in lines]
-    return [{k: Path(p) for k, p in pairs[i:i + 3]} for i in range(0, len(pairs), 3)]
+    return [{k: Path(p) for k, p in pairs[i:i + 5]} for i in range(0, len(pairs), 5)]
 
 
 def test_shared_memory_a_killed_units_processes_held_is_removed_and_what_another_holds_kept(
@@ -172,6 +174,12 @@ def test_shared_memory_a_killed_units_processes_held_is_removed_and_what_another
         unit = dm.wait_ready_again("holder", unit["pid"], what="holder restarted after kill")
         assert not first["fd"].exists(), "a file held open by the unit's processes was left"
         assert not first["mapped"].exists(), "a file the unit's processes mapped was left"
+        # held by the killed main process alone: known from the unit's readiness
+        assert not first["main"].exists(), "a file only the killed main process held was left"
+        # held by no one, registered with the unit's resource tracker: it removes it when
+        # it is ended after the rest of the unit (dynamod does not know the file)
+        assert not first["tracked"].exists(), "the resource tracker's semaphore was left"
+        assert str(first["tracked"]) not in (dm.state_dir / "daemon.log").read_text()
         assert first["shared"].exists(), "a file another process holds was removed"
         log = (dm.state_dir / "daemon.log").read_text()
         assert "unit.shm_removed" in log and str(first["fd"]) in log

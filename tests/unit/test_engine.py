@@ -44,6 +44,7 @@ class FakeHost:
     spawn_gate: asyncio.Event | None = None  # set: spawns go through at once
     commands: dict[str, list[list[str]]] = field(default_factory=dict)  # argv per spawn
     ports_taken: set[int] = field(default_factory=set)  # by processes that are not units
+    shm_noted: list[str] = field(default_factory=list)  # units noted at their readiness
     _free_ports: Iterator[int] = field(default_factory=lambda: itertools.count(23000))
     _pids: Iterator[int] = field(default_factory=lambda: itertools.count(1000))
     _on_exit: dict[int, OnExit] = field(default_factory=dict)
@@ -86,6 +87,9 @@ class FakeHost:
             self._signal(child, sig)
             await child.wait()
         return TreeStopped(escalated=False, killed_outside_group=0, survivors=[])
+
+    async def note_shm(self, unit: str, child: Child) -> None:
+        self.shm_noted.append(unit)
 
     def unit_pids(self, unit: str, child: Child) -> set[int]:
         return {child.pid}
@@ -219,6 +223,7 @@ async def test_a_log_line_makes_the_unit_ready(tmp_path: Path) -> None:
         assert run.states("app") == ["starting", "ready"]
         assert unit.detail == "log line matched /listening/: listening on 8000"
         assert unit.ready_at is not None and unit.tracker.total == 0
+        assert run.host.shm_noted == ["app"]  # what it holds in /dev/shm, noted (shmleft)
 
 
 async def test_without_a_probe_the_unit_is_ready_after_min_uptime(tmp_path: Path) -> None:

@@ -62,3 +62,20 @@ def test_another_users_file_is_left(tmp_path: Path) -> None:
                                  owner=os.geteuid() + 1) == []  # fmt: skip
     assert (shm / "theirs").exists()
     assert shmleft.remove_unheld([shm / "theirs"], shm=shm, proc=proc) == [shm / "theirs"]
+
+
+def test_a_noted_file_counts_only_while_it_is_the_same_file(tmp_path: Path) -> None:
+    """What a unit held at its readiness is removed at its stop only if it is still that
+    file: one removed and made again since (by anyone) has another inode and is kept."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    for name in ("kept", "remade"):
+        (shm / name).write_bytes(b"x")
+    noted = shmleft.identities([shm / "kept", shm / "remade", shm / "never"])
+    assert set(noted) == {shm / "kept", shm / "remade"}  # one that does not exist: none
+    (shm / "remade").unlink()
+    (shm / "placeholder").write_bytes(b"x")  # so the new file cannot reuse the inode
+    (shm / "remade").write_bytes(b"y")
+    assert shmleft.same(noted) == {shm / "kept"}
+    (shm / "kept").unlink()
+    assert shmleft.same(noted) == set()
