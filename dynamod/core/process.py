@@ -530,7 +530,7 @@ async def _trackers_last(pids: Iterable[int], kill_wait: float) -> set[int]:
     """SIGKILL `pids` but the Python resource trackers among them; once the rest are gone,
     let the trackers end by themselves (within TRACKER_WAIT): the pids that did.
 
-    A program that uses multiprocessing (vLLM, Ray's workers) registers its named
+    A program that uses multiprocessing's spawn start method (vLLM does) registers its named
     semaphores and shared memory with a tracker process, which ignores SIGTERM and, once
     every other process of the program has closed its pipe, unlinks whatever is left
     registered and exits. A kill -9 of the whole tree takes the tracker too, and what it
@@ -910,7 +910,10 @@ class OsHost:
 
     async def note_shm(self, unit: str, child: Child) -> None:
         def note() -> dict[Path, int]:
-            return shmleft.identities(self._shm_held(self.cgroup(unit), child))
+            try:
+                return shmleft.identities(self._shm_held(self.cgroup(unit), child))
+            except OSError:  # /proc read as processes come and go: nothing noted, as before
+                return {}
 
         self._shm_noted[unit] = await asyncio.to_thread(note)
 

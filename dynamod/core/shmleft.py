@@ -10,11 +10,13 @@ sparse) and a semaphore behind at each kill.
 So before dynamod ends what is left of a unit (`process.OsHost.stop_tree`), it notes the
 /dev/shm files the unit's live processes hold, open or mapped (`held`). It noted them
 once before too, when the unit turned ready (`identities`): a file that only a process
-already dead held (the main process, killed first; a real shard's main holds a named
-semaphore alone) is known from then, as long as it is still the same file (`same`). Once
-the unit's processes are all gone, it removes each of those files that still exists,
-belongs to dynamod's own user and that no live process holds (`remove_unheld`). Standard
-library only; blocking (the daemon calls it in a worker thread).
+already dead held (the main process, killed first) is known from then, as long as it is
+still the same file (`same`). Once the unit's processes are all gone, it removes each of
+those files that still exists, belongs to dynamod's own user and that no live process
+holds (`remove_unheld`). A file no process holds at all is not known here: the semaphore
+a real shard's start leaves registered with Python's resource tracker goes with the
+tracker, which dynamod kills after the rest (`process._trackers_last`). Standard library
+only; blocking (the daemon calls it in a worker thread).
 """
 
 from __future__ import annotations

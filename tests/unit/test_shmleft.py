@@ -73,8 +73,7 @@ def test_a_noted_file_counts_only_while_it_is_the_same_file(tmp_path: Path) -> N
         (shm / name).write_bytes(b"x")
     noted = shmleft.identities([shm / "kept", shm / "remade", shm / "never"])
     assert set(noted) == {shm / "kept", shm / "remade"}  # one that does not exist: none
-    (shm / "remade").unlink()
-    (shm / "placeholder").write_bytes(b"x")  # so the new file cannot reuse the inode
+    (shm / "remade").rename(shm / "old")  # still there: the new file cannot take its inode
     (shm / "remade").write_bytes(b"y")
     assert shmleft.same(noted) == {shm / "kept"}
     (shm / "kept").unlink()
