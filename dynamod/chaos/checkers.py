@@ -335,7 +335,7 @@ def none_paused(history: History, inv: Invariant) -> Verdict:
     """No shard dynamod admits is paused at the end (a pause whose pauser died is one
     nobody else will end), by its engine's own word (the CPU worker's liveness answer) or,
     where the engine does not say (dynamo.vllm), by a 1-token completion pinned to it that
-    it did not answer in time (ChaosStack.ask_shards)."""
+    it did not answer in time (chaos.stack.Stack.ask_shards)."""
     status = history.final_status
     if not status:
         return Verdict(inv.check, False, "no final status was recorded")
