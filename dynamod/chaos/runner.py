@@ -26,7 +26,7 @@ from dynamod.chaos.journal import Activity, Journal, RunStatus, timed
 from dynamod.chaos.load import LoadGenerator
 from dynamod.chaos.model import Probe, Profile, Runbook, Step
 from dynamod.chaos.observer import Observer, states_from_log
-from dynamod.chaos.stack import Stack, served_model_name
+from dynamod.chaos.stack import Stack, served_model
 from dynamod.chaos.timeline import draw
 
 
@@ -280,7 +280,7 @@ class _RunbookRun:
             first_url = self.stack.frontend_url()
             self.load = LoadGenerator(
                 self.runbook.load, lambda: self.observer.frontend_url(first_url),
-                _model_name(self.stack), self.ctx.origin, self.observer.current_version)
+                served_model(self.stack.status()), self.ctx.origin, self.observer.current_version)
             self.load.start()
         return time.monotonic()
 
@@ -389,11 +389,6 @@ class _RunbookRun:
 
 def _performer(ctx: faults.RunContext, step: Step) -> Callable[[], object]:
     return lambda: faults.perform(ctx, step)
-
-
-def _model_name(stack: Stack) -> str:
-    worker = next(u for u in stack.status()["units"] if u["name"].startswith("worker@"))
-    return served_model_name(worker["command"])
 
 
 def _describe(values: dict[str, object]) -> str:

@@ -46,6 +46,12 @@ def served_model_name(command: list[str], default: str = "tiny-cpu") -> str:
     return default
 
 
+def served_model(status: dict[str, Any]) -> str:
+    """The model the stack's shards serve, from its first worker's command line."""
+    worker = next((u for u in status["units"] if u["name"].startswith("worker@")), None)
+    return served_model_name(worker["command"]) if worker else "tiny-cpu"
+
+
 def dead_registrations(keys: list[str], status: dict[str, Any]) -> list[str]:
     """The worker instance keys (`v1/instances/NS/.../generate/ID`) in the stack's own
     Dynamo namespaces that no running unit owns. Another namespace on the same etcd is
@@ -247,11 +253,9 @@ def _frontend(status: dict[str, Any]) -> tuple[str, str] | None:
     """The frontend's URL and the model the shards serve, from the stack's status."""
     units = status.get("units", [])
     front = next((u for u in units if u["name"] == "frontend" and u.get("pid")), None)
-    shard = next((u for u in units if "policy_version" in u), None)
-    if front is None or shard is None or "http" not in (front.get("ports") or {}):
+    if front is None or "http" not in (front.get("ports") or {}):
         return None
-    return (f"http://127.0.0.1:{front['ports']['http']}",
-            served_model_name(shard.get("command") or []))  # fmt: skip
+    return f"http://127.0.0.1:{front['ports']['http']}", served_model(status)
 
 
 def _answers_pinned(frontend: tuple[str, str], unit: dict[str, Any], within: float

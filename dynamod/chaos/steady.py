@@ -10,7 +10,7 @@ import urllib.request
 from typing import Any
 
 from dynamod.chaos.model import Probe
-from dynamod.chaos.stack import Stack, served_model_name
+from dynamod.chaos.stack import Stack, served_model
 from dynamod.core.errors import DaemonError
 
 _SETTLED = {"ready", "completed"}
@@ -25,8 +25,7 @@ def units_ready(stack: Stack) -> tuple[bool, str]:
 def serves(stack: Stack) -> tuple[bool, str]:
     status = stack.status()
     current = (status.get("policy") or {}).get("current")
-    model = next((u for u in status["units"] if u["name"].startswith("worker@")), None)
-    name = served_model_name(model["command"]) if model else "tiny-cpu"
+    name = served_model(status)
     nvext: dict[str, Any] = {"extra_fields": ["engine_data"]}
     if current is not None:
         nvext["routing_constraints"] = {"required_taints": [f"dynamod.policy/{current}"]}
