@@ -642,17 +642,15 @@ def _younger(info: ProcInfo, since: int | None) -> bool:
 
 async def _stop_group(tree: Tree, *, sig: int, timeout: float, kill_wait: float) -> TreeStopped:
     pgid = tree.pgid
-    claimed: list[int] = []  # orphans this stop claimed already (a claim is made once)
-    if sig == signal.SIGKILL:  # at once: the resource trackers after the rest
-        group, claimed = await _members(tree)
-        await _trackers_last(group | set(claimed), kill_wait)
-    _signal_group(pgid, sig)
+    at_once = sig == signal.SIGKILL  # all of it in the kill below, resource trackers last
+    if not at_once:
+        _signal_group(pgid, sig)
     group, strays = await _members(tree)
-    strays = sorted(set(strays) | set(claimed))
-    for pid in strays:
-        _signal_pid(pid, sig)
+    if not at_once:
+        for pid in strays:
+            _signal_pid(pid, sig)
     targets = group | set(strays) | {pgid}
-    left = await wait_gone(targets, timeout)
+    left = await wait_gone(targets, 0 if at_once else timeout)
     escalated = False
     killed: list[int] = []
     # Re-scan: a process may have forked while we waited. What the /proc pass saw may
