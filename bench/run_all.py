@@ -51,6 +51,7 @@ BENCHMARKS = [
     "publish_scale",
     "publish_nodes",
     "real_engine",
+    "shm_note",
 ]
 
 

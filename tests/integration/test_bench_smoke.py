@@ -24,6 +24,7 @@ import pytest
 from bench import fleet_sched, procs
 from bench.goodput import QUICK_RUN_S
 from bench.run_all import BENCHMARKS
+from dynamod.core import cgroups
 from tests.conftest import ROOT, extra_venv
 
 pytestmark = pytest.mark.slow
@@ -236,6 +237,19 @@ def check_fleet(result: dict[str, Any]) -> None:
     assert "heartbeat" in fleet["cut"]["why"] or "lease expired" in fleet["cut"]["why"], fleet
 
 
+def check_shm_note(result: dict[str, Any]) -> None:
+    # every way found the unit's 4 processes (its main and 3 children) and its one file
+    # (the benchmark refuses a note that found another), each part timed
+    rows = result["data"]["rows"]
+    assert {r["way"] for r in rows} >= {"process group"}, rows
+    base, _ = cgroups.own_cgroup_dir()
+    if base is not None and os.access(base, os.W_OK):  # where dynamod would use cgroups
+        assert {r["way"] for r in rows} == {"cgroup", "process group"}, rows
+    for row in rows:
+        assert row["processes"] == 4 and row["maps_lines"] > 0, row
+        assert all(ms > 0 for ms in row["note_ms"] + row["read_ms"]), row
+
+
 CHECKS = {
     "detect": check_detect,
     "down": check_down,
@@ -245,6 +259,7 @@ CHECKS = {
     "outages": check_outages,
     "goodput": check_goodput,
     "fleet": check_fleet,
+    "shm_note": check_shm_note,
 }
 
 
