@@ -8,23 +8,28 @@ file only a main process killed first held is still removed at the unit's stop
 two parts, each timed here as the daemon runs them (`OsHost._shm_held`, then
 `shmleft.identities`), in CPU ms of the calling thread:
 
-- finding the unit's processes: with cgroups, its cgroup's `cgroup.procs`; without, one
-  pass over /proc for its process group (a read of every process's stat);
+- finding the unit's processes: with cgroups, its cgroup's `cgroup.procs`; without, its
+  process group looked for in dynamod's own process tree (`process._group_pids`), beside
+  the way before 2026-12-08 in the same run, one pass over the whole of /proc;
 - reading each of them: its open files and its memory map.
 
-The unit: a Python process that imported torch (the size of a real shard's maps matters
-more than its count of files) holding one /dev/shm file open and mapped, with CHILDREN
-children of its own (`sleep`), in a process group of its own and, where this host gives
-a writable cgroup v2, in a cgroup of its own. Each row runs with the host as it is and
-with CROWD extra idle processes (started by this benchmark in a process group of its own,
-ended by it), since the /proc pass grows with the host's process table.
+The timing runs in a stand-in for the daemon (this script again, `--stand-in`): the unit
+is its child as a unit is the daemon's, beside OTHERS idle processes of its own (the node's
+other units), while CROWD idle processes run elsewhere on the host (this script's own, in a
+process group of their own, ended by it). The unit: a Python process that imported torch
+(the size of a real shard's maps matters more than its count of files) holding one
+/dev/shm file open and mapped, with THREADS idle threads and CHILDREN children (`sleep`),
+in a process group of its own and, where this host gives a writable cgroup v2, in a
+cgroup of its own.
 
 --quick (the suite's smoke run): 3 rounds, no crowd.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -36,22 +41,27 @@ from pathlib import Path
 from typing import Any
 
 from bench.detect import crowd, host_processes
+from bench.procs import ROOT
 from bench.report import Report, Table, emit, entry, options, summary
-from dynamod.core import cgroups, shmleft
+from dynamod.core import cgroups, proctable, shmleft
 from dynamod.core.process import OsHost, _group_pids
 
 CROWD = 1000
 CHILDREN = 3
+THREADS = 32
+OTHERS = 96  # the rest of a node of 32 shards, 3 processes each
 ROUNDS = 25
 
 UNIT = """
-import mmap, os, subprocess, sys, time
+import mmap, os, subprocess, sys, threading, time
 import torch  # noqa: F401  (a real shard's map size)
 path = sys.argv[1]
 fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
 os.ftruncate(fd, 4096)
 held = mmap.mmap(fd, 4096)
 kids = [subprocess.Popen(["sleep", "infinity"]) for _ in range(int(sys.argv[2]))]
+for _ in range(int(sys.argv[3])):  # an engine's process runs many threads
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -63,7 +73,7 @@ class Unit:
     def __init__(self, cgroup: Path | None) -> None:
         self.shm = Path(f"/dev/shm/dynamod-bench-{uuid.uuid4().hex[:8]}")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", UNIT, str(self.shm), str(CHILDREN)],
+            [sys.executable, "-c", UNIT, str(self.shm), str(CHILDREN), str(THREADS)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -128,6 +138,12 @@ def cpu_ms(work: Callable[[], Any], rounds: int) -> tuple[list[float], Any]:
     return samples, found
 
 
+def whole_proc_pass(pgid: int) -> set[int]:
+    """The process group's members as `_group_pids` found them before 2026-12-08: every
+    process's stat read."""
+    return {pid for pid, info in proctable.snapshot().items() if info.pgid == pgid}
+
+
 def measure(unit: Unit, cgroup: Path | None, rounds: int) -> dict[str, Any]:
     """The note's parts, in CPU ms per note, for the unit found through `cgroup` (None: its
     process group); what it found must be the unit's one file, or the timing means nothing."""
@@ -141,65 +157,100 @@ def measure(unit: Unit, cgroup: Path | None, rounds: int) -> dict[str, Any]:
     def find() -> set[int]:
         return set(cgroups.procs(cgroup)) if cgroup is not None else _group_pids(unit.pid)
 
-    def read() -> set[Path]:
-        return shmleft.held(pids)
-
     pids = find()
     whole, noted = cpu_ms(note, rounds)
     if set(noted) != {unit.shm}:
         raise RuntimeError(f"the note found {sorted(map(str, noted))}, not {unit.shm}")
-    found_ms, _ = cpu_ms(find, rounds)
-    read_ms, _ = cpu_ms(read, rounds)
-    return {
+    row: dict[str, Any] = {
+        "way": "cgroup" if cgroup is not None else "process group",
         "processes": len(pids),
+        "maps_lines": unit.maps_lines(),
         "host_processes": host_processes(),
+        "tree_processes": len(proctable.descendants(os.getpid())),
         "note_ms": whole,
-        "find_ms": found_ms,
-        "read_ms": read_ms,
+        "find_ms": cpu_ms(find, rounds)[0],
+        "read_ms": cpu_ms(lambda: shmleft.held(pids), rounds)[0],
     }
+    if cgroup is None:
+        old_ms, old = cpu_ms(lambda: whole_proc_pass(unit.pid), rounds)
+        if old != pids:
+            raise RuntimeError(f"dynamod's tree found {sorted(pids)}, /proc {sorted(old)}")
+        row["whole_proc_ms"] = old_ms
+    return row
+
+
+def stand_in(cgroup_root: Path | None, rounds: int, others: int) -> list[dict[str, Any]]:
+    """The daemon's side: `others` processes of its own, then the unit each way, timed."""
+    rows = []
+    with crowd(others):
+        ways = [root / "unit" for root in [cgroup_root] if root is not None] + [None]
+        for cgroup in ways:
+            with unit_in(cgroup) as unit:
+                rows.append(measure(unit, cgroup, rounds))
+    return rows
+
+
+def run_stand_in(cgroup_root: Path | None, rounds: int, others: int) -> list[dict[str, Any]]:
+    argv = [sys.executable, "-m", "bench.shm_note", "--stand-in", str(cgroup_root or "-"),
+            "--rounds", str(rounds), "--others", str(others)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the stand-in ended with status {done.returncode}: "
+                           f"{done.stderr.strip()[-600:]}")
+    rows: list[dict[str, Any]] = json.loads(done.stdout)
+    return rows
+
+
+def cell(samples: list[float] | None) -> str:
+    if not samples:
+        return "-"
+    stats = summary(samples)
+    return f"{stats['median']:.2f} ({stats['p95']:.2f})"
 
 
 @entry
 def main() -> None:
-    args = options(__doc__.splitlines()[0].split(" - ", 1)[1]).parse_args()
+    parser = options(__doc__.splitlines()[0].split(" - ", 1)[1])
+    parser.add_argument("--stand-in", help=argparse.SUPPRESS)  # the daemon's side: its cgroup
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=argparse.SUPPRESS)
+    parser.add_argument("--others", type=int, default=OTHERS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.stand_in is not None:
+        root = None if args.stand_in == "-" else Path(args.stand_in)
+        print(json.dumps(stand_in(root, args.rounds, args.others)))
+        return
     rounds = 3 if args.quick else ROUNDS
     loads = (0,) if args.quick else (0, CROWD)
     report = Report("shm_note", "The /dev/shm note at a unit's readiness", args.quick)
     rows: list[dict[str, Any]] = []
     with stack_cgroup() as root:
-        ways: list[tuple[str, Path | None]] = [("process group", None)]
-        if root is not None:
-            ways.insert(0, ("cgroup", root / "unit"))
-        else:
+        if root is None:
             report.notes.append("no writable cgroup v2 here: the process-group way alone")
         for extra in loads:
             with crowd(extra):
-                for way, cgroup in ways:
-                    with unit_in(cgroup) as unit:
-                        row = measure(unit, cgroup, rounds)
-                        row.update(way=way, extra=extra, maps_lines=unit.maps_lines())
-                        rows.append(row)
+                for row in run_stand_in(root, rounds, OTHERS):
+                    rows.append(row | {"extra": extra})
     table = Table(
         f"CPU ms per note, median of {rounds} (p95 in brackets)",
-        ["found by", "host processes", "unit's processes", "its main's maps lines",
-         "the note", "finding them", "reading them"],
+        ["found by", "host processes", "dynamod's tree", "unit's processes",
+         "its main's maps lines", "the note", "finding them",
+         "finding them, a pass over /proc (before)", "reading them"],
         digits=2,
     )
     for row in rows:
-        cells = []
-        for key in ("note_ms", "find_ms", "read_ms"):
-            stats = summary(row[key])
-            cells.append(f"{stats['median']:.2f} ({stats['p95']:.2f})")
         table.rows.append(
-            [row["way"], row["host_processes"], row["processes"], row["maps_lines"], *cells]
+            [row["way"], row["host_processes"], row["tree_processes"], row["processes"],
+             row["maps_lines"], cell(row["note_ms"]), cell(row["find_ms"]),
+             cell(row.get("whole_proc_ms")), cell(row["read_ms"])]
         )
     report.tables.append(table)
     report.notes += [
         "The note runs once per readiness, on a worker thread (asyncio.to_thread), not on "
         "the daemon's loop; 'the note' is both parts and a stat of each file found.",
         f"The unit: a Python process that imported torch, holding one /dev/shm file open and "
-        f"mapped, with {CHILDREN} `sleep` children; the crowd: {CROWD} idle `sleep` processes "
-        "(quick: no crowd).",
+        f"mapped, with {CHILDREN} `sleep` children and {THREADS} idle threads, beside "
+        f"{OTHERS} other processes in the stand-in daemon's tree; the crowd elsewhere on "
+        f"the host: {CROWD} idle `sleep` processes (quick: no crowd).",
     ]
     report.data["rows"] = rows
     emit(report, args.json)

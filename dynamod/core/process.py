@@ -43,6 +43,7 @@ from dynamod.core.proctable import (
     ProcInfo,
     children_of,
     descendants,
+    group_below,
     is_zombie,
     marked_pids,
     start_time,
@@ -632,8 +633,11 @@ def _pgid(pid: int) -> int | None:
 
 
 def _group_pids(pgid: int) -> set[int]:
-    """The processes of process group `pgid` now (one pass over /proc)."""
-    return {pid for pid, info in proctable.snapshot().items() if info.pgid == pgid}
+    """The processes of the unit's process group `pgid` now: its leader and the orphans
+    dynamod (the subreaper) took in, and theirs (`proctable.group_below`). The cost is the
+    unit's tree, not the host's process table (a pass over all of /proc, as before
+    2026-12-08, took 18 ms with 1,000 other processes; bench.shm_note)."""
+    return group_below(pgid, os.getpid())
 
 
 def _younger(info: ProcInfo, since: int | None) -> bool:

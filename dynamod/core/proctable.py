@@ -167,3 +167,19 @@ def descendants(root: int) -> dict[int, ProcInfo]:
                 found[pid] = info
                 todo.append(pid)
     return found
+
+
+def group_below(pgid: int, adopter: int) -> set[int]:
+    """The live processes of process group `pgid`, whose leader is a child of `adopter`, a
+    child subreaper: the adopter's children in the group (the leader, and the orphans it
+    left, which the adopter took in) and every process below them in the group, through
+    the per-thread child lists. The cost is the group's tree and the adopter's children,
+    not the host's process table. A member below a process that left the group and was
+    then orphaned is not found (nothing of a unit does that; the stop's scan still walks
+    the adopter's whole tree)."""
+    roots = {pid for pid, info in children(adopter).items() if info.pgid == pgid}
+    found = set(roots)
+    for root in roots:
+        found |= {pid for pid, info in descendants(root).items() if info.pgid == pgid}
+    return found
+

@@ -248,6 +248,9 @@ def check_shm_note(result: dict[str, Any]) -> None:
     for row in rows:
         assert row["processes"] == 4 and row["maps_lines"] > 0, row
         assert all(ms > 0 for ms in row["note_ms"] + row["read_ms"]), row
+        # the group through dynamod's tree, beside the pass over /proc that found the same
+        assert ("whole_proc_ms" in row) == (row["way"] == "process group"), row
+        assert row["tree_processes"] >= row["processes"], row
 
 
 CHECKS = {
