@@ -13,6 +13,9 @@ two parts, each timed here as the daemon runs them (`OsHost._shm_held`, then
   the way before 2026-12-08 in the same run, one pass over the whole of /proc;
 - reading each of them: its open files and its memory map.
 
+Beside them, what the stop of a unit that held files adds: whether any process on the host
+still holds them (`shmleft.remove_unheld`: every process's open files and maps read).
+
 The timing runs in a stand-in for the daemon (this script again, `--stand-in`): the unit
 is its child as a unit is the daemon's, beside OTHERS idle processes of its own (the node's
 other units), while CROWD idle processes run elsewhere on the host (this script's own, in a
@@ -170,6 +173,8 @@ def measure(unit: Unit, cgroup: Path | None, rounds: int) -> dict[str, Any]:
         "note_ms": whole,
         "find_ms": cpu_ms(find, rounds)[0],
         "read_ms": cpu_ms(lambda: shmleft.held(pids), rounds)[0],
+        # at the stop, before a noted file is removed: does any process on the host hold it
+        "anyone_ms": cpu_ms(lambda: shmleft.held(proctable.proc_pids()), rounds)[0],
     }
     if cgroup is None:
         old_ms, old = cpu_ms(lambda: whole_proc_pass(unit.pid), rounds)
@@ -234,19 +239,24 @@ def main() -> None:
         f"CPU ms per note, median of {rounds} (p95 in brackets)",
         ["found by", "host processes", "dynamod's tree", "unit's processes",
          "its main's maps lines", "the note", "finding them",
-         "finding them, a pass over /proc (before)", "reading them"],
+         "finding them, a pass over /proc (before)", "reading them",
+         "the stop's look: held by anyone?"],
         digits=2,
     )
     for row in rows:
         table.rows.append(
             [row["way"], row["host_processes"], row["tree_processes"], row["processes"],
              row["maps_lines"], cell(row["note_ms"]), cell(row["find_ms"]),
-             cell(row.get("whole_proc_ms")), cell(row["read_ms"])]
+             cell(row.get("whole_proc_ms")), cell(row["read_ms"]), cell(row["anyone_ms"])]
         )
     report.tables.append(table)
     report.notes += [
         "The note runs once per readiness, on a worker thread (asyncio.to_thread), not on "
         "the daemon's loop; 'the note' is both parts and a stat of each file found.",
+        "'The stop's look': once a stopped unit's processes are gone, whether any process on "
+        "the host still holds the files it held (every process's open files and maps read), "
+        "before they are removed; only at the stop of a unit that held any, on a worker "
+        "thread.",
         f"The unit: a Python process that imported torch, holding one /dev/shm file open and "
         f"mapped, with {CHILDREN} `sleep` children and {THREADS} idle threads, beside "
         f"{OTHERS} other processes in the stand-in daemon's tree; the crowd elsewhere on "
