@@ -182,4 +182,3 @@ def group_below(pgid: int, adopter: int) -> set[int]:
     for root in roots:
         found |= {pid for pid, info in descendants(root).items() if info.pgid == pgid}
     return found
-

@@ -112,7 +112,7 @@ full_before = {p for p, i in proctable.snapshot().items() if i.pgid == leader.pi
 leader_alive = leader.pid in before
 os.kill(leader.pid, 9)
 leader.wait()
-deadline = time.monotonic() + 5
+deadline, kids = time.monotonic() + 5, {}
 while time.monotonic() < deadline:  # the orphans re-parented to us
     kids = proctable.children(os.getpid())
     if len(kids) >= 4:
@@ -128,6 +128,11 @@ os.killpg(leader.pid, 9)
 other.kill()
 for pid in proctable.descendants(os.getpid()):
     os.kill(pid, 9)
+while True:  # every one reaped here, none left to whoever adopts them next
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
 """
 
 
