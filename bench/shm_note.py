@@ -9,8 +9,9 @@ two parts, each timed here as the daemon runs them (`OsHost._shm_held`, then
 `shmleft.identities`), in CPU ms of the calling thread:
 
 - finding the unit's processes: with cgroups, its cgroup's `cgroup.procs`; without, its
-  process group looked for in dynamod's own process tree (`process._group_pids`), beside
-  the way before 2026-12-08 in the same run, one pass over the whole of /proc;
+  process group, looked for below its leader and among the daemon's children
+  (`process._group_pids`), beside the way before 2026-12-08 in the same run, one pass
+  over the whole of /proc;
 - reading each of them: its open files and its memory map.
 
 Beside them, what the stop of a unit that held files adds: whether any process on the host
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.detect import crowd, host_processes
-from bench.procs import ROOT
+from bench.procs import ROOT, bench_mark
 from bench.report import Report, Table, emit, entry, options, summary
 from dynamod.core import cgroups, proctable, shmleft
 from dynamod.core.process import OsHost, _group_pids
@@ -84,16 +85,24 @@ class Unit:
         )
         self.pid = self.proc.pid
         self.cgroup = cgroup
-        if cgroup is not None:
-            cgroups.make(cgroup)
-            (cgroup / "cgroup.procs").write_text(str(self.pid))
+        try:
+            self._started()
+        except BaseException:
+            self.close()
+            raise
+
+    def _started(self) -> None:
+        """Into its cgroup, then until it says ready; its children must have followed."""
+        if self.cgroup is not None:
+            cgroups.make(self.cgroup)
+            (self.cgroup / "cgroup.procs").write_text(str(self.pid))
         assert self.proc.stdout is not None
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the unit (pid {self.pid}) did not start: {self.proc.poll()}")
-        if cgroup is not None:  # its children were forked inside it; the check is ours
-            missing = {self.pid, *self.children()} - set(cgroups.procs(cgroup))
+        if self.cgroup is not None:  # forked before it was moved, they would be outside
+            missing = {self.pid, *self.children()} - set(cgroups.procs(self.cgroup))
             if missing:
-                raise RuntimeError(f"{cgroup} lacks the unit's processes {sorted(missing)}")
+                raise RuntimeError(f"{self.cgroup} lacks the unit's processes {sorted(missing)}")
 
     def children(self) -> list[int]:
         text = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text()
@@ -224,6 +233,7 @@ def main() -> None:
         root = None if args.stand_in == "-" else Path(args.stand_in)
         print(json.dumps(stand_in(root, args.rounds, args.others)))
         return
+    bench_mark()  # what this run starts is swept at its end, even on SIGTERM
     rounds = 3 if args.quick else ROUNDS
     loads = (0,) if args.quick else (0, CROWD)
     report = Report("shm_note", "The /dev/shm note at a unit's readiness", args.quick)
