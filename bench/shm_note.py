@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.detect import crowd, host_processes
-from bench.procs import ROOT, bench_mark
+from bench.procs import MARK, ROOT, bench_mark, exit_on_signals
 from bench.report import Report, Table, emit, entry, options, summary
 from dynamod.core import cgroups, proctable, shmleft
 from dynamod.core.process import OsHost, _group_pids
@@ -55,6 +56,8 @@ CHILDREN = 3
 THREADS = 32
 OTHERS = 96  # the rest of a node of 32 shards, 3 processes each
 ROUNDS = 25
+SHM = Path("/dev/shm")
+PR_SET_PDEATHSIG = 1
 
 UNIT = """
 import mmap, os, subprocess, sys, threading, time
@@ -71,11 +74,28 @@ sys.stdin.read()
 """
 
 
+def shm_prefix() -> str:
+    """The units' /dev/shm files are named for this run, so its end finds any left."""
+    return f"dynamod-bench-{os.environ[MARK]}-"
+
+
+def remove_left_files() -> None:
+    for path in SHM.glob(f"{shm_prefix()}*"):
+        path.unlink(missing_ok=True)
+
+
+def die_with_parent() -> None:
+    """The stand-in gets SIGTERM when the benchmark ends, however it ends, and so ends its
+    units and processes in its own `finally` clauses."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    exit_on_signals()
+
+
 class Unit:
     """The unit's main process, its group and (where one could be made) its cgroup."""
 
     def __init__(self, cgroup: Path | None) -> None:
-        self.shm = Path(f"/dev/shm/dynamod-bench-{uuid.uuid4().hex[:8]}")
+        self.shm = SHM / f"{shm_prefix()}{uuid.uuid4().hex[:8]}"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", UNIT, str(self.shm), str(CHILDREN), str(THREADS)],
             stdin=subprocess.PIPE,
@@ -230,6 +250,7 @@ def main() -> None:
     parser.add_argument("--others", type=int, default=OTHERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stand_in is not None:
+        die_with_parent()
         root = None if args.stand_in == "-" else Path(args.stand_in)
         print(json.dumps(stand_in(root, args.rounds, args.others)))
         return
@@ -241,10 +262,13 @@ def main() -> None:
     with stack_cgroup() as root:
         if root is None:
             report.notes.append("no writable cgroup v2 here: the process-group way alone")
-        for extra in loads:
-            with crowd(extra):
-                for row in run_stand_in(root, rounds, OTHERS):
-                    rows.append(row | {"extra": extra})
+        try:
+            for extra in loads:
+                with crowd(extra):
+                    for row in run_stand_in(root, rounds, OTHERS):
+                        rows.append(row | {"extra": extra})
+        finally:
+            remove_left_files()  # a unit's, where its stand-in was killed before its end
     table = Table(
         f"CPU ms per note, median of {rounds} (p95 in brackets)",
         ["found by", "host processes", "dynamod's tree", "unit's processes",
