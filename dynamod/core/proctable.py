@@ -174,9 +174,9 @@ def group_below(pgid: int, adopter: int) -> set[int]:
     child subreaper: the adopter's children in the group (the leader, and the orphans it
     left, which the adopter took in) and every process below them in the group, through
     the per-thread child lists. The cost is the group's tree and the adopter's children,
-    not the host's process table. A member below a process that left the group and was
-    then orphaned is not found (nothing of a unit does that; the stop's scan still walks
-    the adopter's whole tree)."""
+    not the host's process table. A member below a process that forked it, then left the
+    group and was then orphaned is not found (no unit we run does that; the stop's scan
+    still walks the adopter's whole tree)."""
     roots = {pid for pid, info in children(adopter).items() if info.pgid == pgid}
     found = set(roots)
     for root in roots:
