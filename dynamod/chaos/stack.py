@@ -122,7 +122,7 @@ class Stack:
         return int(unit["pid"])
 
     def frontend_url(self) -> str:
-        return f"http://127.0.0.1:{self.unit('frontend')['ports']['http']}"
+        return _frontend_url(self.unit("frontend"))
 
     def model_dir(self) -> Path:
         """The served model's directory, from a shard's command line: our CPU worker's
@@ -255,7 +255,12 @@ def _frontend(status: dict[str, Any]) -> tuple[str, str] | None:
     front = next((u for u in units if u["name"] == "frontend" and u.get("pid")), None)
     if front is None or "http" not in (front.get("ports") or {}):
         return None
-    return f"http://127.0.0.1:{front['ports']['http']}", served_model(status)
+    return _frontend_url(front), served_model(status)
+
+
+def _frontend_url(frontend: dict[str, Any]) -> str:
+    """The frontend's HTTP URL on loopback, from its status row."""
+    return f"http://127.0.0.1:{frontend['ports']['http']}"
 
 
 def _answers_pinned(frontend: tuple[str, str], unit: dict[str, Any], within: float
